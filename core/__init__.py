@@ -1,0 +1,53 @@
+"""servelab: an LLM serving engine whose every policy is a plugin.
+
+    from servelab import LLM, SamplingParams
+    llm = LLM("builtin:tiny-random")
+    print(llm.generate("The", SamplingParams(max_tokens=8, temperature=0))[0].text)
+
+Importing `servelab` stays light (no torch) so plugin discovery is cheap; `LLM` and
+`LLMEngine` load the heavy modules on first use.
+"""
+
+from servelab.config import EngineConfig
+from servelab.errors import CheckpointError, ConfigError, PluginError, RequestError, ServelabError
+from servelab.hookspecs import hookimpl
+from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepReport
+from servelab.plugin_types import AllocatorPlugin, AttentionPlugin, DrafterPlugin, SchedulerPlugin
+from servelab.registry import PluginRegistry
+from servelab.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "AllocatorPlugin",
+    "AttentionPlugin",
+    "CheckpointError",
+    "CompletionOutput",
+    "ConfigError",
+    "DrafterPlugin",
+    "EngineConfig",
+    "PluginError",
+    "PluginRegistry",
+    "RequestError",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerPlugin",
+    "ServelabError",
+    "StepReport",
+    "hookimpl",
+]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from servelab.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from servelab.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'servelab' has no attribute {name!r}")

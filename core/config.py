@@ -1,0 +1,235 @@
+"""Engine configuration: a TOML file (or the same as a dict) selecting a model and one
+policy of each kind by name, with `section.key=value` overrides.
+
+    [engine]
+    model = "builtin:tiny-random"
+    max_num_seqs = 64
+
+    [allocator]
+    name = "paged"
+
+    [scheduler]
+    name = "continuous"
+
+    [attention]
+    name = "torch-paged"
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from servelab.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_MODEL = "builtin:tiny-random"
+DTYPES = ("float32", "bfloat16", "float16")
+POLICY_SECTIONS = ("allocator", "scheduler", "drafter", "attention")
+DEFAULT_POLICIES = {"allocator": "paged", "scheduler": "continuous", "attention": "torch-paged"}
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string like "512MiB" / "1.5GB"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"[engine] kv_cache_memory must be bytes or a size like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _MEMORY_UNITS:
+        raise ConfigError(f"[engine] kv_cache_memory must be bytes or a size like '512MiB', got {value!r}")
+    return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"[engine] {attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class EngineSection:
+    """The `[engine]` section."""
+
+    model: str = DEFAULT_MODEL  # checkpoint directory, or "builtin:<name>"
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = attrs.field(default=None, validator=_positive)  # default: min(model's, 2048)
+    max_num_seqs: int = attrs.field(default=64, validator=_positive)
+    max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive)  # default: max(2048, max_model_len)
+    block_size: int = attrs.field(default=16, validator=_positive)
+    kv_cache_memory: int = attrs.field(default=512 * 2**20, converter=parse_memory)
+    num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)  # overrides kv_cache_memory
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"[engine] dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"[engine] model must be a checkpoint path or builtin:<name>, got {self.model!r}")
+
+
+@attrs.frozen
+class PolicySection:
+    """A `[allocator]` / `[scheduler]` / `[drafter]` / `[attention]` section."""
+
+    name: str
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """The whole configuration. Build with `from_toml`, `from_dict` or `load`."""
+
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    allocator: PolicySection = attrs.field(factory=lambda: PolicySection(DEFAULT_POLICIES["allocator"]))
+    scheduler: PolicySection = attrs.field(factory=lambda: PolicySection(DEFAULT_POLICIES["scheduler"]))
+    attention: PolicySection = attrs.field(factory=lambda: PolicySection(DEFAULT_POLICIES["attention"]))
+    drafter: PolicySection | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config must be a table of sections, got {type(data).__name__}")
+        unknown = set(data) - {"engine", *POLICY_SECTIONS}
+        if unknown:
+            raise ConfigError(
+                f"unknown config section(s) {', '.join(sorted(map(repr, unknown)))}; "
+                f"valid sections: engine, {', '.join(POLICY_SECTIONS)}"
+            )
+        kwargs: dict[str, Any] = {"engine": _engine_section(data.get("engine", {}))}
+        for section in POLICY_SECTIONS:
+            if section in data:
+                kwargs[section] = _policy_section(section, data[section])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "EngineConfig":
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, config: "EngineConfig | Mapping[str, Any] | str | Path | None") -> "EngineConfig":
+        """Accept an EngineConfig, a dict, a TOML path, or None (defaults)."""
+        if config is None:
+            return cls()
+        if isinstance(config, EngineConfig):
+            return config
+        if isinstance(config, Mapping):
+            return cls.from_dict(config)
+        if isinstance(config, (str, Path)):
+            return cls.from_toml(config)
+        raise ConfigError(f"config must be a path, dict or EngineConfig, got {type(config).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"engine": attrs.asdict(self.engine)}
+        for section in POLICY_SECTIONS:
+            policy = getattr(self, section)
+            if policy is not None:
+                data[section] = {"name": policy.name, **policy.options}
+        return data
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "EngineConfig":
+        """Apply {"section.key": value} (or {"key": value} for [engine]) overrides."""
+        data = self.to_dict()
+        for dotted, value in overrides.items():
+            section, _, key = dotted.rpartition(".")
+            section = section or "engine"
+            if section not in ("engine", *POLICY_SECTIONS):
+                raise ConfigError(
+                    f"override {dotted!r} names unknown section {section!r}; "
+                    f"valid sections: engine, {', '.join(POLICY_SECTIONS)}"
+                )
+            if section != "engine" and section not in data and key != "name":
+                raise ConfigError(f"override {dotted!r}: set {section}.name first to choose a {section}")
+            data.setdefault(section, {})[key] = value
+        return EngineConfig.from_dict(data)
+
+    def with_set_options(self, assignments: list[str]) -> "EngineConfig":
+        """Apply command-line `section.key=value` strings (values parsed as TOML)."""
+        return self.with_overrides(dict(parse_assignment(a) for a in assignments))
+
+
+def parse_assignment(assignment: str) -> tuple[str, Any]:
+    """'engine.max_num_seqs=8' -> ('engine.max_num_seqs', 8); non-TOML values stay strings."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects section.key=value, got {assignment!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.strip(), value
+
+
+def _engine_section(data: Any) -> EngineSection:
+    if not isinstance(data, Mapping):
+        raise ConfigError("[engine] must be a table")
+    valid = [f.name for f in attrs.fields(EngineSection)]
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown key [engine] {unknown[0]!r}; valid keys: {', '.join(valid)}")
+    types = {"model": str, "dtype": str, "device": str, "seed": int}
+    for key, expected in types.items():
+        if key in data and (not isinstance(data[key], expected) or isinstance(data[key], bool)):
+            raise ConfigError(f"[engine] {key} must be a {expected.__name__}, got {data[key]!r}")
+    return EngineSection(**data)
+
+
+def _policy_section(section: str, data: Any) -> PolicySection:
+    if isinstance(data, str):
+        return PolicySection(data)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"[{section}] must be a table with a name")
+    options = dict(data)
+    name = options.pop("name", None)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"[{section}] needs name = \"...\" naming the {section} to use")
+    return PolicySection(name, options)
+
+
+def build_options(options_class: type, values: Mapping[str, Any], section: str, policy: str) -> Any:
+    """Instantiate a plugin's attrs options class from config values, naming bad keys."""
+    fields = attrs.fields(options_class)
+    try:
+        attrs.resolve_types(options_class)
+    except Exception:  # unresolvable annotations: fall back to the class's own validators
+        pass
+    valid = [f.name for f in fields]
+    for key, value in values.items():
+        if key not in valid:
+            listing = ", ".join(valid) if valid else "none"
+            raise ConfigError(f"unknown option [{section}] {key!r} for {section} {policy!r}; valid options: {listing}")
+        expected = next(f.type for f in fields if f.name == key)
+        if expected in (int, float, str, bool) and not _is_instance(value, expected):
+            raise ConfigError(f"[{section}] {key} must be a {expected.__name__}, got {value!r}")
+    try:
+        return options_class(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[{section}] invalid options for {section} {policy!r}: {exc}") from None
+
+
+def _is_instance(value: Any, expected: type) -> bool:
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, expected) and not isinstance(value, bool)

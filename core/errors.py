@@ -1,0 +1,21 @@
+"""Exceptions servelab raises for bad input. Each message names the offending thing."""
+
+
+class ServelabError(Exception):
+    """Base class of every error servelab raises on purpose."""
+
+
+class ConfigError(ServelabError, ValueError):
+    """A config file, dict or override is invalid (the message names the key)."""
+
+
+class PluginError(ServelabError):
+    """A plugin is unknown, duplicated, or failed to load."""
+
+
+class CheckpointError(ServelabError):
+    """A checkpoint directory is missing files or holds an unsupported architecture."""
+
+
+class RequestError(ServelabError, ValueError):
+    """A request is invalid (prompt too long, bad sampling parameters)."""

@@ -1,0 +1,227 @@
+"""The policy contracts: what an allocator, scheduler, drafter and attention backend
+must provide, and the frozen records the engine's stages hand each other.
+
+Plugins import from here (and from `servelab`), never from other core modules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence as Seq, runtime_checkable
+
+import attrs
+
+from servelab.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # torch stays out of imports that plugin discovery triggers
+    import torch
+
+__all__ = [
+    "AllocatorContext",
+    "AllocatorStats",
+    "AttentionBackend",
+    "AttentionContext",
+    "AttentionMetadata",
+    "Drafter",
+    "DrafterContext",
+    "KVAllocator",
+    "Scheduler",
+    "SchedulerContext",
+    "SchedulerStats",
+    "Sequence",
+    "SequenceStatus",
+    "StepPlan",
+]
+
+
+# ---------------------------------------------------------------- KV allocation
+
+
+@attrs.frozen
+class AllocatorContext:
+    """What the engine tells an allocator factory about the KV cache it manages."""
+
+    num_blocks: int  # physical blocks in the runner's cache
+    block_size: int  # token slots per block
+    max_model_len: int  # longest sequence the engine admits
+
+
+@attrs.frozen
+class AllocatorStats:
+    """The same numbers from every allocator, in blocks and token slots."""
+
+    num_blocks: int
+    num_used_blocks: int  # held by at least one sequence (or reserved for one)
+    num_free_blocks: int  # allocatable right now
+    num_cached_blocks: int = 0  # unreferenced but kept for prefix reuse
+    num_token_slots_used: int = 0  # slots holding a token's K/V
+    num_token_slots_reserved_empty: int = 0  # reserved for a sequence, no token yet
+    prefix_hit_tokens: int = 0
+    prefix_lookup_tokens: int = 0
+
+
+@runtime_checkable
+class KVAllocator(Protocol):
+    """Bookkeeping of physical KV block ids per sequence. The runner owns the tensors.
+
+    Every allocation is a block table: the logical block i of a sequence lives in
+    physical block `block_table(seq_id)[i]`, so one attention path reads any allocator.
+    """
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        """Make room for token positions [0, num_tokens) of `seq_id`.
+
+        Returns False, changing nothing, when there is not enough free memory.
+        """
+
+    def free(self, seq_id: str) -> None:
+        """Release everything `seq_id` holds; unknown ids are a no-op."""
+
+    def block_table(self, seq_id: str) -> Seq[int]:
+        """Physical block ids of `seq_id`, in logical order."""
+
+    def stats(self) -> AllocatorStats:
+        """Current usage."""
+
+
+# ---------------------------------------------------------------- scheduling
+
+
+@attrs.frozen
+class SchedulerContext:
+    """What a scheduler factory receives: the allocator it must ask for room, and the
+    engine limits it must never exceed."""
+
+    allocator: KVAllocator
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    clock: Any  # callable returning seconds (time.perf_counter unless a test swaps it)
+
+
+@attrs.frozen
+class StepPlan:
+    """One step's work: how many new tokens each scheduled sequence processes.
+
+    A prompt (or prompt chunk), one decode token and a recompute after preemption all
+    have this same shape; there are no phases.
+    """
+
+    # Sequences to run, in batch order, with the number of their not-yet-computed
+    # tokens this step processes (each >= 1; room for them is already allocated).
+    scheduled: tuple[tuple[Sequence, int], ...]
+    # Sequences preempted by recompute this step (their blocks were freed).
+    preempted: tuple[Sequence, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@attrs.frozen
+class SchedulerStats:
+    """The same numbers from every scheduler."""
+
+    num_waiting: int
+    num_running: int
+    num_preemptions: int  # total since start
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Decides every step who runs and how many tokens each processes."""
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request."""
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is and free its KV; returns it, or None."""
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step; allocates KV for every scheduled token."""
+
+    def finish(self, seqs: Seq[Sequence]) -> None:
+        """Retire sequences the engine marked finished and free their KV."""
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+
+    def stats(self) -> SchedulerStats:
+        """Current queue lengths and counters."""
+
+
+# ---------------------------------------------------------------- drafting
+
+
+@attrs.frozen
+class DrafterContext:
+    """What a drafter factory receives."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes up to k tokens per decoding sequence for lossless verification."""
+
+    def propose(self, seqs: Seq[Sequence]) -> Mapping[str, Seq[int]]:
+        """Draft token ids per request id (possibly empty)."""
+
+
+# ---------------------------------------------------------------- attention
+
+
+@attrs.frozen
+class AttentionContext:
+    """Model and cache geometry an attention backend is built for."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: Any  # torch.dtype
+    device: Any  # torch.device
+
+
+@attrs.frozen
+class AttentionMetadata:
+    """One step's batch layout, built once per step and shared by every layer.
+
+    T = total scheduled tokens, B = scheduled sequences, M = max blocks per sequence.
+    Tokens of sequence b are rows query_start_loc[b]:query_start_loc[b+1] of the
+    flattened batch; they sit at the last query_lens[b] positions of its context.
+    """
+
+    query_start_loc: "torch.Tensor"  # [B + 1] int64, prefix sums of query_lens
+    query_lens: "torch.Tensor"  # [B] int64, new tokens per sequence
+    context_lens: "torch.Tensor"  # [B] int64, tokens in cache after this step's writes
+    block_tables: "torch.Tensor"  # [B, M] int64, padded with 0 past each table's end
+    slot_mapping: "torch.Tensor"  # [T] int64, cache slot (block * block_size + offset) per token
+    max_query_len: int
+    max_context_len: int
+    query_lens_list: tuple[int, ...]  # the same as query_lens, on the host
+    context_lens_list: tuple[int, ...]
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Writes a step's new K/V into the paged cache and attends over it."""
+
+    def prepare(self, metadata: AttentionMetadata) -> Any:
+        """Per-step precomputation shared by every layer (gather indices, masks)."""
+
+    def forward(
+        self,
+        query: "torch.Tensor",  # [T, num_heads, head_dim]
+        key: "torch.Tensor",  # [T, num_kv_heads, head_dim]
+        value: "torch.Tensor",  # [T, num_kv_heads, head_dim]
+        key_cache: "torch.Tensor",  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: "torch.Tensor",  # [num_blocks, block_size, num_kv_heads, head_dim]
+        prepared: Any,  # what prepare() returned for this step
+        scale: float,
+    ) -> "torch.Tensor":  # [T, num_heads, head_dim]
+        """Store key/value at the step's slots, then attend causally for every query."""

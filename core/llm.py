@@ -1,0 +1,84 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence as Seq
+
+from servelab.config import EngineConfig
+from servelab.engine import LLMEngine
+from servelab.errors import RequestError
+from servelab.outputs import RequestOutput
+from servelab.registry import PluginRegistry
+from servelab.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine plus the loop that drives it to completion.
+
+    `model` is a checkpoint directory or "builtin:<name>"; `config` a TOML path, a dict
+    or an EngineConfig; keyword overrides are `[engine]` keys (`max_num_seqs=8`) or
+    dotted keys for other sections (`**{"scheduler.name": "continuous"}`).
+    """
+
+    def __init__(self, model: str | Path | None = None,
+                 config: EngineConfig | Mapping[str, Any] | str | Path | None = None,
+                 registry: PluginRegistry | None = None, **overrides: Any) -> None:
+        engine_config = EngineConfig.load(config)
+        if model is not None:
+            overrides["engine.model"] = str(model)
+        if overrides:
+            engine_config = engine_config.with_overrides(overrides)
+        self.engine = LLMEngine(engine_config, registry)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, all admitted together; outputs in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompt_list))
+        for prompt in prompt_list:  # validate everything before queueing anything
+            self.engine.encode_prompt(prompt)
+        request_ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step().finished:
+                    finished[output.request_id] = output
+        except BaseException:
+            for request_id in request_ids:
+                if request_id not in finished:
+                    self.engine.abort(request_id)
+            raise
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise RequestError("no prompts given")
+        return list(prompts)
+    raise RequestError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+
+
+def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise RequestError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(p).__name__}")
+    return params

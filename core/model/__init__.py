@@ -1,0 +1,1 @@
+"""The Llama-family model: checkpoint loading, RoPE, the decoder, the tokenizer."""

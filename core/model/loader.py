@@ -1,0 +1,52 @@
+"""Building a ready-to-run decoder from a checkpoint directory or a built-in name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import torch
+
+from servelab.errors import CheckpointError
+from servelab.model import builtin
+from servelab.model.llama import LlamaForCausalLM
+from servelab.model.model_config import ModelConfig
+from servelab.model.rope import RotaryEmbedding
+from servelab.model.tokenizer import Tokenizer
+from servelab.model.weights import load_weights, read_checkpoint_tensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@attrs.frozen
+class Checkpoint:
+    """A checkpoint directory's config and tokenizer, read without touching weights."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+
+    @classmethod
+    def open(cls, model: str) -> "Checkpoint":
+        path = builtin.resolve(model)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+        config = ModelConfig.from_directory(path)
+        if not list(path.glob("*.safetensors")):
+            raise CheckpointError(f"checkpoint directory {str(path)!r} has no *.safetensors weights")
+        return cls(path, config, Tokenizer.from_directory(path))
+
+
+def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: int) -> LlamaForCausalLM:
+    torch_dtype = DTYPES[dtype]
+    torch_device = torch.device(device)
+    config = checkpoint.config
+    rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
+                             torch_dtype, torch_device)
+    with torch.device("meta"):  # no time spent on random init: every weight is loaded
+        model = LlamaForCausalLM(config, rotary)
+    model = model.to_empty(device=torch_device).to(torch_dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_weights(model, read_checkpoint_tensors(checkpoint.path))
+    return model.eval()

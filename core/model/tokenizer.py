@@ -1,0 +1,56 @@
+"""Text <-> token ids through a checkpoint's `tokenizer.json` (HF `tokenizers`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from servelab.errors import CheckpointError
+
+
+class Tokenizer:
+    """Encodes prompts (with the tokenizer's own special-token template, as HF does)
+    and decodes outputs (special tokens skipped)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tokenizer {str(path)!r}: {exc}") from None
+
+    @classmethod
+    def from_directory(cls, path: Path) -> "Tokenizer | None":
+        file = path / "tokenizer.json"
+        return cls(file) if file.is_file() else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas for streaming and stop
+    strings, holding back text that ends in an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.text = ""
+
+    def update(self, token_ids: list[int]) -> str:
+        """Decode all of `token_ids`; return the text added since the last call."""
+        text = self._tokenizer.decode(token_ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.text):] if text.startswith(self.text) else text
+        self.text = text
+        return delta

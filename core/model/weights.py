@@ -1,0 +1,54 @@
+"""Loading Hugging Face safetensors weights into the fused-projection decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from servelab.errors import CheckpointError
+from servelab.model.llama import LlamaForCausalLM
+
+# Checkpoint projections that the decoder stores fused, in concatenation order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def read_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"checkpoint directory {str(path)!r} has no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    # Strip the wrapper prefix: "model.layers.0..." -> "layers.0...".
+    return {name.removeprefix("model."): tensor for name, tensor in tensors.items()}
+
+
+def load_weights(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy checkpoint tensors into `model`, fusing q/k/v and gate/up; names what is missing."""
+    expected = model.state_dict()
+    for name, target in expected.items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        source = _source_tensor(name, tensors)
+        if source.shape != target.shape:
+            raise CheckpointError(f"weight {name!r} has shape {tuple(source.shape)}, expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(source)
+
+
+def _source_tensor(name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    for fused, parts in _FUSED.items():
+        if fused in name:
+            pieces = [tensors.get(name.replace(fused, part)) for part in parts]
+            missing = [name.replace(fused, part) for part, piece in zip(parts, pieces) if piece is None]
+            if missing:
+                raise CheckpointError(f"checkpoint is missing weight {missing[0]!r}")
+            return torch.cat(pieces, dim=0)
+    if name not in tensors:
+        raise CheckpointError(f"checkpoint is missing weight {name!r}")
+    return tensors[name]

@@ -1,0 +1,158 @@
+"""Plugin discovery and selection on top of pluggy.
+
+Built-in and third-party plugins arrive the same way: modules named under the
+`servelab.plugins` entry-point group. A test or notebook can also register a plugin
+object at run time. Each registry is independent; nothing here is global.
+"""
+
+from __future__ import annotations
+
+import warnings
+from importlib import metadata
+from typing import Any
+
+import attrs
+import pluggy
+
+from servelab import hookspecs
+from servelab.errors import PluginError, ServelabError
+from servelab.plugin_types import POLICY_KINDS, PolicyPlugin
+
+ENTRY_POINT_GROUP = "servelab.plugins"
+RUNTIME_DISTRIBUTION = "<runtime>"
+
+_REGISTER_HOOKS = {
+    "allocators": "servelab_register_allocators",
+    "schedulers": "servelab_register_schedulers",
+    "drafters": "servelab_register_drafters",
+    "attention": "servelab_register_attention",
+}
+_SINGULAR = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention backend"}
+
+
+@attrs.frozen
+class RegisteredPolicy:
+    """A policy record together with the distribution that provided it."""
+
+    kind: str
+    plugin: PolicyPlugin
+    distribution: str
+
+    @property
+    def name(self) -> str:
+        return self.plugin.name
+
+
+class PluginRegistry:
+    """A pluggy manager plus the catalogue of policies its plugins register."""
+
+    def __init__(self) -> None:
+        self.manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self.manager.add_hookspecs(hookspecs)
+        self._distribution_of: dict[int, str] = {}
+        self._catalogue: dict[str, dict[str, RegisteredPolicy]] | None = None
+
+    @classmethod
+    def from_entry_points(cls, group: str = ENTRY_POINT_GROUP) -> "PluginRegistry":
+        """A registry holding every installed plugin of `group`."""
+        registry = cls()
+        registry.load_entry_points(group)
+        return registry
+
+    @property
+    def hook(self) -> Any:
+        return self.manager.hook
+
+    def register(self, plugin: Any, distribution: str = RUNTIME_DISTRIBUTION, name: str | None = None) -> None:
+        """Register a plugin object (module, class or instance with hookimpls)."""
+        self.manager.register(plugin, name=name)
+        self._distribution_of[id(plugin)] = distribution
+        self.manager.check_pending()
+        self._catalogue = None
+
+    def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
+        """Import and register every entry point of `group`; a broken one warns and is skipped."""
+        for entry_point in metadata.entry_points(group=group):
+            distribution = entry_point.dist.name if entry_point.dist else "<unknown>"
+            if self.manager.get_plugin(_plugin_name(distribution, entry_point.name)) is not None:
+                continue
+            try:
+                plugin = entry_point.load()
+                self.register(plugin, distribution, name=_plugin_name(distribution, entry_point.name))
+            except Exception as exc:  # a merely installed broken plugin must not break servelab
+                warnings.warn(
+                    f"skipping servelab plugin {entry_point.name!r} ({entry_point.value}) "
+                    f"from distribution {distribution!r}: {type(exc).__name__}: {exc}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    # ------------------------------------------------------------ catalogue
+
+    def policies(self, kind: str) -> dict[str, RegisteredPolicy]:
+        """All policies of `kind` by name; two providers of one name is an error."""
+        if kind not in POLICY_KINDS:
+            raise PluginError(f"unknown policy kind {kind!r}; kinds are {', '.join(POLICY_KINDS)}")
+        if self._catalogue is None:
+            self._catalogue = {k: self._collect(k) for k in POLICY_KINDS}
+        return self._catalogue[kind]
+
+    def select(self, kind: str, name: str) -> RegisteredPolicy:
+        """The policy called `name`, or an error listing what is installed."""
+        available = self.policies(kind)
+        if name in available:
+            return available[name]
+        if available:
+            listing = ", ".join(f"{p.name} ({p.distribution})" for p in available.values())
+            hint = f"installed: {listing}"
+        else:
+            hint = "none is installed (install the servelab package, or a plugin package that provides one)"
+        raise PluginError(f"unknown {_SINGULAR[kind]} {name!r}; {hint}")
+
+    def _collect(self, kind: str) -> dict[str, RegisteredPolicy]:
+        found: dict[str, RegisteredPolicy] = {}
+        hook_caller = getattr(self.manager.hook, _REGISTER_HOOKS[kind])
+        for impl in hook_caller.get_hookimpls():
+            distribution = self._distribution_of.get(id(impl.plugin), RUNTIME_DISTRIBUTION)
+            for record in impl.function() or ():
+                if not isinstance(record, PolicyPlugin):
+                    raise PluginError(
+                        f"{impl.plugin_name} ({distribution}) returned {record!r} from "
+                        f"{_REGISTER_HOOKS[kind]}; expected PolicyPlugin records"
+                    )
+                if record.name in found:
+                    other = found[record.name].distribution
+                    raise PluginError(
+                        f"two plugins register the {_SINGULAR[kind]} {record.name!r}: "
+                        f"distribution {other!r} and distribution {distribution!r}; uninstall one"
+                    )
+                found[record.name] = RegisteredPolicy(kind, record, distribution)
+        return found
+
+    def describe(self) -> dict[str, list[dict[str, str]]]:
+        """Every policy by kind: name, distribution, description (for `servelab plugins`)."""
+        return {
+            kind: [
+                {"name": p.name, "distribution": p.distribution, "description": p.plugin.description}
+                for p in sorted(self.policies(kind).values(), key=lambda p: p.name)
+            ]
+            for kind in POLICY_KINDS
+        }
+
+
+def _plugin_name(distribution: str, entry_point_name: str) -> str:
+    return f"{distribution}:{entry_point_name}"
+
+
+def build_policy(registered: RegisteredPolicy, options: Any, context: Any) -> Any:
+    """Instantiate a selected policy; a failure names the plugin and its distribution."""
+    try:
+        factory = registered.plugin.load_factory()
+        return factory(options, context)
+    except ServelabError:
+        raise
+    except Exception as exc:
+        raise PluginError(
+            f"{_SINGULAR[registered.kind]} {registered.name!r} from distribution "
+            f"{registered.distribution!r} failed to load: {type(exc).__name__}: {exc}"
+        ) from exc

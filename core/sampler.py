@@ -1,0 +1,67 @@
+"""Turning next-token logits into tokens: greedy, temperature, top-k, top-p, min-p.
+
+Sampling uses the exponential-race form of categorical sampling (argmax of p / E with
+E ~ Exp(1)), so a seeded request draws its noise from its own generator, one draw per
+step, and reproduces exactly whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import torch
+
+from servelab.sampling_params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,  # [S, vocab] float32
+    params: Seq[SamplingParams],
+    generators: Seq[torch.Generator | None],  # per row; None draws from `default_generator`
+    default_generator: torch.Generator | None = None,
+) -> list[int]:
+    """One token per row."""
+    if all(p.is_greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    random_rows = torch.tensor(rows, device=logits.device)
+    probs = filtered_probs(logits[random_rows], [params[i] for i in rows])
+    noise = torch.empty_like(probs)
+    for out_row, row in enumerate(rows):
+        noise[out_row].exponential_(generator=generators[row] or default_generator)
+    tokens[random_rows] = (probs / noise).argmax(dim=-1)
+    return tokens.tolist()
+
+
+def filtered_probs(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p, renormalised. [S, vocab]"""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temperature[:, None]
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        logits = _top_k_top_p(logits, params)
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    remove = rank[None, :] >= top_k[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass
+    # before it already does. The first token always stays.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove |= mass_before >= top_p[:, None]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,63 @@
+"""Per-request sampling parameters, with vLLM's names and validation."""
+
+from __future__ import annotations
+
+import attrs
+
+from servelab.errors import RequestError
+
+
+def _as_tuple(value):
+    if value is None:
+        return ()
+    if isinstance(value, (str, int)):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to sample one request's output.
+
+    temperature 0 is greedy. top_k <= 0 (or -1) disables top-k, top_p 1 disables
+    top-p, min_p 0 disables min-p. `seed` makes the request reproducible
+    regardless of what else shares its batch. `stop` strings and `stop_token_ids`
+    end the output with finish_reason "stop"; so does the tokenizer's EOS unless
+    `ignore_eos`.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
+    ignore_eos: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise RequestError naming the first invalid field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise RequestError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise RequestError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

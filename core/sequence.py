@@ -1,0 +1,65 @@
+"""A request's state as it moves through the engine.
+
+Vocabulary used everywhere: a sequence's *tokens* are its prompt followed by what it
+has generated so far. *num_computed_tokens* counts the tokens whose K/V sit in the
+cache. A step *schedules* some number of the not-yet-computed tokens; once all tokens
+are computed the next forward pass yields logits for a new token.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from servelab.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """One request (one completion) in flight. The core owns its token bookkeeping;
+    schedulers move it between queues and set `num_computed_tokens` back to 0 when
+    they preempt it by recompute."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    output_token_ids: list[int] = attrs.field(factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    # Text decoded so far, kept only for requests that need it (stop strings, streaming).
+    output_text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without concatenating both lists."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

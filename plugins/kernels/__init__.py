@@ -1,0 +1,15 @@
+"""Built-in attention backends."""
+
+import servelab
+from servelab.plugin_types import AttentionPlugin
+
+
+@servelab.hookimpl
+def servelab_register_attention():
+    return [
+        AttentionPlugin(
+            name="torch-paged",
+            factory="servelab.plugins.kernels.torch_paged:TorchPagedAttention",
+            description="reference paged attention in torch: gathers K/V through block tables (CPU and GPU)",
+        ),
+    ]
