@@ -31,7 +31,9 @@ def resolve_limits(engine: EngineSection, model: ModelConfig) -> EngineLimits:
             f"which servelab does not implement; set max_model_len <= {model.sliding_window}")
     max_num_batched_tokens = engine.max_num_batched_tokens or max(2048, max_model_len)
     block_bytes = model.kv_bytes_per_token(_DTYPE_SIZES[engine.dtype]) * engine.block_size
-    num_kv_blocks = engine.num_kv_blocks or engine.kv_cache_memory // block_bytes
+    # Past what max_num_seqs sequences of max_model_len can hold, more blocks sit idle.
+    useful_blocks = engine.max_num_seqs * -(-max_model_len // engine.block_size)
+    num_kv_blocks = engine.num_kv_blocks or min(engine.kv_cache_memory // block_bytes, useful_blocks)
     if num_kv_blocks * engine.block_size < max_model_len:
         raise ConfigError(
             f"the KV cache holds {num_kv_blocks} blocks x {engine.block_size} = "
