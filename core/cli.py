@@ -77,16 +77,18 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from servelab.engine import LLMEngine
-    from servelab.model.tokenizer import IncrementalDecoder
     from servelab.sampling_params import SamplingParams
 
-    config = load_config(args)
+    config = load_config(args)  # config errors come before torch is even imported
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engine = LLMEngine(config)
-    if engine.tokenizer is None:
+    from servelab.engine import LLMEngine
+    from servelab.model.loader import Checkpoint
+    from servelab.model.tokenizer import IncrementalDecoder
+
+    if Checkpoint.open(config.engine.model).tokenizer is None:
         raise ServelabError(f"model {config.engine.model!r} has no tokenizer.json; cannot take a text prompt")
+    engine = LLMEngine(config)
     request_id = engine.add_request(args.prompt, params)
     decoder = IncrementalDecoder(engine.tokenizer)
     generated: list[int] = []

@@ -68,7 +68,7 @@ class EngineSection:
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive)  # default: max(2048, max_model_len)
     block_size: int = attrs.field(default=16, validator=_positive)
-    kv_cache_memory: int = attrs.field(default=512 * 2**20, converter=parse_memory)
+    kv_cache_memory: int = attrs.field(default=512 * 2**20, converter=parse_memory, validator=_positive)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)  # overrides kv_cache_memory
     seed: int = 0
 

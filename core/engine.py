@@ -116,18 +116,22 @@ class LLMEngine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
         return token_ids
 
+    def validate_request(self, prompt: str | list[int], params: SamplingParams | None) -> list[int]:
+        """The prompt's token ids, or RequestError naming what is wrong; changes nothing."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params is not None and params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this checkpoint has none")
+        return self.encode_prompt(prompt)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Validate and queue a request; raises RequestError before touching any state."""
+        token_ids = self.validate_request(prompt, params)
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self.encode_prompt(prompt)
         request_id = request_id or self.new_request_id()
         if request_id in self._sequences:
             raise RequestError(f"request id {request_id!r} is already in flight")
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; this checkpoint has none")
         seq = Sequence(request_id, token_ids, params, arrival_time if arrival_time is not None else self.clock(),
                        priority=priority)
         self._sequences[request_id] = seq

@@ -209,7 +209,15 @@ class AttentionMetadata:
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """Writes a step's new K/V into the paged cache and attends over it."""
+    """Writes a step's new K/V into the paged cache and attends over it.
+
+    The backend chooses the cache layout (the runner allocates one key and one value
+    tensor per layer of `kv_cache_shape(num_blocks)`); allocator block ids index its
+    block dimension.
+    """
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's key (and value) cache holding `num_blocks` blocks."""
 
     def prepare(self, metadata: AttentionMetadata) -> Any:
         """Per-step precomputation shared by every layer (gather indices, masks)."""
@@ -219,8 +227,8 @@ class AttentionBackend(Protocol):
         query: "torch.Tensor",  # [T, num_heads, head_dim]
         key: "torch.Tensor",  # [T, num_kv_heads, head_dim]
         value: "torch.Tensor",  # [T, num_kv_heads, head_dim]
-        key_cache: "torch.Tensor",  # [num_blocks, block_size, num_kv_heads, head_dim]
-        value_cache: "torch.Tensor",  # [num_blocks, block_size, num_kv_heads, head_dim]
+        key_cache: "torch.Tensor",  # kv_cache_shape(num_blocks)
+        value_cache: "torch.Tensor",  # kv_cache_shape(num_blocks)
         prepared: Any,  # what prepare() returned for this step
         scale: float,
     ) -> "torch.Tensor":  # [T, num_heads, head_dim]

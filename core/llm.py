@@ -42,8 +42,8 @@ class LLM:
         """Run every prompt to completion, all admitted together; outputs in prompt order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
-        for prompt in prompt_list:  # validate everything before queueing anything
-            self.engine.encode_prompt(prompt)
+        for prompt, sampling in zip(prompt_list, params_list):  # validate all before queueing any
+            self.engine.validate_request(prompt, sampling)
         request_ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
         finished: dict[str, RequestOutput] = {}
         try:

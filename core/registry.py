@@ -66,8 +66,12 @@ class PluginRegistry:
     def register(self, plugin: Any, distribution: str = RUNTIME_DISTRIBUTION, name: str | None = None) -> None:
         """Register a plugin object (module, class or instance with hookimpls)."""
         self.manager.register(plugin, name=name)
+        try:
+            self.manager.check_pending()  # a hookimpl with no spec (a misspelt hook) is an error
+        except Exception:
+            self.manager.unregister(plugin)
+            raise
         self._distribution_of[id(plugin)] = distribution
-        self.manager.check_pending()
         self._catalogue = None
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:

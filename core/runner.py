@@ -32,7 +32,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = backend.kv_cache_shape(num_blocks)
         # The runner owns the cache; allocators only hand out block ids into it.
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

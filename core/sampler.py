@@ -44,8 +44,10 @@ def filtered_probs(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.T
     probs = torch.softmax(logits, dim=-1)
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        filtered = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        filtered = filtered / filtered.sum(dim=-1, keepdim=True)
+        # Rows without min-p keep their softmax bit for bit, whatever their batch holds.
+        probs = torch.where(min_p[:, None] > 0, filtered, probs)
     return probs
 
 
@@ -59,9 +61,10 @@ def _top_k_top_p(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Ten
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass
-    # before it already does. The first token always stays.
+    # before it already does. The first token always stays. Rows with top_p = 1 cut
+    # nothing: their float32 cumsum can round up to 1.0 before the tail ends.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove |= mass_before >= top_p[:, None]
+    remove |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,142 @@
+"""The `servelab` command, run as a separate process: plugin listing, generation, and
+clean failures (exit code 2, one `servelab: error: ...` line, no traceback).
+
+Each `generate` process spends seconds importing torch, so the `generate` runs are
+started together, once per module, and the tests read their results."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "servelab.cli", *args]
+
+
+def servelab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(*args), capture_output=True, text=True, timeout=60)
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("servelab: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tokenized_checkpoint(llama_checkpoint, tmp_path_factory):
+    """The tiny Llama checkpoint plus a word-level tokenizer.json covering its 211 ids.
+
+    (servelab.model.builtin.train_tokenizer cannot go that small: its byte-level BPE
+    starts from 256 byte symbols plus 3 special tokens.)"""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("tokenized") / "ckpt"
+    shutil.copytree(llama_checkpoint, path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 211)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+def test_plugins_json():
+    result = servelab("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    assert set(listing) == {"allocators", "schedulers", "drafters", "attention"}
+    for entries in listing.values():
+        for entry in entries:
+            assert set(entry) == {"name", "distribution", "description"}
+    builtins = {"allocators": "paged", "schedulers": "continuous", "attention": "torch-paged"}
+    for kind, name in builtins.items():
+        [entry] = [e for e in listing[kind] if e["name"] == name]
+        assert entry["distribution"] == "servelab" and entry["description"]
+
+
+def test_plugins_plain_lists_names():
+    result = servelab("plugins")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for header in ("allocators:", "schedulers:", "drafters:", "attention:"):
+        assert header in lines
+    for name in ("paged", "continuous", "torch-paged"):
+        assert any(line.split()[:2] == [name, "servelab"] for line in lines), result.stdout
+
+
+@pytest.fixture(scope="module")
+def generate_runs(llama_checkpoint, tokenized_checkpoint, tmp_path_factory):
+    """Every `generate` invocation below, run concurrently; results by case name."""
+    gpt2 = tmp_path_factory.mktemp("gpt2") / "ckpt"
+    shutil.copytree(llama_checkpoint, gpt2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (gpt2 / "config.json").write_text(json.dumps(config))
+    missing = tmp_path_factory.mktemp("empty") / "missing"
+
+    cases = {
+        "ok": ["--model", tokenized_checkpoint, "--prompt", "w5 w17 w42", "--max-tokens", "6",
+               "--set", "engine.max_model_len=64"],
+        "no_tokenizer": ["--model", llama_checkpoint, "--prompt", "x"],
+        "unknown_plugin": ["--model", llama_checkpoint, "--prompt", "x", "--set", "allocator.name=nope"],
+        "bad_engine_value": ["--model", llama_checkpoint, "--prompt", "x", "--set", "engine.max_num_seqs=0"],
+        "missing_checkpoint": ["--model", str(missing), "--prompt", "x"],
+        "gpt2": ["--model", str(gpt2), "--prompt", "x"],
+    }
+    processes = {name: subprocess.Popen(command("generate", *args), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                 for name, args in cases.items()}
+    results = {}
+    for name, process in processes.items():
+        stdout, stderr = process.communicate(timeout=120)
+        results[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return results
+
+
+def test_generate_streams_text(generate_runs):
+    result = generate_runs["ok"]
+    assert result.returncode == 0, result.stderr
+    words = result.stdout.split()
+    assert words and all(w.startswith("w") for w in words), result.stdout
+    summary = re.search(r"\[(\d+) tokens, finish_reason=(\w+)", result.stderr)
+    assert summary, result.stderr
+    assert len(words) <= int(summary.group(1)) <= 6
+    assert summary.group(2) in ("length", "stop")
+
+
+def test_text_prompt_without_tokenizer_fails_cleanly(generate_runs):
+    assert_clean_failure(generate_runs["no_tokenizer"], "tokenizer")
+
+
+def test_unknown_plugin_fails_cleanly(generate_runs):
+    line = assert_clean_failure(generate_runs["unknown_plugin"], "'nope'")
+    assert "paged" in line
+
+
+def test_bad_engine_value_fails_cleanly(generate_runs):
+    assert_clean_failure(generate_runs["bad_engine_value"], "max_num_seqs")
+
+
+def test_missing_checkpoint_fails_cleanly(generate_runs):
+    assert_clean_failure(generate_runs["missing_checkpoint"], "does not exist")
+
+
+def test_unsupported_architecture_fails_cleanly(generate_runs):
+    assert_clean_failure(generate_runs["gpt2"], "unsupported architecture", "gpt2")
+
+
+def test_argument_errors_exit_2():
+    result = servelab("generate")  # --prompt is required; argparse fails before importing torch
+    assert result.returncode == 2 and "--prompt" in result.stderr
