@@ -114,3 +114,19 @@ def main_bench(config: EngineConfig, workload: SkewedWorkload, baseline: str | N
                                              hf_batch_size or config.engine.max_num_seqs, repeats)
         results["ratio"] = results["servelab"]["output_tokens_per_s"] / results["hf-static"]["output_tokens_per_s"]
     return results
+
+
+def format_results(results: dict[str, Any]) -> str:
+    lines = [f"{'engine':<12} {'seconds':>9} {'out tok/s':>10}"]
+    for name in ("servelab", "hf-static"):
+        if name in results:
+            r = results[name]
+            lines.append(f"{name:<12} {r['seconds']:>9.2f} {r['output_tokens_per_s']:>10.1f}")
+    if "ratio" in results:
+        lines.append(f"servelab / hf-static throughput: {results['ratio']:.2f}x")
+    s = results["servelab"]
+    lines.append(f"servelab per-step engine overhead (schedule + prepare + update), median over "
+                 f"{s['overhead_steps']} steps at full batch: {s['overhead_ms_median']:.3f} ms "
+                 f"(schedule {s['schedule_ms_median']:.3f}, prepare {s['prepare_ms_median']:.3f}, "
+                 f"update {s['update_ms_median']:.3f}; forward {s['forward_ms_median']:.1f})")
+    return "\n".join(lines)

@@ -44,6 +44,18 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=-1)
     generate.add_argument("--seed", type=int, default=None)
     generate.set_defaults(handler=_cmd_generate)
+
+    bench = commands.add_parser("bench", help="throughput of a skewed offline workload, optionally vs transformers")
+    _add_engine_arguments(bench)
+    bench.add_argument("--num-requests", type=int, default=64)
+    bench.add_argument("--mean-prompt-len", type=int, default=128)
+    bench.add_argument("--mean-output-len", type=int, default=128)
+    bench.add_argument("--seed", type=int, default=0, help="workload seed")
+    bench.add_argument("--repeats", type=int, default=1, help="timed repetitions (the best is reported)")
+    bench.add_argument("--baseline", choices=["hf"], help="also run transformers generate with static batches")
+    bench.add_argument("--hf-batch-size", type=int, help="static batch size for the baseline (default max_num_seqs)")
+    bench.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
+    bench.set_defaults(handler=_cmd_bench)
     return parser
 
 
@@ -83,12 +95,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     from servelab.engine import LLMEngine
-    from servelab.model.loader import Checkpoint
     from servelab.model.tokenizer import IncrementalDecoder
 
-    if Checkpoint.open(config.engine.model).tokenizer is None:
-        raise ServelabError(f"model {config.engine.model!r} has no tokenizer.json; cannot take a text prompt")
     engine = LLMEngine(config)
+    if engine.tokenizer is None:
+        raise ServelabError(f"model {config.engine.model!r} has no tokenizer.json; cannot take a text prompt")
     request_id = engine.add_request(args.prompt, params)
     decoder = IncrementalDecoder(engine.tokenizer)
     generated: list[int] = []
@@ -102,6 +113,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"[{len(output.token_ids)} tokens, finish_reason={output.finish_reason}, "
                   f"ttft={output.metrics.ttft * 1000:.1f} ms, e2e={output.metrics.e2e_latency * 1000:.1f} ms]",
                   file=sys.stderr)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from servelab.bench import format_results, main_bench
+    from servelab.workload import SkewedWorkload
+
+    config = load_config(args)
+    workload = SkewedWorkload(num_requests=args.num_requests, mean_prompt_len=args.mean_prompt_len,
+                              mean_output_len=args.mean_output_len, seed=args.seed)
+    results = main_bench(config, workload, args.baseline, args.repeats, args.hf_batch_size)
+    print(format_results(results))
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump(results, handle, indent=2)
     return 0
 
 

@@ -64,7 +64,8 @@ class LLMEngine:
             max_model_len=self.limits.max_model_len, clock=clock))
         self.attention = build_policy(selected["attention"][0], selected["attention"][1], AttentionContext(
             num_heads=self.model_config.num_heads, num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim, block_size=engine.block_size, dtype=dtype, device=device))
+            head_dim=self.model_config.head_dim, block_size=engine.block_size,
+            num_blocks=self.limits.num_kv_blocks, dtype=dtype, device=device))
         model = load_model(self.checkpoint, engine.dtype, engine.device, self.limits.max_model_len)
         self.runner = ModelRunner(model, self.attention, self.limits.num_kv_blocks, engine.block_size, dtype, device)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)

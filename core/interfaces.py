@@ -183,6 +183,7 @@ class AttentionContext:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    num_blocks: int  # blocks in each layer's cache
     dtype: Any  # torch.dtype
     device: Any  # torch.device
 
@@ -212,12 +213,11 @@ class AttentionBackend(Protocol):
     """Writes a step's new K/V into the paged cache and attends over it.
 
     The backend chooses the cache layout (the runner allocates one key and one value
-    tensor per layer of `kv_cache_shape(num_blocks)`); allocator block ids index its
-    block dimension.
+    tensor per layer of `kv_cache_shape()`); allocator block ids index its block dimension.
     """
 
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's key (and value) cache holding `num_blocks` blocks."""
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's key (and value) cache holding context.num_blocks blocks."""
 
     def prepare(self, metadata: AttentionMetadata) -> Any:
         """Per-step precomputation shared by every layer (gather indices, masks)."""
@@ -227,8 +227,8 @@ class AttentionBackend(Protocol):
         query: "torch.Tensor",  # [T, num_heads, head_dim]
         key: "torch.Tensor",  # [T, num_kv_heads, head_dim]
         value: "torch.Tensor",  # [T, num_kv_heads, head_dim]
-        key_cache: "torch.Tensor",  # kv_cache_shape(num_blocks)
-        value_cache: "torch.Tensor",  # kv_cache_shape(num_blocks)
+        key_cache: "torch.Tensor",  # kv_cache_shape()
+        value_cache: "torch.Tensor",  # kv_cache_shape()
         prepared: Any,  # what prepare() returned for this step
         scale: float,
     ) -> "torch.Tensor":  # [T, num_heads, head_dim]

@@ -32,7 +32,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        shape = backend.kv_cache_shape(num_blocks)
+        shape = backend.kv_cache_shape()
         # The runner owns the cache; allocators only hand out block ids into it.
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

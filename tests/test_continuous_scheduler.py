@@ -224,9 +224,9 @@ def test_request_arriving_mid_run_joins_the_next_step():
 
 
 def test_preemption_evicts_most_recent_and_recomputes_later():
-    # Three 4-token prompts fill a 3-block pool exactly. On step 2 r0 crosses into a
-    # second block; the pool is dry, so the most recently admitted sequence (r2) is
-    # preempted, even though r1 comes after r0 and r2 has done no more work than r1.
+    # Three short prompts take one block each of a 3-block pool. On step 2 r0 crosses
+    # into a second block; the pool is dry, so the most recently admitted sequence (r2)
+    # is preempted, not r1, which also sits after r0 but was admitted before r2.
     engine = Engine(num_blocks=3, max_num_seqs=3)
     r0 = engine.add(prompt_len=4, max_tokens=3)
     r1 = engine.add(prompt_len=3, max_tokens=3)

@@ -176,7 +176,7 @@ def test_row_probabilities_do_not_depend_on_batch_companions(own):
         assert torch.equal(alone, batched), f"row changed next to {companion}"
 
 
-def test_top_p_one_keeps_the_tail_next_to_a_top_p_row():
+def test_top_p_one_cuts_nothing_next_to_filtering_rows():
     """top_p=1 means no nucleus cut; a neighbour's top-k must not switch one on by
     rounding (a float32 cumsum reaches 1.0 before the tail ends)."""
     logits = torch.full((2, 211), -40.0)

@@ -2,6 +2,7 @@
 
 import servelab
 from servelab.plugin_types import AttentionPlugin
+from servelab.plugins.kernels.options import TorchPagedOptions
 
 
 @servelab.hookimpl
@@ -10,6 +11,7 @@ def servelab_register_attention():
         AttentionPlugin(
             name="torch-paged",
             factory="servelab.plugins.kernels.torch_paged:TorchPagedAttention",
+            options=TorchPagedOptions,
             description="reference paged attention in torch: gathers K/V through block tables (CPU and GPU)",
         ),
     ]

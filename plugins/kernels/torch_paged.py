@@ -1,9 +1,11 @@
 """Reference paged attention in torch: the ground truth every other backend matches.
 
 New K/V are scattered into the cache through the slot mapping; attention gathers each
-sequence's K/V block by block through its block table. Decode rows (one query token)
-and multi-token rows (prompts, chunks, drafts) are batched separately so one long
-prompt does not pad every decode to its length. No per-token Python loops.
+sequence's K/V block by block through its block table. Sequences are attended in
+groups: decode rows (one query token) apart from multi-token rows (prompts, chunks,
+drafts), sorted by context length and cut into small groups, so that padding stays
+small and a group's gathered K/V stays in the CPU's cache between the gather and the
+two matmuls that read it. No per-token Python loops.
 
 Cache layout: [num_kv_heads, num_blocks, block_size, head_dim]. Gathering a group's
 blocks then yields [kv_heads, seqs, context, head_dim] directly, the layout batched
@@ -18,6 +20,7 @@ import attrs
 import torch
 
 from servelab.interfaces import AttentionContext, AttentionMetadata
+from servelab.plugins.kernels.options import TorchPagedOptions
 
 
 @attrs.frozen
@@ -28,7 +31,9 @@ class _Group:
     query_valid: torch.Tensor  # [G, Q] bool
     output_rows: torch.Tensor  # [num valid queries] rows of the flattened batch, in (G, Q) order
     hidden: torch.Tensor  # [1, G, 1, Q, C] bool: key j hidden from query i
-    block_tables: torch.Tensor  # [G, C // block_size]
+    # [kvh * G * M] rows of the cache viewed as [kvh * num_blocks, block_size * d]: for each
+    # KV head, each sequence's M = C // block_size blocks, row after row.
+    cache_rows: torch.Tensor
 
 
 @attrs.frozen
@@ -38,20 +43,25 @@ class _Prepared:
 
 
 class TorchPagedAttention:
-    def __init__(self, options: Any, context: AttentionContext) -> None:
+    def __init__(self, options: TorchPagedOptions | None, context: AttentionContext) -> None:
+        self.options = options or TorchPagedOptions()
         self.context = context
         self.block_size = context.block_size
 
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.context.num_kv_heads, num_blocks, self.block_size, self.context.head_dim)
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        context = self.context
+        return (context.num_kv_heads, context.num_blocks, context.block_size, context.head_dim)
 
     def prepare(self, metadata: AttentionMetadata) -> _Prepared:
         is_decode = metadata.query_lens == 1
         groups = []
-        for selector in (is_decode, ~is_decode):
+        for selector, size in ((is_decode, self.options.decode_group_size),
+                               (~is_decode, self.options.prefill_group_size)):
             seq_index = selector.nonzero().flatten()
-            if seq_index.numel():
-                groups.append(self._group(metadata, seq_index))
+            if not seq_index.numel():
+                continue
+            by_length = seq_index[torch.argsort(metadata.context_lens[seq_index], stable=True)]
+            groups.extend(self._group(metadata, chunk) for chunk in by_length.split(size))
         return _Prepared(metadata.slot_mapping, tuple(groups))
 
     def _group(self, metadata: AttentionMetadata, seq_index: torch.Tensor) -> _Group:
@@ -67,8 +77,10 @@ class TorchPagedAttention:
         # Query i of a sequence sits at absolute position context_len - query_len + i.
         absolute = (context_lens - query_lens)[:, None] + query_pos[None, :]
         visible = (key_pos[None, None, :] <= absolute[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
+        block_ids = metadata.block_tables[seq_index, :num_ctx_blocks].flatten()
+        head_offsets = torch.arange(self.context.num_kv_heads, device=device) * self.context.num_blocks
         return _Group(query_index, query_valid, query_index[query_valid], ~visible[None, :, None],
-                      metadata.block_tables[seq_index, :num_ctx_blocks])
+                      (head_offsets[:, None] + block_ids[None, :]).flatten())
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, prepared: _Prepared,
@@ -76,8 +88,6 @@ class TorchPagedAttention:
         num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[3]
         key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, prepared.slot_mapping, key.transpose(0, 1))
         value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, prepared.slot_mapping, value.transpose(0, 1))
-        if len(prepared.groups) == 1 and prepared.groups[0].query_index.shape[1] == 1:
-            return self._attend(query, key_cache, value_cache, prepared.groups[0], scale)  # decode only
         output = torch.empty_like(query)
         for group in prepared.groups:
             output[group.output_rows] = self._attend(query, key_cache, value_cache, group, scale)
@@ -89,8 +99,11 @@ class TorchPagedAttention:
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key_cache.shape[0]
         group_size = num_heads // num_kv_heads
-        keys = key_cache[:, group.block_tables].view(num_kv_heads, num_seqs, -1, head_dim)  # [kvh, G, C, d]
-        values = value_cache[:, group.block_tables].view(num_kv_heads, num_seqs, -1, head_dim)
+        # One index_select over dim 0 of a 2-D view copies whole (head, block) rows; on CPU it
+        # runs ~3x faster than indexing dim 1 or advanced indexing. [kvh*G*M, block*d] -> [kvh, G, C, d]
+        block_row = key_cache.shape[2] * head_dim
+        keys = key_cache.view(-1, block_row).index_select(0, group.cache_rows).view(num_kv_heads, num_seqs, -1, head_dim)
+        values = value_cache.view(-1, block_row).index_select(0, group.cache_rows).view(num_kv_heads, num_seqs, -1, head_dim)
         # Queries sharing a KV head are stacked: [G, Q, h, d] -> [kvh, G, g * Q, d].
         q = query[group.query_index].view(num_seqs, max_query, num_kv_heads, group_size, head_dim)
         q = q.permute(2, 0, 3, 1, 4).reshape(num_kv_heads, num_seqs, group_size * max_query, head_dim)
