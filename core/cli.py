@@ -45,16 +45,23 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.set_defaults(handler=_cmd_generate)
 
-    bench = commands.add_parser("bench", help="throughput of a skewed offline workload, optionally vs transformers")
-    _add_engine_arguments(bench)
-    bench.add_argument("--num-requests", type=int, default=64)
-    bench.add_argument("--mean-prompt-len", type=int, default=128)
-    bench.add_argument("--mean-output-len", type=int, default=128)
-    bench.add_argument("--seed", type=int, default=0, help="workload seed")
-    bench.add_argument("--repeats", type=int, default=1, help="timed repetitions (the best is reported)")
+    bench = commands.add_parser("bench", help="run a workload through several configs side by side")
+    bench.add_argument("--config", dest="configs", action="append", default=[], metavar="FILE",
+                       help="TOML config to compare (repeatable; default: the built-in defaults)")
+    bench.add_argument("--model", help="model for every config (checkpoint directory or builtin:<name>)")
+    bench.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a value in every config (repeatable)")
+    bench.add_argument("--workload", default="skewed", help="workload spec, e.g. 'skewed:num_requests=64', "
+                       "'shared-prefix:prefix_len=1000', 'skewed:arrival=poisson,rate=4', 'file:reqs.jsonl'")
+    bench.add_argument("--repeats", type=int, default=1, help="interleaved timed repetitions (median reported)")
     bench.add_argument("--baseline", choices=["hf"], help="also run transformers generate with static batches")
     bench.add_argument("--hf-batch-size", type=int, help="static batch size for the baseline (default max_num_seqs)")
+    bench.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput SLO on time to first token")
+    bench.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput SLO on time per output token")
+    bench.add_argument("--rates", help="comma-separated request rates (req/s) for a Poisson sweep")
     bench.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
+    bench.add_argument("--plots", dest="plots_dir", help="write PNG plots into this directory")
+    bench.add_argument("--save-workload", help="write the generated workload as JSONL (replay with file:PATH)")
     bench.set_defaults(handler=_cmd_bench)
     return parser
 
@@ -117,17 +124,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from servelab.bench import format_results, main_bench
-    from servelab.workload import SkewedWorkload
+    from pathlib import Path
 
-    config = load_config(args)
-    workload = SkewedWorkload(num_requests=args.num_requests, mean_prompt_len=args.mean_prompt_len,
-                              mean_output_len=args.mean_output_len, seed=args.seed)
-    results = main_bench(config, workload, args.baseline, args.repeats, args.hf_batch_size)
-    print(format_results(results))
+    from servelab.bench.metrics import SLO
+    from servelab.bench.report import format_table
+    from servelab.bench.session import BenchOptions, run_bench
+
+    configs = []
+    for path in args.configs or [None]:
+        config = EngineConfig.load(path).with_set_options(args.assignments)
+        if args.model:
+            config = config.with_overrides({"engine.model": args.model})
+        configs.append((Path(path).stem if path else "default", config))
+    names = [name for name, _ in configs]
+    if len(set(names)) != len(names):
+        raise ServelabError(f"config names must differ (they come from file names): {names}")
+    options = BenchOptions(
+        workload=args.workload, repeats=args.repeats, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+        baseline=args.baseline, hf_batch_size=args.hf_batch_size,
+        plots_dir=Path(args.plots_dir) if args.plots_dir else None,
+        rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
+        save_workload=Path(args.save_workload) if args.save_workload else None,
+    )
+    result = run_bench(configs, options)
+    print(format_table(result))
     if args.json_out:
         with open(args.json_out, "w") as handle:
-            json.dump(results, handle, indent=2)
+            json.dump(result, handle, indent=2)
     return 0
 
 

@@ -1,43 +1,212 @@
-"""Seeded synthetic workloads for benchmarks."""
+"""Seeded benchmark workloads: who asks for what, and when.
+
+A workload is a list of requests (prompt token ids, output length, arrival offset in
+seconds). Generators cover length-skewed traffic, shared-prefix traffic, repetitive
+traffic and long-prompt bursts; arrivals are offline (all at t=0), Poisson or bursty.
+Workloads save to and replay from JSONL exactly.
+
+Spec strings (`servelab bench --workload SPEC`):
+
+    skewed:num_requests=64,mean_prompt_len=128,mean_output_len=128
+    shared-prefix:num_groups=2,prefix_len=1000,num_requests=32
+    repetitive:passage_len=200,num_requests=16
+    long-burst:num_long=4,long_len=2000,num_short=32
+    skewed:num_requests=200,arrival=poisson,rate=4
+    file:requests.jsonl
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import random
+from pathlib import Path
+from typing import Any, Callable
 
 import attrs
+
+from servelab.errors import ConfigError
+
+FIRST_TOKEN_ID = 3  # skip the usual <unk>/<s>/</s> ids
 
 
 @attrs.frozen
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    arrival_time: float = 0.0  # seconds after the run starts
 
 
 @attrs.frozen
+class Workload:
+    name: str  # the spec it was generated from
+    requests: tuple[BenchRequest, ...]
+
+    def save(self, path: str | Path) -> None:
+        with open(path, "w") as handle:
+            handle.write(json.dumps({"workload": self.name}) + "\n")
+            for r in self.requests:
+                handle.write(json.dumps({"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens,
+                                         "arrival_time": r.arrival_time}) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Workload":
+        try:
+            lines = Path(path).read_text().splitlines()
+        except FileNotFoundError:
+            raise ConfigError(f"workload file {str(path)!r} does not exist") from None
+        name = f"file:{path}"
+        requests = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "workload" in record and "prompt_token_ids" not in record:
+                name = record["workload"]
+                continue
+            try:
+                requests.append(BenchRequest(list(record["prompt_token_ids"]), int(record["max_tokens"]),
+                                             float(record.get("arrival_time", 0.0))))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ConfigError(f"{path}:{number}: a request needs prompt_token_ids and max_tokens ({exc})") from None
+        return cls(name, tuple(requests))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(r.max_tokens for r in self.requests)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+
+def lognormal_length(rng: random.Random, mean: float, sigma: float, low: int, high: int) -> int:
+    """A log-normal draw with the given mean (mu = ln(mean) - sigma^2 / 2), clipped."""
+    mu = math.log(mean) - sigma**2 / 2
+    return max(low, min(int(rng.lognormvariate(mu, sigma)), high))
+
+
+def _tokens(rng: random.Random, vocab_size: int, count: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(count)]
+
+
+def skewed(rng: random.Random, vocab_size: int, num_requests: int = 64, mean_prompt_len: int = 128,
+           mean_output_len: int = 128, sigma: float = 0.8, max_len: int = 512) -> list[BenchRequest]:
+    """Log-normal prompt and output lengths: many short requests, a few long ones."""
+    out = []
+    for _ in range(num_requests):
+        prompt_len = lognormal_length(rng, mean_prompt_len, sigma, 1, max_len // 2)
+        output_len = lognormal_length(rng, mean_output_len, sigma, 1, max_len // 2)
+        out.append(BenchRequest(_tokens(rng, vocab_size, prompt_len), output_len))
+    return out
+
+
+def shared_prefix(rng: random.Random, vocab_size: int, num_groups: int = 2, prefix_len: int = 1000,
+                  num_requests: int = 32, tail_len: int = 32, output_len: int = 32) -> list[BenchRequest]:
+    """A long common prefix per group (a system prompt) plus short distinct tails."""
+    prefixes = [_tokens(rng, vocab_size, prefix_len) for _ in range(num_groups)]
+    return [BenchRequest(prefixes[i % num_groups] + _tokens(rng, vocab_size, tail_len), output_len)
+            for i in range(num_requests)]
+
+
+def repetitive(rng: random.Random, vocab_size: int, passage_len: int = 200, num_requests: int = 16,
+               output_len: int = 64) -> list[BenchRequest]:
+    """Continue or rewrite a passage: the prompt holds the passage and the start of a copy."""
+    out = []
+    for _ in range(num_requests):
+        passage = _tokens(rng, vocab_size, passage_len)
+        restart = rng.randrange(1, max(2, passage_len // 4))
+        out.append(BenchRequest(passage + passage[:restart], output_len))
+    return out
+
+
+def long_burst(rng: random.Random, vocab_size: int, num_long: int = 4, long_len: int = 2000,
+               num_short: int = 32, short_len: int = 64, output_len: int = 64) -> list[BenchRequest]:
+    """Short interactive requests with a few very long prompts among them."""
+    out = [BenchRequest(_tokens(rng, vocab_size, short_len), output_len) for _ in range(num_short)]
+    for i in range(num_long):
+        out.insert((i + 1) * len(out) // (num_long + 1), BenchRequest(_tokens(rng, vocab_size, long_len), output_len))
+    return out
+
+
+GENERATORS: dict[str, Callable[..., list[BenchRequest]]] = {
+    "skewed": skewed,
+    "shared-prefix": shared_prefix,
+    "repetitive": repetitive,
+    "long-burst": long_burst,
+}
+
+
+def with_arrivals(requests: list[BenchRequest], rng: random.Random, arrival: str, rate: float,
+                  burst_size: int = 8) -> list[BenchRequest]:
+    """Offline (all at 0), Poisson at `rate` req/s, or bursts of `burst_size` at `rate` req/s."""
+    if arrival == "offline":
+        return requests
+    if rate <= 0:
+        raise ConfigError(f"workload rate must be > 0 for {arrival} arrivals, got {rate}")
+    now = 0.0
+    out = []
+    for index, request in enumerate(requests):
+        if arrival == "poisson":
+            now += rng.expovariate(rate)
+        elif arrival == "bursty":
+            if index % burst_size == 0:
+                now += rng.expovariate(rate / burst_size)
+        else:
+            raise ConfigError(f"unknown arrival process {arrival!r}; choose offline, poisson or bursty")
+        out.append(attrs.evolve(request, arrival_time=round(now, 6)))
+    return out
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    name, _, rest = spec.partition(":")
+    if name == "file":
+        return name, {"path": rest}
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"workload option {item!r} must be key=value")
+        options[key.strip()] = _number(value.strip())
+    return name, options
+
+
+def build_workload(spec: str, vocab_size: int) -> Workload:
+    """Generate (or load) the workload a spec string names; same spec, same requests."""
+    name, options = parse_spec(spec)
+    if name == "file":
+        return Workload.load(options["path"])
+    if name not in GENERATORS:
+        raise ConfigError(f"unknown workload {name!r}; choose {', '.join(GENERATORS)} or file:PATH")
+    seed = int(options.pop("seed", 0))
+    arrival = str(options.pop("arrival", "offline"))
+    rate = float(options.pop("rate", 0))
+    burst_size = int(options.pop("burst_size", 8))
+    rng = random.Random(seed)
+    try:
+        requests = GENERATORS[name](rng, vocab_size, **options)
+    except TypeError as exc:
+        raise ConfigError(f"bad option for workload {name!r}: {exc}") from None
+    return Workload(spec, tuple(with_arrivals(requests, rng, arrival, rate, burst_size)))
+
+
+def _number(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 class SkewedWorkload:
-    """Log-normal prompt and output lengths (a few long, many short), random token ids."""
+    """Back-compat shim: the offline skewed workload as an object."""
 
-    num_requests: int = 64
-    mean_prompt_len: int = 128
-    mean_output_len: int = 128
-    sigma: float = 0.8
-    max_len: int = 512
-    seed: int = 0
+    def __init__(self, num_requests: int = 64, mean_prompt_len: int = 128, mean_output_len: int = 128,
+                 sigma: float = 0.8, max_len: int = 512, seed: int = 0) -> None:
+        self.options = dict(num_requests=num_requests, mean_prompt_len=mean_prompt_len,
+                            mean_output_len=mean_output_len, sigma=sigma, max_len=max_len)
+        self.seed = seed
 
-    def requests(self, vocab_size: int, first_token_id: int = 3) -> list[BenchRequest]:
-        rng = random.Random(self.seed)
-        out = []
-        for _ in range(self.num_requests):
-            prompt_len = self._length(rng, self.mean_prompt_len)
-            output_len = self._length(rng, self.mean_output_len)
-            prompt_len = min(prompt_len, self.max_len - output_len)
-            prompt = [rng.randrange(first_token_id, vocab_size) for _ in range(max(prompt_len, 1))]
-            out.append(BenchRequest(prompt, output_len))
-        return out
-
-    def _length(self, rng: random.Random, mean: int) -> int:
-        # Log-normal with the given mean: mu = ln(mean) - sigma^2 / 2.
-        import math
-
-        mu = math.log(mean) - self.sigma**2 / 2
-        return max(1, min(int(rng.lognormvariate(mu, self.sigma)), self.max_len // 2))
+    def requests(self, vocab_size: int) -> list[BenchRequest]:
+        return skewed(random.Random(self.seed), vocab_size, **self.options)

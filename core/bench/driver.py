@@ -1,0 +1,80 @@
+"""Driving an engine through a workload in real time: requests are added at their
+arrival offsets while the engine steps; every step and every finished request is
+recorded for the metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import attrs
+
+from servelab.hookspecs import hookimpl
+from servelab.outputs import RequestOutput, StepReport
+from servelab.sampling_params import SamplingParams
+from servelab.workload import Workload
+
+
+class StepRecorder:
+    """Observer plugin keeping every StepReport with the time it arrived."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.reports: list[tuple[float, StepReport]] = []
+
+    @hookimpl
+    def servelab_step_finished(self, engine, report):
+        self.reports.append((self.clock(), report))
+
+
+@attrs.frozen
+class RunRecord:
+    """Everything one run of a workload produced."""
+
+    config_name: str
+    start_time: float
+    end_time: float
+    outputs: list[RequestOutput]  # in workload order
+    steps: list[tuple[float, StepReport]]
+    allocator_stats_before: Any
+    allocator_stats_after: Any
+    preemptions: int
+    block_size: int
+
+
+def run_workload(engine: Any, recorder: StepRecorder, workload: Workload, config_name: str,
+                 progress: Callable[[int], None] | None = None) -> RunRecord:
+    """Feed `workload` to `engine` honouring arrival times; returns when all have finished."""
+    clock = engine.clock
+    pending = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival_time)
+    ids: dict[str, int] = {}
+    outputs: dict[int, RequestOutput] = {}
+    recorder.reports.clear()
+    stats_before = engine.allocator.stats()
+    preemptions_before = engine.scheduler.stats().num_preemptions
+    start = clock()
+    cursor = 0
+    while len(outputs) < len(pending):
+        now = clock() - start
+        while cursor < len(pending) and pending[cursor][1].arrival_time <= now:
+            index, request = pending[cursor]
+            params = SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True)
+            request_id = engine.add_request(request.prompt_token_ids, params,
+                                            arrival_time=start + request.arrival_time)
+            ids[request_id] = index
+            cursor += 1
+        if engine.has_unfinished():
+            for output in engine.step().finished:
+                outputs[ids[output.request_id]] = output
+                if progress:
+                    progress(1)
+        elif cursor < len(pending):
+            time.sleep(max(0.0, min(0.05, pending[cursor][1].arrival_time - (clock() - start))))
+    end = clock()
+    return RunRecord(
+        config_name=config_name, start_time=start, end_time=end,
+        outputs=[outputs[i] for i in range(len(pending))], steps=list(recorder.reports),
+        allocator_stats_before=stats_before, allocator_stats_after=engine.allocator.stats(),
+        preemptions=engine.scheduler.stats().num_preemptions - preemptions_before,
+        block_size=engine.config.engine.block_size,
+    )

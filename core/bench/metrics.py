@@ -1,0 +1,115 @@
+"""Turning a run's records into the numbers people compare."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from servelab.bench.driver import RunRecord
+
+
+@attrs.frozen
+class SLO:
+    """A request counts towards goodput when it meets both bounds."""
+
+    ttft_ms: float = 1000.0
+    tpot_ms: float = 200.0
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        # linear interpolation between closest ranks
+        position = q * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99)}
+
+
+def request_latencies(record: RunRecord) -> dict[str, list[float]]:
+    """TTFT, TPOT and end-to-end latency per request, in milliseconds."""
+    ttft, tpot, e2e = [], [], []
+    for output in record.outputs:
+        metrics = output.metrics
+        ttft.append(1000 * metrics.ttft)
+        e2e.append(1000 * metrics.e2e_latency)
+        num_tokens = len(output.token_ids)
+        if num_tokens > 1:
+            tpot.append(1000 * (metrics.finish_time - metrics.first_token_time) / (num_tokens - 1))
+    return {"ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": e2e}
+
+
+def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
+    """The bench's metrics for one run (the JSON `metrics` object)."""
+    seconds = record.end_time - record.start_time
+    latencies = request_latencies(record)
+    num_output = sum(len(o.token_ids) for o in record.outputs)
+    good = sum(
+        1 for o, ttft in zip(record.outputs, latencies["ttft_ms"])
+        if ttft <= slo.ttft_ms and _tpot(o) <= slo.tpot_ms
+    )
+    reports = [report for _, report in record.steps]
+    slot_steps_used = sum(r.num_seqs for r in reports)
+    slot_steps_wasted = sum(getattr(r.scheduler_stats, "num_idle_slots", 0) for r in reports)
+    before, after = record.allocator_stats_before, record.allocator_stats_after
+    lookups = after.prefix_lookup_tokens - before.prefix_lookup_tokens
+    hits = after.prefix_hit_tokens - before.prefix_hit_tokens
+    return {
+        "seconds": seconds,
+        "num_requests": len(record.outputs),
+        "output_tokens": num_output,
+        "output_tokens_per_s": num_output / seconds,
+        "requests_per_s": len(record.outputs) / seconds,
+        **{name: percentiles(values) for name, values in latencies.items()},
+        "goodput_rps": good / seconds,
+        "kv_utilization": _mean(_kv_used_fraction(r) for r in reports),
+        "kv_waste_fraction": _mean(_kv_waste_fraction(r, record.block_size) for r in reports),
+        "prefix_hit_rate": hits / lookups if lookups else None,
+        "acceptance_rate": None,  # no drafter has been configured
+        "slot_steps_used": slot_steps_used,
+        "slot_steps_wasted": slot_steps_wasted,
+        "preemptions": record.preemptions,
+        "steps": len(reports),
+        "engine_overhead_ms_at_max_batch": _overhead_at_max_batch(reports),
+    }
+
+
+def _overhead_at_max_batch(reports) -> float | None:
+    """Median scheduler + allocator + input-preparation + update time of the fullest steps."""
+    if not reports:
+        return None
+    fullest = max(r.num_seqs for r in reports)
+    values = sorted(1000 * r.overhead_seconds for r in reports if r.num_seqs == fullest)
+    return values[len(values) // 2]
+
+
+def _tpot(output) -> float:
+    metrics = output.metrics
+    num_tokens = len(output.token_ids)
+    if num_tokens < 2:
+        return 0.0
+    return 1000 * (metrics.finish_time - metrics.first_token_time) / (num_tokens - 1)
+
+
+def _kv_used_fraction(report) -> float:
+    stats = report.allocator_stats
+    return stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0
+
+
+def _kv_waste_fraction(report, block_size: int) -> float:
+    """Slots reserved but empty, plus free slots unusable for the next request, over the pool."""
+    stats = report.allocator_stats
+    total_slots = stats.num_blocks * block_size
+    unusable = getattr(stats, "num_free_slots_unusable", 0)
+    return (stats.num_token_slots_reserved_empty + unusable) / total_slots if total_slots else 0.0
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,62 @@
+"""The side-by-side table `servelab bench` prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+ROWS = [
+    ("output tokens/s", lambda m: _fmt(m.get("output_tokens_per_s"))),
+    ("requests/s", lambda m: _fmt(m.get("requests_per_s"), 2)),
+    ("TTFT p50/p90/p99 ms", lambda m: _trio(m.get("ttft_ms"))),
+    ("TPOT p50/p90/p99 ms", lambda m: _trio(m.get("tpot_ms"))),
+    ("e2e p50/p90/p99 ms", lambda m: _trio(m.get("e2e_ms"))),
+    ("goodput req/s", lambda m: _fmt(m.get("goodput_rps"), 2)),
+    ("KV utilisation", lambda m: _pct(m.get("kv_utilization"))),
+    ("KV waste", lambda m: _pct(m.get("kv_waste_fraction"))),
+    ("prefix hit rate", lambda m: _pct(m.get("prefix_hit_rate"))),
+    ("acceptance rate", lambda m: _pct(m.get("acceptance_rate"))),
+    ("slot-steps used", lambda m: _fmt(m.get("slot_steps_used"))),
+    ("slot-steps wasted", lambda m: _fmt(m.get("slot_steps_wasted"))),
+    ("preemptions", lambda m: _fmt(m.get("preemptions"))),
+]
+
+
+def _trio(values: dict | None) -> str:
+    if not values:
+        return "-"
+    return "/".join(_fmt(values[k], 0) for k in ("p50", "p90", "p99"))
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    columns = [(run["config"], run["metrics"]) for run in result["runs"]]
+    if "baseline" in result:
+        columns.append((result["baseline"]["config"], result["baseline"]["metrics"]))
+    label_width = max(len(label) for label, _ in ROWS)
+    cells = [[render(m) for _, render in ROWS] for _, m in columns]
+    widths = [max(len(name), *(len(c) for c in column)) for (name, _), column in zip(columns, cells)]
+    workload = result["workload"]
+    lines = [f"workload {workload['spec']}: {workload['num_requests']} requests, "
+             f"{workload['prompt_tokens']} prompt tokens, {workload['output_tokens']} output tokens",
+             " " * label_width + "  " + "  ".join(n.rjust(w) for (n, _), w in zip(columns, widths))]
+    for row, (label, _) in enumerate(ROWS):
+        lines.append(label.ljust(label_width) + "  " + "  ".join(c[row].rjust(w) for c, w in zip(cells, widths)))
+    if "baseline" in result:
+        base = result["baseline"]["metrics"]["output_tokens_per_s"]
+        for name, metrics in columns[:-1]:
+            lines.append(f"{name} / hf-static output tokens/s: {metrics['output_tokens_per_s'] / base:.2f}x")
+    for path in result.get("plots", []):
+        lines.append(f"plot: {path}")
+    return "\n".join(lines)

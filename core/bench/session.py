@@ -1,0 +1,144 @@
+"""One bench session: build an engine per config, run the workload through each
+(interleaved repetitions, warm-up excluded), optionally a transformers baseline and a
+request-rate sweep, and collect metrics, JSON and plots."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from servelab.bench import plots
+from servelab.bench.driver import RunRecord, StepRecorder, run_workload
+from servelab.bench.metrics import SLO, summarize
+from servelab.config import EngineConfig
+from servelab.registry import PluginRegistry
+from servelab.workload import Workload, build_workload, parse_spec
+
+
+@attrs.frozen
+class BenchOptions:
+    workload: str = "skewed"
+    repeats: int = 1
+    slo: SLO = SLO()
+    baseline: str | None = None
+    hf_batch_size: int | None = None
+    plots_dir: Path | None = None
+    rates: tuple[float, ...] = ()  # request rates (req/s) for a Poisson sweep
+    save_workload: Path | None = None
+
+
+class _Engine:
+    """An engine built from one config, with the recorder observing it."""
+
+    def __init__(self, name: str, config: EngineConfig) -> None:
+        from servelab.engine import LLMEngine
+
+        self.name = name
+        self.config = config
+        registry = PluginRegistry.from_entry_points()
+        self.recorder = StepRecorder()
+        registry.register(self.recorder)
+        self.engine = LLMEngine(config, registry)
+        self.recorder.clock = self.engine.clock
+
+
+def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) -> dict[str, Any]:
+    engines = [_Engine(name, config) for name, config in configs]
+    vocab_size = min(e.engine.model_config.vocab_size for e in engines)
+    workload = build_workload(options.workload, vocab_size)
+    if options.save_workload:
+        workload.save(options.save_workload)
+    _check_fits(workload, engines)
+    total = len(workload.requests) * (options.repeats * len(engines) + len(options.rates) * len(engines))
+    with _progress(total) as bar:
+        for e in engines:  # warm-up, excluded from every figure
+            run_workload(e.engine, e.recorder, Workload("warm-up", workload.requests[:4]), e.name)
+        per_config: dict[str, list[RunRecord]] = {e.name: [] for e in engines}
+        for _ in range(options.repeats):
+            for e in engines:  # interleaved: drift on a shared machine hits every config alike
+                per_config[e.name].append(run_workload(e.engine, e.recorder, workload, e.name, bar.update))
+        runs = []
+        chosen: list[RunRecord] = []
+        for e in engines:
+            summaries = [summarize(r, options.slo) for r in per_config[e.name]]
+            median = statistics.median_low([s["output_tokens_per_s"] for s in summaries])
+            index = [s["output_tokens_per_s"] for s in summaries].index(median)
+            chosen.append(per_config[e.name][index])
+            runs.append({"config": e.name, "metrics": summaries[index],
+                         "repeats_output_tokens_per_s": [s["output_tokens_per_s"] for s in summaries]})
+        sweep = _rate_sweep(engines, options, vocab_size, bar.update) if options.rates else {}
+    result: dict[str, Any] = {
+        "workload": {"spec": workload.name, "num_requests": len(workload.requests),
+                     "prompt_tokens": workload.num_prompt_tokens, "output_tokens": workload.num_output_tokens},
+        "slo": attrs.asdict(options.slo),
+        "runs": runs,
+    }
+    if options.baseline == "hf":
+        from servelab.bench.hf_baseline import run_hf_static
+
+        first = engines[0]
+        print("running the transformers baseline ...", file=sys.stderr)
+        result["baseline"] = {"config": "hf-static", "metrics": run_hf_static(
+            str(first.engine.checkpoint.path), first.config.engine.dtype, workload,
+            options.hf_batch_size or first.config.engine.max_num_seqs)}
+    if sweep:
+        result["rate_sweep"] = {name: [{"rate": rate, "metrics": m} for rate, m in points]
+                                for name, points in sweep.items()}
+    if options.plots_dir:
+        result["plots"] = _plots(options.plots_dir, chosen, sweep)
+    return result
+
+
+def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, update) -> dict[str, list]:
+    name, spec_options = parse_spec(options.workload)
+    sweep: dict[str, list] = {e.name: [] for e in engines}
+    for rate in options.rates:
+        spec_options.update(arrival="poisson", rate=rate)
+        spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in spec_options.items())
+        workload = build_workload(spec, vocab_size)
+        for e in engines:
+            record = run_workload(e.engine, e.recorder, workload, e.name, update)
+            sweep[e.name].append((rate, summarize(record, options.slo)))
+    return sweep
+
+
+def _plots(directory: Path, records: list[RunRecord], sweep: dict[str, list]) -> list[str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [plots.latency_cdfs(records, directory / "latency_cdf.png"),
+             plots.kv_blocks_over_time(records, directory / "kv_blocks.png")]
+    if sweep:
+        paths.append(plots.throughput_vs_rate(sweep, directory / "throughput_vs_rate.png"))
+    return [str(p) for p in paths]
+
+
+def _check_fits(workload: Workload, engines: list[_Engine]) -> None:
+    from servelab.errors import ConfigError
+
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)
+    for e in engines:
+        if longest > e.engine.limits.max_model_len:
+            raise ConfigError(f"workload has a request of {longest} tokens, over config {e.name!r}'s "
+                              f"max_model_len={e.engine.limits.max_model_len}; raise [engine] max_model_len")
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr, disable=None)

@@ -1,0 +1,113 @@
+"""`servelab bench`: workloads, metrics, a real side-by-side run, JSON and plots."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from servelab.bench.metrics import SLO, percentiles
+from servelab.bench.report import format_table
+from servelab.bench.session import BenchOptions, run_bench
+from servelab.config import EngineConfig
+from servelab.errors import ConfigError
+from servelab.workload import Workload, build_workload, lognormal_length
+
+
+def test_same_spec_same_requests_and_file_replay(tmp_path):
+    first = build_workload("skewed:num_requests=20,seed=3", 500)
+    assert build_workload("skewed:num_requests=20,seed=3", 500) == first
+    assert build_workload("skewed:num_requests=20,seed=4", 500) != first
+    path = tmp_path / "w.jsonl"
+    first.save(path)
+    replay = build_workload(f"file:{path}", 500)
+    assert replay.requests == first.requests
+    assert replay.name == first.name
+
+
+def test_lognormal_lengths_have_the_requested_mean():
+    rng = random.Random(0)
+    draws = [lognormal_length(rng, 100, 0.8, 1, 10_000) for _ in range(20_000)]
+    assert abs(sum(draws) / len(draws) - 100) < 3  # int() truncation costs ~0.5 on average
+
+
+def test_shared_prefix_groups_share_their_prefix():
+    workload = build_workload("shared-prefix:num_groups=2,prefix_len=50,num_requests=6,tail_len=5", 300)
+    prompts = [r.prompt_token_ids for r in workload.requests]
+    assert all(len(p) == 55 for p in prompts)
+    assert prompts[0][:50] == prompts[2][:50] == prompts[4][:50]
+    assert prompts[1][:50] == prompts[3][:50] != prompts[0][:50]
+    assert len({tuple(p[50:]) for p in prompts}) == 6
+
+
+def test_poisson_and_bursty_arrivals_are_ordered_at_the_rate():
+    poisson = build_workload("skewed:num_requests=400,arrival=poisson,rate=10", 300)
+    times = [r.arrival_time for r in poisson.requests]
+    assert times == sorted(times) and times[0] > 0
+    assert 400 / times[-1] == pytest.approx(10, rel=0.15)
+    bursty = build_workload("skewed:num_requests=32,arrival=bursty,rate=10,burst_size=8", 300)
+    assert len({r.arrival_time for r in bursty.requests}) == 4
+
+
+def test_long_burst_and_repetitive_shapes():
+    burst = build_workload("long-burst:num_long=2,long_len=300,num_short=6,short_len=10", 300)
+    assert sorted(len(r.prompt_token_ids) for r in burst.requests) == [10] * 6 + [300] * 2
+    rep = build_workload("repetitive:passage_len=40,num_requests=3", 300).requests[0].prompt_token_ids
+    assert rep[40:] == rep[: len(rep) - 40]
+
+
+@pytest.mark.parametrize("spec", ["nope", "skewed:num_requests", "skewed:bogus=1", "skewed:arrival=poisson"])
+def test_bad_workload_specs_are_config_errors(spec):
+    with pytest.raises(ConfigError):
+        build_workload(spec, 300)
+
+
+def test_percentiles_interpolate():
+    assert percentiles(list(range(101))) == {"p50": 50, "p90": 90, "p99": 99}
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_two_configs_side_by_side_with_json_and_plots(llama_checkpoint, tmp_path):
+    base = EngineConfig().with_overrides({"engine.model": llama_checkpoint, "engine.max_model_len": 128})
+    small = base.with_overrides({"engine.max_num_seqs": 2})
+    options = BenchOptions(workload="skewed:num_requests=8,mean_prompt_len=16,mean_output_len=8,max_len=64",
+                           repeats=2, slo=SLO(ttft_ms=1e9, tpot_ms=1e9), plots_dir=tmp_path / "plots",
+                           rates=(50.0,))
+    result = run_bench([("wide", base), ("narrow", small)], options)
+    wide, narrow = (run["metrics"] for run in result["runs"])
+    expected_tokens = result["workload"]["output_tokens"]
+    for metrics in (wide, narrow):
+        assert metrics["output_tokens"] == expected_tokens
+        assert metrics["goodput_rps"] == pytest.approx(metrics["requests_per_s"])  # the SLO admits all
+        assert metrics["slot_steps_used"] == expected_tokens  # one decode slot-step per generated token
+        assert 0 < metrics["kv_utilization"] < 1
+        assert metrics["ttft_ms"]["p50"] <= metrics["e2e_ms"]["p50"]
+    assert narrow["steps"] > wide["steps"]  # two sequences at a time need more steps
+    assert len(result["runs"][0]["repeats_output_tokens_per_s"]) == 2
+    assert [p["rate"] for p in result["rate_sweep"]["wide"]] == [50.0]
+    for path in result["plots"]:
+        with open(path, "rb") as handle:
+            assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    table = format_table(result)
+    assert "wide" in table and "narrow" in table and "TTFT p50/p90/p99 ms" in table
+    json.dumps(result)  # the --json output must serialise
+
+
+def test_cli_bench_writes_json(llama_checkpoint, tmp_path):
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "servelab.cli", "bench", "--model", llama_checkpoint,
+         "--set", "engine.max_model_len=128", "--workload", "skewed:num_requests=4,mean_prompt_len=8,mean_output_len=4,max_len=32",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    metrics = result["runs"][0]["metrics"]
+    for key in ("output_tokens_per_s", "ttft_ms", "tpot_ms", "e2e_ms", "goodput_rps", "kv_waste_fraction",
+                "prefix_hit_rate", "acceptance_rate", "slot_steps_used", "slot_steps_wasted", "preemptions"):
+        assert key in metrics
+    assert "output tokens/s" in proc.stdout
