@@ -111,3 +111,15 @@ def test_cli_bench_writes_json(llama_checkpoint, tmp_path):
                 "prefix_hit_rate", "acceptance_rate", "slot_steps_used", "slot_steps_wasted", "preemptions"):
         assert key in metrics
     assert "output tokens/s" in proc.stdout
+
+
+def test_hf_baseline_column_runs_interleaved(llama_checkpoint):
+    config = EngineConfig().with_overrides({"engine.model": llama_checkpoint, "engine.max_model_len": 128})
+    options = BenchOptions(workload="skewed:num_requests=6,mean_prompt_len=12,mean_output_len=6,max_len=48",
+                           repeats=2, baseline="hf", hf_batch_size=3)
+    result = run_bench([("servelab", config)], options)
+    baseline = result["baseline"]
+    assert baseline["config"] == "hf-static"
+    assert len(baseline["repeats_output_tokens_per_s"]) == 2
+    assert baseline["metrics"]["output_tokens"] == result["workload"]["output_tokens"]
+    assert "servelab / hf-static output tokens/s" in format_table(result)

@@ -9,16 +9,20 @@ from servelab.bench.metrics import percentiles
 from servelab.workload import BenchRequest, Workload
 
 
-def run_hf_static(checkpoint_dir: str, dtype: str, workload: Workload, batch_size: int) -> dict[str, Any]:
-    """Batches of `batch_size` in arrival order, left padded; a batch starts when its last
-    member has arrived and the previous batch is done, and runs until its longest request
-    is complete. Only the tokens each request asked for count as output."""
+def load_hf_model(checkpoint_dir: str, dtype: str) -> Any:
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=getattr(torch, dtype)).eval()
+    _generate(model, [BenchRequest([5, 6, 7], 2)])  # warm-up
+    return model
+
+
+def run_hf_static(model: Any, workload: Workload, batch_size: int) -> dict[str, Any]:
+    """Batches of `batch_size` in arrival order, left padded; a batch starts when its last
+    member has arrived and the previous batch is done, and runs until its longest request
+    is complete. Only the tokens each request asked for count as output."""
     requests = sorted(workload.requests, key=lambda r: r.arrival_time)
-    _generate(model, requests[:2])  # warm-up
     start = time.perf_counter()
     e2e_ms = []
     for i in range(0, len(requests), batch_size):

@@ -13,6 +13,7 @@ import attrs
 
 from servelab.bench import plots
 from servelab.bench.driver import RunRecord, StepRecorder, run_workload
+from servelab.bench.hf_baseline import run_hf_static
 from servelab.bench.metrics import SLO, summarize
 from servelab.config import EngineConfig
 from servelab.registry import PluginRegistry
@@ -57,10 +58,15 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
     with _progress(total) as bar:
         for e in engines:  # warm-up, excluded from every figure
             run_workload(e.engine, e.recorder, Workload("warm-up", workload.requests[:4]), e.name)
+        hf_model = _load_baseline(engines[0], options)
         per_config: dict[str, list[RunRecord]] = {e.name: [] for e in engines}
+        baseline_runs = []
         for _ in range(options.repeats):
             for e in engines:  # interleaved: drift on a shared machine hits every config alike
                 per_config[e.name].append(run_workload(e.engine, e.recorder, workload, e.name, bar.update))
+            if hf_model is not None:
+                baseline_runs.append(run_hf_static(hf_model, workload, options.hf_batch_size
+                                                   or engines[0].config.engine.max_num_seqs))
         runs = []
         chosen: list[RunRecord] = []
         for e in engines:
@@ -77,20 +83,25 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
         "slo": attrs.asdict(options.slo),
         "runs": runs,
     }
-    if options.baseline == "hf":
-        from servelab.bench.hf_baseline import run_hf_static
-
-        first = engines[0]
-        print("running the transformers baseline ...", file=sys.stderr)
-        result["baseline"] = {"config": "hf-static", "metrics": run_hf_static(
-            str(first.engine.checkpoint.path), first.config.engine.dtype, workload,
-            options.hf_batch_size or first.config.engine.max_num_seqs)}
+    if baseline_runs:
+        median = statistics.median_low([r["output_tokens_per_s"] for r in baseline_runs])
+        chosen_baseline = next(r for r in baseline_runs if r["output_tokens_per_s"] == median)
+        result["baseline"] = {"config": "hf-static", "metrics": chosen_baseline,
+                              "repeats_output_tokens_per_s": [r["output_tokens_per_s"] for r in baseline_runs]}
     if sweep:
         result["rate_sweep"] = {name: [{"rate": rate, "metrics": m} for rate, m in points]
                                 for name, points in sweep.items()}
     if options.plots_dir:
         result["plots"] = _plots(options.plots_dir, chosen, sweep)
     return result
+
+
+def _load_baseline(first: _Engine, options: BenchOptions) -> Any:
+    if options.baseline != "hf":
+        return None
+    from servelab.bench.hf_baseline import load_hf_model
+
+    return load_hf_model(str(first.engine.checkpoint.path), first.config.engine.dtype)
 
 
 def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, update) -> dict[str, list]:
