@@ -18,11 +18,11 @@ from servelab.config import EngineConfig, build_options
 from servelab.engine_setup import EngineLimits, resolve_limits
 from servelab.errors import RequestError
 from servelab.interfaces import AllocatorContext, AttentionContext, SchedulerContext, Sequence, StepPlan
-from servelab.model.loader import DTYPES, Checkpoint, load_model
+from servelab.model.loader import DTYPES
+from servelab.model.source import CheckpointSource, ModelSource
 from servelab.model.tokenizer import IncrementalDecoder
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepReport
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
-from servelab.runner import ModelRunner
 from servelab.sampler import sample
 from servelab.sampling_params import SamplingParams
 
@@ -42,15 +42,15 @@ class LLMEngine:
     """Owns the model runner and one policy of each kind; `step()` advances every request."""
 
     def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, source: ModelSource | None = None) -> None:
         self.config = config
         self.registry = registry or PluginRegistry.from_entry_points()
         self.clock = clock
         # Every name and option is checked before the (slow) model load.
         selected = {kind: self._select(kind, section) for kind, section in self._policy_sections()}
-        self.checkpoint = Checkpoint.open(config.engine.model)
-        self.tokenizer = self.checkpoint.tokenizer
-        self.model_config = self.checkpoint.config
+        self.source = source or CheckpointSource(config.engine.model)
+        self.tokenizer = self.source.tokenizer
+        self.model_config = self.source.model_config
         self.limits: EngineLimits = resolve_limits(config.engine, self.model_config)
         engine = config.engine
         device = torch.device(engine.device)
@@ -66,8 +66,8 @@ class LLMEngine:
             num_heads=self.model_config.num_heads, num_kv_heads=self.model_config.num_kv_heads,
             head_dim=self.model_config.head_dim, block_size=engine.block_size,
             num_blocks=self.limits.num_kv_blocks, dtype=dtype, device=device))
-        model = load_model(self.checkpoint, engine.dtype, engine.device, self.limits.max_model_len)
-        self.runner = ModelRunner(model, self.attention, self.limits.num_kv_blocks, engine.block_size, dtype, device)
+        self.runner = self.source.build_runner(self.attention, engine, self.limits.num_kv_blocks,
+                                               self.limits.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._sequences: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}

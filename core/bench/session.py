@@ -101,7 +101,7 @@ def _load_baseline(first: _Engine, options: BenchOptions) -> Any:
         return None
     from servelab.bench.hf_baseline import load_hf_model
 
-    return load_hf_model(str(first.engine.checkpoint.path), first.config.engine.dtype)
+    return load_hf_model(str(first.engine.source.path), first.config.engine.dtype)
 
 
 def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, update) -> dict[str, list]:
