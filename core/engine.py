@@ -17,7 +17,17 @@ import torch
 from servelab.config import EngineConfig, build_options
 from servelab.engine_setup import EngineLimits, resolve_limits
 from servelab.errors import RequestError
-from servelab.interfaces import AllocatorContext, AttentionContext, SchedulerContext, Sequence, StepPlan
+from servelab.interfaces import (
+    AllocatorContext,
+    AttentionContext,
+    ForkingAllocator,
+    ForkingScheduler,
+    PrefixCachingAllocator,
+    SchedulerContext,
+    Sequence,
+    SequenceStatus,
+    StepPlan,
+)
 from servelab.model.loader import DTYPES
 from servelab.model.source import CheckpointSource, ModelSource
 from servelab.model.tokenizer import IncrementalDecoder
@@ -32,7 +42,11 @@ _SECTION_OF_KIND = {"allocators": "allocator", "schedulers": "scheduler", "draft
 
 @attrs.frozen
 class StepResult:
-    """What a step produced: new tokens per request, and the requests it finished."""
+    """What a step produced: new tokens per sequence, and the requests it finished.
+
+    `new_token_ids` is keyed by sequence id: the request id, or "{request_id}#{i}" for
+    completion i > 0 of a request with SamplingParams.n > 1.
+    """
 
     new_token_ids: dict[str, list[int]]
     finished: list[RequestOutput]
@@ -69,7 +83,13 @@ class LLMEngine:
         self.runner = self.source.build_runner(self.attention, engine, self.limits.num_kv_blocks,
                                                self.limits.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        self._sequences: dict[str, Sequence] = {}
+        # Optional allocator capabilities, looked up once.
+        self._forking = self.allocator if isinstance(self.allocator, ForkingAllocator) else None
+        self._prefix_cache = self.allocator if isinstance(self.allocator, PrefixCachingAllocator) else None
+        self._sequences: dict[str, Sequence] = {}  # by sequence id, children of n > 1 requests included
+        self._groups: dict[str, list[Sequence]] = {}  # request id -> its n sequences, for n > 1
+        self._parent_of: dict[str, str] = {}  # child sequence id -> request id
+        self._unforked: set[str] = set()  # n > 1 requests that have not sampled their first tokens
         self._generators: dict[str, torch.Generator] = {}
         self._decoders: dict[str, IncrementalDecoder] = {}
         self._prompts: dict[str, str | None] = {}
@@ -123,7 +143,18 @@ class LLMEngine:
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         if params is not None and params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none")
+        if params is not None and params.n > 1:
+            self._check_can_fork(params.n)
         return self.encode_prompt(prompt)
+
+    def _check_can_fork(self, n: int) -> None:
+        lacking = []
+        if self._forking is None:
+            lacking.append(f"allocator {self.config.allocator.name!r} cannot fork (choose naive, paged or radix)")
+        if not isinstance(self.scheduler, ForkingScheduler):
+            lacking.append(f"scheduler {self.config.scheduler.name!r} cannot fork")
+        if lacking:
+            raise RequestError(f"n={n} samples by forking the prompt's KV, but {' and '.join(lacking)}")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
@@ -131,27 +162,42 @@ class LLMEngine:
         token_ids = self.validate_request(prompt, params)
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
-        if request_id in self._sequences:
-            raise RequestError(f"request id {request_id!r} is already in flight")
-        seq = Sequence(request_id, token_ids, params, arrival_time if arrival_time is not None else self.clock(),
-                       priority=priority)
-        self._sequences[request_id] = seq
+        arrival_time = arrival_time if arrival_time is not None else self.clock()
+        # Completion 0 is the request's own sequence; with n > 1 the others are forked
+        # from it once its prompt is computed (see _with_forks).
+        group = [Sequence(request_id if i == 0 else f"{request_id}#{i}", token_ids, params, arrival_time,
+                          priority=priority, completion_index=i) for i in range(params.n)]
+        for seq in group:
+            if seq.request_id in self._sequences:
+                raise RequestError(f"request id {seq.request_id!r} is already in flight")
+        for seq in group:
+            self._sequences[seq.request_id] = seq
+            if params.seed is not None:
+                self._generators[seq.request_id] = torch.Generator(device=self.runner.device).manual_seed(
+                    params.seed + seq.completion_index)
+            if self.tokenizer is not None:
+                self._decoders[seq.request_id] = IncrementalDecoder(self.tokenizer)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
-        if params.seed is not None:
-            self._generators[request_id] = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        if self.tokenizer is not None:
-            self._decoders[request_id] = IncrementalDecoder(self.tokenizer)
-        self.scheduler.add(seq)
+        if params.n > 1:
+            self._groups[request_id] = group
+            self._parent_of.update((child.request_id, request_id) for child in group[1:])
+            self._unforked.add(request_id)
+        self.scheduler.add(group[0])
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV; returns its output so far, or None."""
-        seq = self.scheduler.abort(request_id)
-        if seq is None:
+        if request_id not in self._sequences or request_id in self._parent_of:
             return None
-        seq.finish_reason = "abort"
-        seq.finish_time = self.clock()
-        return self._retire(seq)
+        now = self.clock()
+        for seq in self._groups.get(request_id, [self._sequences[request_id]]):
+            if seq.finish_reason is None:
+                self.scheduler.abort(seq.request_id)  # None for a child not yet forked
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+                seq.finish_time = now
+        self._unforked.discard(request_id)
+        return self._retire(self._sequences[request_id])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -161,7 +207,10 @@ class LLMEngine:
     def step(self) -> StepResult:
         t0 = self.clock()
         plan = self.scheduler.schedule()
+        copies = self._forking.take_block_copies() if self._forking is not None else ()
         t1 = self.clock()
+        if copies:  # copy-on-write: shared blocks are copied before anything writes this step
+            self.runner.copy_blocks(copies)
         if plan.is_empty:
             return StepResult({}, [])
         self._note_scheduled(plan, t1)
@@ -170,22 +219,52 @@ class LLMEngine:
         logits = self.runner.execute(inputs)
         t3 = self.clock()
         sampled = [plan.scheduled[row][0] for row in inputs.sampled_seq_rows]
+        logits, sampled, forks = self._with_forks(logits, sampled)
         token_ids = sample(logits, [s.params for s in sampled],
                            [self._generators.get(s.request_id) for s in sampled], self._default_generator)
         t4 = self.clock()
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
+        if self._prefix_cache is not None:
+            for seq, _ in plan.scheduled:
+                self._prefix_cache.cache_blocks(seq)
         new_tokens = {}
         finished = []
         for seq, token_id in zip(sampled, token_ids):
             new_tokens[seq.request_id] = [token_id]
             if self._append_token(seq, token_id, t4):
                 finished.append(seq)
+        for parent, children in forks:  # before `finish`, which may free the parent's KV
+            self.scheduler.fork(parent, [child for child in children if child.finish_reason is None])
         self.scheduler.finish(finished)
-        outputs = [self._retire(seq) for seq in finished]
+        outputs = [output for output in map(self._retire, finished) if output is not None]
         t5 = self.clock()
         self._report(plan, len(finished), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4))
         return StepResult(new_tokens, outputs)
+
+    def _with_forks(self, logits: torch.Tensor, sampled: list[Sequence]):
+        """Parallel sampling: a request with n > 1 samples all n first tokens from its one
+        prefill's logits row; its n - 1 children are forked from it after this step.
+
+        Returns the logits rows, the sequences they sample for, and (parent, children) pairs.
+        """
+        if not self._unforked or not any(seq.request_id in self._unforked for seq in sampled):
+            return logits, sampled, []
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        forks = []
+        for row, seq in enumerate(sampled):
+            rows.append(row)
+            seqs.append(seq)
+            if seq.request_id in self._unforked:
+                self._unforked.discard(seq.request_id)
+                children = self._groups[seq.request_id][1:]
+                for child in children:
+                    child.first_scheduled_time = seq.first_scheduled_time
+                rows.extend([row] * len(children))
+                seqs.extend(children)
+                forks.append((seq, children))
+        return logits[torch.tensor(rows, device=logits.device)], seqs, forks
 
     def _note_scheduled(self, plan: StepPlan, now: float) -> None:
         for seq, _ in plan.scheduled:
@@ -219,28 +298,43 @@ class LLMEngine:
                 return True
         return False
 
-    def _retire(self, seq: Sequence) -> RequestOutput:
-        request_id = seq.request_id
-        del self._sequences[request_id]
-        self._generators.pop(request_id, None)
-        self._decoders.pop(request_id, None)
-        prompt = self._prompts.pop(request_id, None)
+    def _retire(self, seq: Sequence) -> RequestOutput | None:
+        """The request's output once all its sequences have finished, else None."""
+        if seq.request_id not in self._sequences:
+            return None  # retired with its siblings earlier in this step
+        request_id = self._parent_of.get(seq.request_id, seq.request_id)
+        group = self._groups.get(request_id, [seq])
+        if any(s.finish_reason is None for s in group):
+            return None  # parallel sampling: siblings still running
+        self._groups.pop(request_id, None)
+        for s in group:
+            del self._sequences[s.request_id]
+            self._generators.pop(s.request_id, None)
+            self._decoders.pop(s.request_id, None)
+            self._parent_of.pop(s.request_id, None)
+        first = group[0]
+        output = RequestOutput(
+            request_id=request_id,
+            prompt=self._prompts.pop(request_id, None),
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(s) for s in group],
+            metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time,
+                                   min((s.first_token_time for s in group if s.first_token_time is not None),
+                                       default=None),
+                                   max((s.finish_time for s in group if s.finish_time is not None), default=None),
+                                   sum(s.num_preemptions for s in group)),
+        )
+        self.registry.hook.servelab_request_finished(engine=self, output=output)
+        logger.debug("request.finished", request_id=request_id, finish_reason=first.finish_reason,
+                     prompt_tokens=len(first.prompt_token_ids), output_tokens=len(first.output_token_ids))
+        return output
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
         if seq.output_text or (seq.params.stop and seq.finish_reason == "stop"):
             text = seq.output_text
         else:
             text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
-        output = RequestOutput(
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, list(seq.output_token_ids), text, seq.finish_reason)],
-            metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                   seq.finish_time, seq.num_preemptions),
-        )
-        self.registry.hook.servelab_request_finished(engine=self, output=output)
-        logger.debug("request.finished", request_id=request_id, finish_reason=seq.finish_reason,
-                     prompt_tokens=len(seq.prompt_token_ids), output_tokens=len(seq.output_token_ids))
-        return output
+        return CompletionOutput(seq.completion_index, list(seq.output_token_ids), text, seq.finish_reason)
 
     def _report(self, plan: StepPlan, num_finished: int, seconds: tuple[float, ...]) -> None:
         self._step_index += 1

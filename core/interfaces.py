@@ -23,7 +23,10 @@ __all__ = [
     "AttentionMetadata",
     "Drafter",
     "DrafterContext",
+    "ForkingAllocator",
+    "ForkingScheduler",
     "KVAllocator",
+    "PrefixCachingAllocator",
     "Scheduler",
     "SchedulerContext",
     "SchedulerStats",
@@ -47,16 +50,36 @@ class AllocatorContext:
 
 @attrs.frozen
 class AllocatorStats:
-    """The same numbers from every allocator, in blocks and token slots."""
+    """The same numbers from every allocator, in blocks and token slots.
+
+    Blocks: num_used_blocks + num_free_blocks + num_cached_blocks == num_blocks.
+    Slots of used blocks: num_token_slots_used + num_token_slots_reserved_empty ==
+    num_used_blocks * block_size. Wasted KV = reserved-but-empty (internal) plus
+    free-but-unusable (external fragmentation).
+    """
 
     num_blocks: int
     num_used_blocks: int  # held by at least one sequence (or reserved for one)
-    num_free_blocks: int  # allocatable right now
-    num_cached_blocks: int = 0  # unreferenced but kept for prefix reuse
-    num_token_slots_used: int = 0  # slots holding a token's K/V
-    num_token_slots_reserved_empty: int = 0  # reserved for a sequence, no token yet
-    prefix_hit_tokens: int = 0
-    prefix_lookup_tokens: int = 0
+    num_free_blocks: int  # on the free list: allocatable without evicting anything
+    num_cached_blocks: int = 0  # held by no sequence, kept for prefix reuse; evictable
+    num_token_slots_used: int = 0  # slots of used blocks holding a token's K/V
+    num_token_slots_reserved_empty: int = 0  # in used blocks, no token yet (internal waste)
+    num_free_slots_unusable: int = 0  # free, but no new sequence could use them (external fragmentation)
+    prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    prefix_lookup_tokens: int = 0  # tokens of the sequences looked up in the prefix cache
+    num_prefix_lookups: int = 0  # sequences looked up (one per admission)
+    block_size: int = 0  # slots per block
+
+    @property
+    def num_wasted_slots(self) -> int:
+        """Reserved-but-empty plus free-but-unusable slots."""
+        return self.num_token_slots_reserved_empty + self.num_free_slots_unusable
+
+    @property
+    def waste_fraction(self) -> float:
+        """Wasted slots as a fraction of the whole pool."""
+        total = self.num_blocks * self.block_size
+        return self.num_wasted_slots / total if total else 0.0
 
 
 @runtime_checkable
@@ -81,6 +104,52 @@ class KVAllocator(Protocol):
 
     def stats(self) -> AllocatorStats:
         """Current usage."""
+
+
+@runtime_checkable
+class ForkingAllocator(Protocol):
+    """Capability: sequences share blocks (fork), copy-on-write, and roll back.
+
+    A write into a block another holder can read is preceded by a copy of that block
+    into a fresh one: `allocate` performs the bookkeeping and queues (source,
+    destination) block pairs, which the engine drains with `take_block_copies` and the
+    runner performs, in order, before the step's forward pass.
+    """
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """Give `child_id` (holding nothing) the KV of all of `parent_id`'s tokens.
+
+        Returns False, changing nothing, when there is not enough free memory.
+        """
+
+    def rollback(self, seq_id: str, num_slots: int) -> None:
+        """Forget the last `num_slots` token slots of `seq_id` (rejected drafts)."""
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block copies queued since the last call, in order."""
+
+    def ref_count(self, block_id: int) -> int:
+        """How many sequences' block tables hold `block_id`."""
+
+
+@runtime_checkable
+class PrefixCachingAllocator(Protocol):
+    """Capability: blocks of already computed token prefixes are reused.
+
+    Only full blocks of verified tokens (prompt and accepted output, never drafts)
+    are cached, so a sequence never writes into a cached block without copy-on-write.
+    """
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give `seq` (holding nothing) the cached blocks of its longest cached prefix.
+
+        Returns the number of tokens they hold: a multiple of the block size, and
+        below seq.num_tokens so at least one token is computed to yield logits. The
+        scheduler sets num_computed_tokens to it; `free` undoes the match.
+        """
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Make `seq`'s full blocks of computed tokens reusable by later sequences."""
 
 
 # ---------------------------------------------------------------- scheduling
@@ -153,6 +222,19 @@ class Scheduler(Protocol):
         """Current queue lengths and counters."""
 
 
+@runtime_checkable
+class ForkingScheduler(Protocol):
+    """Capability: parallel sampling (SamplingParams.n > 1) by forking a sequence."""
+
+    def fork(self, parent: Sequence, children: Seq[Sequence]) -> None:
+        """Run `children` alongside `parent`, whose prompt they share, from the next step.
+
+        Called after the step that sampled every sequence's first token. Each child
+        gets the parent's KV through the allocator's fork; a child that cannot (no
+        memory) queues to recompute its prompt instead.
+        """
+
+
 # ---------------------------------------------------------------- drafting
 
 
@@ -218,6 +300,9 @@ class AttentionBackend(Protocol):
 
     def kv_cache_shape(self) -> tuple[int, ...]:
         """Shape of one layer's key (and value) cache holding context.num_blocks blocks."""
+
+    def kv_cache_block_dim(self) -> int:
+        """The dimension of kv_cache_shape() that allocator block ids index (block copies use it)."""
 
     def prepare(self, metadata: AttentionMetadata) -> Any:
         """Per-step precomputation shared by every layer (gather indices, masks)."""

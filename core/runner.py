@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence as Seq
 
 import attrs
 import numpy as np
@@ -33,6 +33,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = backend.kv_cache_shape()
+        self.block_dim = backend.kv_cache_block_dim()  # the dimension block ids index
         # The runner owns the cache; allocators only hand out block ids into it.
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -87,6 +88,26 @@ class ModelRunner:
             logits_indices=to_device(np.asarray(logits_indices, dtype=np.int64)),
             sampled_seq_rows=sampled_rows,
         )
+
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination), in order, in every layer's K and V cache.
+
+        Copy-on-write hands these out before a step; the order matters when a block is the
+        destination of one copy and the source of a later one, so only independent copies
+        are batched into one gather and one scatter.
+        """
+        sources = [source for source, _ in copies]
+        destinations = [destination for _, destination in copies]
+        if len(set(destinations)) == len(destinations) and set(sources).isdisjoint(destinations):
+            batches = [(sources, destinations)]
+        else:
+            batches = [([source], [destination]) for source, destination in copies]
+        for batch_sources, batch_destinations in batches:
+            index_from = torch.tensor(batch_sources, dtype=torch.int64, device=self.device)
+            index_to = torch.tensor(batch_destinations, dtype=torch.int64, device=self.device)
+            for key_cache, value_cache in self.kv_caches:
+                for cache in (key_cache, value_cache):
+                    cache.index_copy_(self.block_dim, index_to, cache.index_select(self.block_dim, index_from))
 
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [S, vocab] float32 for the rows in inputs.logits_indices."""

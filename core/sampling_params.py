@@ -23,9 +23,11 @@ class SamplingParams:
     top-p, min_p 0 disables min-p. `seed` makes the request reproducible
     regardless of what else shares its batch. `stop` strings and `stop_token_ids`
     end the output with finish_reason "stop"; so does the tokenizer's EOS unless
-    `ignore_eos`.
+    `ignore_eos`. `n` > 1 samples n completions of the one prompt (its KV is computed
+    once and forked); completion i of a seeded request uses seed + i.
     """
 
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -41,6 +43,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise RequestError naming the first invalid field."""
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:

@@ -40,6 +40,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # Which of its request's n completions this sequence is (parallel sampling).
+    completion_index: int = 0
     # Text decoded so far, kept only for requests that need it (stop strings, streaming).
     output_text: str = ""
 

@@ -8,8 +8,18 @@ from servelab.plugin_types import AllocatorPlugin
 def servelab_register_allocators():
     return [
         AllocatorPlugin(
+            name="naive",
+            factory="servelab.plugins.allocators.naive:NaiveAllocator",
+            description="one contiguous max_model_len reservation per sequence, first fit (pre-PagedAttention)",
+        ),
+        AllocatorPlugin(
             name="paged",
             factory="servelab.plugins.allocators.paged:PagedAllocator",
-            description="PagedAttention block tables: blocks on demand from a free list",
+            description="PagedAttention block tables: ref-counted blocks on demand, fork and copy-on-write",
+        ),
+        AllocatorPlugin(
+            name="radix",
+            factory="servelab.plugins.allocators.radix:RadixAllocator",
+            description="paged blocks plus a radix-tree prefix cache: shared prompt prefixes computed once",
         ),
     ]

@@ -52,6 +52,9 @@ class TorchPagedAttention:
         context = self.context
         return (context.num_kv_heads, context.num_blocks, context.block_size, context.head_dim)
 
+    def kv_cache_block_dim(self) -> int:
+        return 1
+
     def prepare(self, metadata: AttentionMetadata) -> _Prepared:
         is_decode = metadata.query_lens == 1
         groups = []

@@ -4,6 +4,11 @@ Every step: running sequences advance first, in admission order; then waiting on
 admitted FCFS while a sequence slot, token budget and KV room remain. When the KV pool
 runs dry, the most recently admitted sequence is preempted by recompute: its blocks
 are freed and it rejoins the front of the queue with its generated tokens kept.
+
+With a prefix-caching allocator, an admitted sequence starts from its longest cached
+prefix and only the rest of its prompt is computed. Forked sequences (parallel
+sampling) join the running batch behind everyone else; past max_num_seqs, the newest
+are preempted at the next step.
 """
 
 from __future__ import annotations
@@ -12,7 +17,15 @@ from collections import deque
 from typing import Any, Sequence as Seq
 
 from servelab.errors import ConfigError
-from servelab.interfaces import SchedulerContext, SchedulerStats, Sequence, SequenceStatus, StepPlan
+from servelab.interfaces import (
+    ForkingAllocator,
+    PrefixCachingAllocator,
+    SchedulerContext,
+    SchedulerStats,
+    Sequence,
+    SequenceStatus,
+    StepPlan,
+)
 
 
 class ContinuousScheduler:
@@ -25,6 +38,7 @@ class ContinuousScheduler:
             )
         self.context = context
         self.allocator = context.allocator
+        self.prefix_cache = context.allocator if isinstance(context.allocator, PrefixCachingAllocator) else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -48,6 +62,10 @@ class ContinuousScheduler:
         budget = self.context.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
+        while len(self.running) > self.context.max_num_seqs:  # forks overfilled the batch
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -81,8 +99,8 @@ class ContinuousScheduler:
     def _admit(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> int:
         while self.waiting and len(self.running) < self.context.max_num_seqs:
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
-            if num_new > budget or not self.allocator.allocate(seq.request_id, num_new):
+            num_new = self._try_allocate(seq, budget)
+            if not num_new:
                 break  # FCFS: the head of the queue waits; nobody overtakes it
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -90,6 +108,32 @@ class ContinuousScheduler:
             scheduled.append((seq, num_new))
             budget -= num_new
         return budget
+
+    def _try_allocate(self, seq: Sequence, budget: int) -> int:
+        """Allocate a waiting sequence's uncomputed tokens (after any prefix-cache hit);
+        how many it computes this step, or 0, holding nothing, if they do not fit."""
+        if self.prefix_cache is not None and seq.num_computed_tokens == 0:
+            seq.num_computed_tokens = self.prefix_cache.match_prefix(seq)
+        num_new = seq.num_uncomputed_tokens
+        if num_new <= budget and self.allocator.allocate(seq.request_id, seq.num_tokens):
+            return num_new
+        self.allocator.free(seq.request_id)  # lets go of the matched prefix
+        seq.num_computed_tokens = 0
+        return 0
+
+    def fork(self, parent: Sequence, children: Seq[Sequence]) -> None:
+        allocator: ForkingAllocator = self.allocator  # the engine admits n > 1 only if it forks
+        requeue = []
+        for child in children:
+            if allocator.fork(parent.request_id, child.request_id):
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            else:  # no memory for a copy: recompute the prompt later, like a preempted sequence
+                child.num_computed_tokens = 0
+                child.status = SequenceStatus.WAITING
+                requeue.append(child)
+        self.waiting.extendleft(reversed(requeue))
 
     def finish(self, seqs: Seq[Sequence]) -> None:
         done = {id(seq) for seq in seqs}

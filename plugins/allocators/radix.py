@@ -1,0 +1,125 @@
+"""The radix allocator: paged blocks plus a prefix cache (SGLang's RadixAttention,
+vLLM's automatic prefix caching).
+
+Full blocks of computed tokens enter a radix tree keyed by their tokens (`cache_blocks`,
+called by the engine after every step). A new sequence starts from the blocks of its
+longest cached prefix (`match_prefix`, called by the scheduler at admission), so only
+the uncached tail is computed. A finished sequence's cached blocks stay in the tree;
+blocks no sequence holds are evicted, least recently used leaves first, only when the
+free list runs dry. Cached blocks are never written: a write into one (possible only
+after a rollback) copies it first, like any shared block.
+
+Invariant that makes every unheld cached block evictable: the cached blocks a sequence
+holds are the first `num_cached_blocks` of its table, a path from the tree's root, so a
+held block's ancestors are held too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from servelab.interfaces import AllocatorContext, AllocatorStats, Sequence
+from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
+from servelab.plugins.allocators.radix_tree import RadixTree
+
+
+class RadixAllocator(PagedAllocator):
+    def __init__(self, options: Any, context: AllocatorContext) -> None:
+        super().__init__(options, context)
+        self.tree = RadixTree()
+        self._num_cached = 0  # blocks in the tree that no sequence holds
+        self._pending_lookups: dict[str, tuple[int, int]] = {}  # seq id -> (hit, looked-up) tokens
+        self._hit_tokens = 0
+        self._lookup_tokens = 0
+        self._num_lookups = 0
+
+    # ------------------------------------------------------------ PrefixCachingAllocator
+
+    def match_prefix(self, seq: Sequence) -> int:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"match_prefix: {seq.request_id!r} already holds KV blocks")
+        block_size = self.block_size
+        # At least one token must be computed to produce logits.
+        max_blocks = (seq.num_tokens - 1) // block_size
+        chunks = (tuple(seq.token_slice(i * block_size, (i + 1) * block_size)) for i in range(max_blocks))
+        blocks = self.tree.match(chunks)
+        for block in blocks:
+            self._hold(block)
+        num_hit = len(blocks) * block_size
+        self._seqs[seq.request_id] = SeqBlocks(blocks, num_hit, num_cached_blocks=len(blocks))
+        self._pending_lookups[seq.request_id] = (num_hit, seq.num_tokens)
+        return num_hit
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        state = self._seqs.get(seq.request_id)
+        if state is None or state.caching_stopped:
+            return
+        block_size = self.block_size
+        num_full = min(seq.num_computed_tokens, state.num_tokens) // block_size
+        if num_full <= state.num_cached_blocks:
+            return
+        table = state.table
+        for index in range(state.num_cached_blocks, num_full):
+            parent = table[index - 1] if index else None
+            chunk = tuple(seq.token_slice(index * block_size, (index + 1) * block_size))
+            if self.tree.insert(parent, chunk, table[index]) != table[index]:
+                # Another sequence cached these tokens first; ours stays private, and so
+                # do our later blocks (the tree path must run through blocks we hold).
+                state.caching_stopped = True
+                return
+            state.num_cached_blocks = index + 1
+
+    # ------------------------------------------------------------ KVAllocator
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        if not super().allocate(seq_id, num_tokens):
+            return False
+        lookup = self._pending_lookups.pop(seq_id, None)
+        if lookup is not None:  # a lookup counts once its sequence is admitted
+            self._hit_tokens += lookup[0]
+            self._lookup_tokens += lookup[1]
+            self._num_lookups += 1
+        return True
+
+    def free(self, seq_id: str) -> None:
+        self._pending_lookups.pop(seq_id, None)
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.num_cached_blocks:
+            self.tree.touch(seq.table[seq.num_cached_blocks - 1])  # its prefix was just in use
+        super().free(seq_id)
+
+    def stats(self) -> AllocatorStats:
+        return attrs.evolve(super().stats(), prefix_hit_tokens=self._hit_tokens,
+                            prefix_lookup_tokens=self._lookup_tokens, num_prefix_lookups=self._num_lookups)
+
+    # ------------------------------------------------------------ paged hooks
+
+    def _is_shared(self, block: int) -> bool:
+        return self._ref_counts[block] > 1 or block in self.tree
+
+    def _num_available(self) -> int:
+        return len(self._free_blocks) + self._num_cached
+
+    def _take_blocks(self, count: int) -> list[int]:
+        shortfall = count - len(self._free_blocks)
+        if shortfall > 0:
+            for block in self.tree.evict(shortfall, self._is_unheld):
+                self._num_cached -= 1
+                self._filled[block] = 0
+                self._free_blocks.append(block)
+        return super()._take_blocks(count)
+
+    def _held(self, block: int) -> None:
+        if block in self.tree:
+            self._num_cached -= 1
+
+    def _unheld(self, block: int) -> None:
+        if block in self.tree:
+            self._num_cached += 1  # stays cached, and full
+        else:
+            super()._unheld(block)
+
+    def _is_unheld(self, block: int) -> bool:
+        return self._ref_counts[block] == 0

@@ -1,0 +1,199 @@
+"""A radix tree from token prefixes to the KV blocks that hold them.
+
+Pure bookkeeping: it maps chunks of `block_size` tokens to block ids and knows
+nothing of tensors or reference counts, so it builds and prints on its own:
+
+    >>> tree = RadixTree()
+    >>> tree.insert(None, (1, 2), 10), tree.insert(10, (3, 4), 11), tree.insert(10, (5, 6), 12)
+    (10, 11, 12)
+    >>> print(tree)
+    RadixTree: 3 blocks, 3 nodes
+    └── [10] 1 2  (used 1)
+        ├── [11] 3 4  (used 2)
+        └── [12] 5 6  (used 3)
+
+Each edge holds a run of chunks (one per block); a run splits where two prefixes part,
+so a node's blocks are always a unit of shared history. The path from the root to a
+block spells the whole prefix whose last chunk the block holds: a hit is confirmed
+token by token, never trusted to a hash alone.
+
+Eviction order (`evict`): the least recently used leaf first, and within a leaf its
+last block first, so a prefix is never evicted before its extensions. Ties go to the
+older node. A node counts as used when a lookup passes through it, a block is
+inserted into it, or `touch` is called on one of its blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable, Iterable
+
+Chunk = tuple[int, ...]
+
+
+class _Node:
+    __slots__ = ("key", "chunks", "blocks", "parent", "children", "last_used", "node_id")
+
+    def __init__(self, chunks: list[Chunk], blocks: list[int], parent: "_Node | None", last_used: int,
+                 node_id: int) -> None:
+        self.key = chunks[0] if chunks else None  # the first chunk: this node's edge label in parent.children
+        self.chunks = chunks
+        self.blocks = blocks
+        self.parent = parent
+        self.children: dict[Chunk, _Node] = {}
+        self.last_used = last_used
+        self.node_id = node_id
+
+    def eviction_key(self) -> tuple[int, int]:
+        """Least recently used first; among equals, the older node."""
+        return (self.last_used, self.node_id)
+
+
+class RadixTree:
+    """Chunk sequences -> block ids, with LRU leaf-first eviction."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self.root = _Node([], [], None, 0, next(self._ids))
+        self._node_of: dict[int, _Node] = {}  # block id -> node holding it
+        self._clock = 0
+
+    def __len__(self) -> int:
+        """Blocks in the tree."""
+        return len(self._node_of)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._node_of
+
+    def match(self, chunks: Iterable[Chunk]) -> list[int]:
+        """Blocks holding the longest cached prefix of `chunks`; marks that path used."""
+        now = self._tick()
+        node, position = self.root, 0
+        blocks: list[int] = []
+        for chunk in chunks:
+            if position == len(node.chunks):
+                child = node.children.get(chunk)
+                if child is None:
+                    break
+                node, position = child, 0
+            elif node.chunks[position] != chunk:
+                break
+            blocks.append(node.blocks[position])
+            position += 1
+            node.last_used = now
+        return blocks
+
+    def insert(self, parent_block: int | None, chunk: Chunk, block: int) -> int:
+        """Cache `block` as holding `chunk` right after `parent_block` (None: at the root).
+
+        Returns the block now cached for that prefix: `block`, or the block that already
+        held the same chunk there (then `block` is not cached).
+        """
+        now = self._tick()
+        if parent_block is None:
+            node, position = self.root, 0
+        else:
+            node = self._node_of[parent_block]
+            position = node.blocks.index(parent_block) + 1
+        if position < len(node.chunks):
+            if node.chunks[position] == chunk:
+                self._touch_path(node, now)
+                return node.blocks[position]
+            self._split(node, position)
+        self._touch_path(node, now)
+        child = node.children.get(chunk)
+        if child is not None:
+            child.last_used = now
+            return child.blocks[0]
+        if block in self._node_of:
+            raise ValueError(f"block {block} is already cached for another prefix")
+        if node is not self.root and not node.children:
+            node.chunks.append(chunk)  # extend a leaf's run in place
+            node.blocks.append(block)
+        else:
+            node = self._add_child(node, [chunk], [block], now)
+        self._node_of[block] = node
+        return block
+
+    def touch(self, block: int) -> None:
+        """Mark the prefix ending at `block` as just used."""
+        self._touch_path(self._node_of[block], self._tick())
+
+    def evict(self, count: int, can_evict: Callable[[int], bool]) -> list[int]:
+        """Remove up to `count` blocks for which `can_evict` holds, LRU leaves first,
+        each leaf from its last block; returns them in eviction order."""
+        heap = [(leaf.eviction_key(), leaf) for leaf in self._leaves() if can_evict(leaf.blocks[-1])]
+        heapq.heapify(heap)
+        evicted: list[int] = []
+        while heap and len(evicted) < count:
+            _, node = heapq.heappop(heap)
+            while node.blocks and len(evicted) < count and can_evict(node.blocks[-1]):
+                node.chunks.pop()
+                block = node.blocks.pop()
+                del self._node_of[block]
+                evicted.append(block)
+            if node.blocks:
+                continue
+            parent = node.parent
+            del parent.children[node.key]
+            if parent is not self.root and not parent.children and can_evict(parent.blocks[-1]):
+                heapq.heappush(heap, (parent.eviction_key(), parent))
+        return evicted
+
+    def format(self, max_tokens: int = 8) -> str:
+        """The tree, one node per line: its blocks, the first tokens of its run, last use."""
+        num_nodes = sum(1 for _ in self._nodes()) - 1
+        lines = [f"RadixTree: {len(self)} blocks, {num_nodes} nodes"]
+        self._format_children(self.root, "", lines, max_tokens)
+        return "\n".join(lines)
+
+    __str__ = format
+
+    # ------------------------------------------------------------ internals
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _touch_path(self, node: _Node | None, now: int) -> None:
+        while node is not None and node is not self.root:
+            node.last_used = now
+            node = node.parent
+
+    def _add_child(self, parent: _Node, chunks: list[Chunk], blocks: list[int], now: int) -> _Node:
+        child = _Node(chunks, blocks, parent, now, next(self._ids))
+        parent.children[child.key] = child
+        return child
+
+    def _split(self, node: _Node, position: int) -> None:
+        """Cut `node`'s run before `position`; the tail becomes its only child."""
+        tail = _Node(node.chunks[position:], node.blocks[position:], node, node.last_used, next(self._ids))
+        tail.children = node.children
+        for child in tail.children.values():
+            child.parent = tail
+        for block in tail.blocks:
+            self._node_of[block] = tail
+        del node.chunks[position:]
+        del node.blocks[position:]
+        node.children = {tail.key: tail}
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _leaves(self):
+        return (node for node in self._nodes() if not node.children and node is not self.root)
+
+    def _format_children(self, node: _Node, indent: str, lines: list[str], max_tokens: int) -> None:
+        children = sorted(node.children.values(), key=lambda n: n.node_id)
+        for i, child in enumerate(children):
+            last = i == len(children) - 1
+            tokens = [t for chunk in child.chunks for t in chunk]
+            shown = " ".join(map(str, tokens[:max_tokens])) + (" ..." if len(tokens) > max_tokens else "")
+            blocks = ",".join(map(str, child.blocks))
+            lines.append(f"{indent}{'└── ' if last else '├── '}[{blocks}] {shown}  (used {child.last_used})")
+            self._format_children(child, indent + ("    " if last else "│   "), lines, max_tokens)
