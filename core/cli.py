@@ -1,9 +1,10 @@
-"""The `servelab` command: list plugins, generate text."""
+"""The `servelab` command: list plugins, generate text, benchmark, serve."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence as Seq
 
@@ -63,6 +64,19 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--plots", dest="plots_dir", help="write PNG plots into this directory")
     bench.add_argument("--save-workload", help="write the generated workload as JSONL (replay with file:PATH)")
     bench.set_defaults(handler=_cmd_bench)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    _add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--api-key", default=os.environ.get("SERVELAB_API_KEY") or None,
+                       help="require `Authorization: Bearer KEY` on /v1/* (default: $SERVELAB_API_KEY)")
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="queued sequences beyond which requests get 429 with Retry-After (default 256)")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 10)")
+    serve.set_defaults(handler=_cmd_serve)
     return parser
 
 
@@ -152,6 +166,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as handle:
             json.dump(result, handle, indent=2)
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from servelab.server.serve import ServerOptions, run_server
+
+    options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
+                            served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                            shutdown_timeout=args.shutdown_timeout)
+    return run_server(load_config(args), options)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ class Tokenizer:
         file = path / "tokenizer.json"
         return cls(file) if file.is_file() else None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # add_special_tokens=False for text that already holds them (a rendered chat template)
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -1,0 +1,255 @@
+"""The engine on a thread of its own, driven from asyncio.
+
+`LLMEngine.step()` runs the model synchronously, so one dedicated thread owns the engine
+and makes every call on it. The event loop hands it commands (add a group of requests,
+abort some, stop) through a queue; the thread hands back each step's results, the
+requests' events and a stats snapshot, in one `call_soon_threadsafe` callback per step.
+The thread steps while any request is in flight and blocks on the queue when none is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any, Callable, Iterable, Sequence as Seq
+
+import attrs
+import structlog
+
+from servelab.errors import RequestError, ServelabError
+from servelab.interfaces import AllocatorStats, SchedulerStats
+from servelab.outputs import RequestOutput
+from servelab.sampling_params import SamplingParams
+
+logger = structlog.get_logger(__name__)
+
+
+class EngineUnavailable(ServelabError):
+    """The engine loop is stopping or has failed; no new request can start."""
+
+
+@attrs.frozen
+class RequestEvent:
+    """What one step did for one request."""
+
+    new_token_ids: tuple[int, ...] = ()
+    output: RequestOutput | None = None  # set once, when the request finished or was aborted
+    error: str | None = None  # the engine failed; the request is gone
+
+    @property
+    def is_last(self) -> bool:
+        return self.output is not None or self.error is not None
+
+
+@attrs.frozen
+class EngineSnapshot:
+    """The engine's counters after a loop iteration (read on the event loop, never live)."""
+
+    scheduler: SchedulerStats
+    allocator: AllocatorStats
+    num_added: int  # sequences the engine thread has taken off the command queue so far
+
+
+@attrs.frozen
+class NewRequest:
+    """One sequence to add: the engine request id, the prompt (text or ids), its params."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+Events = dict[str, RequestEvent]
+Listener = Callable[[Events, EngineSnapshot], None]
+
+
+class AsyncEngine:
+    """Owns the engine thread. Every method is called from the event loop's thread."""
+
+    def __init__(self, engine: Any, listener: Listener | None = None) -> None:
+        self.engine = engine
+        self._listener = listener
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._num_submitted = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.snapshot = _snapshot(engine, 0)
+        self.error: str | None = None  # set when the engine failed
+        self.stopping = False
+
+    # ------------------------------------------------------------ event loop side
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="servelab-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued but not yet running, counting adds the thread has not taken yet."""
+        return self.snapshot.scheduler.num_waiting + self._num_submitted - self.snapshot.num_added
+
+    async def add(self, requests: Seq[NewRequest]) -> asyncio.Queue:
+        """Add a group of requests, all or none (RequestError names the first bad one).
+
+        Returns one queue receiving `(request_id, RequestEvent)` for every request of the
+        group until each has had its last event.
+        """
+        if self.error is not None or self.stopping:
+            raise EngineUnavailable(self.error or "the server is shutting down")
+        events: asyncio.Queue = asyncio.Queue()
+        for request in requests:
+            self._queues[request.request_id] = events
+        accepted = self._loop.create_future()
+        self._num_submitted += len(requests)
+        self._commands.put(("add", list(requests), accepted))
+        try:
+            await accepted
+        except BaseException as exc:
+            for request in requests:
+                self._queues.pop(request.request_id, None)
+            if isinstance(exc, asyncio.CancelledError):  # the client left while the group was queued
+                self.abort([r.request_id for r in requests])
+            raise
+        return events
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort requests now (their KV is freed before the next step); unknown ids are ignored."""
+        request_ids = list(request_ids)
+        if request_ids:
+            self._commands.put(("abort", request_ids, None))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort whatever is still in flight and stop the thread."""
+        self.stopping = True
+        if self._thread is None:
+            return
+        self._commands.put(("stop", None, None))
+        await asyncio.to_thread(self._thread.join, timeout)
+
+    def _deliver(self, events: Events, snapshot: EngineSnapshot) -> None:
+        self.snapshot = snapshot
+        for request_id, event in events.items():
+            target = self._queues.pop(request_id, None) if event.is_last else self._queues.get(request_id)
+            if target is not None:
+                target.put_nowait((request_id, event))
+        if self._listener is not None:
+            self._listener(events, snapshot)
+
+    # ------------------------------------------------------------ engine thread side
+
+    def _run(self) -> None:
+        engine = self.engine
+        in_flight: set[str] = set()
+        num_added = 0
+        while True:
+            events: Events = {}
+            stop = False
+            for kind, payload, future in self._take_commands(block=not engine.has_unfinished()):
+                if kind == "add" and not stop:
+                    num_added += self._add(payload, future, in_flight)
+                elif kind == "add":
+                    num_added += len(payload)
+                    self._resolve(future, EngineUnavailable("the server is shutting down"))
+                elif kind == "abort":
+                    self._abort(payload, in_flight, events)
+                else:
+                    stop = True
+            if stop:
+                self._abort(list(in_flight), in_flight, events)
+                self._post(events, _snapshot(engine, num_added))
+                return
+            if engine.has_unfinished():
+                try:
+                    result = engine.step()
+                except Exception as exc:  # a broken engine must not hang its clients
+                    self._fail(exc, in_flight, events, num_added)
+                    self._refuse_until_stopped()
+                    return
+                for request_id, token_ids in result.new_token_ids.items():
+                    events[request_id] = RequestEvent(tuple(token_ids))
+                for output in result.finished:
+                    _merge_output(events, output)
+                    in_flight.discard(output.request_id)
+            self._post(events, _snapshot(engine, num_added))
+
+    def _take_commands(self, block: bool) -> list[tuple[str, Any, Any]]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, requests: list[NewRequest], future: asyncio.Future, in_flight: set[str]) -> int:
+        try:
+            for request in requests:  # all or none
+                self.engine.validate_request(request.prompt, request.params)
+            for request in requests:
+                self.engine.add_request(request.prompt, request.params, request_id=request.request_id,
+                                        arrival_time=request.arrival_time)
+                in_flight.add(request.request_id)
+        except RequestError as exc:
+            self._resolve(future, exc)
+        else:
+            self._resolve(future, None)
+        return len(requests)
+
+    def _abort(self, request_ids: list[str], in_flight: set[str], events: Events) -> None:
+        for request_id in request_ids:
+            output = self.engine.abort(request_id)
+            in_flight.discard(request_id)
+            if output is not None:
+                _merge_output(events, output)
+
+    def _fail(self, exc: Exception, in_flight: set[str], events: Events, num_added: int) -> None:
+        logger.exception("engine.failed", error=str(exc))
+        message = f"the engine failed: {type(exc).__name__}: {exc}"
+        for request_id in in_flight:
+            events[request_id] = RequestEvent(error=message)
+        self._call_soon(self._mark_failed, message)
+        self._post(events, _snapshot(self.engine, num_added))
+
+    def _refuse_until_stopped(self) -> None:
+        while True:
+            kind, _, future = self._commands.get()
+            if kind == "stop":
+                return
+            if kind == "add":
+                self._resolve(future, EngineUnavailable("the engine has failed"))
+
+    def _mark_failed(self, message: str) -> None:
+        self.error = message
+
+    def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
+        def resolve() -> None:
+            if future.done():
+                return
+            if exc is None:
+                future.set_result(None)
+            else:
+                future.set_exception(exc)
+
+        self._call_soon(resolve)
+
+    def _post(self, events: Events, snapshot: EngineSnapshot) -> None:
+        self._call_soon(self._deliver, events, snapshot)
+
+    def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _merge_output(events: Events, output: RequestOutput) -> None:
+    previous = events.get(output.request_id)
+    new_token_ids = previous.new_token_ids if previous is not None else ()
+    events[output.request_id] = RequestEvent(new_token_ids, output)
+
+
+def _snapshot(engine: Any, num_added: int) -> EngineSnapshot:
+    return EngineSnapshot(engine.scheduler.stats(), engine.allocator.stats(), num_added)

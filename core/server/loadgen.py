@@ -1,0 +1,166 @@
+"""A bounded load generator for `servelab serve`: many concurrent streaming completions
+from one process, with client-side TTFT / TPOT and every outcome counted by kind.
+
+    report = asyncio.run(run_load("http://127.0.0.1:8000", num_requests=200, concurrency=200))
+    print(report.format())
+
+Each request is a `stream: true` completion of a random word prompt with `ignore_eos`,
+so a request that is answered must bring exactly `max_tokens` tokens. Outcomes:
+"ok", "http_429" / "http_503" / "http_<status>" (refused), "incomplete" (the stream
+ended without [DONE] or with the wrong token count) and "transport" (connection errors,
+timeouts). Needs httpx (in the serve extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import attrs
+
+
+@attrs.define
+class LoadReport:
+    """What a load run saw. Latencies are in seconds, measured by the client."""
+
+    num_requests: int
+    concurrency: int
+    max_tokens: int
+    seconds: float = 0.0
+    outcomes: Counter = attrs.field(factory=Counter)
+    ttft: list[float] = attrs.field(factory=list)
+    tpot: list[float] = attrs.field(factory=list)
+    output_tokens: int = 0
+    server: dict[str, float] = attrs.field(factory=dict)  # /metrics after the run
+
+    @property
+    def errors(self) -> dict[str, int]:
+        return {kind: count for kind, count in sorted(self.outcomes.items()) if kind != "ok"}
+
+    @property
+    def blocks_leaked(self) -> int | None:
+        used = self.server.get('servelab_kv_blocks{state="used"}')
+        return None if used is None else int(used)
+
+    def format(self) -> str:
+        ok = self.outcomes["ok"]
+        lines = [
+            f"requests {self.num_requests}, concurrency {self.concurrency}, max_tokens {self.max_tokens}, "
+            f"{self.seconds:.2f} s",
+            f"answered {ok}; errors by kind: {self.errors or 'none'}",
+            f"TTFT p50 {_ms(percentile(self.ttft, 50))}, p99 {_ms(percentile(self.ttft, 99))}",
+            f"TPOT p50 {_ms(percentile(self.tpot, 50))}, p99 {_ms(percentile(self.tpot, 99))}",
+            f"output tokens {self.output_tokens} ({self.output_tokens / self.seconds:.0f} tok/s)"
+            if self.seconds else "output tokens 0",
+            f"after the run: running {self.server.get('servelab_requests_running')}, "
+            f"waiting {self.server.get('servelab_requests_waiting')}, KV blocks leaked {self.blocks_leaked}",
+        ]
+        return "\n".join(lines)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile by nearest rank (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+async def run_load(url: str, num_requests: int = 200, concurrency: int = 200, max_tokens: int = 8,
+                   prompt_words: tuple[int, int] = (4, 24), model: str | None = None, api_key: str | None = None,
+                   seed: int = 0, timeout: float = 60.0, vocab: tuple[int, int] = (3, 211)) -> LoadReport:
+    """Send `num_requests` streaming completions, at most `concurrency` at a time."""
+    import httpx
+
+    rng = random.Random(seed)
+    prompts = [" ".join(f"w{rng.randrange(*vocab)}" for _ in range(rng.randint(*prompt_words)))
+               for _ in range(num_requests)]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    report = LoadReport(num_requests, concurrency, max_tokens)
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(timeout, connect=timeout, pool=timeout)) as client:
+        started = time.perf_counter()
+
+        async def one(prompt: str) -> None:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                    "temperature": 0.0}
+            if model is not None:
+                body["model"] = model
+            async with gate:
+                await _stream_one(client, body, report)
+
+        await asyncio.gather(*(one(p) for p in prompts))
+        report.seconds = time.perf_counter() - started
+        report.server = await settled_metrics(client)
+    return report
+
+
+async def _stream_one(client: Any, body: dict[str, Any], report: LoadReport) -> None:
+    import httpx
+
+    sent = time.perf_counter()
+    first = last = None
+    num_tokens = 0
+    done = False
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                report.outcomes[f"http_{response.status_code}"] += 1
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    num_tokens = chunk["usage"]["completion_tokens"]
+                elif any(c.get("text") for c in chunk.get("choices", ())):
+                    last = time.perf_counter()
+                    first = first or last
+    except httpx.HTTPError:
+        report.outcomes["transport"] += 1
+        return
+    if not done or num_tokens != body["max_tokens"]:
+        report.outcomes["incomplete"] += 1
+        return
+    report.outcomes["ok"] += 1
+    report.output_tokens += num_tokens
+    if first is not None:
+        report.ttft.append(first - sent)
+        if num_tokens > 1:
+            report.tpot.append((last - first) / (num_tokens - 1))
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value} (comments dropped)."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+async def settled_metrics(client: Any, wait: float = 5.0) -> dict[str, float]:
+    """/metrics once nothing is running or waiting (or after `wait` seconds)."""
+    deadline = time.perf_counter() + wait
+    while True:
+        metrics = parse_metrics((await client.get("/metrics")).text)
+        idle = metrics.get("servelab_requests_running") == 0 and metrics.get("servelab_requests_waiting") == 0
+        if idle or time.perf_counter() > deadline:
+            return metrics
+        await asyncio.sleep(0.05)

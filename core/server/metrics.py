@@ -1,0 +1,125 @@
+"""Prometheus metrics for `GET /metrics`.
+
+Gauges come from the engine loop's latest snapshot (read at scrape time); histograms and
+counters are fed by the requests' events on the event loop, and by an engine observer
+(`servelab_step_finished`) for per-step numbers such as speculative acceptance. Each
+server owns its own `CollectorRegistry`: nothing is global.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import servelab
+from servelab.server.engine_loop import EngineSnapshot, Events
+
+# Latency buckets (seconds) wide enough for a tiny CPU model and a real GPU one.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                  0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """Every metric the server exports, on a registry of its own."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests_running = Gauge("servelab_requests_running", "Sequences in the running batch.", registry=r)
+        self.requests_waiting = Gauge("servelab_requests_waiting", "Sequences queued for admission.", registry=r)
+        self.kv_usage = Gauge("servelab_kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1).", registry=r)
+        self.kv_blocks = Gauge("servelab_kv_blocks", "KV cache blocks by state.", ["state"], registry=r)
+        self.prefix_hit_rate = Gauge("servelab_prefix_cache_hit_rate",
+                                     "Prompt tokens found in the prefix cache / prompt tokens looked up "
+                                     "(NaN before any lookup).", registry=r)
+        self.acceptance_rate = Gauge("servelab_spec_decode_acceptance_rate",
+                                     "Accepted / proposed draft tokens (NaN before any draft).", registry=r)
+        self.preemptions = Gauge("servelab_preemptions", "Preemptions since start.", registry=r)
+        self.ttft = Histogram("servelab_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("servelab_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, per request.",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("servelab_e2e_request_latency_seconds", "Arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.generation_tokens = Counter("servelab_generation_tokens", "Tokens generated.", registry=r)
+        self.prompt_tokens = Counter("servelab_prompt_tokens", "Prompt tokens of finished sequences.", registry=r)
+        self.finished = Counter("servelab_requests_finished", "Sequences finished, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("servelab_http_requests_rejected", "HTTP requests refused, by reason.",
+                                ["reason"], registry=r)
+        self.steps = Counter("servelab_engine_steps", "Engine steps run.", registry=r)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self._snapshot: EngineSnapshot | None = None
+
+    # Called on the event loop for every engine-loop iteration.
+    def observe(self, events: Events, snapshot: EngineSnapshot) -> None:
+        self._snapshot = snapshot
+        num_new = 0
+        for event in events.values():
+            num_new += len(event.new_token_ids)
+            if event.output is not None:
+                self._observe_finished(event.output)
+        if num_new:
+            self.generation_tokens.inc(num_new)
+
+    def _observe_finished(self, output: Any) -> None:
+        metrics = output.metrics
+        self.finished.labels(output.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        if metrics.first_token_time is None:
+            return
+        self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+        if metrics.finish_time is not None:
+            self.e2e.observe(metrics.finish_time - metrics.arrival_time)
+            num_tokens = len(output.token_ids)
+            if num_tokens > 1:
+                self.tpot.observe((metrics.finish_time - metrics.first_token_time) / (num_tokens - 1))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric, gauges refreshed first."""
+        from prometheus_client import generate_latest
+
+        if self._snapshot is not None:
+            self._refresh_gauges(self._snapshot)
+        drafted, accepted = self.num_draft_tokens, self.num_accepted_tokens
+        self.acceptance_rate.set(accepted / drafted if drafted else math.nan)
+        return generate_latest(self.registry)
+
+    def _refresh_gauges(self, snapshot: EngineSnapshot) -> None:
+        scheduler, kv = snapshot.scheduler, snapshot.allocator
+        self.requests_running.set(scheduler.num_running)
+        self.requests_waiting.set(scheduler.num_waiting)
+        self.preemptions.set(scheduler.num_preemptions)
+        self.kv_usage.set(kv.num_used_blocks / kv.num_blocks if kv.num_blocks else 0.0)
+        for state, count in (("total", kv.num_blocks), ("used", kv.num_used_blocks),
+                             ("free", kv.num_free_blocks), ("cached", kv.num_cached_blocks)):
+            self.kv_blocks.labels(state).set(count)
+        lookups = kv.prefix_lookup_tokens
+        self.prefix_hit_rate.set(kv.prefix_hit_tokens / lookups if lookups else math.nan)
+
+
+class EngineObserver:
+    """An engine plugin (observer hooks only) feeding per-step numbers into ServerMetrics.
+
+    Runs on the engine thread. Draft counts are read from the step report when the
+    engine reports them (`num_draft_tokens`, `num_accepted_tokens`); without a drafter
+    they stay 0 and the acceptance rate is NaN.
+    """
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    @servelab.hookimpl
+    def servelab_step_finished(self, engine: Any, report: Any) -> None:
+        self.metrics.steps.inc()
+        self.metrics.num_draft_tokens += getattr(report, "num_draft_tokens", 0) or 0
+        self.metrics.num_accepted_tokens += getattr(report, "num_accepted_tokens", 0) or 0

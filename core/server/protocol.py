@@ -1,0 +1,250 @@
+"""OpenAI request bodies -> validated records, and OpenAI-style errors.
+
+Every rejection is an `ApiError` whose body is OpenAI's
+`{"error": {"message", "type", "param", "code"}}`, with `param` naming the field.
+Sampling fields are OpenAI's plus vLLM's extras (top_k, min_p, seed, stop,
+stop_token_ids, ignore_eos, return_token_ids); fields servelab cannot honour (penalties, logprobs, echo,
+tools, ...) are refused by name rather than silently ignored; unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from servelab.errors import RequestError
+from servelab.sampling_params import SamplingParams
+
+MAX_N = 64  # choices per request
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                    "ignore_eos")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def request_error(exc: RequestError, prompt_field: str) -> ApiError:
+    """A 400 for an engine RequestError; its message starts with the field it is about."""
+    message = str(exc)
+    first = message.split(" ", 1)[0].rstrip(":")
+    if first in _SAMPLING_FIELDS:
+        return bad_request(message, first)
+    if not message.startswith(prompt_field):
+        message = f"{prompt_field}: {message}"
+    return bad_request(message, prompt_field)
+
+
+@attrs.frozen
+class GenerationRequest:
+    """A validated completions or chat request."""
+
+    prompts: tuple[Any, ...]  # strings or token-id lists (completions); rendered chat is filled in later
+    params: SamplingParams
+    n: int
+    stream: bool
+    messages: tuple[dict[str, str], ...] = ()  # chat only
+    return_token_ids: bool = False  # vLLM's extra: token ids in non-streaming choices
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+    return body
+
+
+def check_model(body: dict[str, Any], served_model: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if model != served_model:
+        raise bad_request(f"the model {model!r} does not exist; this server serves {served_model!r}", "model",
+                          "model_not_found")
+
+
+def parse_completion(body: dict[str, Any]) -> GenerationRequest:
+    """`POST /v1/completions`: prompt is a string, a token-id list, or a list of either."""
+    _refuse_unsupported(body, chat=False)
+    prompts = _prompts(body.get("prompt", _MISSING))
+    n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
+    return GenerationRequest(prompts, _sampling_params(body, default_max_tokens=16), n, _boolean(body, "stream"),
+                             return_token_ids=_boolean(body, "return_token_ids"))
+
+
+def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+    """`POST /v1/chat/completions`: messages are {"role", "content"} with text content."""
+    _refuse_unsupported(body, chat=True)
+    messages = _messages(body.get("messages", _MISSING))
+    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
+    # Chat's default is "until the context is full"; the engine stops at max_model_len.
+    params = _sampling_params(body, default_max_tokens=None)
+    return GenerationRequest((), params, n, _boolean(body, "stream"), messages,
+                             return_token_ids=_boolean(body, "return_token_ids"))
+
+
+_MISSING = object()
+
+
+def _prompts(prompt: Any) -> tuple[Any, ...]:
+    if prompt is _MISSING or prompt is None:
+        raise bad_request("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return (list(prompt),)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)) for p in prompt):
+        return tuple(prompt)
+    raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
+
+
+def _messages(messages: Any) -> tuple[dict[str, str], ...]:
+    if messages is _MISSING or not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    parsed = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object with role and content", where)
+        role = message.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
+        parsed.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
+    return tuple(parsed)
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where} parts must be {{\"type\": \"text\", \"text\": ...}}; "
+                                  f"only text content is supported", where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"{where} must be a string or a list of text parts", where)
+
+
+def _sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> SamplingParams:
+    max_tokens = _integer(body, "max_tokens", default_max_tokens, minimum=1)
+    values = {
+        "temperature": _number(body, "temperature", 1.0),
+        "top_p": _number(body, "top_p", 1.0),
+        "top_k": _integer(body, "top_k", -1),
+        "min_p": _number(body, "min_p", 0.0),
+        "seed": _integer(body, "seed", None),
+        "stop": _stop(body.get("stop")),
+        "stop_token_ids": _token_ids(body, "stop_token_ids"),
+        "ignore_eos": _boolean(body, "ignore_eos"),
+    }
+    if max_tokens is not None:
+        values["max_tokens"] = max_tokens
+    else:
+        values["max_tokens"] = 2**31 - 1  # bounded by max_model_len in the engine
+    try:
+        return SamplingParams(**values)
+    except RequestError as exc:
+        raise request_error(exc, "prompt") from None
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, minimum: int | None = None,
+             maximum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad_request(f"{name} must be an integer, got {value!r}", name)
+    if minimum is not None and value < minimum:
+        raise bad_request(f"{name} must be >= {minimum}, got {value!r}", name)
+    if maximum is not None and value > maximum:
+        raise bad_request(f"{name} must be <= {maximum}, got {value!r}", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"{name} must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _boolean(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise bad_request(f"stop must be a non-empty string or a list of them, got {value!r}", "stop")
+    return tuple(value)
+
+
+def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise bad_request(f"{name} must be a list of non-negative integers, got {value!r}", name)
+    return tuple(value)
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    """Fields servelab cannot honour are errors unless they hold their neutral value."""
+    neutral = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+               "logit_bias": ({},), "logprobs": (False, 0), "echo": (False,), "suffix": ("",),
+               "top_logprobs": (0,), "tools": ([],), "functions": ([],)}
+    for name, allowed in neutral.items():
+        value = body.get(name)
+        if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
+            raise bad_request(f"{name} is not supported by this server (got {value!r})", name, "unsupported")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise bad_request(f"best_of is not supported by this server (got {best_of!r})", "best_of", "unsupported")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad_request("response_format other than {\"type\": \"text\"} is not supported", "response_format",
+                          "unsupported")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
