@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     bench.add_argument("--plots", dest="plots_dir", help="write PNG plots into this directory")
     bench.add_argument("--save-workload", help="write the generated workload as JSONL (replay with file:PATH)")
+    bench.add_argument("--sim", metavar="ACCELERATOR", help="simulate instead of running the model: "
+                       "h100, h200, a100, l4 or cpu-here (policies run unchanged against a roofline cost model)")
+    bench.add_argument("--calibrate", action="store_true",
+                       help="fit the cpu-here simulator profile to real runs of the model and report its error")
+    bench.add_argument("--sim-model", default="llama-3-8b",
+                       help="model shape to simulate: llama-3-8b, llama-3-70b, qwen2-7b, tiny-random")
     bench.set_defaults(handler=_cmd_bench)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
@@ -159,9 +165,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
         save_workload=Path(args.save_workload) if args.save_workload else None,
+        sim_accelerator=args.sim, sim_model=args.sim_model,
     )
-    result = run_bench(configs, options)
-    print(format_table(result))
+    if args.calibrate:
+        result = _calibrate(configs[0][1], args.workload)
+    else:
+        result = run_bench(configs, options)
+        print(format_table(result))
     if args.json_out:
         with open(args.json_out, "w") as handle:
             json.dump(result, handle, indent=2)
@@ -175,6 +185,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                             served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                             shutdown_timeout=args.shutdown_timeout)
     return run_server(load_config(args), options)
+
+
+def _calibrate(config: EngineConfig, spec: str) -> dict:
+    from servelab.bench.sim.calibrate import calibrate
+    from servelab.model.source import CheckpointSource
+    from servelab.workload import build_workload, parse_spec
+
+    vocab_size = CheckpointSource(config.engine.model).model_config.vocab_size
+    name, options = parse_spec(spec)
+    options["seed"] = int(options.get("seed", 0)) + 1
+    check_spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in options.items())
+    result = calibrate(config, build_workload(spec, vocab_size), build_workload(check_spec, vocab_size))
+    profile = result["profile"]
+    print(f"fitted cpu profile: {profile['peak_flops'] / 1e9:.1f} GFLOP/s, "
+          f"{profile['memory_bandwidth'] / 1e9:.1f} GB/s, {1000 * profile['step_overhead_s']:.2f} ms per step "
+          f"({result['fit_steps']} steps of {spec})")
+    step, throughput = result["median_step_ms"], result["throughput"]
+    print(f"held-out workload {check_spec}: median step {step['measured']:.1f} ms measured, "
+          f"{step['predicted']:.1f} ms predicted ({100 * step['error']:.1f}% error); per-step error "
+          f"p50 {100 * result['per_step_abs_error']['p50']:.1f}%, p90 {100 * result['per_step_abs_error']['p90']:.1f}%")
+    print(f"throughput {throughput['measured']:.1f} tok/s measured, {throughput['simulated']:.1f} simulated "
+          f"({100 * throughput['error']:.1f}% error)")
+    return result
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from servelab.bench.driver import RunRecord, StepRecorder, run_workload
 from servelab.bench.hf_baseline import run_hf_static
 from servelab.bench.metrics import SLO, summarize
 from servelab.config import EngineConfig
+from servelab.errors import ConfigError
 from servelab.registry import PluginRegistry
 from servelab.workload import Workload, build_workload, parse_spec
 
@@ -30,25 +31,38 @@ class BenchOptions:
     plots_dir: Path | None = None
     rates: tuple[float, ...] = ()  # request rates (req/s) for a Poisson sweep
     save_workload: Path | None = None
+    sim_accelerator: str | None = None  # simulate on this accelerator instead of running the model
+    sim_model: str = "llama-3-8b"  # model shape to simulate
 
 
 class _Engine:
     """An engine built from one config, with the recorder observing it."""
 
-    def __init__(self, name: str, config: EngineConfig) -> None:
+    def __init__(self, name: str, config: EngineConfig, options: "BenchOptions") -> None:
         from servelab.engine import LLMEngine
 
         self.name = name
-        self.config = config
         registry = PluginRegistry.from_entry_points()
         self.recorder = StepRecorder()
         registry.register(self.recorder)
-        self.engine = LLMEngine(config, registry)
+        if options.sim_accelerator:
+            from servelab.bench.sim.hardware import accelerator
+            from servelab.bench.sim.runner import VirtualClock
+            from servelab.bench.sim.shapes import model_shape
+            from servelab.bench.sim.source import SimSource
+
+            clock = VirtualClock()
+            source = SimSource(model_shape(options.sim_model), accelerator(options.sim_accelerator), clock)
+            config = source.fit_config(config)
+            self.engine = LLMEngine(config, registry, clock=clock, source=source)
+        else:
+            self.engine = LLMEngine(config, registry)
+        self.config = config
         self.recorder.clock = self.engine.clock
 
 
 def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) -> dict[str, Any]:
-    engines = [_Engine(name, config) for name, config in configs]
+    engines = [_Engine(name, config, options) for name, config in configs]
     vocab_size = min(e.engine.model_config.vocab_size for e in engines)
     workload = build_workload(options.workload, vocab_size)
     if options.save_workload:
@@ -99,6 +113,8 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
 def _load_baseline(first: _Engine, options: BenchOptions) -> Any:
     if options.baseline != "hf":
         return None
+    if options.sim_accelerator:
+        raise ConfigError("--baseline hf runs a real model; it cannot be combined with --sim")
     from servelab.bench.hf_baseline import load_hf_model
 
     return load_hf_model(str(first.engine.source.path), first.config.engine.dtype)
@@ -127,8 +143,6 @@ def _plots(directory: Path, records: list[RunRecord], sweep: dict[str, list]) ->
 
 
 def _check_fits(workload: Workload, engines: list[_Engine]) -> None:
-    from servelab.errors import ConfigError
-
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)
     for e in engines:
         if longest > e.engine.limits.max_model_len:
