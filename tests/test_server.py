@@ -7,6 +7,9 @@ One server (API key on, 16 sequences, a queue limit of 64) serves the whole modu
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -300,3 +303,21 @@ def test_metrics_cover_the_engine(server, http):
     assert metrics["servelab_time_to_first_token_seconds_count"] >= 1
     assert metrics["servelab_generation_tokens_total"] >= 4
     assert metrics['servelab_kv_blocks{state="total"}'] > 0
+
+
+# ---------------------------------------------------------------- command-line errors
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--port", "{port}"], "cannot listen on 127.0.0.1:"),  # taken: fails before the model loads
+    (["--max-waiting", "0"], "--max-waiting"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+], ids=["port-taken", "max-waiting", "shutdown-timeout"])
+def test_serve_usage_errors_exit_2(server, args, fragment):
+    port = server.url.rsplit(":", 1)[1]
+    command = [sys.executable, "-m", "servelab.cli", "serve", "--model", "nowhere",
+               *[a.format(port=port) for a in args]]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("servelab: error: ") and fragment in result.stderr
+    assert "Traceback" not in result.stderr

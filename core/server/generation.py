@@ -126,29 +126,47 @@ class Generation:
         return attrs.evolve(self._params, seed=seed + choice.index % self._n)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        """Every choice's text deltas as the engine produces them, until all have finished."""
+        """Every choice's text deltas as the engine produces them, until all have finished.
+
+        Events that queued up while the client was being served (a slow reader, a busy
+        event loop) are merged: one delta per choice for all of them, not one per step.
+        """
         by_request = {c.request_id: c for c in self.choices}
         unfinished = set(by_request)
         status = "aborted"
         try:
             while unfinished:
-                request_id, event = await self._events.get()
-                if event.error is not None:
-                    unfinished.discard(request_id)
-                    status = "failed"
-                    raise EngineFailure(event.error)
-                choice = by_request[request_id]
-                text = choice.streamer.feed(event.new_token_ids, event.output)
-                if event.output is not None:
-                    choice.output = event.output
-                    unfinished.discard(request_id)
-                if text or event.output is not None:
-                    yield ChoiceDelta(choice.index, text, choice.finish_reason)
+                for request_id, (token_ids, output) in (await self._next_events()).items():
+                    choice = by_request[request_id]
+                    text = choice.streamer.feed(token_ids, output)
+                    if output is not None:
+                        choice.output = output
+                        unfinished.discard(request_id)
+                    if text or output is not None:
+                        yield ChoiceDelta(choice.index, text, choice.finish_reason)
             status = "ok"
+        except EngineFailure:
+            unfinished.clear()  # the engine dropped them already
+            status = "failed"
+            raise
         finally:
             if unfinished:
                 self.engine.abort(unfinished)
             self._log(status)
+
+    async def _next_events(self) -> dict[str, tuple[list[int], RequestOutput | None]]:
+        """The next event and every one already queued, merged per request (in order)."""
+        events = [await self._events.get()]
+        while not self._events.empty():
+            events.append(self._events.get_nowait())
+        merged: dict[str, tuple[list[int], RequestOutput | None]] = {}
+        for request_id, event in events:
+            if event.error is not None:
+                raise EngineFailure(event.error)
+            token_ids, _ = merged.setdefault(request_id, ([], None))
+            token_ids.extend(event.new_token_ids)
+            merged[request_id] = (token_ids, event.output)
+        return merged
 
     def usage(self) -> dict[str, int]:
         """OpenAI usage: prompt tokens once per prompt, completion tokens of every choice."""

@@ -46,6 +46,24 @@ class LoadReport:
         used = self.server.get('servelab_kv_blocks{state="used"}')
         return None if used is None else int(used)
 
+    def server_quantile(self, name: str, q: float) -> float | None:
+        """The q-quantile of a server histogram, interpolated in its bucket as Prometheus'
+        histogram_quantile does (None before any observation)."""
+        prefix = f'servelab_{name}_seconds_bucket{{le="'
+        buckets = sorted((float(key[len(prefix):-2]), count) for key, count in self.server.items()
+                         if key.startswith(prefix))
+        if not buckets or buckets[-1][1] == 0:
+            return None
+        rank = q * buckets[-1][1]
+        lower, below = 0.0, 0.0
+        for bound, count in buckets:
+            if count >= rank:
+                if bound == float("inf"):
+                    return lower
+                return lower + (bound - lower) * (rank - below) / (count - below) if count > below else bound
+            lower, below = bound, count
+        return lower
+
     def format(self) -> str:
         ok = self.outcomes["ok"]
         lines = [
@@ -56,6 +74,11 @@ class LoadReport:
             f"TPOT p50 {_ms(percentile(self.tpot, 50))}, p99 {_ms(percentile(self.tpot, 99))}",
             f"output tokens {self.output_tokens} ({self.output_tokens / self.seconds:.0f} tok/s)"
             if self.seconds else "output tokens 0",
+            f"server-side (/metrics histograms, since it started): "
+            f"TTFT p50 {_ms(self.server_quantile('time_to_first_token', 0.5))}, "
+            f"p99 {_ms(self.server_quantile('time_to_first_token', 0.99))}; "
+            f"TPOT p50 {_ms(self.server_quantile('time_per_output_token', 0.5))}, "
+            f"p99 {_ms(self.server_quantile('time_per_output_token', 0.99))}",
             f"after the run: running {self.server.get('servelab_requests_running')}, "
             f"waiting {self.server.get('servelab_requests_waiting')}, KV blocks leaked {self.blocks_leaked}",
         ]

@@ -1,0 +1,266 @@
+"""The server's parts in process, without a model: chat templates, request parsing, text
+deltas around stop strings, and the engine loop against a fake engine (including an
+engine that fails mid-step)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from servelab.errors import RequestError
+from servelab.interfaces import AllocatorStats, SchedulerStats
+from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelab.sampling_params import SamplingParams
+from servelab.server.chat import ChatTemplate
+from servelab.server.engine_loop import AsyncEngine, EngineUnavailable, NewRequest
+from servelab.server.generation import TextStreamer
+from servelab.server.protocol import ApiError, parse_chat, parse_completion, parse_json
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+def test_default_chat_template_is_role_colon_content():
+    rendered = ChatTemplate(None).render(MESSAGES)
+    assert rendered.text == "system: be brief\nuser: hi\nassistant:"
+    assert rendered.add_special_tokens  # no template wrote the BOS
+
+
+def test_template_from_tokenizer_config_renders_like_transformers(tmp_path):
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content | tojson }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    rendered = ChatTemplate.from_directory(tmp_path).render(MESSAGES)
+    assert rendered.text == '<s><|system|>"be brief"\n<|user|>"hi"\n<|assistant|>'
+    assert not rendered.add_special_tokens
+
+
+def test_chat_template_file_and_named_templates(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    assert ChatTemplate.from_directory(tmp_path).render(MESSAGES).text == "D"
+    (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}")
+    assert ChatTemplate.from_directory(tmp_path).render(MESSAGES).text == "J2"
+    assert ChatTemplate.from_directory(tmp_path / "missing").is_default
+
+
+def test_template_raise_exception_is_a_request_error():
+    template = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(RequestError, match="roles must alternate"):
+        template.render(MESSAGES)
+
+
+# ---------------------------------------------------------------- request parsing
+
+
+def test_completion_fields_become_sampling_params():
+    parsed = parse_completion({"prompt": ["a", [1, 2]], "max_tokens": 5, "temperature": 0, "top_k": 3,
+                               "min_p": 0.1, "seed": 9, "stop": "x", "stop_token_ids": [7], "ignore_eos": True,
+                               "n": 2, "stream": True, "user": "ignored", "stream_options": {"include_usage": True}})
+    assert parsed.prompts == ("a", [1, 2]) and parsed.n == 2 and parsed.stream
+    assert parsed.params == SamplingParams(max_tokens=5, temperature=0.0, top_k=3, min_p=0.1, seed=9, stop=("x",),
+                                           stop_token_ids=(7,), ignore_eos=True)
+
+
+def test_chat_defaults_and_max_completion_tokens():
+    parsed = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                    {"type": "text", "text": "b"}]}],
+                         "max_completion_tokens": 7})
+    assert parsed.messages == ({"role": "user", "content": "ab"},) and parsed.params.max_tokens == 7
+    assert parse_chat({"messages": MESSAGES}).params.max_tokens > 10**6  # until max_model_len
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "temperature": True}, "temperature"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "logit_bias": {"5": 1}}, "logit_bias"),
+])
+def test_bad_completion_fields_are_named(body, param):
+    with pytest.raises(ApiError) as info:
+        parse_completion(body)
+    assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_chat_fields_are_named(body, param):
+    with pytest.raises(ApiError) as info:
+        parse_chat(body)
+    assert info.value.param == param
+
+
+def test_malformed_json():
+    with pytest.raises(ApiError) as info:
+        parse_json(b"{nope")
+    assert info.value.body()["error"]["code"] == "invalid_json"
+
+
+# ---------------------------------------------------------------- text deltas
+
+
+class WordTokenizer:
+    """ids -> "w<id>" words joined by spaces; id 2 is a special token (decodes to nothing)."""
+
+    def decode(self, token_ids):
+        return " ".join(f"w{t}" for t in token_ids if t != 2)
+
+
+def output(token_ids, finish_reason):
+    return RequestOutput("r", None, [1], [CompletionOutput(0, list(token_ids), "", finish_reason)],
+                         RequestMetrics(0.0, 0.0, 0.0, 0.0))
+
+
+def test_deltas_hold_back_what_a_stop_string_could_claim():
+    streamer = TextStreamer(WordTokenizer(), stop=["w5 w6"])
+    sent = [streamer.feed([3], None), streamer.feed([4], None), streamer.feed([5], None)]
+    assert "".join(sent) == "w3 w4"[: len("w3 w4 w5") - 4]  # the last 4 characters wait
+    final = streamer.feed([6], output([3, 4, 5, 6], "stop"))
+    assert "".join(sent) + final == "w3 w4 " and streamer.emitted == "w3 w4 "
+
+
+def test_deltas_without_stop_strings_send_everything_and_end_on_the_full_text():
+    streamer = TextStreamer(WordTokenizer(), stop=[])
+    assert [streamer.feed([t], None) for t in (3, 2, 4)] == ["w3", "", " w4"]
+    assert streamer.feed([7], output([3, 2, 4, 7], "length")) == " w7"
+
+
+# ---------------------------------------------------------------- the engine loop
+
+
+class FakeEngine:
+    """Each request gets one token per step until max_tokens; step number `fail_at` raises."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
+        self.steps = 0
+        self.fail_at = fail_at
+        self.scheduler = FakeStats(lambda: SchedulerStats(num_waiting=0, num_running=len(self.requests),
+                                                          num_preemptions=0))
+        self.allocator = FakeStats(lambda: AllocatorStats(num_blocks=8, num_used_blocks=len(self.requests),
+                                                          num_free_blocks=8 - len(self.requests)))
+
+    def validate_request(self, prompt, params):
+        if prompt == "bad":
+            raise RequestError("prompt is bad")
+
+    def add_request(self, prompt, params, request_id, arrival_time):
+        self.requests[request_id] = (params, [])
+
+    def abort(self, request_id):
+        return self._retire(request_id, "abort") if request_id in self.requests else None
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("boom")
+        new, finished = {}, []
+        for request_id, (params, tokens) in list(self.requests.items()):
+            tokens.append(self.steps)
+            new[request_id] = [self.steps]
+            if len(tokens) == params.max_tokens:
+                finished.append(self._retire(request_id, "length"))
+        return SimpleNamespace(new_token_ids=new, finished=finished)
+
+    def _retire(self, request_id, reason):
+        _, tokens = self.requests.pop(request_id)
+        return RequestOutput(request_id, None, [1], [CompletionOutput(0, tokens, "", reason)],
+                             RequestMetrics(0.0, 0.0, 0.0, 0.0))
+
+
+class FakeStats:
+    def __init__(self, stats):
+        self.stats = stats
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 10))
+
+
+async def drain(events, count):
+    return [await events.get() for _ in range(count)]
+
+
+def test_engine_loop_streams_events_and_idles():
+    async def scenario():
+        loop = AsyncEngine(FakeEngine())
+        loop.start()
+        events = await loop.add([NewRequest("a", "p", SamplingParams(max_tokens=3), 0.0)])
+        got = await drain(events, 3)
+        assert [e.new_token_ids for _, e in got] == [(1,), (2,), (3,)] and got[-1][1].output is not None
+        with pytest.raises(RequestError):  # all or none
+            await loop.add([NewRequest("b", "p", SamplingParams(), 0.0), NewRequest("c", "bad", SamplingParams(), 0.0)])
+        assert loop.engine.requests == {} and loop.num_waiting == 0
+        await loop.shutdown()
+        with pytest.raises(EngineUnavailable):
+            await loop.add([NewRequest("d", "p", SamplingParams(), 0.0)])
+
+    run(scenario())
+
+
+def test_abort_and_shutdown_end_requests_with_an_abort_output():
+    async def scenario():
+        loop = AsyncEngine(FakeEngine())
+        loop.start()
+        events = await loop.add([NewRequest(r, "p", SamplingParams(max_tokens=10**6), 0.0) for r in "ab"])
+        loop.abort(["a"])
+        await loop.shutdown()
+        finished = {}
+        while len(finished) < 2:
+            request_id, event = await events.get()
+            if event.output is not None:
+                finished[request_id] = event.output.finish_reason
+        assert finished == {"a": "abort", "b": "abort"}
+
+    run(scenario())
+
+
+def test_a_failing_engine_fails_its_requests_and_refuses_new_ones():
+    async def scenario():
+        loop = AsyncEngine(FakeEngine(fail_at=2))
+        loop.start()
+        events = await loop.add([NewRequest("a", "p", SamplingParams(max_tokens=5), 0.0)])
+        first, second = await drain(events, 2)
+        assert first[1].new_token_ids == (1,) and "boom" in second[1].error
+        await asyncio.sleep(0)
+        assert loop.error and "boom" in loop.error
+        with pytest.raises(EngineUnavailable):
+            await loop.add([NewRequest("b", "p", SamplingParams(), 0.0)])
+        await loop.shutdown()
+
+    run(scenario())
+
+
+# ---------------------------------------------------------------- load report arithmetic
+
+
+def test_percentiles_and_histogram_quantiles():
+    from servelab.server.loadgen import LoadReport, parse_metrics, percentile
+
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and percentile(list(range(1, 101)), 99) == 99
+    report = LoadReport(1, 1, 1)
+    report.server = parse_metrics('# HELP x\nservelab_time_to_first_token_seconds_bucket{le="0.1"} 5.0\n'
+                                  'servelab_time_to_first_token_seconds_bucket{le="0.2"} 10.0\n'
+                                  'servelab_time_to_first_token_seconds_bucket{le="+Inf"} 10.0\n'
+                                  'servelab_kv_blocks{state="used"} 0.0\n')
+    assert report.server_quantile("time_to_first_token", 0.5) == pytest.approx(0.1)
+    assert report.server_quantile("time_to_first_token", 0.75) == pytest.approx(0.15)
+    assert report.server_quantile("time_per_output_token", 0.5) is None
+    assert report.blocks_leaked == 0
