@@ -312,18 +312,22 @@ def test_radix_never_shares_a_partial_block_and_copies_a_cached_one_before_writi
     assert alloc.ref_count(1) == 0 and alloc.stats().num_cached_blocks == 1
 
 
-def test_radix_duplicate_blocks_stay_private():
+def test_radix_merges_blocks_two_sequences_computed_in_one_step():
     alloc = make(RadixAllocator)
-    a, b = seq("a", [3] * 8), seq("b", [3] * 8)
+    a, b = seq("a", [3] * 8 + [4]), seq("b", [3] * 8 + [5] * 4)
     admit(alloc, a)
-    admit(alloc, b)  # both computed the same prompt in one step: no hit for b
-    assert alloc.block_table("b") == [2, 3]
+    admit(alloc, b)  # both computed the same first 8 tokens in one step: no hit for b
+    assert alloc.block_table("a") == [0, 1, 2] and alloc.block_table("b") == [3, 4, 5]
     for s in (a, b):
-        s.num_computed_tokens = 8
+        s.num_computed_tokens = s.num_tokens
         alloc.cache_blocks(s)
-    assert len(alloc.tree) == 2 and 2 not in alloc.tree
+    assert alloc.block_table("b") == [0, 1, 5], "b switched to a's cached blocks and freed its own"
+    assert [alloc.ref_count(block) for block in range(6)] == [2, 2, 1, 0, 0, 1]
+    assert len(alloc.tree) == 3 and 5 in alloc.tree, "b's own last block is cached after a's prefix"
+    assert alloc.stats().num_free_blocks == 6
+    alloc.free("a")
     alloc.free("b")
-    assert alloc.stats().num_free_blocks == 8 and alloc.stats().num_cached_blocks == 0
+    assert alloc.stats().num_cached_blocks == 3
 
 
 def test_radix_cached_blocks_of_a_fork_are_shared_by_both():

@@ -30,18 +30,16 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class SeqBlocks:
     """What an allocator holds for one sequence."""
 
-    __slots__ = ("table", "num_tokens", "num_cached_blocks", "caching_stopped")
+    __slots__ = ("table", "num_tokens", "num_cached_blocks")
 
-    def __init__(self, table: list[int], num_tokens: int, num_cached_blocks: int = 0,
-                 caching_stopped: bool = False) -> None:
+    def __init__(self, table: list[int], num_tokens: int, num_cached_blocks: int = 0) -> None:
         self.table = table  # physical block ids in logical order; len == blocks_for(num_tokens)
         self.num_tokens = num_tokens  # token slots reserved (written, or to be written this step)
         # Prefix caching: the first num_cached_blocks blocks of `table` are prefix-cache blocks.
         self.num_cached_blocks = num_cached_blocks
-        self.caching_stopped = caching_stopped  # a block of ours duplicated a cached one
 
     def copy(self) -> "SeqBlocks":
-        return SeqBlocks(list(self.table), self.num_tokens, self.num_cached_blocks, self.caching_stopped)
+        return SeqBlocks(list(self.table), self.num_tokens, self.num_cached_blocks)
 
 
 class PagedAllocator:

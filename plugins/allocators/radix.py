@@ -11,7 +11,8 @@ after a rollback) copies it first, like any shared block.
 
 Invariant that makes every unheld cached block evictable: the cached blocks a sequence
 holds are the first `num_cached_blocks` of its table, a path from the tree's root, so a
-held block's ancestors are held too.
+held block's ancestors are held too. (When two sequences computed the same prefix in
+one step, the second to cache it switches to the first one's blocks and frees its own.)
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class RadixAllocator(PagedAllocator):
 
     def cache_blocks(self, seq: Sequence) -> None:
         state = self._seqs.get(seq.request_id)
-        if state is None or state.caching_stopped:
+        if state is None:
             return
         block_size = self.block_size
         num_full = min(seq.num_computed_tokens, state.num_tokens) // block_size
@@ -64,11 +65,14 @@ class RadixAllocator(PagedAllocator):
         for index in range(state.num_cached_blocks, num_full):
             parent = table[index - 1] if index else None
             chunk = tuple(seq.token_slice(index * block_size, (index + 1) * block_size))
-            if self.tree.insert(parent, chunk, table[index]) != table[index]:
-                # Another sequence cached these tokens first; ours stays private, and so
-                # do our later blocks (the tree path must run through blocks we hold).
-                state.caching_stopped = True
-                return
+            cached = self.tree.insert(parent, chunk, table[index])
+            if cached != table[index]:
+                # Another sequence computed and cached the same prefix first (both ran in
+                # one step): share its block and free ours, so the tree path runs through
+                # blocks this sequence holds and its later blocks can be cached too.
+                self._hold(cached)
+                self._release(table[index])
+                table[index] = cached
             state.num_cached_blocks = index + 1
 
     # ------------------------------------------------------------ KVAllocator
