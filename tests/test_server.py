@@ -124,13 +124,14 @@ def test_streaming_completion_equals_offline(client, offline):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
-def test_n_choices_use_seed_plus_index(client, offline):
+def test_n_choices_equal_offline_n(client, offline):
     params = dict(temperature=1.0, seed=77, max_tokens=8)
     result = client.completions.create(model=MODEL, prompt="w30 w31", n=3, **params)
-    expected = [reference(offline, "w30 w31", **{**params, "seed": 77 + i}) for i in range(3)]
+    expected = reference(offline, "w30 w31", n=3, **params).outputs
     assert [c.index for c in result.choices] == [0, 1, 2]
     assert [c.text for c in result.choices] == [e.text for e in expected]
     assert len({e.text for e in expected}) > 1  # the choices differ
+    assert expected[0].text == reference(offline, "w30 w31", **params).text  # choice 0 is the n = 1 answer
     assert result.usage.prompt_tokens == 2  # counted once per prompt, as OpenAI does
     assert result.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
 
@@ -140,6 +141,17 @@ def test_n_choices_use_seed_plus_index(client, offline):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == [e.text for e in expected]
+
+
+def test_several_prompts_with_n_in_openai_order(http, offline):
+    body = {"model": MODEL, "prompt": ["w40 w41", [42, 43, 44]], "n": 2, "seed": 5, "max_tokens": 4,
+            "return_token_ids": True}
+    result = http.post("/v1/completions", json=body).json()
+    expected = [reference(offline, p, n=2, seed=5, max_tokens=4).outputs for p in body["prompt"]]
+    assert [c["index"] for c in result["choices"]] == [0, 1, 2, 3]
+    assert [c["token_ids"] for c in result["choices"]] == [e.token_ids for pair in expected for e in pair]
+    assert result["choices"][2]["prompt_token_ids"] == [42, 43, 44]
+    assert result["usage"]["prompt_tokens"] == 2 + 3
 
 
 def test_stop_sequences_end_the_text_before_them(client, offline):
@@ -272,9 +284,10 @@ def test_disconnect_while_waiting_for_a_full_response_aborts_it(server):
 
 def test_overload_gets_429_with_retry_after(server, http, client):
     long = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 240, "ignore_eos": True, "stream": True}
-    with http.stream("POST", "/v1/completions", json={**long, "n": 16}):
+    with http.stream("POST", "/v1/completions", json={**long, "n": 16}):  # every sequence slot
         server.wait_metrics(lambda m: m["servelab_requests_running"] == 16)
-        with http.stream("POST", "/v1/completions", json={**long, "n": 48}):  # 48 of the 64 queue slots
+        queued = {**long, "prompt": [[5, 6 + i] for i in range(48)]}  # 48 of the 64 queue slots
+        with http.stream("POST", "/v1/completions", json=queued):
             server.wait_metrics(lambda m: m["servelab_requests_waiting"] == 48)
             refused = http.post("/v1/completions", json={**long, "stream": False, "n": 17})
             assert refused.status_code == 429, refused.text

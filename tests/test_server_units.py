@@ -120,8 +120,7 @@ class WordTokenizer:
 
 
 def output(token_ids, finish_reason):
-    return RequestOutput("r", None, [1], [CompletionOutput(0, list(token_ids), "", finish_reason)],
-                         RequestMetrics(0.0, 0.0, 0.0, 0.0))
+    return CompletionOutput(0, list(token_ids), "", finish_reason)
 
 
 def test_deltas_hold_back_what_a_stop_string_could_claim():

@@ -5,6 +5,10 @@ and makes every call on it. The event loop hands it commands (add a group of req
 abort some, stop) through a queue; the thread hands back each step's results, the
 requests' events and a stats snapshot, in one `call_soon_threadsafe` callback per step.
 The thread steps while any request is in flight and blocks on the queue when none is.
+
+Events are keyed as the engine keys them: new tokens by sequence id (the request id, or
+"{request_id}#{i}" for completion i > 0 of an n > 1 request), the finished output by
+request id. Every event of a request goes to the queue its HTTP request reads.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ class EngineUnavailable(ServelabError):
 
 @attrs.frozen
 class RequestEvent:
-    """What one step did for one request."""
+    """What one step did for one sequence (tokens) or request (output, error)."""
 
     new_token_ids: tuple[int, ...] = ()
     output: RequestOutput | None = None  # set once, when the request finished or was aborted
@@ -48,12 +52,11 @@ class EngineSnapshot:
 
     scheduler: SchedulerStats
     allocator: AllocatorStats
-    num_added: int  # sequences the engine thread has taken off the command queue so far
 
 
 @attrs.frozen
 class NewRequest:
-    """One sequence to add: the engine request id, the prompt (text or ids), its params."""
+    """One engine request to add: its id, the prompt (text or ids), its params."""
 
     request_id: str
     prompt: str | list[int]
@@ -73,10 +76,11 @@ class AsyncEngine:
         self._listener = listener
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._num_submitted = 0
+        self._unstarted: dict[str, int] = {}  # request id -> sequences, until its first token
+        self.num_waiting = 0  # sequences of requests added here that have no token yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.snapshot = _snapshot(engine, 0)
+        self.snapshot = _snapshot(engine)
         self.error: str | None = None  # set when the engine failed
         self.stopping = False
 
@@ -87,30 +91,28 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="servelab-engine", daemon=True)
         self._thread.start()
 
-    @property
-    def num_waiting(self) -> int:
-        """Sequences queued but not yet running, counting adds the thread has not taken yet."""
-        return self.snapshot.scheduler.num_waiting + self._num_submitted - self.snapshot.num_added
-
     async def add(self, requests: Seq[NewRequest]) -> asyncio.Queue:
         """Add a group of requests, all or none (RequestError names the first bad one).
 
-        Returns one queue receiving `(request_id, RequestEvent)` for every request of the
-        group until each has had its last event.
+        Returns one queue receiving `(sequence or request id, RequestEvent)` for every
+        request of the group until each has had its output. Until a request's first token
+        its sequences count in `num_waiting`.
         """
         if self.error is not None or self.stopping:
             raise EngineUnavailable(self.error or "the server is shutting down")
         events: asyncio.Queue = asyncio.Queue()
         for request in requests:
             self._queues[request.request_id] = events
+            self._unstarted[request.request_id] = request.params.n
+            self.num_waiting += request.params.n
         accepted = self._loop.create_future()
-        self._num_submitted += len(requests)
         self._commands.put(("add", list(requests), accepted))
         try:
             await accepted
         except BaseException as exc:
             for request in requests:
                 self._queues.pop(request.request_id, None)
+                self._started(request.request_id)
             if isinstance(exc, asyncio.CancelledError):  # the client left while the group was queued
                 self.abort([r.request_id for r in requests])
             raise
@@ -132,27 +134,33 @@ class AsyncEngine:
 
     def _deliver(self, events: Events, snapshot: EngineSnapshot) -> None:
         self.snapshot = snapshot
-        for request_id, event in events.items():
-            target = self._queues.pop(request_id, None) if event.is_last else self._queues.get(request_id)
+        for key, event in events.items():
+            request_id = key.partition("#")[0]
+            self._started(request_id)
+            target = self._queues.get(request_id)
             if target is not None:
-                target.put_nowait((request_id, event))
+                target.put_nowait((key, event))
+        for key, event in events.items():  # after every sibling's tokens went out
+            if event.is_last:
+                self._queues.pop(key, None)
         if self._listener is not None:
             self._listener(events, snapshot)
+
+    def _started(self, request_id: str) -> None:
+        self.num_waiting -= self._unstarted.pop(request_id, 0)
 
     # ------------------------------------------------------------ engine thread side
 
     def _run(self) -> None:
         engine = self.engine
-        in_flight: set[str] = set()
-        num_added = 0
+        in_flight: set[str] = set()  # request ids
         while True:
             events: Events = {}
             stop = False
             for kind, payload, future in self._take_commands(block=not engine.has_unfinished()):
                 if kind == "add" and not stop:
-                    num_added += self._add(payload, future, in_flight)
+                    self._add(payload, future, in_flight)
                 elif kind == "add":
-                    num_added += len(payload)
                     self._resolve(future, EngineUnavailable("the server is shutting down"))
                 elif kind == "abort":
                     self._abort(payload, in_flight, events)
@@ -160,21 +168,21 @@ class AsyncEngine:
                     stop = True
             if stop:
                 self._abort(list(in_flight), in_flight, events)
-                self._post(events, _snapshot(engine, num_added))
+                self._post(events, _snapshot(engine))
                 return
             if engine.has_unfinished():
                 try:
                     result = engine.step()
                 except Exception as exc:  # a broken engine must not hang its clients
-                    self._fail(exc, in_flight, events, num_added)
+                    self._fail(exc, in_flight, events)
                     self._refuse_until_stopped()
                     return
-                for request_id, token_ids in result.new_token_ids.items():
-                    events[request_id] = RequestEvent(tuple(token_ids))
+                for sequence_id, token_ids in result.new_token_ids.items():
+                    events[sequence_id] = RequestEvent(tuple(token_ids))
                 for output in result.finished:
                     _merge_output(events, output)
                     in_flight.discard(output.request_id)
-            self._post(events, _snapshot(engine, num_added))
+            self._post(events, _snapshot(engine))
 
     def _take_commands(self, block: bool) -> list[tuple[str, Any, Any]]:
         commands = [self._commands.get()] if block else []
@@ -184,7 +192,7 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _add(self, requests: list[NewRequest], future: asyncio.Future, in_flight: set[str]) -> int:
+    def _add(self, requests: list[NewRequest], future: asyncio.Future, in_flight: set[str]) -> None:
         try:
             for request in requests:  # all or none
                 self.engine.validate_request(request.prompt, request.params)
@@ -196,7 +204,6 @@ class AsyncEngine:
             self._resolve(future, exc)
         else:
             self._resolve(future, None)
-        return len(requests)
 
     def _abort(self, request_ids: list[str], in_flight: set[str], events: Events) -> None:
         for request_id in request_ids:
@@ -205,13 +212,13 @@ class AsyncEngine:
             if output is not None:
                 _merge_output(events, output)
 
-    def _fail(self, exc: Exception, in_flight: set[str], events: Events, num_added: int) -> None:
+    def _fail(self, exc: Exception, in_flight: set[str], events: Events) -> None:
         logger.exception("engine.failed", error=str(exc))
         message = f"the engine failed: {type(exc).__name__}: {exc}"
         for request_id in in_flight:
             events[request_id] = RequestEvent(error=message)
         self._call_soon(self._mark_failed, message)
-        self._post(events, _snapshot(self.engine, num_added))
+        self._post(events, _snapshot(self.engine))
 
     def _refuse_until_stopped(self) -> None:
         while True:
@@ -251,5 +258,5 @@ def _merge_output(events: Events, output: RequestOutput) -> None:
     events[output.request_id] = RequestEvent(new_token_ids, output)
 
 
-def _snapshot(engine: Any, num_added: int) -> EngineSnapshot:
-    return EngineSnapshot(engine.scheduler.stats(), engine.allocator.stats(), num_added)
+def _snapshot(engine: Any) -> EngineSnapshot:
+    return EngineSnapshot(engine.scheduler.stats(), engine.allocator.stats())

@@ -1,9 +1,9 @@
-"""One HTTP request's choices in the engine: n per prompt, each an engine request, with
-each choice's tokens turned into text deltas.
+"""One HTTP request in the engine: one engine request per prompt, each with the request's
+n (the engine samples n > 1 by forking the prompt's KV; completion i of a seeded request
+uses seed + i), and each choice's tokens turned into text deltas.
 
-`n > 1` is served here by fanning out: choice i of a prompt is its own engine request
-whose seed, when the request gives one, is `seed + i` (so choice 0 is exactly the n = 1
-answer). A client that goes away aborts every unfinished choice at once (the deltas
+Choice `prompt_index * n + i` is completion i of prompt `prompt_index`, OpenAI's order.
+A client that goes away aborts every unfinished engine request at once (the deltas
 generator's `finally`), which frees their KV blocks before the engine's next step.
 """
 
@@ -15,9 +15,9 @@ from typing import Any, AsyncIterator, Sequence as Seq
 import attrs
 import structlog
 
-from servelab.outputs import RequestOutput
+from servelab.outputs import CompletionOutput, RequestOutput
 from servelab.sampling_params import SamplingParams
-from servelab.server.engine_loop import AsyncEngine, NewRequest
+from servelab.server.engine_loop import AsyncEngine, NewRequest, RequestEvent
 
 logger = structlog.get_logger(__name__)
 
@@ -50,11 +50,11 @@ class TextStreamer:
         self.token_ids: list[int] = []
         self.emitted = ""
 
-    def feed(self, new_token_ids: Seq[int], output: RequestOutput | None) -> str:
-        """The text to send now for these new tokens (and the finished output, if any)."""
+    def feed(self, new_token_ids: Seq[int], completion: CompletionOutput | None) -> str:
+        """The text to send now for these new tokens (and the finished completion, if any)."""
         self.token_ids.extend(new_token_ids)
-        if output is not None:
-            text = self.final_text(output)
+        if completion is not None:
+            text = self.final_text(completion)
         elif self._tokenizer is None:
             return ""
         else:
@@ -66,12 +66,16 @@ class TextStreamer:
         self.emitted += delta
         return delta
 
-    def final_text(self, output: RequestOutput) -> str:
-        """The output's text, cut before the earliest stop string when one ended it."""
+    def final_text(self, completion: CompletionOutput) -> str:
+        """The completion's text, cut before the earliest stop string when one ended it.
+
+        (Decoded here rather than taken from the engine, whose text is empty for a
+        request with stop strings that ended on EOS or a stop token id.)
+        """
         if self._tokenizer is None:
             return ""
-        text = self._tokenizer.decode(list(output.token_ids))
-        if output.finish_reason == "stop" and self._stop:
+        text = self._tokenizer.decode(list(completion.token_ids))
+        if completion.finish_reason == "stop" and self._stop:
             found = [at for at in (text.find(s) for s in self._stop) if at >= 0]
             if found:
                 text = text[: min(found)]
@@ -80,13 +84,13 @@ class TextStreamer:
 
 @attrs.define
 class Choice:
-    """One choice's engine request and what it has produced."""
+    """One choice: which engine sequence it is, and what it has produced."""
 
     index: int
     prompt_index: int
-    request_id: str
+    sequence_id: str  # the engine's key for its new tokens
     streamer: TextStreamer
-    output: RequestOutput | None = None
+    output: CompletionOutput | None = None
 
     @property
     def text(self) -> str:
@@ -107,23 +111,17 @@ class Generation:
         self.endpoint = endpoint
         self.created = int(time.time())
         self._prompts = list(prompts)
-        self._params = params
-        self.choices = [Choice(p * n + i, p, f"{request_id}-{p * n + i}", TextStreamer(tokenizer, params.stop))
-                        for p in range(len(prompts)) for i in range(n)]
-        self._n = n
+        self._params = attrs.evolve(params, n=n)
+        self.engine_request_ids = [f"{request_id}-{p}" for p in range(len(prompts))]
+        self.choices = [Choice(p * n + i, p, _sequence_id(rid, i), TextStreamer(tokenizer, params.stop))
+                        for p, rid in enumerate(self.engine_request_ids) for i in range(n)]
+        self.outputs: dict[str, RequestOutput] = {}  # engine request id -> its output, once finished
         self._events = None
 
     async def start(self, arrival_time: float) -> None:
-        """Queue every choice in the engine (RequestError / EngineUnavailable propagate)."""
-        requests = [NewRequest(c.request_id, self._prompts[c.prompt_index], self._choice_params(c), arrival_time)
-                    for c in self.choices]
-        self._events = await self.engine.add(requests)
-
-    def _choice_params(self, choice: Choice) -> SamplingParams:
-        seed = self._params.seed
-        if seed is None or self._n == 1:
-            return self._params
-        return attrs.evolve(self._params, seed=seed + choice.index % self._n)
+        """Queue every prompt in the engine (RequestError / EngineUnavailable propagate)."""
+        self._events = await self.engine.add([NewRequest(rid, prompt, self._params, arrival_time)
+                                              for rid, prompt in zip(self.engine_request_ids, self._prompts)])
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's text deltas as the engine produces them, until all have finished.
@@ -131,22 +129,30 @@ class Generation:
         Events that queued up while the client was being served (a slow reader, a busy
         event loop) are merged: one delta per choice for all of them, not one per step.
         """
-        by_request = {c.request_id: c for c in self.choices}
-        unfinished = set(by_request)
+        by_sequence = {c.sequence_id: c for c in self.choices}
+        unfinished = set(self.engine_request_ids)
         status = "aborted"
         try:
             while unfinished:
-                for request_id, (token_ids, output) in (await self._next_events()).items():
-                    choice = by_request[request_id]
-                    text = choice.streamer.feed(token_ids, output)
-                    if output is not None:
-                        choice.output = output
-                        unfinished.discard(request_id)
-                    if text or output is not None:
-                        yield ChoiceDelta(choice.index, text, choice.finish_reason)
+                tokens, outputs = await self._next_events()
+                finishing = {output.request_id for output in outputs}
+                for sequence_id, token_ids in tokens.items():
+                    if sequence_id.partition("#")[0] in finishing:
+                        continue  # its final text comes from the output (a stop string may cut it)
+                    choice = by_sequence[sequence_id]
+                    text = choice.streamer.feed(token_ids, None)
+                    if text:
+                        yield ChoiceDelta(choice.index, text, None)
+                for output in outputs:
+                    self.outputs[output.request_id] = output
+                    unfinished.discard(output.request_id)
+                    for completion in output.outputs:
+                        choice = by_sequence[_sequence_id(output.request_id, completion.index)]
+                        choice.output = completion
+                        yield ChoiceDelta(choice.index, choice.streamer.feed((), completion), choice.finish_reason)
             status = "ok"
         except EngineFailure:
-            unfinished.clear()  # the engine dropped them already
+            unfinished.clear()  # the engine has dropped them already
             status = "failed"
             raise
         finally:
@@ -154,39 +160,44 @@ class Generation:
                 self.engine.abort(unfinished)
             self._log(status)
 
-    async def _next_events(self) -> dict[str, tuple[list[int], RequestOutput | None]]:
-        """The next event and every one already queued, merged per request (in order)."""
-        events = [await self._events.get()]
+    async def _next_events(self) -> tuple[dict[str, list[int]], list[RequestOutput]]:
+        """The next event and every one already queued: new tokens per sequence, outputs."""
+        events: list[tuple[str, RequestEvent]] = [await self._events.get()]
         while not self._events.empty():
             events.append(self._events.get_nowait())
-        merged: dict[str, tuple[list[int], RequestOutput | None]] = {}
-        for request_id, event in events:
+        tokens: dict[str, list[int]] = {}
+        outputs = []
+        for key, event in events:
             if event.error is not None:
                 raise EngineFailure(event.error)
-            token_ids, _ = merged.setdefault(request_id, ([], None))
-            token_ids.extend(event.new_token_ids)
-            merged[request_id] = (token_ids, event.output)
-        return merged
+            if event.new_token_ids:
+                tokens.setdefault(key, []).extend(event.new_token_ids)
+            if event.output is not None:
+                outputs.append(event.output)
+        return tokens, outputs
+
+    def prompt_token_ids(self, choice: Choice) -> list[int]:
+        output = self.outputs.get(self.engine_request_ids[choice.prompt_index])
+        return list(output.prompt_token_ids) if output is not None else []
 
     def usage(self) -> dict[str, int]:
         """OpenAI usage: prompt tokens once per prompt, completion tokens of every choice."""
-        prompt_tokens = {}
-        completion_tokens = 0
-        for choice in self.choices:
-            if choice.output is not None:
-                prompt_tokens[choice.prompt_index] = len(choice.output.prompt_token_ids)
-                completion_tokens += len(choice.output.token_ids)
-            else:
-                completion_tokens += len(choice.streamer.token_ids)
-        total_prompt = sum(prompt_tokens.values())
-        return {"prompt_tokens": total_prompt, "completion_tokens": completion_tokens,
-                "total_tokens": total_prompt + completion_tokens}
+        prompt_tokens = sum(len(output.prompt_token_ids) for output in self.outputs.values())
+        completion_tokens = sum(len(c.output.token_ids) if c.output is not None else len(c.streamer.token_ids)
+                                for c in self.choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     def _log(self, status: str) -> None:
         usage = self.usage()
-        ttfts = [c.output.metrics.ttft for c in self.choices if c.output is not None and c.output.metrics.ttft]
+        ttfts = [o.metrics.ttft for o in self.outputs.values() if o.metrics.ttft is not None]
         logger.info("request.finished", request_id=self.request_id, endpoint=self.endpoint, status=status,
                     choices=len(self.choices), prompt_tokens=usage["prompt_tokens"],
                     completion_tokens=usage["completion_tokens"],
                     finish_reasons=sorted({str(c.finish_reason) for c in self.choices}),
                     ttft_ms=round(min(ttfts) * 1000, 2) if ttfts else None)
+
+
+def _sequence_id(request_id: str, completion_index: int) -> str:
+    """The engine's sequence id of completion i (see servelab.engine.StepResult)."""
+    return request_id if completion_index == 0 else f"{request_id}#{completion_index}"

@@ -47,8 +47,8 @@ class ServerMetrics:
         self.e2e = Histogram("servelab_e2e_request_latency_seconds", "Arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.generation_tokens = Counter("servelab_generation_tokens", "Tokens generated.", registry=r)
-        self.prompt_tokens = Counter("servelab_prompt_tokens", "Prompt tokens of finished sequences.", registry=r)
-        self.finished = Counter("servelab_requests_finished", "Sequences finished, by finish reason.",
+        self.prompt_tokens = Counter("servelab_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.finished = Counter("servelab_requests_finished", "Completions finished, by finish reason.",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("servelab_http_requests_rejected", "HTTP requests refused, by reason.",
                                 ["reason"], registry=r)
@@ -70,14 +70,15 @@ class ServerMetrics:
 
     def _observe_finished(self, output: Any) -> None:
         metrics = output.metrics
-        self.finished.labels(output.finish_reason or "unknown").inc()
+        for completion in output.outputs:
+            self.finished.labels(completion.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         if metrics.first_token_time is None:
             return
         self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
         if metrics.finish_time is not None:
             self.e2e.observe(metrics.finish_time - metrics.arrival_time)
-            num_tokens = len(output.token_ids)
+            num_tokens = max(len(c.token_ids) for c in output.outputs)  # the longest of n completions
             if num_tokens > 1:
                 self.tpot.observe((metrics.finish_time - metrics.first_token_time) / (num_tokens - 1))
 

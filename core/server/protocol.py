@@ -10,6 +10,7 @@ tools, ...) are refused by name rather than silently ignored; unknown fields are
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import attrs
@@ -18,7 +19,7 @@ from servelab.errors import RequestError
 from servelab.sampling_params import SamplingParams
 
 MAX_N = 64  # choices per request
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+_SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -47,7 +48,7 @@ def bad_request(message: str, param: str | None, code: str | None = None) -> Api
 def request_error(exc: RequestError, prompt_field: str) -> ApiError:
     """A 400 for an engine RequestError; its message starts with the field it is about."""
     message = str(exc)
-    first = message.split(" ", 1)[0].rstrip(":")
+    first = re.match(r"[a-z_]*", message).group()  # "temperature must be ...", "n=4 samples ..."
     if first in _SAMPLING_FIELDS:
         return bad_request(message, first)
     if not message.startswith(prompt_field):

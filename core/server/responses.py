@@ -14,7 +14,7 @@ from servelab.server.generation import Generation
 
 def completion_body(generation: Generation, model: str, token_ids: bool = False) -> dict[str, Any]:
     choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-                **(_token_ids(c) if token_ids else {})} for c in generation.choices]
+                **(_token_ids(generation, c) if token_ids else {})} for c in generation.choices]
     return {**_header(generation, model, "text_completion"), "choices": choices, "usage": generation.usage()}
 
 
@@ -28,7 +28,7 @@ async def completion_chunks(generation: Generation, model: str) -> AsyncIterator
 
 def chat_body(generation: Generation, model: str, token_ids: bool = False) -> dict[str, Any]:
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                "finish_reason": c.finish_reason, **(_token_ids(c) if token_ids else {})}
+                "finish_reason": c.finish_reason, **(_token_ids(generation, c) if token_ids else {})}
                for c in generation.choices]
     return {**_header(generation, model, "chat.completion"), "choices": choices, "usage": generation.usage()}
 
@@ -45,9 +45,8 @@ async def chat_chunks(generation: Generation, model: str) -> AsyncIterator[dict[
     yield {**header, "choices": [], "usage": generation.usage()}
 
 
-def _token_ids(choice: Any) -> dict[str, list[int]]:
-    output = choice.output
-    return {"prompt_token_ids": list(output.prompt_token_ids), "token_ids": list(output.token_ids)}
+def _token_ids(generation: Generation, choice: Any) -> dict[str, list[int]]:
+    return {"prompt_token_ids": generation.prompt_token_ids(choice), "token_ids": list(choice.output.token_ids)}
 
 
 def _header(generation: Generation, model: str, kind: str) -> dict[str, Any]:
