@@ -32,7 +32,8 @@ from servelab.server.protocol import (ApiError, GenerationRequest, bad_request, 
 from servelab.server.responses import chat_body, chat_chunks, completion_body, completion_chunks
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_REJECT_REASONS = {400: "invalid", 401: "unauthorized", 429: "overloaded", 503: "unavailable"}
+_REJECT_REASONS = {400: "invalid", 401: "unauthorized", 429: "overloaded", 499: "client_closed", 500: "error",
+                   503: "unavailable"}
 
 
 @attrs.define
