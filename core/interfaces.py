@@ -192,11 +192,23 @@ class StepPlan:
 
 @attrs.frozen
 class SchedulerStats:
-    """The same numbers from every scheduler."""
+    """The same numbers from every scheduler.
 
-    num_waiting: int
-    num_running: int
+    A *slot* is one of the max_num_seqs places in the batch. A slot is held by a
+    running sequence, and by a finished member of a static batch until its batch ends.
+    Each step, a held slot is *used* when its sequence is scheduled and *idle* (wasted)
+    otherwise: slot_steps_used + slot_steps_wasted counts every slot held at every step.
+    """
+
+    num_waiting: int  # queued sequences holding no slot (new, or preempted)
+    num_running: int  # unfinished sequences holding a slot
     num_preemptions: int  # total since start
+    num_scheduled_seqs: int = 0  # sequences the last schedule() planned
+    num_scheduled_tokens: int = 0  # tokens the last schedule() planned
+    num_idle_slots: int = 0  # slots held but not scheduled in the last planned step
+    slot_steps_used: int = 0  # num_scheduled_seqs summed over every step since start
+    slot_steps_wasted: int = 0  # num_idle_slots summed over every step since start
+    num_steps: int = 0  # non-empty plans since start
 
 
 @runtime_checkable

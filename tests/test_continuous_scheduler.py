@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from servelab.errors import ConfigError
 from servelab.interfaces import AllocatorContext, Scheduler, SchedulerContext, SequenceStatus, StepPlan
 from servelab.plugins.allocators.paged import PagedAllocator, blocks_for
-from servelab.plugins.schedulers.continuous import ContinuousScheduler
+from servelab.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
 from servelab.sampling_params import SamplingParams
 from servelab.sequence import Sequence
 
@@ -31,10 +31,10 @@ class Engine:
     """A scheduler plus allocator, and the engine's per-step bookkeeping."""
 
     def __init__(self, *, num_blocks: int, block_size: int = 4, max_num_seqs: int = 4,
-                 max_num_batched_tokens: int = 64, max_model_len: int = 64) -> None:
+                 max_num_batched_tokens: int = 64, max_model_len: int = 64, options=None) -> None:
         self.allocator = PagedAllocator(None, AllocatorContext(num_blocks=num_blocks, block_size=block_size,
                                                                max_model_len=max_model_len))
-        self.scheduler = ContinuousScheduler(None, SchedulerContext(
+        self.scheduler = ContinuousScheduler(options, SchedulerContext(
             allocator=self.allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, clock=lambda: 0.0))
         self.block_size = block_size
@@ -185,14 +185,32 @@ def test_token_budget_caps_admission():
 
 
 def test_token_budget_caps_decode_steps_too():
-    # Six slots but four tokens a step: the budget, not max_num_seqs, bounds the batch, and
-    # the two later requests wait until a running one finishes.
-    engine = Engine(num_blocks=16, max_num_seqs=6, max_num_batched_tokens=4, max_model_len=4)
+    # Decode-first: six slots but four tokens a step. The budget, not max_num_seqs, bounds
+    # the batch, and the two later requests wait until a running one finishes.
+    engine = Engine(num_blocks=16, max_num_seqs=6, max_num_batched_tokens=4, max_model_len=4,
+                    options=ContinuousOptions(policy="decode-first"))
     for _ in range(6):
         engine.add(prompt_len=1, max_tokens=3)
     assert ids(engine.step()) == [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 1)]
     assert ids(engine.step()) == [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 1)]
     assert engine.scheduler.stats().num_waiting == 2
+    assert engine.scheduler.stats().num_idle_slots == 0
+    plans = engine.run()
+    assert all(p.num_scheduled_tokens <= 4 for p in plans)
+    assert len(engine.finished) == 6
+
+
+def test_prefill_first_admits_before_decoding():
+    # Prefill-first (the default): the two waiting prompts take the budget first, and the
+    # decodes of r2 and r3 (which the budget no longer covers) sit the step out.
+    engine = Engine(num_blocks=16, max_num_seqs=6, max_num_batched_tokens=4, max_model_len=4)
+    for _ in range(6):
+        engine.add(prompt_len=1, max_tokens=3)
+    assert ids(engine.step()) == [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 1)]
+    assert ids(engine.step()) == [("r0", 1), ("r1", 1), ("r4", 1), ("r5", 1)]
+    stats = engine.scheduler.stats()
+    assert (stats.num_waiting, stats.num_running, stats.num_idle_slots) == (0, 6, 2)
+    assert (stats.slot_steps_used, stats.slot_steps_wasted, stats.num_scheduled_tokens) == (8, 2, 4)
     plans = engine.run()
     assert all(p.num_scheduled_tokens <= 4 for p in plans)
     assert len(engine.finished) == 6

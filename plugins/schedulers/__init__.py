@@ -2,14 +2,30 @@
 
 import servelab
 from servelab.plugin_types import SchedulerPlugin
+from servelab.plugins.schedulers.continuous import ContinuousOptions
+from servelab.plugins.schedulers.queues import QueueOptions
 
 
 @servelab.hookimpl
 def servelab_register_schedulers():
     return [
         SchedulerPlugin(
+            name="static",
+            factory="servelab.plugins.schedulers.static:StaticScheduler",
+            options=QueueOptions,
+            description="static batching: run a batch to completion before admitting anyone; finished slots idle",
+        ),
+        SchedulerPlugin(
             name="continuous",
             factory="servelab.plugins.schedulers.continuous:ContinuousScheduler",
-            description="iteration-level batching (Orca): admit and retire every step, FCFS, preempt by recompute",
+            options=ContinuousOptions,
+            description="iteration-level batching (Orca): admit and retire every step, priority order, "
+                        "preempt by recompute",
+        ),
+        SchedulerPlugin(
+            name="chunked-prefill",
+            factory="servelab.plugins.schedulers.chunked_prefill:ChunkedPrefillScheduler",
+            options=QueueOptions,
+            description="continuous batching with prompts split into chunks under the token budget, decodes first",
         ),
     ]

@@ -1,151 +1,98 @@
 """Continuous (iteration-level) batching, as in Orca and vLLM.
 
-Every step: running sequences advance first, in admission order; then waiting ones are
-admitted FCFS while a sequence slot, token budget and KV room remain. When the KV pool
-runs dry, the most recently admitted sequence is preempted by recompute: its blocks
-are freed and it rejoins the front of the queue with its generated tokens kept.
+Every step, running sequences decode and waiting ones are admitted, in rank order
+(priority, then arrival; see `queues`), while a sequence slot, token budget and KV room
+remain. Prompts are prefilled whole, in one step.
 
-With a prefix-caching allocator, an admitted sequence starts from its longest cached
-prefix and only the rest of its prompt is computed. Forked sequences (parallel
-sampling) join the running batch behind everyone else; past max_num_seqs, the newest
-are preempted at the next step.
+Policy (`policy` option):
+
+- "prefill-first" (default, vLLM V0): waiting prompts are admitted first and the running
+  sequences' decode tokens fill what is left of the token budget. KV for those decode
+  tokens is claimed before admission, so admitting never preempts a running sequence.
+- "decode-first": running sequences decode first; admissions take the budget left.
+
+The two differ only when the token budget is tight: prefill-first gives new requests
+their first token sooner, decode-first keeps running requests' tokens flowing.
+
+When the KV pool runs dry, the lowest-ranked running sequence (for equal priorities, the
+newest) is preempted by recompute: its blocks are freed and it waits, with its generated
+tokens kept, to recompute prompt and output in one go. Nobody is admitted in a step that
+preempted. With a prefix-caching allocator an admitted sequence starts from its longest
+cached prefix. Forked sequences (parallel sampling) join the running batch; past
+max_num_seqs, the lowest-ranked are preempted at the next step.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Sequence as Seq
+from typing import Any
+
+import attrs
 
 from servelab.errors import ConfigError
-from servelab.interfaces import (
-    ForkingAllocator,
-    PrefixCachingAllocator,
-    SchedulerContext,
-    SchedulerStats,
-    Sequence,
-    SequenceStatus,
-    StepPlan,
-)
+from servelab.interfaces import SchedulerContext, Sequence, StepPlan
+from servelab.plugins.schedulers.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit
+
+POLICIES = ("prefill-first", "decode-first")
 
 
-class ContinuousScheduler:
+def _policy(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in POLICIES:
+        raise ConfigError(f"[scheduler] policy must be one of {', '.join(map(repr, POLICIES))}, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ContinuousOptions(QueueOptions):
+    # Who gets the token budget first: new prompts or running decodes.
+    policy: str = attrs.field(default="prefill-first", validator=_policy)
+
+
+class ContinuousScheduler(QueueScheduler):
+    name = "continuous"
+
     def __init__(self, options: Any, context: SchedulerContext) -> None:
-        if context.max_num_batched_tokens < context.max_model_len:
-            raise ConfigError(
-                f"scheduler 'continuous' prefills whole prompts, so [engine] max_num_batched_tokens "
-                f"({context.max_num_batched_tokens}) must be >= max_model_len ({context.max_model_len}); "
-                f"raise it, or choose a chunked-prefill scheduler"
-            )
-        self.context = context
-        self.allocator = context.allocator
-        self.prefix_cache = context.allocator if isinstance(context.allocator, PrefixCachingAllocator) else None
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0
-
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-
-    def abort(self, request_id: str) -> Sequence | None:
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self.allocator.free(request_id)
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = "abort"
-                    return seq
-        return None
+        check_whole_prompts_fit(self.name, context)
+        super().__init__(options if options is not None else ContinuousOptions(), context)
 
     def schedule(self) -> StepPlan:
-        budget = self.context.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
-        preempted: list[Sequence] = []
-        while len(self.running) > self.context.max_num_seqs:  # forks overfilled the batch
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
+        builder = PlanBuilder(self.context.max_num_batched_tokens)
+        self._shed_overflow(builder)
+        ready = self._claim_running(builder)
+        if self.options.policy == "decode-first":
+            self._run(ready, builder)
+        if not builder.preempted:
+            self._admit_waiting(builder)
+        if self.options.policy == "prefill-first":
+            self._run(ready, builder)
+        return self._plan(builder)
+
+    def _claim_running(self, builder: PlanBuilder) -> list[tuple[Sequence, int]]:
+        """KV for running sequences' next tokens, best rank first, while their tokens fit
+        the budget; preempts from the back when the pool is dry."""
+        ready: list[tuple[Sequence, int]] = []
+        demand = 0
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running):
             seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if self._make_room(seq, num_new, preempted):
-                scheduled.append((seq, num_new))
-                budget -= num_new
+            num_new = seq.num_uncomputed_tokens
+            if demand + num_new > builder.budget:
+                break
+            if self._make_room(seq, num_new, builder):  # victims come from behind `index`
+                ready.append((seq, num_new))
+                demand += num_new
                 index += 1
-        if not preempted:
-            budget = self._admit(budget, scheduled)
-        return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted))
+        return ready
 
-    def _make_room(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
-        """Allocate for `seq`, preempting from the back of `running`; False if `seq` itself went."""
-        while not self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim is seq:
-                return False
-        return True
+    def _run(self, ready: list[tuple[Sequence, int]], builder: PlanBuilder) -> None:
+        for seq, num_new in ready:
+            if num_new <= builder.budget:
+                builder.add(seq, num_new)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.allocator.free(seq.request_id)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-
-    def _admit(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> int:
+    def _admit_waiting(self, builder: PlanBuilder) -> None:
         while self.waiting and len(self.running) < self.context.max_num_seqs:
             seq = self.waiting[0]
-            num_new = self._try_allocate(seq, budget)
+            num_new = self._admit(seq, builder.budget, whole=True)
             if not num_new:
-                break  # FCFS: the head of the queue waits; nobody overtakes it
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append((seq, num_new))
-            budget -= num_new
-        return budget
-
-    def _try_allocate(self, seq: Sequence, budget: int) -> int:
-        """Allocate a waiting sequence's uncomputed tokens (after any prefix-cache hit);
-        how many it computes this step, or 0, holding nothing, if they do not fit."""
-        if self.prefix_cache is not None and seq.num_computed_tokens == 0:
-            seq.num_computed_tokens = self.prefix_cache.match_prefix(seq)
-        num_new = seq.num_uncomputed_tokens
-        if num_new <= budget and self.allocator.allocate(seq.request_id, seq.num_tokens):
-            return num_new
-        self.allocator.free(seq.request_id)  # lets go of the matched prefix
-        seq.num_computed_tokens = 0
-        return 0
-
-    def fork(self, parent: Sequence, children: Seq[Sequence]) -> None:
-        allocator: ForkingAllocator = self.allocator  # the engine admits n > 1 only if it forks
-        requeue = []
-        for child in children:
-            if allocator.fork(parent.request_id, child.request_id):
-                child.num_computed_tokens = parent.num_computed_tokens
-                child.status = SequenceStatus.RUNNING
-                self.running.append(child)
-            else:  # no memory for a copy: recompute the prompt later, like a preempted sequence
-                child.num_computed_tokens = 0
-                child.status = SequenceStatus.WAITING
-                requeue.append(child)
-        self.waiting.extendleft(reversed(requeue))
-
-    def finish(self, seqs: Seq[Sequence]) -> None:
-        done = {id(seq) for seq in seqs}
-        self.running = [seq for seq in self.running if id(seq) not in done]
-        for seq in seqs:
-            self.allocator.free(seq.request_id)
-            seq.status = SequenceStatus.FINISHED
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_waiting=len(self.waiting), num_running=len(self.running), num_preemptions=self.num_preemptions
-        )
+                break  # the head of the queue waits; nobody overtakes it
+            self.waiting.pop(0)
+            self._start(seq)
+            builder.add(seq, num_new)

@@ -1,0 +1,237 @@
+"""What the built-in schedulers share: a waiting queue and a running batch kept in
+rank order, admission with prefix-cache hits, preemption by recompute, fork, abort,
+and the slot accounting every scheduler reports the same way.
+
+A scheduler subclasses `QueueScheduler` and writes `schedule()` from its helpers:
+
+    builder = PlanBuilder(self.context.max_num_batched_tokens)
+    ...  # _make_room / _admit / builder.add, in the policy's own order
+    return self._plan(builder)
+
+Rank: lower priority value first, then earlier arrival, then the order the scheduler
+first saw the sequence. With `priority_aging_s` > 0, each priority level is worth that
+many seconds of arrival time (rank by arrival + priority * priority_aging_s), which is
+the same order as "effective priority improves by one level every priority_aging_s
+seconds of waiting": a request that has waited long enough outranks every newer one,
+whatever their priorities, so nobody starves. 0 turns aging off (strict priority).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Any, Sequence as Seq
+
+import attrs
+
+from servelab.errors import ConfigError
+from servelab.interfaces import (
+    ForkingAllocator,
+    PrefixCachingAllocator,
+    SchedulerContext,
+    SchedulerStats,
+    Sequence,
+    SequenceStatus,
+    StepPlan,
+)
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"[scheduler] {attribute.name} must be a number >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class QueueOptions:
+    """Options every built-in scheduler takes."""
+
+    # Seconds of waiting worth one priority level (0: strict priority, no aging).
+    priority_aging_s: float = attrs.field(default=10.0, validator=_non_negative)
+
+
+def check_whole_prompts_fit(name: str, context: SchedulerContext) -> None:
+    """Schedulers that prefill a prompt in one step need a budget of max_model_len tokens."""
+    if context.max_num_batched_tokens < context.max_model_len:
+        raise ConfigError(
+            f"scheduler {name!r} prefills whole prompts, so [engine] max_num_batched_tokens "
+            f"({context.max_num_batched_tokens}) must be >= max_model_len ({context.max_model_len}); "
+            f"raise it, or choose the chunked-prefill scheduler"
+        )
+
+
+class PlanBuilder:
+    """One step's plan under construction: who runs with how many tokens, the token
+    budget left, and who was preempted."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # tokens still free this step
+        self.scheduled: dict[Sequence, int] = {}  # sequence -> new tokens (Sequence hashes by identity)
+        self.preempted: list[Sequence] = []
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.scheduled[seq] = num_new
+        self.budget -= num_new
+
+    def drop(self, seq: Sequence) -> None:
+        """Unschedule `seq` (it was preempted after all), returning its tokens to the budget."""
+        self.budget += self.scheduled.pop(seq, 0)
+
+
+class QueueScheduler:
+    """Queues, admission, preemption and accounting; subclasses write `schedule()`.
+
+    `waiting` and `running` are kept in rank order. The preemption victim is always the
+    last of `running` (lowest rank: lowest priority, then newest), so the best-ranked
+    running sequence is never preempted while others could be, and always progresses.
+    """
+
+    name = "queue"
+
+    def __init__(self, options: Any, context: SchedulerContext) -> None:
+        self.options = options if options is not None else QueueOptions()
+        self.context = context
+        self.allocator = context.allocator
+        self.prefix_cache = context.allocator if isinstance(context.allocator, PrefixCachingAllocator) else None
+        self.waiting: list[Sequence] = []  # holding no KV, in rank order
+        self.running: list[Sequence] = []  # holding a slot (and KV for their computed tokens), in rank order
+        self._ranks: dict[str, tuple] = {}  # sequence id -> rank
+        self._order = itertools.count()
+        self.num_preemptions = 0
+        self._last = SchedulerStats(num_waiting=0, num_running=0, num_preemptions=0)
+
+    # ------------------------------------------------------------ Scheduler protocol
+
+    def add(self, seq: Sequence) -> None:
+        self._ranks[seq.request_id] = self._new_rank(seq)
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in self._queues():
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.allocator.free(request_id)
+                    self._ranks.pop(request_id, None)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = "abort"
+                    return seq
+        return None
+
+    def finish(self, seqs: Seq[Sequence]) -> None:
+        done = {id(seq) for seq in seqs}
+        self.running = [seq for seq in self.running if id(seq) not in done]
+        for seq in seqs:
+            self.allocator.free(seq.request_id)
+            self._ranks.pop(seq.request_id, None)
+            seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return any(self._queues())
+
+    def stats(self) -> SchedulerStats:
+        return attrs.evolve(self._last, num_waiting=sum(map(len, self._queues())) - len(self.running),
+                            num_running=len(self.running), num_preemptions=self.num_preemptions)
+
+    def fork(self, parent: Sequence, children: Seq[Sequence]) -> None:
+        """Children share the parent's KV and run from the next step; one that cannot
+        (no memory) queues to recompute its prompt, like a preempted sequence."""
+        allocator: ForkingAllocator = self.allocator  # the engine admits n > 1 only if it forks
+        for child in children:
+            self._ranks[child.request_id] = self._new_rank(child)
+            if allocator.fork(parent.request_id, child.request_id):
+                child.num_computed_tokens = parent.num_computed_tokens
+                self._start(child)
+            else:
+                child.num_computed_tokens = 0
+                child.status = SequenceStatus.WAITING
+                self._requeue(child)
+
+    # ------------------------------------------------------------ queues
+
+    def _queues(self) -> tuple[list[Sequence], ...]:
+        """Every list a sequence this scheduler owns can be in (subclasses add theirs)."""
+        return self.waiting, self.running
+
+    def _new_rank(self, seq: Sequence) -> tuple:
+        aging = self.options.priority_aging_s
+        if aging > 0:
+            return seq.arrival_time + seq.priority * aging, next(self._order)
+        return seq.priority, seq.arrival_time, next(self._order)
+
+    def _rank(self, seq: Sequence) -> tuple:
+        return self._ranks[seq.request_id]
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=self._rank)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Where a preempted sequence waits to resume (subclasses may keep their own list)."""
+        self._enqueue(seq)
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=self._rank)
+
+    # ------------------------------------------------------------ KV
+
+    def _admit(self, seq: Sequence, budget: int, *, whole: bool) -> int:
+        """Allocate a waiting sequence's next tokens, after any prefix-cache hit: all its
+        uncomputed tokens (`whole`), or as many as `budget` allows. Returns how many it
+        computes this step, or 0, holding nothing, when they do not fit. Does not move
+        `seq` between queues."""
+        if self.prefix_cache is not None and seq.num_computed_tokens == 0:
+            seq.num_computed_tokens = self.prefix_cache.match_prefix(seq)
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        fits = num_new == seq.num_uncomputed_tokens if whole else num_new > 0
+        if fits and self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+            return num_new
+        self.allocator.free(seq.request_id)  # lets go of the matched prefix
+        seq.num_computed_tokens = 0
+        return 0
+
+    def _make_room(self, seq: Sequence, num_new: int, builder: PlanBuilder) -> bool:
+        """Allocate `num_new` more tokens for running `seq`, preempting from the back of
+        `running` while the pool is dry; False if `seq` itself had to go."""
+        while not self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            self._preempt(victim, builder)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, builder: PlanBuilder) -> None:
+        """Preempt by recompute: free its KV, keep its tokens, queue it to resume."""
+        self.running.remove(seq)
+        builder.drop(seq)
+        builder.preempted.append(seq)
+        self.allocator.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self._requeue(seq)
+
+    def _shed_overflow(self, builder: PlanBuilder) -> None:
+        """Forks can overfill the batch: preempt the lowest-ranked past max_num_seqs."""
+        while len(self.running) > self.context.max_num_seqs:
+            self._preempt(self.running[-1], builder)
+
+    # ------------------------------------------------------------ accounting
+
+    def _num_held_slots(self) -> int:
+        """Slots held this step (static batches also count their finished members)."""
+        return len(self.running)
+
+    def _plan(self, builder: PlanBuilder) -> StepPlan:
+        """The plan in rank order, with this step's accounting recorded."""
+        scheduled = tuple((seq, builder.scheduled[seq]) for seq in self.running if seq in builder.scheduled)
+        plan = StepPlan(scheduled=scheduled, preempted=tuple(builder.preempted))
+        num_seqs, num_tokens = len(scheduled), plan.num_scheduled_tokens
+        num_idle = self._num_held_slots() - num_seqs if scheduled else 0
+        last = self._last
+        self._last = attrs.evolve(
+            last, num_scheduled_seqs=num_seqs, num_scheduled_tokens=num_tokens, num_idle_slots=num_idle,
+            slot_steps_used=last.slot_steps_used + num_seqs, slot_steps_wasted=last.slot_steps_wasted + num_idle,
+            num_steps=last.num_steps + bool(scheduled))
+        return plan
