@@ -200,7 +200,7 @@ class SchedulerStats:
     otherwise: slot_steps_used + slot_steps_wasted counts every slot held at every step.
     """
 
-    num_waiting: int  # queued sequences holding no slot (new, or preempted)
+    num_waiting: int  # queued sequences, not running: new, or preempted and waiting to resume
     num_running: int  # unfinished sequences holding a slot
     num_preemptions: int  # total since start
     num_scheduled_seqs: int = 0  # sequences the last schedule() planned
