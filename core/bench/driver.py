@@ -55,8 +55,9 @@ def run_workload(engine: Any, recorder: StepRecorder, workload: Workload, config
     start = clock()
     cursor = 0
     while len(outputs) < len(pending):
-        now = clock() - start
-        while cursor < len(pending) and pending[cursor][1].arrival_time <= now:
+        now = clock()
+        # Absolute times on both sides: (start + a) - start can round below a.
+        while cursor < len(pending) and start + pending[cursor][1].arrival_time <= now:
             index, request = pending[cursor]
             params = SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True)
             request_id = engine.add_request(request.prompt_token_ids, params,

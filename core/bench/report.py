@@ -57,6 +57,15 @@ def format_table(result: dict[str, Any]) -> str:
         base = result["baseline"]["metrics"]["output_tokens_per_s"]
         for name, metrics in columns[:-1]:
             lines.append(f"{name} / hf-static output tokens/s: {metrics['output_tokens_per_s'] / base:.2f}x")
+    for name, points in result.get("rate_sweep", {}).items():
+        lines.append(f"rate sweep, {name}:")
+        lines.append(f"  {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'goodput':>8}")
+        for point in points:
+            m = point["metrics"]
+            lines.append(f"  {point['rate']:>7g} {m['output_tokens_per_s']:>10.1f} "
+                         f"{_fmt(m['ttft_ms']['p50'], 0) + '/' + _fmt(m['ttft_ms']['p99'], 0):>16} "
+                         f"{_fmt(m['tpot_ms']['p50'], 0) + '/' + _fmt(m['tpot_ms']['p99'], 0):>16} "
+                         f"{m['goodput_rps']:>8.2f}")
     for path in result.get("plots", []):
         lines.append(f"plot: {path}")
     return "\n".join(lines)
