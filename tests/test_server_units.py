@@ -263,3 +263,13 @@ def test_percentiles_and_histogram_quantiles():
     assert report.server_quantile("time_to_first_token", 0.75) == pytest.approx(0.15)
     assert report.server_quantile("time_per_output_token", 0.5) is None
     assert report.blocks_leaked == 0
+
+
+def test_api_key_comes_from_the_environment(monkeypatch):
+    from servelab.cli import _parser
+
+    monkeypatch.setenv("SERVELAB_API_KEY", "from-env")
+    assert _parser().parse_args(["serve"]).api_key == "from-env"
+    assert _parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("SERVELAB_API_KEY")
+    assert _parser().parse_args(["serve"]).api_key is None
