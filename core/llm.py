@@ -38,13 +38,20 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion, all admitted together; outputs in prompt order."""
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 priority: int | Seq[int] = 0) -> list[RequestOutput]:
+        """Run every prompt to completion, all queued together; outputs in prompt order.
+
+        `priority` (one for all, or one per prompt; lower runs first) orders admission
+        under the continuous and chunked-prefill schedulers when not all fit at once.
+        """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
+        priorities = _as_priority_list(priority, len(prompt_list))
         for prompt, sampling in zip(prompt_list, params_list):  # validate all before queueing any
             self.engine.validate_request(prompt, sampling)
-        request_ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        request_ids = [self.engine.add_request(p, sp, priority=rank)
+                       for p, sp, rank in zip(prompt_list, params_list, priorities)]
         finished: dict[str, RequestOutput] = {}
         try:
             while len(finished) < len(request_ids):
@@ -82,3 +89,13 @@ def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
         if not isinstance(p, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(p).__name__}")
     return params
+
+
+def _as_priority_list(priority: Any, count: int) -> list[int]:
+    values = [priority] * count if isinstance(priority, int) else list(priority)
+    if len(values) != count:
+        raise RequestError(f"got {len(values)} priorities for {count} prompts; give one, or one per prompt")
+    for value in values:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise RequestError(f"priority must be an int, got {value!r}")
+    return values

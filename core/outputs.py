@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import attrs
 
-from servelab.interfaces import AllocatorStats, SchedulerStats
+from typing import Callable, Sequence as Seq
+
+from servelab.interfaces import AllocatorStats, SchedulerStats, Sequence
 
 
 @attrs.frozen
@@ -29,6 +31,13 @@ class RequestMetrics:
         if self.finish_time is None:
             return None
         return self.finish_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to first scheduled step."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
 
 @attrs.frozen
@@ -64,6 +73,39 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first, of the first completion (seconds);
+        None with fewer than two tokens."""
+        metrics, num_tokens = self.metrics, len(self.token_ids)
+        if num_tokens < 2 or metrics.finish_time is None or metrics.first_token_time is None:
+            return None
+        return (metrics.finish_time - metrics.first_token_time) / (num_tokens - 1)
+
+
+def request_output(request_id: str, prompt: str | None, seqs: Seq[Sequence],
+                   decode: Callable[[list[int]], str]) -> RequestOutput:
+    """A finished request's output from its sequences, one per completion (n of them)."""
+    first = seqs[0]
+    first_token_times = [s.first_token_time for s in seqs if s.first_token_time is not None]
+    finish_times = [s.finish_time for s in seqs if s.finish_time is not None]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=[_completion(s, decode) for s in seqs],
+        metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, min(first_token_times, default=None),
+                               max(finish_times, default=None), sum(s.num_preemptions for s in seqs)),
+    )
+
+
+def _completion(seq: Sequence, decode: Callable[[list[int]], str]) -> CompletionOutput:
+    if seq.output_text or (seq.params.stop and seq.finish_reason == "stop"):
+        text = seq.output_text  # cut at the stop string
+    else:
+        text = decode(seq.output_token_ids)
+    return CompletionOutput(seq.completion_index, list(seq.output_token_ids), text, seq.finish_reason)
 
 
 @attrs.frozen

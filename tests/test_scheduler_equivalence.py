@@ -124,3 +124,22 @@ def test_engine_passes_priority_to_the_scheduler(llama_checkpoint, scheduler):
     while engine.has_unfinished():
         order.extend(output.request_id for output in engine.step().finished)
     assert order == ["high", "mid", "low"]
+
+
+def test_generate_takes_priorities(llama_checkpoint):
+    from servelab import RequestError
+
+    llm = LLM(llama_checkpoint, max_model_len=64, max_num_seqs=1, **{"scheduler.name": "chunked-prefill"})
+    outputs = llm.generate([[5, 6, 7], [8, 9], [10]], greedy(3), priority=[2, 0, 1])
+    first_tokens = [o.metrics.first_token_time for o in outputs]
+    assert first_tokens[1] < first_tokens[2] < first_tokens[0]
+    for output in outputs:
+        metrics = output.metrics
+        assert metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time <= metrics.finish_time
+        assert metrics.queue_time >= 0 and output.tpot == pytest.approx(
+            (metrics.finish_time - metrics.first_token_time) / 2)
+    with pytest.raises(RequestError, match="2 priorities for 3 prompts"):
+        llm.generate([[5], [6], [7]], greedy(1), priority=[0, 1])
+    with pytest.raises(RequestError, match="priority must be an int"):
+        llm.generate([[5]], greedy(1), priority=[0.5])
+    assert not llm.engine.has_unfinished()
