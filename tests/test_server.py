@@ -118,8 +118,10 @@ def test_streaming_completion_equals_offline(client, offline):
     chunks = list(stream)
     expected = reference(offline, "w9 w8 w7", **SEEDED)
     texts = [c.choices[0].text for c in chunks if c.choices]
-    assert len(texts) >= 2 and all(texts[:-1])  # one chunk per new text, the finish chunk last
-    assert "".join(texts) == expected.text
+    # One chunk per new text (steps that queued up while the loop was busy share one), then
+    # the finish chunk; the disconnect test below reads chunks mid-stream.
+    assert all(texts[:-1]), texts
+    assert "".join(texts) == expected.text, (texts, expected.token_ids)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
