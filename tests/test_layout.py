@@ -119,3 +119,17 @@ def test_every_module_imports_with_warnings_as_errors():
     result = run_python(code, "-W", "error")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "", result.stdout
+
+
+def test_every_package_directory_is_listed_in_pyproject():
+    """A wheel ships only the packages pyproject lists; editable installs would hide a gap."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, prefix in (("core", "servelab"), ("plugins", "servelab.plugins")):
+        for init in (root / top).rglob("__init__.py"):
+            relative = init.parent.relative_to(root / top).parts
+            found.add(".".join((prefix, *relative)))
+    assert found - listed == set(), "packages missing from pyproject.toml"
