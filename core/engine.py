@@ -31,7 +31,7 @@ from servelab.interfaces import (
 from servelab.model.loader import DTYPES
 from servelab.model.source import CheckpointSource, ModelSource
 from servelab.model.tokenizer import IncrementalDecoder
-from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepReport
+from servelab.outputs import RequestOutput, StepReport, request_output
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
 from servelab.sampler import sample
 from servelab.sampling_params import SamplingParams
@@ -225,7 +225,7 @@ class LLMEngine:
         t4 = self.clock()
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
-        if self._prefix_cache is not None:
+        if self._prefix_cache is not None:  # computed tokens are verified ones (no drafts yet)
             for seq, _ in plan.scheduled:
                 self._prefix_cache.cache_blocks(seq)
         new_tokens = {}
@@ -312,29 +312,14 @@ class LLMEngine:
             self._generators.pop(s.request_id, None)
             self._decoders.pop(s.request_id, None)
             self._parent_of.pop(s.request_id, None)
-        first = group[0]
-        output = RequestOutput(
-            request_id=request_id,
-            prompt=self._prompts.pop(request_id, None),
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=[self._completion(s) for s in group],
-            metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time,
-                                   min((s.first_token_time for s in group if s.first_token_time is not None),
-                                       default=None),
-                                   max((s.finish_time for s in group if s.finish_time is not None), default=None),
-                                   sum(s.num_preemptions for s in group)),
-        )
+        output = request_output(request_id, self._prompts.pop(request_id, None), group, self._decode)
         self.registry.hook.servelab_request_finished(engine=self, output=output)
-        logger.debug("request.finished", request_id=request_id, finish_reason=first.finish_reason,
-                     prompt_tokens=len(first.prompt_token_ids), output_tokens=len(first.output_token_ids))
+        logger.debug("request.finished", request_id=request_id, finish_reason=group[0].finish_reason,
+                     prompt_tokens=len(group[0].prompt_token_ids), output_tokens=len(group[0].output_token_ids))
         return output
 
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        if seq.output_text or (seq.params.stop and seq.finish_reason == "stop"):
-            text = seq.output_text
-        else:
-            text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
-        return CompletionOutput(seq.completion_index, list(seq.output_token_ids), text, seq.finish_reason)
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer else ""
 
     def _report(self, plan: StepPlan, num_finished: int, seconds: tuple[float, ...]) -> None:
         self._step_index += 1

@@ -52,7 +52,11 @@ class CompletionOutput:
 
 @attrs.frozen
 class RequestOutput:
-    """A finished request: its prompt, generated tokens and text, and timings."""
+    """A finished request: its prompt, generated tokens and text, and timings.
+
+    `outputs` holds one CompletionOutput per completion (SamplingParams.n), by index;
+    `token_ids`, `text` and `finish_reason` are the first one's.
+    """
 
     request_id: str
     prompt: str | None

@@ -75,6 +75,17 @@ def test_greedy_matches_transformers_across_generate_calls(llama_checkpoint, ref
         assert stats.num_prefix_lookups == 12 and stats.num_cached_blocks > 0
 
 
+@pytest.mark.parametrize("scheduler", ["chunked-prefill", "static"])
+def test_radix_under_other_schedulers(llama_checkpoint, reference, scheduler):
+    # Chunks of 12 tokens end inside blocks and inside cached prefixes.
+    budget = {"chunked-prefill": 12, "static": 128}[scheduler]
+    llm = LLM(llama_checkpoint, max_model_len=128, block_size=BLOCK_SIZE, max_num_batched_tokens=budget,
+              **{"allocator.name": "radix", "scheduler.name": scheduler})
+    assert generate(llm) == reference
+    assert generate(llm) == reference
+    assert llm.engine.allocator.stats().prefix_hit_tokens > 0
+
+
 def test_radix_computes_fewer_prefill_tokens_and_keeps_them_across_calls(llama_checkpoint):
     recorder = _StepRecorder()
     registry = PluginRegistry.from_entry_points()
