@@ -10,7 +10,8 @@ batching recovers (head-of-line blocking).
 
 When decoding members outgrow the KV pool, the lowest-ranked is preempted by
 recompute, as in `continuous`; it stays a member of its batch and resumes as soon as
-room frees, before any new request is admitted.
+room frees, before any new request is admitted. An aborted member frees its KV at once;
+its slot, like a finished member's, idles until the batch ends.
 """
 
 from __future__ import annotations
