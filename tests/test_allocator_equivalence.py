@@ -127,6 +127,24 @@ def test_small_pool_evicts_and_preempts_without_changing_tokens(llama_checkpoint
         assert llm.engine.scheduler.stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_a_request_that_can_never_fit_is_refused_up_front(llama_checkpoint, allocator):
+    from servelab import ConfigError
+
+    # The pool must hold one max_model_len sequence, so any admissible prompt fits alone.
+    with pytest.raises(ConfigError, match="fewer than max_model_len=64"):
+        LLM(llama_checkpoint, max_model_len=64, num_kv_blocks=7, block_size=BLOCK_SIZE,
+            **{"allocator.name": allocator})
+    llm = LLM(llama_checkpoint, max_model_len=64, num_kv_blocks=8, block_size=BLOCK_SIZE,
+              **{"allocator.name": allocator})
+    with pytest.raises(RequestError, match="65 tokens, more than max_model_len=64"):
+        llm.generate([[5] * 65])
+    # A prompt filling the whole pool runs; three of them queue and run one after another.
+    outputs = llm.generate([[5] * 63, [6] * 63, [7] * 63], greedy(1))
+    assert [len(o.token_ids) for o in outputs] == [1, 1, 1]
+    assert llm.engine.allocator.stats().num_used_blocks == 0
+
+
 # ---------------------------------------------------------------- parallel sampling
 
 
