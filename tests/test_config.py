@@ -198,8 +198,8 @@ def test_bad_plugin_options_are_config_errors(llama_checkpoint, recorder, option
 
 
 def test_option_for_a_plugin_without_options(llama_checkpoint, recorder):
-    with pytest.raises(ConfigError, match=r"\[scheduler\] 'chunk'.*valid options: none"):
-        LLM(llama_checkpoint, registry=recorder.registry, **{"scheduler.chunk": 8})
+    with pytest.raises(ConfigError, match=r"\[allocator\] 'chunk'.*valid options: none"):
+        LLM(llama_checkpoint, registry=recorder.registry, **{"allocator.chunk": 8})
     assert recorder.started == []
 
 
