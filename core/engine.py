@@ -294,7 +294,7 @@ class LLMEngine:
         for stop in seq.params.stop:
             at = decoder.text.find(stop)
             if at >= 0:
-                seq.output_text = decoder.text[:at]
+                seq.stop_text = decoder.text[:at]
                 return True
         return False
 

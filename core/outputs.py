@@ -105,10 +105,7 @@ def request_output(request_id: str, prompt: str | None, seqs: Seq[Sequence],
 
 
 def _completion(seq: Sequence, decode: Callable[[list[int]], str]) -> CompletionOutput:
-    if seq.output_text or (seq.params.stop and seq.finish_reason == "stop"):
-        text = seq.output_text  # cut at the stop string
-    else:
-        text = decode(seq.output_token_ids)
+    text = seq.stop_text if seq.stop_text is not None else decode(seq.output_token_ids)
     return CompletionOutput(seq.completion_index, list(seq.output_token_ids), text, seq.finish_reason)
 
 

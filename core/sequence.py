@@ -42,8 +42,8 @@ class Sequence:
     num_preemptions: int = 0
     # Which of its request's n completions this sequence is (parallel sampling).
     completion_index: int = 0
-    # Text decoded so far, kept only for requests that need it (stop strings, streaming).
-    output_text: str = ""
+    # The output text cut just before the stop string that ended it; None otherwise.
+    stop_text: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -135,3 +135,18 @@ def test_abort_of_a_waiting_request(llm):
     assert output.finish_reason == "abort" and output.token_ids == []
     assert engine.step().finished == []
     assert_idle(llm)
+
+
+def test_stop_strings_set_but_a_stop_token_ends_the_request_keeps_its_text():
+    """A request with stop strings that ends on a stop token id still gets its decoded text."""
+    from servelab import LLM, SamplingParams
+
+    llm = LLM("builtin:tiny-random", max_model_len=64, max_num_seqs=2)
+    free = llm.generate("def f", SamplingParams(max_tokens=6, temperature=0))[0]
+    stop_id = free.token_ids[3]
+    out = llm.generate("def f", SamplingParams(max_tokens=6, temperature=0, stop=["\x00never"],
+                                               stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[:4]
+    expected = llm.tokenizer.decode(free.token_ids[:4])
+    assert expected and out.text == expected
