@@ -127,12 +127,15 @@ def main() -> None:
 
 
 def format_table(result: dict) -> str:
+    def joined(metric: str, *keys: str):
+        return lambda m: "/".join(f"{m[metric][k]:.0f}" for k in keys)
+
     rows = [
         ("output tokens/s", lambda m: f"{m['output_tokens_per_s']:.1f}"),
-        ("short TPOT p50/p90/p99 ms", lambda m: "/".join(f"{m['short_tpot_ms'][k]:.0f}" for k in ("p50", "p90", "p99"))),
-        ("short ITL p50/p99/max ms", lambda m: "/".join(f"{m['short_itl_ms'][k]:.0f}" for k in ("p50", "p99", "max"))),
-        ("short TTFT p50/p99 ms", lambda m: "/".join(f"{m['short_ttft_ms'][k]:.0f}" for k in ("p50", "p99"))),
-        ("long TTFT mean/max ms", lambda m: f"{m['long_ttft_ms']['mean']:.0f}/{m['long_ttft_ms']['max']:.0f}"),
+        ("short TPOT p50/p90/p99 ms", joined("short_tpot_ms", "p50", "p90", "p99")),
+        ("short ITL p50/p99/max ms", joined("short_itl_ms", "p50", "p99", "max")),
+        ("short TTFT p50/p99 ms", joined("short_ttft_ms", "p50", "p99")),
+        ("long TTFT mean/max ms", joined("long_ttft_ms", "mean", "max")),
         ("longest step ms", lambda m: f"{m['longest_step_ms']:.0f}"),
         ("steps", lambda m: str(m["steps"])),
         ("preemptions", lambda m: str(m["preemptions"])),
