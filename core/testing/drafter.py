@@ -1,0 +1,157 @@
+"""DrafterContract: what every drafter (speculative decoding proposer) must do.
+
+    from servelab.testing import DrafterContract
+
+    class TestMine(DrafterContract):
+        factory = MyDrafter
+        num_speculative_tokens = 4     # the k proposals may not exceed
+
+A draft only costs verification time when it is wrong, so the contract does not judge
+draft quality; it checks that proposals are well formed for any batch, and replays a
+real greedy generation to report the acceptance rate exact-match verification would get.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import pytest
+
+from servelab.interfaces import Drafter, DrafterContext, Sequence
+from servelab.sampling_params import SamplingParams
+from servelab.testing.contract import PolicyContract, check
+
+KEYS = "proposals are keyed by the given request ids"
+VOCAB = "draft tokens are in the vocabulary"
+AT_MOST_K = "at most num_speculative_tokens draft tokens per sequence"
+MAX_MODEL_LEN = "drafts never run past max_model_len"
+IMMUTABLE = "propose never changes the sequences"
+DETERMINISTIC = "a deterministic drafter proposes the same drafts for the same sequences"
+
+
+def decoding_sequence(request_id: str, prompt: list[int], output: list[int]) -> Sequence:
+    """A sequence about to decode: every token but the last one computed."""
+    seq = Sequence(request_id, list(prompt), SamplingParams(), 0.0, output_token_ids=list(output))
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return seq
+
+
+def _snapshot(seqs: list[Sequence]) -> list[tuple]:
+    return [(s.request_id, list(s.prompt_token_ids), list(s.output_token_ids), s.num_computed_tokens) for s in seqs]
+
+
+class DrafterContract(PolicyContract):
+    """Invariants (each failure message starts "invariant violated: <name>"):
+
+    - implements Drafter; an empty batch gets no proposals
+    - proposals are keyed by the given request ids
+    - draft tokens are in the vocabulary: ints in [0, vocab_size)
+    - at most num_speculative_tokens draft tokens per sequence
+    - drafts never run past max_model_len
+    - propose never changes the sequences
+    - a deterministic drafter proposes the same drafts for the same sequences
+    - well formed on every decode step of a real greedy generation (replayed)
+    """
+
+    kind = "drafters"
+    num_speculative_tokens: int | None = None  # k; default: the options' num_speculative_tokens, if any
+    deterministic = True
+    vocab_size = 211
+    max_model_len = 128
+
+    def drafter(self) -> Any:
+        return self.make(DrafterContext(vocab_size=self.vocab_size, max_model_len=self.max_model_len))
+
+    def max_drafts(self) -> int | None:
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return getattr(self._options, "num_speculative_tokens", None)
+
+    def check_proposals(self, drafter: Any, seqs: list[Sequence]) -> Mapping[str, Any]:
+        """Propose for `seqs` and check every invariant; returns the proposals."""
+        before = _snapshot(seqs)
+        proposals = drafter.propose(seqs)
+        check(_snapshot(seqs) == before, IMMUTABLE, "a sequence's tokens or computed count changed")
+        ids = {s.request_id for s in seqs}
+        check(set(proposals) <= ids, KEYS, lambda: f"unknown ids {sorted(set(proposals) - ids)}")
+        k = self.max_drafts()
+        by_id = {s.request_id: s for s in seqs}
+        for request_id, draft in proposals.items():
+            draft = list(draft)
+            bad = [t for t in draft if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            check(not bad, VOCAB, lambda: f"{request_id}: {bad} outside [0, {self.vocab_size}) in draft {draft}")
+            check(k is None or len(draft) <= k, AT_MOST_K, lambda: f"{request_id}: {len(draft)} drafts, k = {k}")
+            room = self.max_model_len - by_id[request_id].num_tokens
+            check(len(draft) <= max(room, 0), MAX_MODEL_LEN,
+                  lambda: f"{request_id} holds {by_id[request_id].num_tokens} tokens, {len(draft)} drafts, "
+                          f"max_model_len {self.max_model_len}")
+        if self.deterministic:
+            again = drafter.propose(seqs)
+            same = {r: list(d) for r, d in again.items()} == {r: list(d) for r, d in proposals.items()}
+            check(same, DETERMINISTIC, "two calls on the same sequences disagree")
+        return proposals
+
+    # ------------------------------------------------------------ scenarios
+
+    def test_empty_batch_gets_no_proposals(self):
+        drafter = self.drafter()
+        check(isinstance(drafter, Drafter), "implements Drafter", type(drafter).__name__)
+        check(dict(drafter.propose([])) == {}, "an empty batch gets no proposals")
+
+    def test_repetitive_sequences(self):
+        """Text that repeats itself is where lookup drafters propose the most."""
+        pattern = [11, 12, 13, 14, 15]
+        seqs = [
+            decoding_sequence("loop", pattern * 4, pattern[:2]),
+            decoding_sequence("prompt-only", pattern * 3, []),
+            decoding_sequence("one-token", [7], []),
+            decoding_sequence("edge", [self.vocab_size - 1] * 6, [0, self.vocab_size - 1]),
+            decoding_sequence("nearly-full", (pattern * 40)[: self.max_model_len - 1], []),
+            decoding_sequence("full", (pattern * 40)[: self.max_model_len], []),
+        ]
+        self.check_proposals(self.drafter(), seqs)
+        for seq in seqs:  # one at a time, too: a batch must not change anyone's drafts
+            self.check_proposals(self.drafter(), [seq])
+
+    def test_random_batches(self):
+        import hypothesis.strategies as st
+        from hypothesis import given
+
+        tokens = st.lists(st.integers(0, self.vocab_size - 1) | st.sampled_from([3, 4, 5]), min_size=1,
+                          max_size=self.max_model_len)
+        batch = st.lists(st.tuples(tokens, st.integers(0, 16)), max_size=6)
+
+        @self.hypothesis_settings()
+        @given(batch=batch)
+        def run(batch):
+            seqs = [decoding_sequence(f"s{i}", t[: max(1, len(t) - cut)], t[max(1, len(t) - cut):])
+                    for i, (t, cut) in enumerate(batch)]
+            self.check_proposals(self.drafter(), seqs)
+
+        run()
+
+    # ------------------------------------------------------------ end to end
+
+    def test_replays_a_greedy_generation(self):
+        """At every decode step of the reference greedy run on a tiny model, drafts are well
+        formed; exact-match verification accepts the longest matching prefix, so the tokens
+        are the reference tokens by construction and only the acceptance rate is reported."""
+        from servelab.testing.e2e import MAX_TOKENS, VOCAB_SIZE, prompts, reference_tokens
+
+        if self.vocab_size != VOCAB_SIZE:
+            pytest.skip(f"the tiny model's vocabulary is {VOCAB_SIZE}")
+        outputs = reference_tokens("roomy")
+        drafter = self.drafter()
+        proposed = accepted = 0
+        for step in range(max(MAX_TOKENS)):
+            seqs = [decoding_sequence(f"r{i}", p, list(o[: step + 1]))
+                    for i, (p, o) in enumerate(zip(prompts(), outputs)) if step + 1 < len(o)]
+            for seq_id, draft in self.check_proposals(drafter, seqs).items():
+                truth = outputs[int(seq_id[1:])][step + 1:]
+                run = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), min(len(draft), len(truth)))
+                proposed += len(draft)
+                accepted += run
+        print(f"drafter replay: {accepted} of {proposed} draft tokens accepted")
+
+
+__all__ = ["DrafterContract", "decoding_sequence"]

@@ -1,0 +1,177 @@
+"""SchedulerContract: what every scheduler must do, whatever order it serves requests in.
+
+    from servelab.testing import SchedulerContract
+
+    class TestMine(SchedulerContract):
+        plugin_name = "mine"           # or: factory = MyScheduler
+
+The contract fixes no order (FCFS, priority, shortest job first are all fine); it fixes
+the limits, and that every request is served exactly once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from servelab.errors import ConfigError
+from servelab.interfaces import ForkingScheduler, Scheduler, SchedulerContext
+from servelab.testing.contract import PolicyContract, check
+from servelab.testing.scheduler_harness import SchedulerHarness
+
+
+class SchedulerContract(PolicyContract):
+    """Invariants (each failure message starts "invariant violated: <name>"):
+
+    - implements Scheduler; an empty scheduler plans nothing
+    - token budget exceeded: a plan never schedules more than max_num_batched_tokens
+    - max_num_seqs exceeded: never more scheduled or running sequences than max_num_seqs
+    - a sequence is scheduled at most once per step, for between 1 and its uncomputed
+      tokens; only queued, unfinished, RUNNING sequences are scheduled
+    - KV is allocated for every scheduled token
+    - a preempted sequence is WAITING with no KV and no computed tokens
+    - the scheduler never changes a sequence's tokens
+    - scheduler stats agree with the plan
+    - request dropped: every request finishes with all its tokens (or is aborted);
+      has_unfinished is True exactly while requests are unfinished
+    - request finished twice
+    - a finished or aborted request holds no KV; abort removes it wherever it is
+    - no progress: an empty plan while requests are unfinished
+    - tokens identical to the reference policies, end to end on a tiny model
+    """
+
+    kind = "schedulers"
+    allocator_names = ("paged", "radix", "naive")  # installed allocators the random workloads run over
+    options_variants: tuple = ()  # options instances the random workloads draw from (default: `options`)
+    max_idle_steps = 0  # empty plans in a row allowed while requests are unfinished
+    max_examples = 40
+
+    # Hooks for a subclass's own invariants (an ordering policy), around every harness step.
+    def before_step(self, harness: SchedulerHarness) -> None:
+        pass
+
+    def after_step(self, harness: SchedulerHarness, plan: Any) -> None:
+        pass
+
+    def harness(self, *, allocator: str | None = None, num_blocks: int = 64, block_size: int = 4,
+                max_num_seqs: int = 4, max_num_batched_tokens: int = 64, max_model_len: int = 64,
+                options: Any = None) -> SchedulerHarness:
+        """A harness running this scheduler over an installed allocator."""
+        from servelab.testing.scheduler_workloads import make_allocator
+
+        options = self._options if options is None else options
+        alloc = make_allocator(allocator or self.allocator_names[0], num_blocks, block_size, max_model_len)
+        return SchedulerHarness(lambda context: self._factory(options, context), alloc, block_size=block_size,
+                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len, observer=self, max_idle_steps=self.max_idle_steps)
+
+    def accepts_small_budget(self) -> bool:
+        """Does it take max_num_batched_tokens below max_model_len (chunked prompts)?"""
+        from servelab.testing.scheduler_workloads import make_allocator
+
+        context = SchedulerContext(allocator=make_allocator("paged", 8, 4, 32), max_num_seqs=4,
+                                   max_num_batched_tokens=8, max_model_len=32, clock=lambda: 0.0)
+        try:
+            self.make(context)
+        except ConfigError:
+            return False
+        return True
+
+    # ------------------------------------------------------------ scenarios
+
+    def test_empty_scheduler_plans_nothing(self):
+        harness = self.harness()
+        check(isinstance(harness.scheduler, Scheduler), "implements Scheduler", type(harness.scheduler).__name__)
+        check(not harness.scheduler.has_unfinished(), "has_unfinished is True exactly while requests are unfinished")
+        check(harness.step().is_empty, "an empty scheduler plans nothing")
+
+    def test_every_request_is_served_once(self):
+        harness = self.harness()
+        for prompt, max_tokens in ((10, 4), (3, 1), (25, 6), (1, 9), (7, 2)):
+            harness.add(prompt, max_tokens)
+        harness.run()
+        harness.check_all_done()
+
+    def test_limits_hold_under_load(self):
+        """Twelve prompts of 10 tokens against a 16-token budget and three slots."""
+        budget = 16 if not self.accepts_small_budget() else 12
+        harness = self.harness(max_num_seqs=3, max_num_batched_tokens=budget, max_model_len=16)
+        for index in range(12):
+            harness.add([5 + index % 3] * 10, max_tokens=3 + index % 4, priority=index % 2)
+        harness.run()
+        harness.check_all_done()
+
+    def test_preemption_keeps_every_request(self):
+        """A 16-token pool for four requests growing to 14 tokens each: someone must yield."""
+        harness = self.harness(num_blocks=4, max_model_len=16, max_num_batched_tokens=16)
+        for index in range(4):
+            harness.add(6, max_tokens=8, priority=index % 2)
+        harness.run()
+        harness.check_all_done()
+
+    @pytest.mark.parametrize("allocator", ["paged", "radix"])
+    def test_abort_frees_kv_at_once(self, allocator):
+        harness = self.harness(allocator=allocator, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=16,
+                               max_model_len=16)
+        first = harness.add([7] * 12, max_tokens=4)
+        second = harness.add([8] * 5, max_tokens=3)
+        third = harness.add([9] * 3, max_tokens=2)
+        harness.step()
+        harness.abort(first.request_id)
+        harness.abort(third.request_id)
+        check(harness.scheduler.abort(first.request_id) is None, "abort removes the request wherever it is",
+              "a second abort of the same request returned it again")
+        harness.run()
+        harness.check_all_done()
+        check(second.request_id in [s.request_id for s in harness.finished], "request dropped", second.request_id)
+
+    def test_parallel_sampling_forks(self):
+        harness = self.harness(num_blocks=24, max_model_len=24, max_num_batched_tokens=24)
+        if not harness.supports_fork(harness.scheduler, harness.allocator):
+            pytest.skip("not a ForkingScheduler")
+        harness.add(9, max_tokens=5, n=3)
+        harness.add(4, max_tokens=1, n=2)
+        harness.add(6, max_tokens=3)
+        harness.run()
+        harness.check_all_done()
+
+    # ------------------------------------------------------------ random workloads
+
+    def test_random_workloads(self):
+        from hypothesis import given
+
+        from servelab.testing.scheduler_workloads import make_allocator, run_workload, workloads
+
+        variants = list(self.options_variants) or [self._options]
+        probe = self.make(SchedulerContext(allocator=make_allocator("paged", 16, 4, 16), max_num_seqs=4,
+                                           max_num_batched_tokens=64, max_model_len=16, clock=lambda: 0.0))
+        strategy = workloads(tuple(self.allocator_names), len(variants), self.accepts_small_budget(),
+                             isinstance(probe, ForkingScheduler))
+
+        @self.hypothesis_settings()
+        @given(w=strategy)
+        def run(w):
+            run_workload(self, w, variants[w["options_index"]])
+
+        run()
+
+    # ------------------------------------------------------------ end to end
+
+    @pytest.mark.parametrize("case", ["roomy", "tight", "chunked", "parallel"])
+    def test_greedy_tokens_match_the_reference_policies(self, case):
+        from servelab.testing.e2e import check_against_reference
+        from servelab.testing.scheduler_workloads import make_allocator
+
+        if case == "chunked" and not self.accepts_small_budget():
+            pytest.skip("takes no token budget below max_model_len")
+        if case == "parallel":
+            probe = self.make(SchedulerContext(allocator=make_allocator("paged", 16, 8, 128), max_num_seqs=4,
+                                               max_num_batched_tokens=128, max_model_len=128, clock=lambda: 0.0))
+            if not isinstance(probe, ForkingScheduler):
+                pytest.skip("not a ForkingScheduler")
+        name, registry = self.policy_section()
+        check_against_reference(self.kind, name, registry, case)
+
+
+__all__ = ["SchedulerContract"]

@@ -1,0 +1,179 @@
+"""The conformance suite as a plugin author meets it, run with pytester: the pytest11
+plugin loads, `class TestMine(SomeContract)` collects and passes for a correct policy
+(by factory, by installed name, or through a fixture), and each deliberately faulty
+policy in faulty_plugins.py fails the specific tests that check the invariant it breaks,
+with a message naming that invariant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import servelab.testing.e2e  # noqa: F401  (imported out here so its per-process caches outlive each inner run)
+
+pytest_plugins = ["pytester"]
+
+FAULTY = (Path(__file__).parent / "faulty_plugins.py").read_text()
+
+
+def run_contract(pytester: pytest.Pytester, body: str, *args: str) -> dict[str, tuple[str, str]]:
+    """Run a test module `body` (faulty_plugins importable); {test: (outcome, failure text)}."""
+    pytester.makepyfile(faulty_plugins=FAULTY)
+    pytester.makepyfile(test_mine=body)
+    # Report the first failing example unshrunk: shrinking a state machine takes seconds.
+    pytester.makeconftest("""
+        from hypothesis import Phase, settings
+        settings.register_profile("no-shrink", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    """)
+    pytester.syspathinsert()
+    recorder = pytester.inline_run("-p", "no:cacheprovider", "--hypothesis-profile=no-shrink",
+                                   "--servelab-max-examples=15", *args)
+    results = {}
+    for report in recorder.getreports("pytest_runtest_logreport"):
+        if report.when == "call" or report.outcome != "passed":
+            name = report.nodeid.split("::", 1)[1]
+            results[name] = (report.outcome, str(report.longrepr) if report.failed else "")
+    return results
+
+
+def failures(results: dict[str, tuple[str, str]]) -> dict[str, str]:
+    return {name: text for name, (outcome, text) in results.items() if outcome == "failed"}
+
+
+# ---------------------------------------------------------------- the plugin itself
+
+
+def test_plugin_is_registered_through_its_entry_point(pytester):
+    pytester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
+    result = pytester.runpytest("--help")
+    result.stdout.fnmatch_lines(["*--servelab-max-examples=N*"])
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines(["servelab conformance contracts: AllocatorContract, SchedulerContract*"])
+
+
+def test_a_correct_policy_passes_by_factory_by_name_and_by_fixture(pytester):
+    results = run_contract(pytester, """
+        import pytest
+        from servelab.plugins.allocators.paged import PagedAllocator
+        from servelab.testing import AllocatorContract, SchedulerContract
+
+        def make_paged(options, context):
+            return PagedAllocator(options, context)
+
+        class TestByFactory(AllocatorContract):
+            factory = make_paged
+
+        class TestByName(SchedulerContract):
+            plugin_name = "continuous"
+
+        class TestByFixture(AllocatorContract):
+            @pytest.fixture
+            def servelab_factory(self, tmp_path):
+                return lambda options, context: PagedAllocator(options, context)
+    """, "-k", "not greedy or roomy")
+    assert failures(results) == {}
+    assert "TestByFactory::test_random_operation_sequences" in results
+    assert "TestByName::test_random_workloads" in results
+    assert "TestByFixture::test_writes_after_a_fork_stay_private" in results
+    assert results["TestByName::test_greedy_tokens_match_the_reference_policies[roomy]"][0] == "passed"
+
+
+def test_a_contract_without_a_policy_says_how_to_name_one(pytester):
+    results = run_contract(pytester, """
+        from servelab.testing import AllocatorContract
+
+        class TestNothing(AllocatorContract):
+            pass
+    """, "-k", "fresh_pool")
+    [text] = failures(results).values()
+    assert "set `factory = ...` or `plugin_name = ...`" in text
+
+
+# ---------------------------------------------------------------- faulty policies
+
+
+def test_leaking_allocator_fails_block_leaked_on_free(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import LeakyAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestLeaky(AllocatorContract):
+            factory = LeakyAllocator
+    """)
+    failed = failures(results)
+    for test in ("test_free_returns_every_block", "test_random_operation_sequences"):
+        assert "invariant violated: block leaked on free" in failed[f"TestLeaky::{test}"]
+    assert "TestLeaky::test_fresh_pool_is_all_free" not in failed
+
+
+def test_allocator_without_copy_on_write_fails_copy_on_write(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import NoCopyOnWriteAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestNoCow(AllocatorContract):
+            factory = NoCopyOnWriteAllocator
+    """)
+    failed = failures(results)
+    for test in ("test_writes_after_a_fork_stay_private", "test_random_operation_sequences"):
+        assert "invariant violated: copy-on-write" in failed[f"TestNoCow::{test}"]
+    assert "TestNoCow::test_free_returns_every_block" not in failed
+
+
+def test_scheduler_over_its_token_budget_fails_token_budget_exceeded(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import OverBudgetScheduler
+        from servelab.testing import SchedulerContract
+
+        class TestOverBudget(SchedulerContract):
+            factory = OverBudgetScheduler
+    """)
+    failed = failures(results)
+    for test in ("test_limits_hold_under_load", "test_random_workloads"):
+        assert "invariant violated: token budget exceeded" in failed[f"TestOverBudget::{test}"]
+
+
+def test_scheduler_that_drops_requests_fails_request_dropped(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import DroppingScheduler
+        from servelab.testing import SchedulerContract
+
+        class TestDropping(SchedulerContract):
+            factory = DroppingScheduler
+    """)
+    failed = failures(results)
+    for test in ("test_every_request_is_served_once", "test_limits_hold_under_load", "test_random_workloads"):
+        assert "invariant violated: request dropped" in failed[f"TestDropping::{test}"]
+
+
+def test_drafter_proposing_out_of_vocabulary_ids_fails_vocabulary(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import PaddingLookupDrafter
+        from servelab.testing import DrafterContract
+
+        class TestPadding(DrafterContract):
+            factory = PaddingLookupDrafter
+            num_speculative_tokens = 3
+    """)
+    failed = failures(results)
+    for test in ("test_repetitive_sequences", "test_random_batches", "test_replays_a_greedy_generation"):
+        assert "invariant violated: draft tokens are in the vocabulary" in failed[f"TestPadding::{test}"]
+    assert "TestPadding::test_empty_batch_gets_no_proposals" not in failed
+
+
+def test_kernel_with_a_wrong_scale_fails_dense_attention(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import WrongScaleAttention
+        from servelab.testing import AttentionBackendContract
+
+        class TestWrongScale(AttentionBackendContract):
+            factory = WrongScaleAttention
+    """)
+    failed = failures(results)
+    assert "invariant violated: attention output equals dense causal attention" in \
+        failed["TestWrongScale::test_random_batches"]
+    grid = [name for name in failed if "test_mixed_batch_matches_dense_attention" in name]
+    assert len(grid) == 24, "every shape of the grid catches it"
+    assert "invariant violated: tokens identical to the reference policies" in \
+        failed["TestWrongScale::test_greedy_tokens_match_the_reference_policies[roomy]"]
