@@ -3,61 +3,16 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-# Shapes chosen to be odd on purpose: GQA 6:2 / 4:1, head_dim 12, vocab 211.
-TINY_SHAPES = {
-    "llama": dict(hidden_size=72, intermediate_size=100, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=12, vocab_size=211, max_position_embeddings=256),
-    "llama3-rope-tied": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=1, vocab_size=199, max_position_embeddings=256,
-                             tie_word_embeddings=True,
-                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    "qwen2": dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=203, max_position_embeddings=256),
-    "mistral": dict(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=8,
-                    num_key_value_heads=4, vocab_size=190, max_position_embeddings=256, sliding_window=None),
-}
-
-
-def build_checkpoint(kind: str, path) -> str:
-    """Save a seeded random HF model of `kind` to `path`; returns the directory."""
-    import transformers
-
-    shape = dict(TINY_SHAPES[kind])
-    family = kind.split("-")[0]
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[family]
-    config = config_cls(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(1234)
-    model = model_cls(config)
-    # Default init is small enough that greedy decoding collapses to one token; widen it
-    # so outputs vary and a wrong kernel cannot hide behind a constant argmax.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
-            elif "norm" not in name:
-                param.normal_(0.0, 0.05)  # biases (Qwen2 q/k/v)
-    model.save_pretrained(path)
-    return str(path)
+# The tiny checkpoints come from servelab.testing, built once per process and shared
+# with the conformance contracts' end-to-end runs.
+from servelab.testing.tiny_model import tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
-def checkpoint_factory(tmp_path_factory):
-    cache: dict[str, str] = {}
-
-    def make(kind: str) -> str:
-        if kind not in cache:
-            cache[kind] = build_checkpoint(kind, tmp_path_factory.mktemp(kind))
-        return cache[kind]
-
-    return make
+def checkpoint_factory():
+    """make(kind) -> checkpoint directory of a tiny random model (kinds: servelab.testing.tiny_model.TINY_SHAPES)."""
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,29 @@
 """The built-in policies pass the conformance suite (servelab.testing), exactly as a
-third-party plugin would: each class names an installed policy and inherits every test.
+third-party plugin would: each class names an installed policy and inherits every test,
+with more hypothesis examples than the contracts' defaults.
 
 Built-in-specific invariants ride on the contracts' hooks: the radix allocator's cached
-blocks are the unheld blocks of its tree; naive tables are disjoint contiguous runs.
+blocks are the unheld blocks of its tree; naive tables are disjoint contiguous runs; the
+built-in schedulers keep their waiting queue in rank order (priority, then arrival; with
+aging, arrival + priority * priority_aging_s) and admit only from its head.
 """
 
 from __future__ import annotations
 
-from servelab.testing import AllocatorContract, SchedulerContract, check
+import pytest
+
+from servelab import PluginRegistry
+from servelab.plugins.schedulers.continuous import ContinuousOptions
+from servelab.plugins.schedulers.queues import QueueOptions
+from servelab.testing import AllocatorContract, AttentionBackendContract, DrafterContract, SchedulerContract, check
+
+ALLOCATOR_EXAMPLES = 100
+SCHEDULER_EXAMPLES = 150
 
 
 class TestNaive(AllocatorContract):
     plugin_name = "naive"
+    max_examples = ALLOCATOR_EXAMPLES
 
     def check_allocator_state(self, allocator, tables):
         seen: set[int] = set()
@@ -24,10 +36,12 @@ class TestNaive(AllocatorContract):
 
 class TestPaged(AllocatorContract):
     plugin_name = "paged"
+    max_examples = ALLOCATOR_EXAMPLES
 
 
 class TestRadix(AllocatorContract):
     plugin_name = "radix"
+    max_examples = ALLOCATOR_EXAMPLES
 
     def check_allocator_state(self, allocator, tables):
         unheld = [b for b in range(allocator.num_blocks) if b in allocator.tree and allocator.ref_count(b) == 0]
@@ -35,13 +49,52 @@ class TestRadix(AllocatorContract):
               f"{allocator.stats().num_cached_blocks} cached, {len(unheld)} unheld tree blocks")
 
 
-class TestContinuous(SchedulerContract):
+class RankOrder:
+    """The built-in schedulers' ordering invariants, checked around every harness step."""
+
+    max_examples = SCHEDULER_EXAMPLES
+
+    def before_step(self, harness):
+        self._waiting = list(harness.scheduler.waiting)
+        aging = harness.scheduler.options.priority_aging_s
+        ranks = [s.arrival_time + s.priority * aging if aging else (s.priority, s.arrival_time) for s in self._waiting]
+        check(ranks == sorted(ranks), "rank order: the waiting queue is sorted by rank",
+              f"{[s.request_id for s in self._waiting]} ranked {ranks}")
+
+    def after_step(self, harness, plan):
+        left = [s for s in self._waiting if s not in harness.scheduler.waiting]
+        check(left == self._waiting[: len(left)], "rank order: admission takes the head of the queue",
+              f"admitted {[s.request_id for s in left]} from {[s.request_id for s in self._waiting]}")
+
+
+class TestContinuous(RankOrder, SchedulerContract):
     plugin_name = "continuous"
+    options_variants = tuple(ContinuousOptions(policy=policy, priority_aging_s=aging)
+                             for policy in ("prefill-first", "decode-first") for aging in (0.0, 3.0))
 
 
-class TestStatic(SchedulerContract):
+class TestStatic(RankOrder, SchedulerContract):
     plugin_name = "static"
+    options_variants = (QueueOptions(priority_aging_s=0.0), QueueOptions(priority_aging_s=3.0))
 
 
-class TestChunkedPrefill(SchedulerContract):
+class TestChunkedPrefill(RankOrder, SchedulerContract):
     plugin_name = "chunked-prefill"
+    options_variants = (QueueOptions(priority_aging_s=0.0), QueueOptions(priority_aging_s=3.0))
+
+
+def test_every_builtin_policy_runs_its_contract():
+    """A new built-in policy needs a contract class here (or in its kind's test module)."""
+    import sys
+
+    tested = {(cls.kind, cls.plugin_name) for module in list(sys.modules.values())
+              if getattr(module, "__name__", "").startswith("test_")
+              for cls in vars(module).values()
+              if isinstance(cls, type) and issubclass(cls, (AllocatorContract, SchedulerContract, DrafterContract,
+                                                            AttentionBackendContract)) and cls.plugin_name}
+    registry = PluginRegistry.from_entry_points()
+    builtins = {(kind, p.name) for kind in ("allocators", "schedulers", "drafters", "attention")
+                for p in registry.policies(kind).values() if p.distribution == "servelab"}
+    if ("attention", "torch-paged") not in tested:
+        pytest.skip("run with tests/test_torch_paged.py to see every built-in's contract")
+    assert builtins - tested == set(), "built-in policies without a conformance contract class"

@@ -1,16 +1,15 @@
 """The continuous scheduler, driven step by step without a model.
 
-A real PagedAllocator sits under the scheduler; `Engine` below stands in for the
-engine's update after each step: every scheduled sequence advances its computed
-tokens, a sequence that caught up gets one (dummy) output token, and one holding
-max_tokens outputs is retired through `scheduler.finish`. That is the whole contract
-the scheduler sees, so FCFS admission, the engine limits, preemption by recompute
-and abort are all checked on exact queue and block states.
+A real PagedAllocator sits under the scheduler; `Engine` below (servelab.testing's
+SchedulerHarness, which checks every plan against the scheduler contract) stands in
+for the engine's update after each step: every scheduled sequence advances its
+computed tokens, a sequence that caught up gets one (dummy) output token, and one
+holding max_tokens outputs is retired through `scheduler.finish`. That is the whole
+contract the scheduler sees, so FCFS admission, the engine limits, preemption by
+recompute and abort are all checked on exact queue and block states.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import attrs
 import hypothesis.strategies as st
@@ -21,78 +20,35 @@ from servelab.errors import ConfigError
 from servelab.interfaces import AllocatorContext, Scheduler, SchedulerContext, SequenceStatus, StepPlan
 from servelab.plugins.allocators.paged import PagedAllocator, blocks_for
 from servelab.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
-from servelab.sampling_params import SamplingParams
 from servelab.sequence import Sequence
+from servelab.testing import SchedulerHarness
+from servelab.testing.scheduler_harness import OUTPUT_TOKEN_BASE  # dummy outputs are 1000, 1001, ...
 
-OUTPUT_TOKEN_BASE = 1000  # dummy outputs are 1000, 1001, ... so lost or duplicated ones show
 
-
-class Engine:
-    """A scheduler plus allocator, and the engine's per-step bookkeeping."""
+class Engine(SchedulerHarness):
+    """A continuous scheduler over a paged allocator, and the engine's per-step bookkeeping."""
 
     def __init__(self, *, num_blocks: int, block_size: int = 4, max_num_seqs: int = 4,
                  max_num_batched_tokens: int = 64, max_model_len: int = 64, options=None) -> None:
-        self.allocator = PagedAllocator(None, AllocatorContext(num_blocks=num_blocks, block_size=block_size,
-                                                               max_model_len=max_model_len))
-        self.scheduler = ContinuousScheduler(options, SchedulerContext(
-            allocator=self.allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, clock=lambda: 0.0))
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.finished: list[Sequence] = []
-        self.admission_order: list[str] = []  # first time each request was scheduled
-        self._ids = itertools.count()
+        super().__init__(
+            lambda context: ContinuousScheduler(options, context),
+            PagedAllocator(None, AllocatorContext(num_blocks=num_blocks, block_size=block_size,
+                                                  max_model_len=max_model_len)),
+            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len)
 
     def add(self, prompt_len: int, max_tokens: int, request_id: str | None = None) -> Sequence:
-        request_id = request_id or f"r{next(self._ids)}"
-        seq = Sequence(request_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0.0)
-        self.scheduler.add(seq)
-        return seq
+        return super().add(prompt_len, max_tokens, request_id)
 
-    def step(self) -> StepPlan:
-        plan = self.scheduler.schedule()
-        self.check_plan(plan)
-        done = []
-        for seq, num_new in plan.scheduled:
-            if seq.request_id not in self.admission_order:
-                self.admission_order.append(seq.request_id)
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.output_token_ids.append(OUTPUT_TOKEN_BASE + len(seq.output_token_ids))
-                if len(seq.output_token_ids) >= seq.params.max_tokens:
-                    done.append(seq)
-        self.scheduler.finish(done)
-        self.finished.extend(done)
-        return plan
+    @property
+    def admission_order(self) -> list[str]:
+        """Request ids in the order they were first scheduled."""
+        return self.first_scheduled
 
     def check_plan(self, plan: StepPlan) -> None:
-        """What must hold for every plan, before the engine touches the sequences."""
-        assert len(plan.scheduled) <= self.max_num_seqs
-        assert plan.num_scheduled_tokens <= self.max_num_batched_tokens
-        assert self.scheduler.stats().num_running <= self.max_num_seqs
-        seqs = [seq for seq, _ in plan.scheduled]
-        assert len({id(s) for s in seqs}) == len(seqs), "a sequence scheduled twice in one step"
-        for seq, num_new in plan.scheduled:
-            assert 1 <= num_new <= seq.num_uncomputed_tokens
-            assert seq.status is SequenceStatus.RUNNING
-            # Room for every scheduled token is already allocated.
-            needed = blocks_for(seq.num_computed_tokens + num_new, self.block_size)
-            assert len(self.allocator.block_table(seq.request_id)) >= needed
-        for seq in plan.preempted:
-            assert seq not in seqs
-            assert seq.status is SequenceStatus.WAITING
-            assert seq.num_computed_tokens == 0
-            assert list(self.allocator.block_table(seq.request_id)) == []
-        held = [b for seq in seqs for b in self.allocator.block_table(seq.request_id)]
+        super().check_plan(plan)
+        held = [b for seq, _ in plan.scheduled for b in self.allocator.block_table(seq.request_id)]
         assert len(held) == len(set(held)), "two running sequences share a block"
-
-    def run(self, max_steps: int = 1000) -> list[StepPlan]:
-        plans = []
-        while self.scheduler.has_unfinished():
-            assert len(plans) < max_steps, "scheduler made no progress"
-            plans.append(self.step())
-        return plans
 
 
 def ids(plan: StepPlan) -> list[tuple[str, int]]:

@@ -1,131 +1,50 @@
 """The three built-in schedulers (static, continuous, chunked-prefill), driven step by
-step without a model over the real allocators (paged, radix, naive).
+step without a model over the real allocators (paged, radix, naive): exact plans,
+queues and accounting.
 
-`Harness` stands in for the engine's update after each step, as in
-test_continuous_scheduler.py: scheduled sequences advance their computed tokens, one
+`Harness` is servelab.testing's SchedulerHarness (the engine's per-step bookkeeping,
+checking every plan against the scheduler contract's invariants) over a scheduler and
+an allocator chosen by name: scheduled sequences advance their computed tokens, one
 that caught up gets a dummy output token (1000, 1001, ...), prefix-caching allocators
 cache the computed blocks, and one holding max_tokens outputs is retired through
-`finish`. Its clock advances one second per step.
+`finish`. Its clock advances one second per step. The invariants over random
+workloads (limits, no request lost or duplicated, rank order) run in
+test_builtin_contracts.py.
 """
 
 from __future__ import annotations
 
-import itertools
-
-import hypothesis.strategies as st
 import pytest
-from hypothesis import event, given, settings
 
 from servelab.errors import ConfigError
-from servelab.interfaces import (
-    AllocatorContext,
-    PrefixCachingAllocator,
-    Scheduler,
-    SchedulerContext,
-    SequenceStatus,
-    StepPlan,
-)
+from servelab.interfaces import AllocatorContext, Scheduler, StepPlan
 from servelab.plugins.allocators.naive import NaiveAllocator
-from servelab.plugins.allocators.paged import PagedAllocator, blocks_for
+from servelab.plugins.allocators.paged import PagedAllocator
 from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.schedulers.chunked_prefill import ChunkedPrefillScheduler
 from servelab.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
 from servelab.plugins.schedulers.queues import QueueOptions
 from servelab.plugins.schedulers.static import StaticScheduler
-from servelab.sampling_params import SamplingParams
-from servelab.sequence import Sequence
+from servelab.sequence import Sequence, SequenceStatus
+from servelab.testing import SchedulerHarness
+from servelab.testing.scheduler_harness import OUTPUT_TOKEN_BASE
 
-OUTPUT_TOKEN_BASE = 1000
 SCHEDULERS = {"static": StaticScheduler, "continuous": ContinuousScheduler, "chunked-prefill": ChunkedPrefillScheduler}
 ALLOCATORS = {"paged": PagedAllocator, "radix": RadixAllocator, "naive": NaiveAllocator}
 
 
-class Harness:
-    """A scheduler over a real allocator, plus the engine's per-step bookkeeping."""
+class Harness(SchedulerHarness):
+    """A scheduler over a real allocator, both by name, plus the engine's per-step bookkeeping."""
 
     def __init__(self, scheduler: str = "continuous", allocator: str = "paged", *, num_blocks: int = 64,
                  block_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 64,
                  max_model_len: int = 64, options=None) -> None:
-        self.now = 0.0
-        self.allocator = ALLOCATORS[allocator](None, AllocatorContext(
-            num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len))
-        self.scheduler = SCHEDULERS[scheduler](options, SchedulerContext(
-            allocator=self.allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, clock=lambda: self.now))
-        self.prefix_cache = self.allocator if isinstance(self.allocator, PrefixCachingAllocator) else None
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.finished: list[Sequence] = []
-        self.first_scheduled: list[str] = []  # request ids, in the order they first ran
-        self.plans: list[StepPlan] = []
-        self.add_order: dict[str, int] = {}
-        self.num_partial_chunks = 0  # scheduled token counts short of a sequence's uncomputed tokens
-        self._ids = itertools.count()
-
-    def add(self, prompt: int | list[int], max_tokens: int, request_id: str | None = None,
-            priority: int = 0) -> Sequence:
-        prompt_ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
-        seq = Sequence(request_id or f"r{next(self._ids)}", prompt_ids, SamplingParams(max_tokens=max_tokens),
-                       self.now, priority=priority)
-        self.add_order[seq.request_id] = len(self.add_order)
-        self.scheduler.add(seq)
-        return seq
-
-    def step(self) -> StepPlan:
-        plan = self.scheduler.schedule()
-        self.check_plan(plan)
-        done = []
-        for seq, num_new in plan.scheduled:
-            if seq.request_id not in self.first_scheduled:
-                self.first_scheduled.append(seq.request_id)
-            seq.num_computed_tokens += num_new
-            if self.prefix_cache is not None:
-                self.prefix_cache.cache_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.output_token_ids.append(OUTPUT_TOKEN_BASE + len(seq.output_token_ids))
-                if len(seq.output_token_ids) >= seq.params.max_tokens:
-                    done.append(seq)
-        self.scheduler.finish(done)
-        for seq in done:
-            assert seq.status is SequenceStatus.FINISHED
-            assert list(self.allocator.block_table(seq.request_id)) == [], "a finished request holds KV"
-        self.finished.extend(done)
-        self.plans.append(plan)
-        self.now += 1.0
-        return plan
-
-    def check_plan(self, plan: StepPlan) -> None:
-        """What must hold for every plan, before the engine touches the sequences."""
-        assert len(plan.scheduled) <= self.max_num_seqs
-        assert plan.num_scheduled_tokens <= self.max_num_batched_tokens
-        stats = self.scheduler.stats()
-        assert stats.num_running <= self.max_num_seqs
-        assert stats.num_scheduled_seqs == len(plan.scheduled)
-        assert stats.num_scheduled_tokens == plan.num_scheduled_tokens
-        if plan.scheduled:
-            assert stats.num_idle_slots >= 0
-            assert stats.num_scheduled_seqs + stats.num_idle_slots <= self.max_num_seqs
-        seqs = [seq for seq, _ in plan.scheduled]
-        assert len({id(s) for s in seqs}) == len(seqs), "a sequence scheduled twice in one step"
-        for seq, num_new in plan.scheduled:
-            assert 1 <= num_new <= seq.num_uncomputed_tokens
-            self.num_partial_chunks += num_new < seq.num_uncomputed_tokens
-            assert seq.status is SequenceStatus.RUNNING
-            needed = blocks_for(seq.num_computed_tokens + num_new, self.block_size)
-            assert len(self.allocator.block_table(seq.request_id)) >= needed, "room not allocated"
-        for seq in plan.preempted:
-            assert seq not in seqs
-            assert seq.status is SequenceStatus.WAITING
-            assert seq.num_computed_tokens == 0
-            assert list(self.allocator.block_table(seq.request_id)) == []
-
-    def run(self, max_steps: int = 1000) -> list[StepPlan]:
-        start = len(self.plans)
-        while self.scheduler.has_unfinished():
-            assert len(self.plans) - start < max_steps, "scheduler made no progress"
-            self.step()
-        return self.plans[start:]
+        super().__init__(
+            lambda context: SCHEDULERS[scheduler](options, context),
+            ALLOCATORS[allocator](None, AllocatorContext(num_blocks=num_blocks, block_size=block_size,
+                                                         max_model_len=max_model_len)),
+            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len)
 
 
 def options(name: str, priority_aging_s: float = 10.0, policy: str = "prefill-first"):
@@ -377,100 +296,3 @@ def test_abort_frees_everything_at_once(name, allocator):
     assert {s.request_id for s in harness.finished} == {other.request_id, waiting.request_id}
     assert running.request_id not in [s.request_id for s, _ in harness.plans[-1].scheduled]
     assert harness.allocator.stats().num_used_blocks == 0
-
-
-# ---------------------------------------------------------------- random workloads
-
-
-@st.composite
-def workloads(draw):
-    block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    max_model_len = draw(st.integers(4, 40))
-    prefixes = [[3 + i] * max_model_len for i in range(2)]  # shared prefixes give radix hits
-
-    def request(prompt_len):
-        prefix = draw(st.sampled_from(prefixes))
-        cut = draw(st.integers(0, prompt_len))
-        prompt = prefix[:cut] + [50 + (7 * i) % 13 for i in range(prompt_len - cut)]
-        return (prompt, draw(st.integers(1, max_model_len - prompt_len)), draw(st.integers(0, 10)),
-                draw(st.integers(0, 2)))
-
-    requests = [request(draw(st.integers(1, max_model_len - 1)))
-                for _ in range(draw(st.integers(1, 12)))]  # (prompt, max_tokens, arrival step, priority)
-    allocator = draw(st.sampled_from(sorted(ALLOCATORS)))
-    longest = max(blocks_for(len(p) + m, block_size) for p, m, _, _ in requests)
-    if allocator == "naive":
-        longest = blocks_for(max_model_len, block_size)
-    return dict(
-        block_size=block_size, max_model_len=max_model_len, requests=requests, allocator=allocator,
-        num_blocks=draw(st.integers(longest, longest * 3 // 2)), max_num_seqs=draw(st.integers(1, 6)),
-        budget_extra=draw(st.integers(0, 24)), small_budget=draw(st.integers(1, max_model_len)),
-        aging_s=draw(st.sampled_from([0.0, 3.0])), policy=draw(st.sampled_from(["prefill-first", "decode-first"])),
-        aborts=draw(st.lists(st.tuples(st.integers(0, 30), st.integers(0, len(requests) - 1)), max_size=2)))
-
-
-def expected_rank(seq: Sequence, order: int, aging_s: float) -> tuple:
-    if aging_s:
-        return seq.arrival_time + seq.priority * aging_s, order
-    return seq.priority, seq.arrival_time, order
-
-
-@pytest.mark.parametrize("name", SCHEDULERS)
-@settings(max_examples=200, deadline=None)
-@given(w=workloads())
-def test_random_workloads(name, w):
-    budget = w["max_model_len"] + w["budget_extra"]
-    if name == "chunked-prefill":
-        budget = w["small_budget"]  # below max_model_len: prompts are chunked
-    harness = Harness(name, w["allocator"], num_blocks=w["num_blocks"], block_size=w["block_size"],
-                      max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=budget,
-                      max_model_len=w["max_model_len"], options=options(name, w["aging_s"], w["policy"]))
-    requests = w["requests"]
-    seqs: list[Sequence | None] = [None] * len(requests)
-    aborted: set[str] = set()
-    last_arrival = max(r[2] for r in requests)
-    bound = last_arrival + 10 * sum(len(p) + m for p, m, _, _ in requests) + 20
-    step = 0
-    while step <= last_arrival or harness.scheduler.has_unfinished():
-        assert step <= bound, "scheduler failed to make progress"
-        for index, (prompt, max_tokens, arrival, priority) in enumerate(requests):
-            if arrival == step:
-                seqs[index] = harness.add(prompt, max_tokens, request_id=f"r{index}", priority=priority)
-        for abort_step, index in w["aborts"]:
-            seq = seqs[index]
-            if abort_step == step and seq is not None and not seq.is_finished:
-                assert harness.scheduler.abort(seq.request_id) is seq
-                assert harness.allocator.block_table(seq.request_id) == []
-                aborted.add(seq.request_id)
-        waiting = list(harness.scheduler.waiting)
-        ranks = [expected_rank(s, harness.add_order[s.request_id], w["aging_s"]) for s in waiting]
-        assert ranks == sorted(ranks), "the queue is out of rank order"
-        outputs_before = {s.request_id: list(s.output_token_ids) for s in seqs if s is not None}
-        unfinished = harness.scheduler.has_unfinished()
-        plan = harness.step()
-        assert plan.scheduled or not unfinished, "idle step with work queued"
-        # Admission takes the head of the queue, in order: nobody overtakes a better rank.
-        left = [s for s in waiting if s not in harness.scheduler.waiting]
-        assert left == waiting[: len(left)]
-        for seq in plan.preempted:
-            assert seq.output_token_ids == outputs_before[seq.request_id], "preemption lost tokens"
-        step += 1
-
-    finished_ids = [s.request_id for s in harness.finished]
-    assert len(finished_ids) == len(set(finished_ids)), "a request finished twice"
-    assert not set(finished_ids) & aborted
-    for seq in seqs:
-        assert seq.is_finished
-        assert harness.allocator.block_table(seq.request_id) == []
-        if seq.request_id not in aborted:
-            assert seq.request_id in finished_ids
-            assert seq.output_token_ids == outputs_of(seq)
-    stats = harness.allocator.stats()
-    assert stats.num_used_blocks == 0
-    event(f"preempted: {any(p.preempted for p in harness.plans)}")
-    event(f"prefix hits: {stats.prefix_hit_tokens > 0}")
-    event(f"chunked: {harness.num_partial_chunks > 0}")
-    scheduler_stats = harness.scheduler.stats()
-    assert scheduler_stats.num_waiting == scheduler_stats.num_running == 0
-    assert scheduler_stats.slot_steps_used == sum(len(p.scheduled) for p in harness.plans)
-    assert scheduler_stats.num_preemptions == sum(len(p.preempted) for p in harness.plans)
