@@ -118,6 +118,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(target=seqs, parent_id=seqs)
     def fork_then_diverge(self, parent_id: str) -> str:
         """Parallel sampling: fork, then parent and child each write a token of their own."""
+        self.write()  # the engine forks after the step that computed the parent's prompt
         child_id = self.fork(parent_id)
         pair = [self.live.get(parent_id), self.live.get(child_id)]
         if None in pair:

@@ -101,8 +101,9 @@ class PolicyContract:
     def _servelab_contract_setup(self, request, servelab_factory, servelab_options) -> None:
         self._factory = servelab_factory
         self._options = servelab_options
-        self._uses_installed = (_class_attribute(type(self), "plugin_name") is not None
-                                and "servelab_factory" not in vars(type(self))
+        # Selected by name from the installed plugins, exactly as a config would select it?
+        overridden = any("servelab_factory" in vars(k) for k in type(self).__mro__ if k is not PolicyContract)
+        self._uses_installed = (_class_attribute(type(self), "plugin_name") is not None and not overridden
                                 and _class_attribute(type(self), "factory") is None
                                 and _class_attribute(type(self), "options") is None)
         override = request.config.getoption("servelab_max_examples", default=None)

@@ -30,14 +30,14 @@ def workloads(draw, allocator_names: tuple[str, ...], num_options: int, chunking
         cut = draw(st.integers(0, prompt_len))
         prompt = prefix[:cut] + [50 + (7 * i) % 13 for i in range(prompt_len - cut)]
         n = draw(st.sampled_from([1, 1, 1, 2, 3])) if forking else 1
-        return (prompt, draw(st.integers(1, max_model_len - prompt_len)), draw(st.integers(0, 10)),
-                draw(st.integers(0, 2)), n)
+        arrival = draw(st.just(0) | st.integers(0, 10))  # a burst at step 0 contends for the budget
+        return prompt, draw(st.integers(1, max_model_len - prompt_len)), arrival, draw(st.integers(0, 2)), n
 
     # (prompt, max_tokens, arrival step, priority, n)
     requests = [request(draw(st.integers(1, max_model_len - 1))) for _ in range(draw(st.integers(1, 12)))]
     allocator = draw(st.sampled_from(allocator_names))
     longest = blocks_for(max_model_len, block_size)
-    budget = max_model_len + draw(st.integers(0, 24))
+    budget = max_model_len + draw(st.sampled_from([0, 0, 1, 4, 24]))  # mostly tight
     if chunking and draw(st.booleans()):
         budget = draw(st.integers(1, max_model_len))  # below max_model_len: prompts are chunked
     return dict(
