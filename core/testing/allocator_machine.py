@@ -204,14 +204,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         check(stats.num_token_slots_used + stats.num_token_slots_reserved_empty ==
               stats.num_used_blocks * self.block_size, SLOT_STATS,
               lambda: f"slots used {stats.num_token_slots_used} + reserved empty "
-                      f"{stats.num_token_slots_reserved_empty} != {stats.num_used_blocks} used blocks x {self.block_size}")
+                      f"{stats.num_token_slots_reserved_empty} != {stats.num_used_blocks} used blocks "
+                      f"x {self.block_size}")
         # A shared block holds as many tokens as its fullest holder has in it.
         fullest: dict[int, int] = {}
         for seq_id, seq in self.live.items():
             for index, block in enumerate(self.alloc.block_table(seq_id)):
-                fullest[block] = max(fullest.get(block, 0), min(self.block_size, seq.num_tokens - index * self.block_size))
+                count = min(self.block_size, seq.num_tokens - index * self.block_size)
+                fullest[block] = max(fullest.get(block, 0), count)
         check(sum(fullest.values()) <= stats.num_token_slots_used, SLOT_STATS,
-              lambda: f"tables hold {sum(fullest.values())} tokens, stats count {stats.num_token_slots_used} slots used")
+              lambda: f"tables hold {sum(fullest.values())} tokens, stats count "
+                      f"{stats.num_token_slots_used} slots used")
 
     @invariant()
     def policy_specific_state(self) -> None:

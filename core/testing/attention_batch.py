@@ -50,7 +50,8 @@ def metadata_for(tables: list[list[int]], query_lens: list[int], context_lens: l
     """The step's AttentionMetadata, laid out as the runner lays it out."""
     slots = []
     for table, query_len, context_len in zip(tables, query_lens, context_lens):
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(context_len - query_len, context_len)]
+        positions = range(context_len - query_len, context_len)
+        slots += [table[p // block_size] * block_size + p % block_size for p in positions]
     width = max(len(t) for t in tables)
     starts = [0]
     for query_len in query_lens:

@@ -91,7 +91,9 @@ def _run_to_completion(engine: Any, params: list[Any]) -> list[list[list[int]]]:
               lambda: f"the scheduler has nothing unfinished, yet {', '.join(missing)} never finished")
         finished.update((o.request_id, o) for o in engine.step().finished)
     check(len(finished) == len(request_ids), "no progress: an empty plan while requests are unfinished",
-          f"{len(request_ids) - len(finished)} requests unfinished after {bound} steps")
+          lambda: f"{len(request_ids) - len(finished)} requests unfinished after {bound} steps, with "
+                  f"{engine.scheduler.stats().num_running} running and {engine.allocator.stats().num_used_blocks} "
+                  f"of {engine.allocator.stats().num_blocks} KV blocks in use")
     return [[c.token_ids for c in finished[r].outputs] for r in request_ids]
 
 
