@@ -56,7 +56,7 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
     )
     reports = [report for _, report in record.steps]
     slot_steps_used = sum(r.num_seqs for r in reports)
-    slot_steps_wasted = sum(getattr(r.scheduler_stats, "num_idle_slots", 0) for r in reports)
+    slot_steps_wasted = sum(r.scheduler_stats.num_idle_slots for r in reports)
     before, after = record.allocator_stats_before, record.allocator_stats_after
     lookups = after.prefix_lookup_tokens - before.prefix_lookup_tokens
     hits = after.prefix_hit_tokens - before.prefix_hit_tokens

@@ -70,8 +70,12 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
     _check_fits(workload, engines)
     total = len(workload.requests) * (options.repeats * len(engines) + len(options.rates) * len(engines))
     with _progress(total) as bar:
-        for e in engines:  # warm-up, excluded from every figure
-            run_workload(e.engine, e.recorder, Workload("warm-up", workload.requests[:4]), e.name)
+        # Warm-up, excluded from every figure; it includes the longest prompt so that no
+        # measured step pays a first-time allocation for its size.
+        longest = max(workload.requests, key=lambda r: len(r.prompt_token_ids))
+        warm_up = Workload("warm-up", (*workload.requests[:4], attrs.evolve(longest, arrival_time=0.0)))
+        for e in engines:
+            run_workload(e.engine, e.recorder, warm_up, e.name)
         hf_model = _load_baseline(engines[0], options)
         per_config: dict[str, list[RunRecord]] = {e.name: [] for e in engines}
         baseline_runs = []
