@@ -198,15 +198,3 @@ def _number(text: str) -> Any:
             pass
     return text
 
-
-class SkewedWorkload:
-    """Back-compat shim: the offline skewed workload as an object."""
-
-    def __init__(self, num_requests: int = 64, mean_prompt_len: int = 128, mean_output_len: int = 128,
-                 sigma: float = 0.8, max_len: int = 512, seed: int = 0) -> None:
-        self.options = dict(num_requests=num_requests, mean_prompt_len=mean_prompt_len,
-                            mean_output_len=mean_output_len, sigma=sigma, max_len=max_len)
-        self.seed = seed
-
-    def requests(self, vocab_size: int) -> list[BenchRequest]:
-        return skewed(random.Random(self.seed), vocab_size, **self.options)
