@@ -9,12 +9,15 @@ from servelab.bench.metrics import percentiles
 from servelab.workload import BenchRequest, Workload
 
 
-def load_hf_model(checkpoint_dir: str, dtype: str) -> Any:
+def load_hf_model(checkpoint_dir: str, dtype: str, warm_up: list[BenchRequest] = ()) -> Any:
+    """The model, warmed up on `warm_up` (a full-size batch, so the first measured batch
+    pays no first-time allocations) with two new tokens each."""
+    import attrs
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=getattr(torch, dtype)).eval()
-    _generate(model, [BenchRequest([5, 6, 7], 2)])  # warm-up
+    _generate(model, [attrs.evolve(r, max_tokens=2) for r in warm_up] or [BenchRequest([5, 6, 7], 2)])
     return model
 
 

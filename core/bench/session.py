@@ -76,7 +76,8 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
         warm_up = Workload("warm-up", (*workload.requests[:4], attrs.evolve(longest, arrival_time=0.0)))
         for e in engines:
             run_workload(e.engine, e.recorder, warm_up, e.name)
-        hf_model = _load_baseline(engines[0], options)
+        widest_first = tuple(sorted(workload.requests, key=lambda r: -len(r.prompt_token_ids)))
+        hf_model = _load_baseline(engines[0], options, widest_first)
         per_config: dict[str, list[RunRecord]] = {e.name: [] for e in engines}
         baseline_runs = []
         for _ in range(options.repeats):
@@ -114,14 +115,15 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
     return result
 
 
-def _load_baseline(first: _Engine, options: BenchOptions) -> Any:
+def _load_baseline(first: _Engine, options: BenchOptions, warm_up: tuple) -> Any:
     if options.baseline != "hf":
         return None
     if options.sim_accelerator:
         raise ConfigError("--baseline hf runs a real model; it cannot be combined with --sim")
     from servelab.bench.hf_baseline import load_hf_model
 
-    return load_hf_model(str(first.engine.source.path), first.config.engine.dtype)
+    batch_size = options.hf_batch_size or first.config.engine.max_num_seqs
+    return load_hf_model(str(first.engine.source.path), first.config.engine.dtype, list(warm_up[:batch_size]))
 
 
 def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, update) -> dict[str, list]:
