@@ -121,8 +121,9 @@ def stdlib_corpus(max_chars: int = 4_000_000) -> list[str]:
     return kept
 
 
-def train_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer with <unk>/<s>/</s>, adding <s> before each prompt."""
+def train_tokenizer(vocab_size: int, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer with <unk>/<s>/</s>, adding <s> before each prompt,
+    trained on `corpus` (default: `stdlib_corpus()`, the pydoc topics)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -130,6 +131,6 @@ def train_tokenizer(vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(stdlib_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(stdlib_corpus() if corpus is None else corpus, trainer=trainer)
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return tokenizer
