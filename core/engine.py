@@ -11,15 +11,17 @@ import time
 from typing import Any, Callable
 
 import attrs
+import numpy as np
 import structlog
 import torch
 
 from servelab.config import EngineConfig, build_options
-from servelab.engine_setup import EngineLimits, resolve_limits
-from servelab.errors import RequestError
+from servelab.engine_setup import EngineLimits, load_aux_model, resolve_limits, target_model
+from servelab.errors import ConfigError, RequestError
 from servelab.interfaces import (
     AllocatorContext,
     AttentionContext,
+    DrafterContext,
     ForkingAllocator,
     ForkingScheduler,
     PrefixCachingAllocator,
@@ -33,8 +35,9 @@ from servelab.model.source import CheckpointSource, ModelSource
 from servelab.model.tokenizer import IncrementalDecoder
 from servelab.outputs import RequestOutput, StepReport, request_output
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
-from servelab.sampler import sample
+from servelab.sampler import filtered_probs, sample
 from servelab.sampling_params import SamplingParams
+from servelab.speculation import SpeculationStats, Speculator
 
 logger = structlog.get_logger(__name__)
 _SECTION_OF_KIND = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention"}
@@ -80,9 +83,16 @@ class LLMEngine:
             num_heads=self.model_config.num_heads, num_kv_heads=self.model_config.num_kv_heads,
             head_dim=self.model_config.head_dim, block_size=engine.block_size,
             num_blocks=self.limits.num_kv_blocks, dtype=dtype, device=device))
+        if getattr(self.attention, "requires_contiguous_block_tables", False) and not getattr(
+                self.allocator, "contiguous_block_tables", False):  # see interfaces.ContiguousAllocator
+            raise ConfigError(
+                f"attention {config.attention.name!r} reads each sequence's K/V as one contiguous run of blocks, "
+                f"but allocator {config.allocator.name!r} hands out block tables that are not contiguous: "
+                f"choose allocator 'naive' (contiguous reservations), or attention 'torch-paged' (any block table)")
         self.runner = self.source.build_runner(self.attention, engine, self.limits.num_kv_blocks,
                                                self.limits.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.speculator = self._build_speculator(selected["drafters"]) if "drafters" in selected else None
         # Optional allocator capabilities, looked up once.
         self._forking = self.allocator if isinstance(self.allocator, ForkingAllocator) else None
         self._prefix_cache = self.allocator if isinstance(self.allocator, PrefixCachingAllocator) else None
@@ -106,6 +116,20 @@ class LLMEngine:
         yield "allocators", self.config.allocator
         yield "schedulers", self.config.scheduler
         yield "attention", self.config.attention
+        if self.config.drafter is not None:
+            yield "drafters", self.config.drafter
+
+    def _build_speculator(self, selected: tuple[RegisteredPolicy, Any]) -> Speculator:
+        engine = self.config.engine
+        context = DrafterContext(
+            vocab_size=self.model_config.vocab_size, max_model_len=self.limits.max_model_len,
+            max_num_seqs=engine.max_num_seqs, block_size=engine.block_size,
+            num_kv_blocks=self.limits.num_kv_blocks, seed=engine.seed, filtered_probs=filtered_probs,
+            target=target_model(self.source, self.runner, engine),
+            load_model=lambda spec, num_blocks: load_aux_model(spec, num_blocks, engine, self.registry,
+                                                               self.config.attention, self.limits.max_model_len))
+        drafter = build_policy(selected[0], selected[1], context)
+        return Speculator(self.config.drafter.name, drafter, self.allocator, self.limits.max_model_len)
 
     def _select(self, kind: str, section: Any) -> tuple[RegisteredPolicy, Any]:
         registered = self.registry.select(kind, section.name)
@@ -202,45 +226,104 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def speculation_stats(self) -> SpeculationStats | None:
+        """Drafted/accepted totals of the configured drafter; None without one."""
+        return self.speculator.stats if self.speculator is not None else None
+
     # ------------------------------------------------------------ the step
 
     def step(self) -> StepResult:
         t0 = self.clock()
+        if self.speculator is not None:
+            self.speculator.propose([s for s in self._sequences.values() if s.status is SequenceStatus.RUNNING])
         plan = self.scheduler.schedule()
         copies = self._forking.take_block_copies() if self._forking is not None else ()
         t1 = self.clock()
         if copies:  # copy-on-write: shared blocks are copied before anything writes this step
             self.runner.copy_blocks(copies)
         if plan.is_empty:
+            if self.speculator is not None:
+                self.speculator.end_step()
             return StepResult({}, [])
         self._note_scheduled(plan, t1)
         inputs = self.runner.prepare(plan, self.allocator)
         t2 = self.clock()
-        logits = self.runner.execute(inputs)
+        if self.speculator is not None and self.speculator.needs_hidden_states:
+            logits, hidden = self.runner.execute_with_hidden(inputs)
+        else:
+            logits, hidden = self.runner.execute(inputs), None
         t3 = self.clock()
         sampled = [plan.scheduled[row][0] for row in inputs.sampled_seq_rows]
-        logits, sampled, forks = self._with_forks(logits, sampled)
-        token_ids = sample(logits, [s.params for s in sampled],
-                           [self._generators.get(s.request_id) for s in sampled], self._default_generator)
+        new_tokens, forks, num_drafts, num_accepted = self._sample(sampled, inputs.num_logits_rows, logits, hidden)
         t4 = self.clock()
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
-        if self._prefix_cache is not None:  # computed tokens are verified ones (no drafts yet)
+        finished = []
+        emitted: dict[str, list[int]] = {}
+        for seq, tokens in new_tokens.items():
+            before = seq.num_tokens
+            for token_id in tokens:
+                if self._append_token(seq, token_id, t4):
+                    finished.append(seq)
+                    break
+            emitted[seq.request_id] = seq.output_token_ids[before - seq.num_tokens:] if seq.num_tokens > before else []
+            seq.num_sampling_steps += 1
+            if self.speculator is not None and seq.request_id in num_drafts:
+                self.speculator.settle(seq, num_drafts[seq.request_id], num_accepted[seq.request_id], before)
+        if self.speculator is not None:
+            self.speculator.end_step()
+            self.speculator.record(sum(num_drafts.values()), sum(num_accepted.values()), len(num_drafts),
+                                   len(emitted), sum(map(len, emitted.values())))
+        if self._prefix_cache is not None:  # only verified tokens count as computed by now
             for seq, _ in plan.scheduled:
                 self._prefix_cache.cache_blocks(seq)
-        new_tokens = {}
-        finished = []
-        for seq, token_id in zip(sampled, token_ids):
-            new_tokens[seq.request_id] = [token_id]
-            if self._append_token(seq, token_id, t4):
-                finished.append(seq)
         for parent, children in forks:  # before `finish`, which may free the parent's KV
             self.scheduler.fork(parent, [child for child in children if child.finish_reason is None])
         self.scheduler.finish(finished)
         outputs = [output for output in map(self._retire, finished) if output is not None]
         t5 = self.clock()
-        self._report(plan, len(finished), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4))
-        return StepResult(new_tokens, outputs)
+        self._report(plan, len(finished), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4),
+                     sum(num_drafts.values()), sum(num_accepted.values()))
+        return StepResult(emitted, outputs)
+
+    def _sample(self, sampled: list[Sequence], num_rows: list[int], logits: torch.Tensor,
+                hidden: torch.Tensor | None):
+        """New tokens per sequence: sampled from its one logits row, or its drafts verified
+        against its rows. Returns ({seq: tokens}, forks, {seq id: drafts verified},
+        {seq id: drafts accepted})."""
+        first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
+        plain = [i for i, n in enumerate(num_rows) if n == 1]
+        spec = [i for i, n in enumerate(num_rows) if n > 1]
+        plain_seqs = [sampled[i] for i in plain]
+        plain_rows = [first_rows[i] for i in plain]
+        plain_logits, plain_seqs, forks = self._with_forks(
+            logits[torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)] if spec else logits, plain_seqs)
+        new_tokens: dict[Sequence, list[int]] = {}
+        if plain_seqs:
+            token_ids = sample(plain_logits, [s.params for s in plain_seqs],
+                               [self._generators.get(s.request_id) for s in plain_seqs], self._default_generator)
+            new_tokens.update((seq, [token_id]) for seq, token_id in zip(plain_seqs, token_ids))
+        num_drafts: dict[str, int] = {}
+        num_accepted: dict[str, int] = {}
+        if spec:
+            spec_seqs = [sampled[i] for i in spec]
+            rows = torch.tensor([r for i in spec for r in range(first_rows[i], first_rows[i] + num_rows[i])], dtype=torch.int64,
+                                device=logits.device)
+            verified = self.speculator.verify(spec_seqs, logits[rows], [num_rows[i] for i in spec],
+                                              [self._generators.get(s.request_id) for s in spec_seqs],
+                                              self._default_generator)
+            for seq, i, result in zip(spec_seqs, spec, verified):
+                new_tokens[seq] = result.token_ids
+                num_drafts[seq.request_id] = num_rows[i] - 1
+                num_accepted[seq.request_id] = result.num_accepted
+        if hidden is not None:
+            for i, seq in enumerate(sampled):
+                row = first_rows[i] + num_accepted.get(seq.request_id, 0)
+                self.speculator.remember_hidden(seq.request_id, hidden[row])
+            for parent, children in forks:
+                for child in children:
+                    self.speculator.remember_hidden(child.request_id, hidden[first_rows[sampled.index(parent)]])
+        return new_tokens, forks, num_drafts, num_accepted
 
     def _with_forks(self, logits: torch.Tensor, sampled: list[Sequence]):
         """Parallel sampling: a request with n > 1 samples all n first tokens from its one
@@ -312,6 +395,8 @@ class LLMEngine:
             self._generators.pop(s.request_id, None)
             self._decoders.pop(s.request_id, None)
             self._parent_of.pop(s.request_id, None)
+            if self.speculator is not None:
+                self.speculator.release(s.request_id)
         output = request_output(request_id, self._prompts.pop(request_id, None), group, self._decode)
         self.registry.hook.servelab_request_finished(engine=self, output=output)
         logger.debug("request.finished", request_id=request_id, finish_reason=group[0].finish_reason,
@@ -321,7 +406,8 @@ class LLMEngine:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer else ""
 
-    def _report(self, plan: StepPlan, num_finished: int, seconds: tuple[float, ...]) -> None:
+    def _report(self, plan: StepPlan, num_finished: int, seconds: tuple[float, ...], num_draft_tokens: int = 0,
+                num_accepted_tokens: int = 0) -> None:
         self._step_index += 1
         hook = self.registry.hook.servelab_step_finished
         if not hook.get_hookimpls():
@@ -332,5 +418,6 @@ class LLMEngine:
             num_finished=num_finished, schedule_seconds=seconds[0], prepare_seconds=seconds[1],
             forward_seconds=seconds[2], sample_seconds=seconds[3], update_seconds=seconds[4],
             allocator_stats=self.allocator.stats(), scheduler_stats=self.scheduler.stats(),
+            num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens,
         )
         hook(engine=self, report=report)

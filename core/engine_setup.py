@@ -3,10 +3,16 @@ config and the model, with errors that name the key to change."""
 
 from __future__ import annotations
 
-import attrs
+from typing import Any
 
-from servelab.config import EngineSection
+import attrs
+import torch
+
+from servelab.config import EngineSection, build_options
 from servelab.errors import ConfigError
+from servelab.interfaces import AttentionContext, TargetModel
+from servelab.model.loader import DTYPES
+from servelab.registry import build_policy
 from servelab.model.model_config import ModelConfig
 
 _DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -40,3 +46,31 @@ def resolve_limits(engine: EngineSection, model: ModelConfig) -> EngineLimits:
             f"{num_kv_blocks * engine.block_size} tokens, fewer than max_model_len={max_model_len}; "
             f"raise [engine] kv_cache_memory or num_kv_blocks, or lower max_model_len")
     return EngineLimits(max_model_len, max_num_batched_tokens, num_kv_blocks)
+
+
+def target_model(source: Any, runner: Any, engine: EngineSection) -> TargetModel | None:
+    """What drafters may read of the target: its LM head (None for the simulator)."""
+    lm_head = getattr(runner, "lm_head", None)
+    if lm_head is None:
+        return None
+    config = source.model_config
+    return TargetModel(hidden_size=config.hidden_size, vocab_size=config.vocab_size, lm_head=lm_head,
+                       path=str(source.path) if source.path is not None else None,
+                       dtype=DTYPES[engine.dtype], device=torch.device(engine.device))
+
+
+def load_aux_model(spec: str, num_blocks: int, engine: EngineSection, registry: Any, attention: Any,
+                   max_positions: int) -> Any:
+    """Another checkpoint (a draft model) in the engine's dtype and device, with its own KV
+    cache of `num_blocks` blocks and its own instance of the engine's attention backend."""
+    from servelab.model.source import CheckpointSource
+
+    source = CheckpointSource(spec)
+    config = source.model_config
+    registered = registry.select("attention", attention.name)
+    options = build_options(registered.plugin.options, attention.options, "attention", attention.name)
+    backend = build_policy(registered, options, AttentionContext(
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        block_size=engine.block_size, num_blocks=num_blocks, dtype=DTYPES[engine.dtype],
+        device=torch.device(engine.device)))
+    return source.build_runner(backend, engine, num_blocks, min(max_positions, config.max_position_embeddings))

@@ -6,7 +6,7 @@ Plugins import from here (and from `servelab`), never from other core modules.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence as Seq, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence as Seq, runtime_checkable
 
 import attrs
 
@@ -21,11 +21,14 @@ __all__ = [
     "AttentionBackend",
     "AttentionContext",
     "AttentionMetadata",
+    "ContiguousAllocator",
+    "Draft",
     "Drafter",
     "DrafterContext",
     "ForkingAllocator",
     "ForkingScheduler",
     "KVAllocator",
+    "ModelRunnerLike",
     "PrefixCachingAllocator",
     "Scheduler",
     "SchedulerContext",
@@ -33,6 +36,7 @@ __all__ = [
     "Sequence",
     "SequenceStatus",
     "StepPlan",
+    "TargetModel",
 ]
 
 
@@ -152,6 +156,20 @@ class PrefixCachingAllocator(Protocol):
         """Make `seq`'s full blocks of computed tokens reusable by later sequences."""
 
 
+@runtime_checkable
+class ContiguousAllocator(Protocol):
+    """Capability: every block table is one run of consecutive physical blocks
+    (table[i] == table[0] + i) for as long as its sequence holds them.
+
+    An allocator declares it with the class attribute `contiguous_block_tables = True`.
+    An attention backend that reads a sequence's K/V as one slice of the cache declares
+    `requires_contiguous_block_tables = True`; the engine refuses, at start, to pair it
+    with an allocator that does not declare this capability.
+    """
+
+    contiguous_block_tables: bool
+
+
 # ---------------------------------------------------------------- scheduling
 
 
@@ -251,19 +269,90 @@ class ForkingScheduler(Protocol):
 
 
 @attrs.frozen
+class TargetModel:
+    """What a drafter may read of the target model: its output head, for drafters that
+    predict from the target's hidden states (Medusa)."""
+
+    hidden_size: int
+    vocab_size: int
+    # Final-normed hidden states [N, hidden_size] -> float32 logits [N, vocab] (the LM head).
+    lm_head: Callable[["torch.Tensor"], "torch.Tensor"]
+    path: str | None = None  # the checkpoint directory, when there is one
+    dtype: Any = None  # torch.dtype the target runs in
+    device: Any = None  # torch.device
+
+
+@runtime_checkable
+class ModelRunnerLike(Protocol):
+    """A loaded model with its own KV cache (see DrafterContext.load_model)."""
+
+    vocab_size: int
+
+    def prepare(self, plan: "StepPlan", allocator: KVAllocator) -> Any:
+        """Input tensors for `plan`, slots taken from `allocator`'s block tables."""
+
+    def execute(self, inputs: Any) -> "torch.Tensor":
+        """float32 logits [S, vocab], one row per position whose next token is wanted
+        (the last scheduled token of each sequence, and every draft position)."""
+
+
+@attrs.frozen
 class DrafterContext:
     """What a drafter factory receives."""
 
     vocab_size: int
     max_model_len: int
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_kv_blocks: int = 0  # blocks in the target's KV pool (a draft model's pool may match it)
+    seed: int = 0  # the engine's seed, for drafters that sample
+    target: TargetModel | None = None  # None where the engine has no real model (simulator, tests)
+    # load_model(spec, num_blocks) -> ModelRunnerLike: a checkpoint (path or builtin:<name>)
+    # loaded in the engine's dtype and device, with a KV cache of num_blocks blocks and the
+    # engine's attention backend. None where models cannot be loaded.
+    load_model: Callable[[str, int], ModelRunnerLike] | None = None
+    # filtered_probs(logits [N, vocab], params per row) -> probabilities after temperature,
+    # top-k, top-p and min-p, exactly as the verifier filters the target's p. A drafter
+    # that samples draws from these and returns them as Draft.probs (q).
+    filtered_probs: Callable[["torch.Tensor", Seq[Any]], "torch.Tensor"] | None = None
+
+
+@attrs.frozen
+class Draft:
+    """Proposed tokens for one sequence, with the distributions they were drawn from.
+
+    `probs` [len(token_ids), vocab] holds q, the drafter's (filtered) distribution at each
+    draft position, the token having been sampled from it; None means the tokens were
+    chosen deterministically (q is one-hot), as lookup and top-1 drafters do. A drafter
+    may also return a plain sequence of ints for a deterministic draft.
+    """
+
+    token_ids: Seq[int]
+    probs: "torch.Tensor | None" = None
+
+    def __iter__(self):
+        return iter(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes up to k tokens per decoding sequence for lossless verification."""
+    """Proposes up to k tokens per decoding sequence for lossless verification.
 
-    def propose(self, seqs: Seq[Sequence]) -> Mapping[str, Seq[int]]:
-        """Draft token ids per request id (possibly empty)."""
+    The engine asks before each step for every running sequence that is decoding, then
+    verifies the drafts in that step's target pass; drafts a sequence cannot use (past
+    max_tokens or max_model_len, or beyond the token budget) are cut. A drafter that reads
+    the target's hidden states sets `needs_hidden_states = True`: `propose` then also
+    gets `hidden_states` [len(seqs), hidden] — row i the final-normed hidden state of the
+    target at the position that produced seq i's last token. A drafter keeping per-sequence
+    state may define `release(request_id)`, called when a sequence finishes or is
+    preempted.
+    """
+
+    def propose(self, seqs: Seq[Sequence]) -> Mapping[str, "Draft | Seq[int]"]:
+        """Drafts per request id (possibly empty)."""
 
 
 # ---------------------------------------------------------------- attention

@@ -18,6 +18,15 @@ class RequestMetrics:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int = 0
+    # Speculative decoding, over all completions: drafts verified, drafts accepted, and
+    # target steps that produced tokens (prefill included).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_sampling_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def ttft(self) -> float | None:
@@ -79,6 +88,12 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @property
+    def mean_tokens_per_step(self) -> float | None:
+        """Generated tokens per target step that produced any (1.0 without speculation)."""
+        steps = self.metrics.num_sampling_steps
+        return sum(len(o.token_ids) for o in self.outputs) / steps if steps else None
+
+    @property
     def tpot(self) -> float | None:
         """Time per output token after the first, of the first completion (seconds);
         None with fewer than two tokens."""
@@ -100,7 +115,9 @@ def request_output(request_id: str, prompt: str | None, seqs: Seq[Sequence],
         prompt_token_ids=first.prompt_token_ids,
         outputs=[_completion(s, decode) for s in seqs],
         metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, min(first_token_times, default=None),
-                               max(finish_times, default=None), sum(s.num_preemptions for s in seqs)),
+                               max(finish_times, default=None), sum(s.num_preemptions for s in seqs),
+                               sum(s.num_draft_tokens for s in seqs), sum(s.num_accepted_tokens for s in seqs),
+                               sum(s.num_sampling_steps for s in seqs)),
     )
 
 
@@ -125,6 +142,8 @@ class StepReport:
     update_seconds: float  # appending tokens, stop checks, retiring
     allocator_stats: AllocatorStats
     scheduler_stats: SchedulerStats
+    num_draft_tokens: int = 0  # drafts verified this step
+    num_accepted_tokens: int = 0
 
     @property
     def overhead_seconds(self) -> float:

@@ -20,8 +20,11 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attention: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] last row of each sequence that gets a new token
-    sampled_seq_rows: list[int]  # [S] index into plan.scheduled of each such sequence
+    # Rows of the batch whose next-token logits are wanted: for each sequence that gets new
+    # tokens, its last verified token and every draft token after it, in batch order.
+    logits_indices: torch.Tensor  # [R]
+    sampled_seq_rows: list[int]  # [S] index into plan.scheduled of each sequence that gets tokens
+    num_logits_rows: list[int]  # [S] logits rows of each: 1 + the drafts scheduled with it
 
 
 class ModelRunner:
@@ -46,26 +49,32 @@ class ModelRunner:
         context_lens: list[int] = []
         tables: list[Any] = []
         sampled_rows: list[int] = []
+        num_logits_rows: list[int] = []
+        logits_indices: list[int] = []
+        num_tokens = 0
         for row, (seq, num_new) in enumerate(plan.scheduled):
             start = seq.num_computed_tokens
-            token_ids.extend(seq.token_slice(start, start + num_new))
+            end = start + num_new
+            token_ids.extend(seq.token_slice(start, end))
             query_lens.append(num_new)
-            context_lens.append(start + num_new)
+            context_lens.append(end)
             tables.append(allocator.block_table(seq.request_id))
-            if start + num_new == seq.num_tokens:
+            if end >= seq.num_tokens:  # reaches the last verified token: samples (and verifies drafts)
                 sampled_rows.append(row)
+                num_logits_rows.append(end - seq.num_tokens + 1)
+                first = num_tokens + seq.num_tokens - 1 - start
+                logits_indices.extend(range(first, num_tokens + num_new))
+            num_tokens += num_new
         query_lens_np = np.asarray(query_lens, dtype=np.int64)
         context_lens_np = np.asarray(context_lens, dtype=np.int64)
         query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens_np, out=query_start[1:])
-        num_tokens = int(query_start[-1])
         seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens_np)
         # Token t of sequence b sits at position (context_len - query_len) + (t - query_start[b]).
         positions = np.arange(num_tokens) - np.repeat(query_start[:-1] - (context_lens_np - query_lens_np),
                                                       query_lens_np)
         block_tables = _pad_tables(tables)
         slots = block_tables[seq_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
-        logits_indices = query_start[1:][sampled_rows] - 1
 
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device)
@@ -87,6 +96,7 @@ class ModelRunner:
             attention=metadata,
             logits_indices=to_device(np.asarray(logits_indices, dtype=np.int64)),
             sampled_seq_rows=sampled_rows,
+            num_logits_rows=num_logits_rows,
         )
 
     def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
@@ -109,12 +119,25 @@ class ModelRunner:
                 for cache in (key_cache, value_cache):
                     cache.index_copy_(self.block_dim, index_to, cache.index_select(self.block_dim, index_from))
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
-        """Logits [S, vocab] float32 for the rows in inputs.logits_indices."""
+        """Logits [R, vocab] float32 for the rows in inputs.logits_indices."""
+        return self.execute_with_hidden(inputs)[0]
+
+    def execute_with_hidden(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [R, vocab] float32 and the final-normed hidden states [R, hidden] they
+        were computed from, for the rows in inputs.logits_indices."""
         prepared = self.backend.prepare(inputs.attention)
-        logits, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend, prepared,
-                               inputs.logits_indices)
-        return logits
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend, prepared,
+                          inputs.logits_indices)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden states."""
+        with torch.inference_mode():
+            return self.model.lm_head(hidden.to(self.model.lm_head.weight.dtype)).float()
 
 
 def _pad_tables(tables: list[Any]) -> np.ndarray:

@@ -44,6 +44,13 @@ class Sequence:
     completion_index: int = 0
     # The output text cut just before the stop string that ended it; None otherwise.
     stop_text: str | None = None
+    # Speculative decoding: tokens proposed after the last one, to be verified in the next
+    # step. They are not tokens of the sequence, but they count as uncomputed tokens, so
+    # every scheduler charges them to the token budget and allocates KV slots for them.
+    draft_token_ids: list[int] = attrs.field(factory=list)
+    num_draft_tokens: int = 0  # drafts verified over the sequence's life
+    num_accepted_tokens: int = 0  # of which accepted
+    num_sampling_steps: int = 0  # target steps that produced at least one token
 
     @property
     def num_tokens(self) -> int:
@@ -51,10 +58,21 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens (and draft tokens) whose K/V are not in the cache yet."""
+        return self.num_tokens + len(self.draft_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last is computed: the next step decodes (and verifies drafts)."""
+        return self.num_computed_tokens == self.num_tokens - 1
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) of prompt + output, without concatenating both lists."""
+        """Tokens [start, stop) of prompt + output (+ drafts past the end), without
+        concatenating the lists."""
+        num_tokens = self.num_tokens
+        if stop > num_tokens:
+            verified = self.token_slice(start, num_tokens) if start < num_tokens else []
+            return verified + self.draft_token_ids[max(start - num_tokens, 0) : stop - num_tokens]
         num_prompt = len(self.prompt_token_ids)
         if stop <= num_prompt:
             return self.prompt_token_ids[start:stop]

@@ -1,8 +1,19 @@
-"""Built-in drafters (speculative decoding). None ship yet: the hook is in place."""
+"""Built-in drafters (speculative decoding): n-gram prompt lookup, a draft model, Medusa heads."""
 
 import servelab
+from servelab.plugin_types import DrafterPlugin
+from servelab.plugins.drafters.options import DraftModelOptions, MedusaOptions, NgramOptions
 
 
 @servelab.hookimpl
 def servelab_register_drafters():
-    return []
+    return [
+        DrafterPlugin(name="ngram", factory="servelab.plugins.drafters.ngram:NgramDrafter", options=NgramOptions,
+                      description="prompt lookup: propose what followed the last n-gram's earlier occurrence"),
+        DrafterPlugin(name="draft-model", factory="servelab.plugins.drafters.draft_model:DraftModelDrafter",
+                      options=DraftModelOptions,
+                      description="a small model with its own KV cache proposes k tokens with their distributions"),
+        DrafterPlugin(name="medusa", factory="servelab.plugins.drafters.medusa:MedusaDrafter",
+                      options=MedusaOptions,
+                      description="Medusa-1 heads on the target's last hidden state (top-1 chain)"),
+    ]

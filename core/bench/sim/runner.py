@@ -32,18 +32,20 @@ class SimInputs:
     query_lens: list[int]
     context_lens: list[int]
     sampled_seq_rows: list[int]
+    num_logits_rows: list[int]  # per sampled sequence: 1 + its scheduled drafts
 
 
 def plan_shape(plan: StepPlan) -> SimInputs:
     """What the cost model needs from a plan: tokens and context per sequence, sampled rows."""
-    query_lens, context_lens, sampled = [], [], []
+    query_lens, context_lens, sampled, num_rows = [], [], [], []
     for row, (seq, num_new) in enumerate(plan.scheduled):
         end = seq.num_computed_tokens + num_new
         query_lens.append(num_new)
         context_lens.append(end)
-        if end == seq.num_tokens:
+        if end >= seq.num_tokens:
             sampled.append(row)
-    return SimInputs(query_lens, context_lens, sampled)
+            num_rows.append(end - seq.num_tokens + 1)
+    return SimInputs(query_lens, context_lens, sampled, num_rows)
 
 
 class SimRunner:
@@ -64,7 +66,7 @@ class SimRunner:
         cost = self.cost_model.step(inputs.query_lens, inputs.context_lens, len(inputs.sampled_seq_rows))
         self.clock.advance(cost.seconds)
         self.total_seconds += cost.seconds
-        return torch.zeros(len(inputs.sampled_seq_rows), 1)
+        return torch.zeros(sum(inputs.num_logits_rows), 1)
 
     def copy_blocks(self, copies: Any) -> None:
         """Copy-on-write copies cost nothing worth modelling here."""

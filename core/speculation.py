@@ -1,0 +1,140 @@
+"""Speculative decoding inside the engine's step: ask the drafter for drafts before the
+scheduler runs, verify them after the target pass, roll rejected slots back.
+
+Drafts ride on `Sequence.draft_token_ids`, which count as uncomputed tokens: every
+scheduler therefore charges them to the token budget and allocates KV slots for them
+without knowing about speculation. A step may schedule fewer drafts than were proposed
+(a tight budget); only the scheduled ones are verified. After the step every sequence's
+drafts are cleared; the next step proposes afresh from the verified tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+import attrs
+import torch
+
+from servelab.errors import ConfigError
+from servelab.interfaces import Draft, ForkingAllocator, Sequence
+from servelab.verification import Verified, verify
+
+
+@attrs.frozen
+class SpeculationStats:
+    """Totals since the engine started, for one drafter."""
+
+    drafter: str
+    num_draft_tokens: int = 0  # drafts verified by the target
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0  # (sequence, step) pairs that verified at least one draft
+    num_sampling_steps: int = 0  # (sequence, step) pairs that produced tokens, with or without drafts
+    num_emitted_tokens: int = 0  # tokens those produced
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_tokens_per_step(self) -> float | None:
+        """Tokens per target step per sequence (1.0 without speculation)."""
+        return self.num_emitted_tokens / self.num_sampling_steps if self.num_sampling_steps else None
+
+
+class Speculator:
+    """The engine's half of speculative decoding, around one drafter."""
+
+    def __init__(self, name: str, drafter: Any, allocator: Any, max_model_len: int) -> None:
+        if not isinstance(allocator, ForkingAllocator):
+            raise ConfigError(
+                f"drafter {name!r} needs an allocator that can roll back rejected draft slots "
+                f"(ForkingAllocator.rollback); {type(allocator).__name__} cannot: choose naive, paged or radix")
+        self.name = name
+        self.drafter = drafter
+        self.allocator = allocator
+        self.max_model_len = max_model_len
+        self.needs_hidden_states = bool(getattr(drafter, "needs_hidden_states", False))
+        self._probs: dict[str, torch.Tensor | None] = {}
+        self._hidden: dict[str, torch.Tensor] = {}  # seq id -> target hidden state behind its last token
+        self._drafted: list[Sequence] = []
+        self.stats = SpeculationStats(name)
+
+    # ------------------------------------------------------------ before the step
+
+    def propose(self, candidates: Seq[Sequence]) -> None:
+        """Set the drafts of every running sequence that is about to decode."""
+        seqs = [seq for seq in candidates if seq.is_decoding and self._room(seq) > 0]
+        if not seqs:
+            return
+        if self.needs_hidden_states:
+            have = [seq for seq in seqs if seq.request_id in self._hidden]
+            proposals = self.drafter.propose(have, hidden_states=torch.stack(
+                [self._hidden[seq.request_id] for seq in have])) if have else {}
+        else:
+            proposals = self.drafter.propose(seqs)
+        for seq in seqs:
+            draft = proposals.get(seq.request_id)
+            if not draft:
+                continue
+            room = self._room(seq)
+            tokens = list(draft.token_ids if isinstance(draft, Draft) else draft)[:room]
+            probs = draft.probs if isinstance(draft, Draft) else None
+            seq.draft_token_ids = tokens
+            self._probs[seq.request_id] = probs[: len(tokens)] if probs is not None else None
+            self._drafted.append(seq)
+
+    def _room(self, seq: Sequence) -> int:
+        """Most drafts worth verifying: all accepted plus the bonus token must still fit
+        max_tokens and max_model_len."""
+        return min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+
+    # ------------------------------------------------------------ after the target pass
+
+    def verify(self, seqs: Seq[Sequence], logits: torch.Tensor, num_rows: Seq[int],
+               generators: Seq[torch.Generator | None], default_generator: torch.Generator) -> list[Verified]:
+        """Verify each sequence's first num_rows - 1 drafts against its logits rows."""
+        drafts = [seq.draft_token_ids[: n - 1] for seq, n in zip(seqs, num_rows)]
+        probs = []
+        for seq, draft in zip(seqs, drafts):
+            q = self._probs.get(seq.request_id)
+            probs.append(q[: len(draft)] if q is not None else None)
+        return verify(logits, drafts, probs, [seq.params for seq in seqs], generators, default_generator)
+
+    def settle(self, seq: Sequence, num_verified_drafts: int, num_accepted: int, num_tokens_before: int) -> None:
+        """After the accepted tokens were appended: keep the K/V of verified tokens only and
+        give the rejected drafts' slots back."""
+        computed = seq.num_computed_tokens
+        keep = min(num_tokens_before + num_accepted, seq.num_tokens)
+        if computed > keep:
+            self.allocator.rollback(seq.request_id, computed - keep)
+            seq.num_computed_tokens = keep
+        seq.num_draft_tokens += num_verified_drafts
+        seq.num_accepted_tokens += num_accepted
+
+    def record(self, num_drafts: int, num_accepted: int, num_verify_steps: int, num_sampling_steps: int,
+               num_emitted: int) -> None:
+        s = self.stats
+        self.stats = attrs.evolve(
+            s, num_draft_tokens=s.num_draft_tokens + num_drafts,
+            num_accepted_tokens=s.num_accepted_tokens + num_accepted,
+            num_verify_steps=s.num_verify_steps + num_verify_steps,
+            num_sampling_steps=s.num_sampling_steps + num_sampling_steps,
+            num_emitted_tokens=s.num_emitted_tokens + num_emitted)
+
+    def remember_hidden(self, seq_id: str, hidden: torch.Tensor) -> None:
+        if self.needs_hidden_states:
+            self._hidden[seq_id] = hidden
+
+    def end_step(self) -> None:
+        """Drafts live for one step: unscheduled or unverified ones are dropped."""
+        for seq in self._drafted:
+            seq.draft_token_ids = []
+            self._probs.pop(seq.request_id, None)
+        self._drafted.clear()
+
+    def release(self, seq_id: str) -> None:
+        """`seq_id` finished, was aborted or preempted."""
+        self._hidden.pop(seq_id, None)
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(seq_id)
