@@ -2,6 +2,7 @@
 third-party plugin would: each class names an installed policy and inherits every test,
 with more hypothesis examples than the contracts' defaults.
 
+The attention backend `torch-paged` runs its contract in test_torch_paged.py.
 Built-in-specific invariants ride on the contracts' hooks: the radix allocator's cached
 blocks are the unheld blocks of its tree; naive tables are disjoint contiguous runs; the
 built-in schedulers keep their waiting queue in rank order (priority, then arrival; with
@@ -47,6 +48,13 @@ class TestRadix(AllocatorContract):
         unheld = [b for b in range(allocator.num_blocks) if b in allocator.tree and allocator.ref_count(b) == 0]
         check(allocator.stats().num_cached_blocks == len(unheld), "radix: cached blocks are the unheld tree blocks",
               f"{allocator.stats().num_cached_blocks} cached, {len(unheld)} unheld tree blocks")
+
+
+class TestSdpaContiguous(AttentionBackendContract):
+    """Declares requires_contiguous_block_tables: the contract gives it contiguous tables
+    and runs it end to end with the naive allocator."""
+
+    plugin_name = "sdpa-contiguous"
 
 
 class RankOrder:

@@ -60,6 +60,13 @@ def test_batched_greedy_matches_transformers(kind, hf_outputs):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("allocator,attention", [("naive", "sdpa-contiguous"), ("naive", "torch-paged")])
+def test_each_attention_backend_matches_transformers(kind, allocator, attention, hf_outputs):
+    path, prompts, expected = hf_outputs(kind)
+    assert run_servelab(path, prompts, **{"allocator.name": allocator, "attention.name": attention}) == expected
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_preemption_keeps_tokens_identical(kind, hf_outputs):
     path, prompts, expected = hf_outputs(kind)
     # 14 blocks of 8 slots (112 tokens) cannot hold all eight sequences at once

@@ -33,6 +33,10 @@ class AttentionBackendContract(PolicyContract):
       copies along kv_cache_block_dim(), with any `scale`
     - forward writes only the slots of the slot mapping
     - tokens identical to the reference policies, end to end on a tiny model (float32)
+
+    A backend declaring `requires_contiguous_block_tables` (it reads a sequence's K/V as
+    one slice of the cache) gets contiguous tables, runs moved whole by block copies, and
+    runs end to end with the contiguous allocator `naive` (see attention_batch.py).
     """
 
     kind = "attention"
@@ -94,8 +98,15 @@ class AttentionBackendContract(PolicyContract):
     def test_greedy_tokens_match_the_reference_policies(self, case):
         from servelab.testing.e2e import check_against_reference
 
+        import torch
+
+        from servelab.interfaces import AttentionContext
+
         name, registry = self.policy_section()
-        check_against_reference(self.kind, name, registry, case, device=self.device)
+        probe = self.make(AttentionContext(num_heads=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=4,
+                                           dtype=torch.float32, device=torch.device(self.device)))
+        partners = {"allocator": "naive"} if getattr(probe, "requires_contiguous_block_tables", False) else None
+        check_against_reference(self.kind, name, registry, case, partners=partners, device=self.device)
 
 
 __all__ = ["AttentionBackendContract"]

@@ -11,7 +11,11 @@ that each check every output row against `dense_reference`:
    and every sequence decodes one more token.
 
 Block tables are in shuffled physical order, padded with 0, and the cache starts
-filled with noise, so reading a slot outside the context changes the output.
+filled with noise, so reading a slot outside the context changes the output. A backend
+that declares `requires_contiguous_block_tables` gets what a contiguous allocator
+(`naive`) gives instead: each table one run of consecutive blocks, the runs in shuffled
+order with gaps between them, and step 3 copies a sequence's whole run into a spare run
+(as `naive` forks) rather than its last block.
 """
 
 from __future__ import annotations
@@ -78,24 +82,44 @@ class BatchCheck:
         self.dtype, self.device, self.scale = dtype, torch.device(device), scale
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         # Room for every sequence's tokens, one more decode and one copied block each, plus spares.
-        self.num_blocks = sum(math.ceil((c + n + 1) / block_size) + 1 for c, n in shapes) + 3
+        lengths = [math.ceil((c + n + 1) / block_size) for c, n in shapes]  # blocks per table
+        self.num_blocks = sum(lengths) * 2 + 4 * len(shapes) + 3  # spare runs and gaps for contiguous tables
         self.backend = make_backend(AttentionContext(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
             num_blocks=self.num_blocks, dtype=dtype, device=self.device))
+        self.contiguous = bool(getattr(self.backend, "requires_contiguous_block_tables", False))
         shape = tuple(self.backend.kv_cache_shape())
         self.block_dim = self.backend.kv_cache_block_dim()
         check(shape[self.block_dim] == self.num_blocks, "kv_cache_block_dim() indexes the cache's blocks",
               f"kv_cache_shape() {shape}, block dim {self.block_dim}, {self.num_blocks} blocks")
         self.key_cache = self._randn(shape).mul_(4)
         self.value_cache = self._randn(shape).mul_(4)
-        physical = torch.randperm(self.num_blocks, generator=self.generator).tolist()
-        self.spares = physical[: len(shapes)]
-        free = physical[len(shapes):]
-        self.tables = [[free.pop() for _ in range(math.ceil((c + n + 1) / block_size))] for c, n in shapes]
+        if self.contiguous:
+            self._contiguous_tables(lengths)
+        else:
+            physical = torch.randperm(self.num_blocks, generator=self.generator).tolist()
+            self.spares = physical[: len(shapes)]
+            free = physical[len(shapes):]
+            self.tables = [[free.pop() for _ in range(length)] for length in lengths]
         total = [c + n + 1 for c, n in shapes]
         self.keys = [self._randn((t, num_kv_heads, head_dim)) for t in total]
         self.values = [self._randn((t, num_kv_heads, head_dim)) for t in total]
         self.queries = [self._randn((t, num_heads, head_dim)) for t in total]
+
+    def _contiguous_tables(self, lengths: list[int]) -> None:
+        """A table and a spare run per sequence, the runs in shuffled order, 0-2 blocks apart."""
+        runs = [(index, spare) for index in range(len(lengths)) for spare in (False, True)]
+        order = torch.randperm(len(runs), generator=self.generator).tolist()
+        gaps = torch.randint(0, 3, (len(runs),), generator=self.generator).tolist()
+        self.tables = [[] for _ in lengths]
+        self.spare_runs = [[] for _ in lengths]
+        start = 0
+        for position, gap in zip(order, gaps):
+            index, spare = runs[position]
+            start += gap
+            (self.spare_runs if spare else self.tables)[index] = list(range(start, start + lengths[index]))
+            start += lengths[index]
+        assert start <= self.num_blocks
 
     def _randn(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.randn(shape, generator=self.generator).to(self.dtype).to(self.device)
@@ -145,7 +169,11 @@ class BatchCheck:
         sources, destinations = [], []
         for index, (cached, new) in enumerate(self.shapes):
             last = (cached + new) // self.block_size  # the block the next token lands in
-            if last < len(self.tables[index]) and (cached + new) % self.block_size:
+            if self.contiguous:  # the whole run moves, so the table stays one run
+                sources += self.tables[index][: last + 1]
+                destinations += self.spare_runs[index][: last + 1]
+                self.tables[index] = self.spare_runs[index]
+            elif last < len(self.tables[index]) and (cached + new) % self.block_size:
                 sources.append(self.tables[index][last])
                 destinations.append(self.spares[index])
                 self.tables[index][last] = self.spares[index]

@@ -107,11 +107,13 @@ def reference_tokens(case_name: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(o[0]) for o in outputs)
 
 
-def check_against_reference(kind: str, name: str, registry: Any, case_name: str, **engine: Any) -> None:
+def check_against_reference(kind: str, name: str, registry: Any, case_name: str,
+                            partners: dict[str, str] | None = None, **engine: Any) -> None:
     """Greedy tokens with policy `name` of `kind` in place of the reference one must equal
-    the reference tokens for CASES[case_name]."""
+    the reference tokens for CASES[case_name]. `partners` swaps other reference policies
+    too, by section ({"allocator": "naive"} for a backend that needs contiguous tables)."""
     case = CASES[case_name]
-    policies = dict(REFERENCE, **{SECTION_OF_KIND[kind]: name})
+    policies = dict(REFERENCE, **(partners or {}), **{SECTION_OF_KIND[kind]: name})
     overrides = dict(case.overrides + case.policy_only, **engine)
     got = _generate(policies, overrides, registry, case.n)
     expected = reference_tokens(case_name)

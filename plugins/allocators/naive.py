@@ -39,7 +39,11 @@ class NaiveAllocator:
     """Contiguous max_model_len reservations, first fit over a sorted list of free runs.
 
     Never shares a block: fork copies the parent's blocks into the child's own run.
+    Every block table is one run of consecutive blocks (`ContiguousAllocator`), which is
+    what lets attention `sdpa-contiguous` read a sequence's K/V as a view of the cache.
     """
+
+    contiguous_block_tables = True
 
     def __init__(self, options: Any, context: AllocatorContext) -> None:
         self.block_size = context.block_size

@@ -14,4 +14,10 @@ def servelab_register_attention():
             options=TorchPagedOptions,
             description="reference paged attention in torch: gathers K/V through block tables (CPU and GPU)",
         ),
+        AttentionPlugin(
+            name="sdpa-contiguous",
+            factory="servelab.plugins.kernels.sdpa_contiguous:SdpaContiguousAttention",
+            description="torch SDPA over each sequence's K/V as a view of the cache; needs contiguous "
+                        "block tables (allocator naive)",
+        ),
     ]

@@ -5,7 +5,16 @@ import attrs
 
 @attrs.frozen
 class TorchPagedOptions:
-    """Group sizes trade padding and cache locality against per-group Python overhead."""
+    """How `torch-paged` groups a step's sequences: bigger groups mean fewer calls, smaller
+    ones less padding and a gathered K/V that stays in the CPU's cache."""
 
-    decode_group_size: int = attrs.field(default=16, validator=attrs.validators.gt(0))  # sequences per decode group
-    prefill_group_size: int = attrs.field(default=4, validator=attrs.validators.gt(0))  # per multi-token group
+    decode_group_size: int = attrs.field(default=64, validator=attrs.validators.gt(0))  # sequences per decode group, at most
+    # Padded context tokens per decode group, at most (a longer sequence sits alone). The
+    # gathered K and V of a group take tokens * kv_heads * head_dim * 2 * dtype size bytes.
+    decode_group_tokens: int = attrs.field(default=2048, validator=attrs.validators.gt(0))
+    prefill_group_size: int = attrs.field(default=16, validator=attrs.validators.gt(0))  # per multi-token group, at most
+    # A multi-token group's padded query x context area stays within this factor of the
+    # area its sequences need, and within prefill_group_area (query x context pairs).
+    prefill_padding: float = attrs.field(default=1.25, validator=attrs.validators.ge(1.0))
+    prefill_group_area: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+
