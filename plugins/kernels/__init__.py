@@ -2,7 +2,7 @@
 
 import servelab
 from servelab.plugin_types import AttentionPlugin
-from servelab.plugins.kernels.options import TorchPagedOptions
+from servelab.plugins.kernels.options import CupyPagedOptions, TorchPagedOptions
 
 
 @servelab.hookimpl
@@ -19,5 +19,12 @@ def servelab_register_attention():
             factory="servelab.plugins.kernels.sdpa_contiguous:SdpaContiguousAttention",
             description="torch SDPA over each sequence's K/V as a view of the cache; needs contiguous "
                         "block tables (allocator naive)",
+        ),
+        AttentionPlugin(
+            name="cupy-paged",
+            factory="servelab.plugins.kernels.cupy_paged:CupyPagedAttention",
+            options=CupyPagedOptions,
+            description="paged attention in raw CUDA through CuPy: GQA, online softmax, split-K "
+                        "(needs CuPy and a CUDA GPU)",
         ),
     ]

@@ -18,3 +18,12 @@ class TorchPagedOptions:
     prefill_padding: float = attrs.field(default=1.25, validator=attrs.validators.ge(1.0))
     prefill_group_area: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
 
+
+@attrs.frozen
+class CupyPagedOptions:
+    """Split-K in `cupy-paged`: a long context is cut into partitions of `partition_size`
+    keys attended by separate CUDA blocks, then merged. "auto" splits only when a step has
+    too few (sequence, KV head) blocks to fill the GPU; "always" and "never" force it."""
+
+    partition_size: int = attrs.field(default=512, validator=attrs.validators.gt(0))  # keys per partition
+    split_k: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "always", "never")))
