@@ -1,0 +1,277 @@
+"""Speculative decoding end to end: greedy output with every drafter is token-identical to
+Hugging Face `transformers` greedy generation (so to decoding without speculation),
+under continuous and chunked-prefill scheduling, with every allocator, and with a pool
+small enough to preempt; seeded sampling keeps the target's distribution."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from servelab import LLM, ConfigError, PluginError, SamplingParams
+from servelab.testing import DrafterContract
+
+from test_hf_equivalence import hf_greedy
+
+VOCAB = 211
+MAX_NEW = [24, 16, 30, 20, 12, 28]
+
+
+def spec_prompts() -> list[list[int]]:
+    """Prompts that repeat themselves (lookup drafters hit) and prompts that do not."""
+    rng = random.Random(11)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    passage = tokens(20)
+    return [passage + passage[:7], tokens(9), passage * 2 + passage[:3], tokens(1), tokens(30) + passage[:5],
+            passage[:10] * 3]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint_factory):
+    path = checkpoint_factory("llama")
+    return path, [hf_greedy(path, p, n) for p, n in zip(spec_prompts(), MAX_NEW)]
+
+
+def medusa_heads(directory, hidden_size: int, num_heads: int = 3) -> str:
+    """Random (untrained) Medusa heads: drafts mostly wrong, which verification must absorb."""
+    import json
+
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i in range(num_heads):
+        tensors[f"medusa_heads.{i}.weight"] = torch.randn(hidden_size, hidden_size, generator=generator) * 0.1
+        tensors[f"medusa_heads.{i}.bias"] = torch.zeros(hidden_size)
+    save_file(tensors, str(directory / "medusa.safetensors"))
+    (directory / "medusa_config.json").write_text(json.dumps({"num_heads": num_heads, "hidden_size": hidden_size}))
+    return str(directory)
+
+
+def drafter_config(name: str, checkpoint_factory, tmp_path_factory) -> dict:
+    if name == "ngram":
+        return {"name": "ngram", "num_speculative_tokens": 4, "max_ngram": 3}
+    if name == "draft-model":
+        return {"name": "draft-model", "model": checkpoint_factory("llama-draft"), "num_speculative_tokens": 3}
+    if name == "draft-model-self":  # the target drafting for itself: every greedy draft is accepted
+        return {"name": "draft-model", "model": checkpoint_factory("llama"), "num_speculative_tokens": 5}
+    if name == "medusa":
+        return {"name": "medusa", "heads": medusa_heads(tmp_path_factory.mktemp("medusa"), 72)}
+    raise AssertionError(name)
+
+
+def run(path: str, drafter: dict | None, **engine) -> tuple[list[list[int]], LLM]:
+    config = {"drafter": drafter} if drafter else {}
+    llm = LLM(path, config=config, **{"max_model_len": 128, "block_size": 8, **engine})
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW]
+    outputs = llm.generate(spec_prompts(), params)
+    assert llm.engine.allocator.stats().num_used_blocks == 0, "blocks leaked after every request finished"
+    return [o.token_ids for o in outputs], llm
+
+
+DRAFTERS = ["ngram", "draft-model", "draft-model-self", "medusa"]
+SETTINGS = {
+    "continuous": {},
+    # A 6-token budget cuts drafts short and chunks prompts around them.
+    "chunked-prefill": {"scheduler.name": "chunked-prefill", "max_num_batched_tokens": 6},
+    # 12 blocks of 8 slots: sequences are preempted and recomputed mid-speculation.
+    "tight-pool": {"num_kv_blocks": 12, "max_model_len": 96},
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_tokens_equal_transformers(drafter, setting, reference, checkpoint_factory, tmp_path_factory):
+    path, expected = reference
+    tokens, llm = run(path, drafter_config(drafter, checkpoint_factory, tmp_path_factory), **SETTINGS[setting])
+    assert tokens == expected
+    stats = llm.engine.speculation_stats()
+    assert stats.num_draft_tokens > 0, "nothing was drafted: the test would not exercise verification"
+    if drafter == "draft-model-self":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert stats.mean_tokens_per_step > 2
+    if setting == "tight-pool":
+        assert llm.engine.scheduler.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("allocator", ["naive", "radix"])
+def test_rollback_in_every_allocator(allocator, reference, checkpoint_factory, tmp_path_factory):
+    path, expected = reference
+    tokens, llm = run(path, drafter_config("ngram", checkpoint_factory, tmp_path_factory),
+                      **{"allocator.name": allocator})
+    assert tokens == expected
+    stats = llm.engine.speculation_stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths: accept and roll back
+
+
+def test_request_metrics_count_drafts(reference, checkpoint_factory, tmp_path_factory):
+    path, _ = reference
+    llm = LLM(path, config={"drafter": drafter_config("ngram", checkpoint_factory, tmp_path_factory)},
+              max_model_len=128)
+    out = llm.generate(spec_prompts()[0], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    metrics = out.metrics
+    assert metrics.num_draft_tokens >= metrics.num_accepted_tokens > 0
+    assert metrics.num_sampling_steps < 24  # fewer target steps than tokens
+    assert out.mean_tokens_per_step == pytest.approx(24 / metrics.num_sampling_steps)
+    assert metrics.acceptance_rate == metrics.num_accepted_tokens / metrics.num_draft_tokens
+
+
+def test_step_reports_carry_draft_counts(reference, checkpoint_factory, tmp_path_factory):
+    import servelab
+
+    path, _ = reference
+    reports = []
+
+    class Observer:
+        @servelab.hookimpl
+        def servelab_step_finished(self, engine, report):
+            reports.append(report)
+
+    llm = LLM(path, config={"drafter": drafter_config("ngram", checkpoint_factory, tmp_path_factory)},
+              max_model_len=128)
+    llm.engine.registry.register(Observer())
+    llm.generate(spec_prompts()[:3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    stats = llm.engine.speculation_stats()
+    assert sum(r.num_draft_tokens for r in reports) == stats.num_draft_tokens > 0
+    assert sum(r.num_accepted_tokens for r in reports) == stats.num_accepted_tokens
+
+
+def test_drafts_stop_at_max_tokens_and_stop_tokens(reference, checkpoint_factory, tmp_path_factory):
+    path, expected = reference
+    config = {"drafter": drafter_config("draft-model-self", checkpoint_factory, tmp_path_factory)}
+    llm = LLM(path, config=config, max_model_len=128)
+    out = llm.generate(spec_prompts()[0], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == expected[0][:7]
+    stop = expected[0][3]
+    first_stop = expected[0].index(stop)
+    out = llm.generate(spec_prompts()[0], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop]))[0]
+    assert out.token_ids == expected[0][: first_stop + 1] and out.finish_reason == "stop"
+    assert llm.engine.allocator.stats().num_used_blocks == 0
+
+
+def test_drafter_errors_are_clear(checkpoint_factory, tmp_path):
+    path = checkpoint_factory("llama")
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(path, config={"drafter": {"name": "draft-model", "model": checkpoint_factory("qwen2")}})
+    with pytest.raises(ConfigError, match="medusa.safetensors"):
+        LLM(path, config={"drafter": {"name": "medusa", "heads": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="only 3 Medusa heads"):
+        LLM(path, config={"drafter": {"name": "medusa", "heads": medusa_heads(tmp_path, 72),
+                                      "num_speculative_tokens": 5}})
+    with pytest.raises(PluginError, match="unknown drafter .nope.; installed: ngram"):
+        LLM(path, config={"drafter": {"name": "nope"}})
+    with pytest.raises(ConfigError, match="min_ngram"):
+        LLM(path, config={"drafter": {"name": "ngram", "min_ngram": 3, "max_ngram": 2}})
+
+
+def perturbed_copy(path: str, directory) -> str:
+    """The target with noise on every weight: a draft model whose q overlaps p without
+    equalling it, so that acceptance, rejection and the residual all matter."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(5)
+    tensors = load_file(f"{path}/model.safetensors")
+    save_file({name: t + 0.03 * torch.randn(t.shape, generator=generator) for name, t in tensors.items()},
+              str(directory / "model.safetensors"))
+    shutil.copy(f"{path}/config.json", directory / "config.json")
+    return str(directory)
+
+
+def _second_and_third_tokens(path: str, drafter: dict | None, prompt: list[int], num_requests: int) -> torch.Tensor:
+    config = {"drafter": drafter} if drafter else {}
+    # The radix cache computes the shared prompt once.
+    llm = LLM(path, config=config, max_model_len=128, max_num_seqs=64, **{"allocator.name": "radix"})
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=1000 + i, ignore_eos=True)
+              for i in range(num_requests)]
+    outputs = llm.generate([prompt] * num_requests, params)
+    if drafter is not None:
+        stats = llm.engine.speculation_stats()
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    return torch.tensor([o.token_ids[1] * VOCAB + o.token_ids[2] for o in outputs])
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
+def test_seeded_sampling_keeps_the_target_distribution(drafter, checkpoint_factory, tmp_path):
+    """Tokens 2 and 3 (the first ones produced by verification) with speculation and
+    without: a chi-square test of homogeneity over their joint values, fixed seeds."""
+    path = checkpoint_factory("llama")
+    start = spec_prompts()[1]
+    # The target's own greedy continuation, twice: lookup proposes tokens the target finds likely.
+    own = hf_greedy(path, start, 24)
+    prompt = start + own + start + own[:2]
+    config = ({"name": "ngram", "num_speculative_tokens": 2} if drafter == "ngram" else
+              {"name": "draft-model", "model": perturbed_copy(path, tmp_path), "num_speculative_tokens": 2})
+    num = 1500
+    plain = _second_and_third_tokens(path, None, prompt, num)
+    spec = _second_and_third_tokens(path, config, prompt, num)
+    values = torch.cat([plain, spec]).unique()
+    counts = torch.stack([(plain[:, None] == values).sum(0), (spec[:, None] == values).sum(0)]).double()
+    # Pool rare outcomes so every expected count is >= 5.
+    expected = counts.sum(0, keepdim=True) * counts.sum(1, keepdim=True) / counts.sum()
+    rare = expected.min(0).values < 5
+    counts = torch.cat([counts[:, ~rare], counts[:, rare].sum(1, keepdim=True)], dim=1)
+    expected = counts.sum(0, keepdim=True) * counts.sum(1, keepdim=True) / counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    dof = counts.shape[1] - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+    assert dof >= 3, "the distribution is too concentrated to test anything"
+    assert p_value > 1e-3
+
+
+# ---------------------------------------------------------------- conformance
+
+
+class TestNgram(DrafterContract):
+    plugin_name = "ngram"
+
+
+class TestDraftModel(DrafterContract):
+    """Built inside a real engine on the tiny model, which gives the drafter a loader."""
+
+    plugin_name = "draft-model"
+    deterministic = False  # the contract's sequences sample (temperature 1)
+    num_speculative_tokens = 3
+
+    def drafter(self):
+        from servelab.testing.tiny_model import tiny_checkpoint
+
+        config = {"drafter": {"name": "draft-model", "model": tiny_checkpoint("llama-draft"),
+                              "num_speculative_tokens": self.num_speculative_tokens}}
+        return LLM(tiny_checkpoint("llama"), config=config, max_model_len=self.max_model_len).engine.speculator.drafter
+
+
+class TestMedusa(DrafterContract):
+    """Proposes only with the target's hidden states, which the contract's direct calls
+    lack: the contract checks the well-formedness of that path; the end-to-end tests above
+    verify its drafts."""
+
+    plugin_name = "medusa"
+
+    def drafter(self):
+        import tempfile
+        from pathlib import Path
+
+        from servelab.testing.tiny_model import tiny_checkpoint
+
+        heads = medusa_heads(Path(tempfile.mkdtemp(prefix="servelab-medusa-")), 72)
+        engine = LLM(tiny_checkpoint("llama"), config={"drafter": {"name": "medusa", "heads": heads}},
+                     max_model_len=self.max_model_len).engine
+        return engine.speculator.drafter
+
+
+def test_medusa_proposes_from_hidden_states(checkpoint_factory, tmp_path):
+    from servelab.testing.drafter import decoding_sequence
+
+    llm = LLM(checkpoint_factory("llama"), config={"drafter": {"name": "medusa", "heads": medusa_heads(tmp_path, 72)}})
+    drafter = llm.engine.speculator.drafter
+    seqs = [decoding_sequence("a", [5, 6, 7], [8]), decoding_sequence("b", [9], [])]
+    proposals = drafter.propose(seqs, hidden_states=torch.randn(2, 72))
+    assert set(proposals) == {"a", "b"} and all(len(d) == 3 for d in proposals.values())
+    assert all(0 <= t < VOCAB for d in proposals.values() for t in d)
