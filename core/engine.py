@@ -266,7 +266,7 @@ class LLMEngine:
                 if self._append_token(seq, token_id, t4):
                     finished.append(seq)
                     break
-            emitted[seq.request_id] = seq.output_token_ids[before - seq.num_tokens:] if seq.num_tokens > before else []
+            emitted[seq.request_id] = seq.output_token_ids[before - seq.num_tokens:]  # always >= 1 token
             seq.num_sampling_steps += 1
             if self.speculator is not None and seq.request_id in num_drafts:
                 self.speculator.settle(seq, num_drafts[seq.request_id], num_accepted[seq.request_id], before)
@@ -307,9 +307,8 @@ class LLMEngine:
         num_accepted: dict[str, int] = {}
         if spec:
             spec_seqs = [sampled[i] for i in spec]
-            rows = torch.tensor([r for i in spec for r in range(first_rows[i], first_rows[i] + num_rows[i])], dtype=torch.int64,
-                                device=logits.device)
-            verified = self.speculator.verify(spec_seqs, logits[rows], [num_rows[i] for i in spec],
+            verified = self.speculator.verify(spec_seqs, logits, [first_rows[i] for i in spec],
+                                              [num_rows[i] for i in spec],
                                               [self._generators.get(s.request_id) for s in spec_seqs],
                                               self._default_generator)
             for seq, i, result in zip(spec_seqs, spec, verified):
@@ -317,12 +316,7 @@ class LLMEngine:
                 num_drafts[seq.request_id] = num_rows[i] - 1
                 num_accepted[seq.request_id] = result.num_accepted
         if hidden is not None:
-            for i, seq in enumerate(sampled):
-                row = first_rows[i] + num_accepted.get(seq.request_id, 0)
-                self.speculator.remember_hidden(seq.request_id, hidden[row])
-            for parent, children in forks:
-                for child in children:
-                    self.speculator.remember_hidden(child.request_id, hidden[first_rows[sampled.index(parent)]])
+            self.speculator.remember_hidden(sampled, first_rows, num_accepted, hidden, forks)
         return new_tokens, forks, num_drafts, num_accepted
 
     def _with_forks(self, logits: torch.Tensor, sampled: list[Sequence]):

@@ -90,15 +90,18 @@ class Speculator:
 
     # ------------------------------------------------------------ after the target pass
 
-    def verify(self, seqs: Seq[Sequence], logits: torch.Tensor, num_rows: Seq[int],
+    def verify(self, seqs: Seq[Sequence], logits: torch.Tensor, first_rows: Seq[int], num_rows: Seq[int],
                generators: Seq[torch.Generator | None], default_generator: torch.Generator) -> list[Verified]:
-        """Verify each sequence's first num_rows - 1 drafts against its logits rows."""
+        """Verify each sequence's first num_rows - 1 drafts against its logits rows
+        first_rows[i] .. first_rows[i] + num_rows[i] - 1."""
+        rows = torch.tensor([r for first, n in zip(first_rows, num_rows) for r in range(first, first + n)],
+                            dtype=torch.int64, device=logits.device)
         drafts = [seq.draft_token_ids[: n - 1] for seq, n in zip(seqs, num_rows)]
         probs = []
         for seq, draft in zip(seqs, drafts):
             q = self._probs.get(seq.request_id)
             probs.append(q[: len(draft)] if q is not None else None)
-        return verify(logits, drafts, probs, [seq.params for seq in seqs], generators, default_generator)
+        return verify(logits[rows], drafts, probs, [seq.params for seq in seqs], generators, default_generator)
 
     def settle(self, seq: Sequence, num_verified_drafts: int, num_accepted: int, num_tokens_before: int) -> None:
         """After the accepted tokens were appended: keep the K/V of verified tokens only and
@@ -121,9 +124,15 @@ class Speculator:
             num_sampling_steps=s.num_sampling_steps + num_sampling_steps,
             num_emitted_tokens=s.num_emitted_tokens + num_emitted)
 
-    def remember_hidden(self, seq_id: str, hidden: torch.Tensor) -> None:
-        if self.needs_hidden_states:
-            self._hidden[seq_id] = hidden
+    def remember_hidden(self, sampled: Seq[Sequence], first_rows: Seq[int], num_accepted: dict[str, int],
+                        hidden: torch.Tensor, forks: Seq[tuple[Sequence, Seq[Sequence]]]) -> None:
+        """Keep, per sequence, the hidden state of the row that produced its last token:
+        the row after its accepted drafts (forked children share their parent's)."""
+        for seq, first in zip(sampled, first_rows):
+            self._hidden[seq.request_id] = hidden[first + num_accepted.get(seq.request_id, 0)]
+        for parent, children in forks:
+            for child in children:
+                self._hidden[child.request_id] = self._hidden[parent.request_id]
 
     def end_step(self) -> None:
         """Drafts live for one step: unscheduled or unverified ones are dropped."""

@@ -275,3 +275,16 @@ def test_medusa_proposes_from_hidden_states(checkpoint_factory, tmp_path):
     proposals = drafter.propose(seqs, hidden_states=torch.randn(2, 72))
     assert set(proposals) == {"a", "b"} and all(len(d) == 3 for d in proposals.values())
     assert all(0 <= t < VOCAB for d in proposals.values() for t in d)
+
+
+def test_parallel_sampling_with_drafts(reference, checkpoint_factory, tmp_path_factory):
+    """n = 3 greedy completions fork after the prefill, then each drafts and rolls back on
+    its own copy-on-write blocks: all three equal the single greedy completion."""
+    path, expected = reference
+    llm = LLM(path, config={"drafter": drafter_config("ngram", checkpoint_factory, tmp_path_factory)},
+              max_model_len=128, block_size=8)
+    outputs = llm.generate(spec_prompts()[:3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, n=3)
+                                                for n in MAX_NEW[:3]])
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e] * 3 for e in expected[:3]]
+    assert llm.engine.speculation_stats().num_accepted_tokens > 0
+    assert llm.engine.allocator.stats().num_used_blocks == 0
