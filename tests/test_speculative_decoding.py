@@ -288,3 +288,21 @@ def test_parallel_sampling_with_drafts(reference, checkpoint_factory, tmp_path_f
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e] * 3 for e in expected[:3]]
     assert llm.engine.speculation_stats().num_accepted_tokens > 0
     assert llm.engine.allocator.stats().num_used_blocks == 0
+
+
+def test_bench_reports_acceptance(llama_checkpoint, tmp_path):
+    from servelab.bench.metrics import SLO
+    from servelab.bench.session import BenchOptions, run_bench
+    from servelab.config import EngineConfig
+
+    base = EngineConfig().with_overrides({"engine.model": llama_checkpoint, "engine.max_model_len": 128})
+    spec = EngineConfig.from_dict({"engine": {"model": llama_checkpoint, "max_model_len": 128},
+                                   "drafter": {"name": "ngram"}})
+    options = BenchOptions(workload="repetitive:passage_len=40,num_requests=4,output_len=24", repeats=1,
+                           slo=SLO(ttft_ms=1e9, tpot_ms=1e9))
+    result = run_bench([("plain", base), ("ngram", spec)], options)
+    plain, ngram = (run["metrics"] for run in result["runs"])
+    assert plain["acceptance_rate"] is None and plain["tokens_per_target_step"] == pytest.approx(1.0)
+    assert ngram["draft_tokens"] >= ngram["accepted_tokens"] > 0
+    assert ngram["tokens_per_target_step"] > 1.0
+    assert ngram["output_tokens"] == plain["output_tokens"]

@@ -71,12 +71,26 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
         "kv_utilization": _mean(_kv_used_fraction(r) for r in reports),
         "kv_waste_fraction": _mean(_kv_waste_fraction(r, record.block_size) for r in reports),
         "prefix_hit_rate": hits / lookups if lookups else None,
-        "acceptance_rate": None,  # no drafter has been configured
+        **_speculation(reports, record.outputs),
         "slot_steps_used": slot_steps_used,
         "slot_steps_wasted": slot_steps_wasted,
         "preemptions": record.preemptions,
         "steps": len(reports),
         "engine_overhead_ms_at_max_batch": _overhead_at_max_batch(reports),
+    }
+
+
+def _speculation(reports, outputs) -> dict[str, Any]:
+    """Drafts verified and accepted over the run; tokens per target step per sequence."""
+    drafted = sum(r.num_draft_tokens for r in reports)
+    accepted = sum(r.num_accepted_tokens for r in reports)
+    steps = sum(o.metrics.num_sampling_steps for o in outputs)
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,  # None: no drafter, or nothing drafted
+        "tokens_per_target_step": tokens / steps if steps else None,
     }
 
 

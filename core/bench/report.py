@@ -24,6 +24,7 @@ ROWS = [
     ("KV waste", lambda m: _pct(m.get("kv_waste_fraction"))),
     ("prefix hit rate", lambda m: _pct(m.get("prefix_hit_rate"))),
     ("acceptance rate", lambda m: _pct(m.get("acceptance_rate"))),
+    ("tokens / target step", lambda m: _fmt(m.get("tokens_per_target_step"), 2)),
     ("slot-steps used", lambda m: _fmt(m.get("slot_steps_used"))),
     ("slot-steps wasted", lambda m: _fmt(m.get("slot_steps_wasted"))),
     ("preemptions", lambda m: _fmt(m.get("preemptions"))),
