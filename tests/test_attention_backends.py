@@ -130,10 +130,10 @@ def test_torch_paged_masks_only_where_lengths_differ():
                                dtype=torch.float32, device=torch.device("cpu"))
     backend = TorchPagedAttention(None, context)
     equal = _prepared(backend, [1, 1, 1], [9, 9, 9], 4)
-    assert len(equal.decode_groups) == 1 and equal.decode_groups[0].mask is None
-    assert equal.decode_groups[0].context == 9
+    assert len(equal.decode.groups) == 1 and equal.decode.groups[0].hidden is None
+    assert equal.decode.groups[0].context == 9
     ragged = _prepared(backend, [1, 1], [9, 12], 4)
-    assert ragged.decode_groups[0].mask is not None
+    assert ragged.decode.groups[0].hidden is not None
     prompts = _prepared(backend, [7, 7], [7, 7], 4)  # whole prompts of one length: is_causal
     assert len(prompts.prefill_groups) == 1 and prompts.prefill_groups[0].mask is None
     chunk = _prepared(backend, [7], [20], 4)  # a chunk on top of a cache: lower-right causal mask
