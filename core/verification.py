@@ -45,40 +45,29 @@ def verify(
     default_generator: torch.Generator | None = None,
 ) -> list[Verified]:
     num_seqs = len(draft_token_ids)
-    if num_seqs == 0:
-        return []
-    device = logits.device
-    lengths = torch.tensor([len(d) for d in draft_token_ids], device=device)
-    k = int(lengths.max())
-    # rows[r, j]: logits row of position j of sequence r (its bonus row repeated as padding).
-    starts = torch.cumsum(lengths + 1, 0) - (lengths + 1)
-    positions = torch.arange(k + 1, device=device)
-    rows = starts[:, None] + torch.minimum(positions[None, :], lengths[:, None])
-    drafts = torch.zeros(num_seqs, k, dtype=torch.int64, device=device)
-    for r, tokens in enumerate(draft_token_ids):
-        drafts[r, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.int64)
-    valid = positions[None, :k] < lengths[:, None]
-
-    num_accepted = torch.zeros(num_seqs, dtype=torch.int64, device=device)
-    final = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+    results: list[Verified | None] = [None] * num_seqs
+    starts = [0] * num_seqs
+    for r in range(1, num_seqs):
+        starts[r] = starts[r - 1] + len(draft_token_ids[r - 1]) + 1
     greedy = [r for r in range(num_seqs) if params[r].is_greedy]
+    if greedy:  # exact match against the argmax: a handful of Python comparisons per sequence
+        argmax = logits.argmax(dim=-1).tolist()
+        for r in greedy:
+            drafts = list(draft_token_ids[r])
+            target = argmax[starts[r]: starts[r] + len(drafts) + 1]
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+                accepted += 1
+            results[r] = Verified(drafts[:accepted] + [target[accepted]], accepted)
     sampled = [r for r in range(num_seqs) if not params[r].is_greedy]
-    if greedy:
-        index = torch.tensor(greedy, device=device)
-        target = logits[rows[index]].argmax(dim=-1)  # [G, k + 1]
-        accepted = _accepted_run((target[:, :k] == drafts[index]) & valid[index])
-        num_accepted[index] = accepted
-        final[index] = target.gather(1, accepted[:, None]).squeeze(1)
     if sampled:
-        index = torch.tensor(sampled, device=device)
-        accepted, tokens = _verify_sampled(
-            logits[rows[index]], drafts[index], valid[index], [draft_probs[r] for r in sampled],
-            [params[r] for r in sampled], [generators[r] or default_generator for r in sampled])
-        num_accepted[index] = accepted
-        final[index] = tokens
-    counts = num_accepted.tolist()
-    finals = final.tolist()
-    return [Verified(list(draft_token_ids[r][: counts[r]]) + [finals[r]], counts[r]) for r in range(num_seqs)]
+        rows = [starts[r] + j for r in sampled for j in range(len(draft_token_ids[r]) + 1)]
+        verified = _verify_sampled(logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)],
+                                   [draft_token_ids[r] for r in sampled], [draft_probs[r] for r in sampled],
+                                   [params[r] for r in sampled], [generators[r] or default_generator for r in sampled])
+        for r, result in zip(sampled, verified):
+            results[r] = result
+    return results
 
 
 def _accepted_run(accept: torch.Tensor) -> torch.Tensor:
@@ -86,22 +75,33 @@ def _accepted_run(accept: torch.Tensor) -> torch.Tensor:
     return accept.long().cumprod(dim=1).sum(dim=1)
 
 
-def _verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor,
-                    draft_probs: list[torch.Tensor | None], params: list[SamplingParams],
-                    generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    num_seqs, num_rows, vocab = logits.shape
-    k = num_rows - 1
+def _verify_sampled(logits: torch.Tensor, draft_token_ids: list[Seq[int]], draft_probs: list[torch.Tensor | None],
+                    params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[Verified]:
+    """The min(1, p/q) rule, vectorised over sequences (padded to the longest draft)."""
+    device = logits.device
+    num_seqs, vocab = len(draft_token_ids), logits.shape[-1]
+    lengths = torch.tensor([len(d) for d in draft_token_ids], device=device)
+    k = int(lengths.max())
+    num_rows = k + 1
+    # rows[r, j]: logits row of position j of sequence r (its bonus row repeated as padding).
+    starts = torch.cumsum(lengths + 1, 0) - (lengths + 1)
+    positions = torch.arange(num_rows, device=device)
+    rows = starts[:, None] + torch.minimum(positions[None, :], lengths[:, None])
+    drafts = torch.zeros(num_seqs, k, dtype=torch.int64, device=device)
+    for r, tokens in enumerate(draft_token_ids):
+        drafts[r, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.int64)
+    valid = positions[None, :k] < lengths[:, None]
     repeated = [p for p in params for _ in range(num_rows)]
-    p = filtered_probs(logits.reshape(-1, vocab), repeated).view(num_seqs, num_rows, vocab)
+    p = filtered_probs(logits[rows.flatten()], repeated).view(num_seqs, num_rows, vocab)
     p_draft = p[:, :k].gather(2, drafts[:, :, None]).squeeze(2)  # p_j(d_j)
     q_draft = torch.ones_like(p_draft)
     for r, q in enumerate(draft_probs):
         if q is not None:
             n = q.shape[0]
             q_draft[r, :n] = q.to(p.dtype).gather(1, drafts[r, :n, None]).squeeze(1)
-    uniform = torch.empty_like(p_draft)
-    for r, generator in enumerate(generators):
-        uniform[r].uniform_(generator=generator)
+    uniform = torch.ones_like(p_draft)
+    for r, generator in enumerate(generators):  # k_i draws each: a request's draws never depend on its batch
+        uniform[r, : len(draft_token_ids[r])].uniform_(generator=generator)
     # u < p / q, written without dividing: accept with probability min(1, p / q).
     accepted = _accepted_run((uniform * q_draft < p_draft) & valid)
     seq_index = torch.arange(num_seqs, device=logits.device)
@@ -123,4 +123,6 @@ def _verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, valid: torch.Ten
     noise = torch.empty_like(target)
     for r, generator in enumerate(generators):
         noise[r].exponential_(generator=generator)
-    return accepted, (target / noise).argmax(dim=1)
+    final = (target / noise).argmax(dim=1).tolist()
+    counts = accepted.tolist()
+    return [Verified(list(draft_token_ids[r][: counts[r]]) + [final[r]], counts[r]) for r in range(num_seqs)]

@@ -123,8 +123,8 @@ def test_seeded_requests_reproduce_whatever_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(3, 7)
     alone = verify(logits, [[1, 2]], [None], [params], [torch.Generator().manual_seed(5)])
-    other = torch.randn(2, 7)
-    batched = verify(torch.cat([other, logits]), [[0], [1, 2]], [None, None],
+    other = torch.randn(4, 7)  # a neighbour with more drafts: padding must not shift the draws
+    batched = verify(torch.cat([other, logits]), [[0, 3, 1], [1, 2]], [None, None],
                      [SamplingParams(temperature=1.0), params],
                      [torch.Generator().manual_seed(9), torch.Generator().manual_seed(5)])
     assert batched[1] == alone[0]

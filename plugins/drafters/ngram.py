@@ -4,10 +4,11 @@ prompt or output and propose the k tokens that followed there.
     tokens  ... 5 8 2 9 4 ... 5 8 | ?        suffix (5, 8) seen before
     draft   2 9 4 ...                        what followed it
 
-Longer suffixes are tried first (max_ngram down to min_ngram); among equal matches the
-most recent earlier occurrence wins. No model, deterministic (q is one-hot), and strong
-on input-grounded text: code edits, quoting, rewriting a passage. Each call scans the
-sequence once per suffix length with a vectorised comparison.
+The longest matching suffix wins (at most max_ngram tokens, at least min_ngram); among
+equally long matches the most recent earlier occurrence. No model, deterministic (q is
+one-hot), and strong on input-grounded text: code edits, quoting, rewriting a passage.
+Candidates are the earlier occurrences of the last token, found with one vectorised
+comparison; each is then extended backwards.
 """
 
 from __future__ import annotations
@@ -35,16 +36,21 @@ class NgramDrafter:
 
     def _draft(self, seq: Sequence) -> list[int]:
         k = min(self.options.num_speculative_tokens, self.max_model_len - seq.num_tokens)
-        if k <= 0:
+        if k <= 0 or seq.num_tokens < 2:
             return []
-        tokens = np.asarray(seq.prompt_token_ids + seq.output_token_ids, dtype=np.int64)
-        num_tokens = len(tokens)
-        for n in range(min(self.options.max_ngram, num_tokens - 1), self.options.min_ngram - 1, -1):
-            suffix = tokens[-n:]
-            # windows[i] == tokens[i:i + n] for every start i that leaves a token after it.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            matches = np.flatnonzero((windows == suffix).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n
-                return tokens[start:start + k].tolist()
-        return []
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        max_n = min(self.options.max_ngram, len(tokens) - 1)
+        # Earlier positions i holding the last token, most recent first.
+        candidates = np.flatnonzero(np.asarray(tokens[:-1]) == tokens[-1])[::-1].tolist()
+        best_len, best_end = 0, -1
+        for i in candidates:
+            length = 1
+            while length < max_n and i - length >= 0 and tokens[i - length] == tokens[-1 - length]:
+                length += 1
+            if length > best_len:
+                best_len, best_end = length, i
+                if length == max_n:
+                    break
+        if best_len < self.options.min_ngram:
+            return []
+        return tokens[best_end + 1: best_end + 1 + k]
