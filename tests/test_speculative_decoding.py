@@ -306,3 +306,19 @@ def test_bench_reports_acceptance(llama_checkpoint, tmp_path):
     assert ngram["draft_tokens"] >= ngram["accepted_tokens"] > 0
     assert ngram["tokens_per_target_step"] > 1.0
     assert ngram["output_tokens"] == plain["output_tokens"]
+
+
+def test_server_metrics_export_the_acceptance_rate(reference, checkpoint_factory, tmp_path_factory):
+    pytest.importorskip("prometheus_client")
+    from servelab.server.metrics import EngineObserver, ServerMetrics
+
+    path, _ = reference
+    metrics = ServerMetrics()
+    llm = LLM(path, config={"drafter": drafter_config("ngram", checkpoint_factory, tmp_path_factory)},
+              max_model_len=128)
+    llm.engine.registry.register(EngineObserver(metrics))
+    llm.generate(spec_prompts()[:2], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    stats = llm.engine.speculation_stats()
+    text = metrics.render().decode()
+    line = next(row for row in text.splitlines() if row.startswith("servelab_spec_decode_acceptance_rate "))
+    assert float(line.split()[1]) == pytest.approx(stats.acceptance_rate)

@@ -111,9 +111,9 @@ class ServerMetrics:
 class EngineObserver:
     """An engine plugin (observer hooks only) feeding per-step numbers into ServerMetrics.
 
-    Runs on the engine thread. Draft counts are read from the step report when the
-    engine reports them (`num_draft_tokens`, `num_accepted_tokens`); without a drafter
-    they stay 0 and the acceptance rate is NaN.
+    Runs on the engine thread. Draft counts come from the step report
+    (`num_draft_tokens`, `num_accepted_tokens`); without a drafter they stay 0 and the
+    acceptance rate is NaN.
     """
 
     def __init__(self, metrics: ServerMetrics) -> None:
@@ -122,5 +122,5 @@ class EngineObserver:
     @servelab.hookimpl
     def servelab_step_finished(self, engine: Any, report: Any) -> None:
         self.metrics.steps.inc()
-        self.metrics.num_draft_tokens += getattr(report, "num_draft_tokens", 0) or 0
-        self.metrics.num_accepted_tokens += getattr(report, "num_accepted_tokens", 0) or 0
+        self.metrics.num_draft_tokens += report.num_draft_tokens
+        self.metrics.num_accepted_tokens += report.num_accepted_tokens
