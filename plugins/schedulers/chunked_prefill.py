@@ -3,7 +3,8 @@ running decodes keep flowing.
 
 Every step, in this order, while the token budget (max_num_batched_tokens) lasts:
 
-1. one decode token for every running sequence that has caught up, best rank first;
+1. one decode token (and its drafts, as far as the budget goes) for every running
+   sequence that has caught up, best rank first;
 2. the next chunk of every running sequence still prefilling (or recomputing after a
    preemption), best rank first;
 3. the first chunk of waiting sequences, admitted in rank order while a slot is free.
@@ -43,12 +44,12 @@ class ChunkedPrefillScheduler(QueueScheduler):
         return self._plan(builder)
 
     def _run(self, builder: PlanBuilder, *, decodes: bool) -> None:
-        """Running sequences in rank order: those decoding (one uncomputed token), or
-        those prefilling (the next chunk)."""
+        """Running sequences in rank order: those decoding (one uncomputed token, plus any
+        drafts, which a short budget cuts), or those prefilling (the next chunk)."""
         index = 0
         while index < len(self.running) and builder.budget > 0:
             seq = self.running[index]
-            if (seq.num_uncomputed_tokens == 1) != decodes:
+            if seq.is_decoding != decodes:
                 index += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, builder.budget)
