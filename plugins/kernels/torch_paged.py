@@ -265,14 +265,13 @@ class TorchPagedAttention:
         runs ~3x faster than indexing dim 1 or advanced indexing."""
         num_kv_heads, _, block_size, head_dim = cache.shape
         source = cache.view(-1, block_size * head_dim)
-        num_rows = rows.shape[0]
-        if len(self._workspace) < 2 or self._workspace[which].shape[0] < num_rows \
-                or self._workspace[which].dtype != cache.dtype or self._workspace[which].device != cache.device:
-            if len(self._workspace) < 2 or self._workspace[which].dtype != cache.dtype \
-                    or self._workspace[which].device != cache.device:
-                self._workspace = [source.new_empty((0, source.shape[1])) for _ in range(2)]
-            self._workspace[which] = source.new_empty((num_rows, source.shape[1]))
-        gathered = torch.index_select(source, 0, rows, out=self._workspace[which][:num_rows])
+        buffers = self._workspace
+        if not buffers or buffers[0].dtype != source.dtype or buffers[0].device != source.device \
+                or buffers[0].shape[1] != source.shape[1]:
+            buffers[:] = [source.new_empty((0, source.shape[1])) for _ in range(2)]
+        if buffers[which].shape[0] < rows.shape[0]:
+            buffers[which] = source.new_empty((rows.shape[0], source.shape[1]))
+        gathered = torch.index_select(source, 0, rows, out=buffers[which][: rows.shape[0]])
         return gathered.view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :context]
 
     def _attend_decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
