@@ -137,8 +137,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         for output in result.finished:
             sys.stdout.write("\n")
+            metrics = output.metrics
+            spec = ""
+            if metrics.num_draft_tokens:
+                spec = (f", drafts accepted {metrics.num_accepted_tokens}/{metrics.num_draft_tokens}, "
+                        f"{output.mean_tokens_per_step:.2f} tokens per target step")
             print(f"[{len(output.token_ids)} tokens, finish_reason={output.finish_reason}, "
-                  f"ttft={output.metrics.ttft * 1000:.1f} ms, e2e={output.metrics.e2e_latency * 1000:.1f} ms]",
+                  f"ttft={metrics.ttft * 1000:.1f} ms, e2e={metrics.e2e_latency * 1000:.1f} ms{spec}]",
                   file=sys.stderr)
     return 0
 

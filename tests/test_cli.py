@@ -94,6 +94,9 @@ def generate_runs(llama_checkpoint, tokenized_checkpoint, tmp_path_factory):
         "bad_engine_value": ["--model", llama_checkpoint, "--prompt", "x", "--set", "engine.max_num_seqs=0"],
         "missing_checkpoint": ["--model", str(missing), "--prompt", "x"],
         "gpt2": ["--model", str(gpt2), "--prompt", "x"],
+        "ngram": ["--model", tokenized_checkpoint, "--prompt", "w5 w17 w42 w5 w17 w42 w5 w17 w42 w5",
+                  "--max-tokens", "12", "--set", "engine.max_model_len=64", "--set", 'drafter.name="ngram"'],
+        "unknown_drafter": ["--model", llama_checkpoint, "--prompt", "x", "--set", 'drafter.name="nope"'],
     }
     processes = {name: subprocess.Popen(command("generate", *args), stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True)
@@ -114,6 +117,19 @@ def test_generate_streams_text(generate_runs):
     assert summary, result.stderr
     assert len(words) <= int(summary.group(1)) <= 6
     assert summary.group(2) in ("length", "stop")
+
+
+def test_generate_with_a_drafter_reports_acceptance(generate_runs):
+    result = generate_runs["ngram"]
+    assert result.returncode == 0, result.stderr
+    summary = re.search(r"drafts accepted (\d+)/(\d+), ([\d.]+) tokens per target step", result.stderr)
+    assert summary, result.stderr
+    assert int(summary.group(1)) <= int(summary.group(2))
+
+
+def test_unknown_drafter_fails_cleanly(generate_runs):
+    line = assert_clean_failure(generate_runs["unknown_drafter"], "unknown drafter 'nope'")
+    assert "ngram" in line
 
 
 def test_text_prompt_without_tokenizer_fails_cleanly(generate_runs):
