@@ -109,6 +109,9 @@ class TrainSettings:
     draft_steps: int = 1000
     medusa_steps: int = 300
     medusa_heads: int = 3
+    # Windows that repeat their first half: they teach the models to copy (induction), which
+    # "rewrite this passage" prompts need and the corpus alone rarely shows at this scale.
+    copy_fraction: float = 0.25
     lr: float = 2e-3
     medusa_lr: float = 2e-3
     warmup: int = 50
@@ -297,17 +300,31 @@ def num_parameters(config: dict) -> int:
 
 
 class Batches:
-    """Seeded random windows of seq_len + 1 tokens from a token stream."""
+    """Seeded random windows of seq_len + 1 tokens from a token stream; a `copy_fraction`
+    of them hold a passage followed by the same passage again."""
 
-    def __init__(self, stream: torch.Tensor, seq_len: int, batch_size: int, seed: int) -> None:
+    def __init__(self, stream: torch.Tensor, seq_len: int, batch_size: int, seed: int,
+                 copy_fraction: float = 0.0) -> None:
         if len(stream) < seq_len + 2:
             raise ValueError(f"corpus of {len(stream)} tokens is shorter than a window of {seq_len + 1}")
         self.stream, self.seq_len, self.batch_size = stream, seq_len, batch_size
+        self.copy_fraction = copy_fraction
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> torch.Tensor:
-        starts = torch.randint(0, len(self.stream) - self.seq_len - 1, (self.batch_size,), generator=self.generator)
-        return torch.stack([self.stream[s: s + self.seq_len + 1] for s in starts.tolist()])
+        width = self.seq_len + 1
+        starts = torch.randint(0, len(self.stream) - width, (self.batch_size,), generator=self.generator)
+        copies = torch.rand(self.batch_size, generator=self.generator) < self.copy_fraction
+        # A copy window: `lead` tokens of context, a passage, and the passage again.
+        leads = torch.randint(0, width // 4, (self.batch_size,), generator=self.generator)
+        rows = []
+        for start, copy, lead in zip(starts.tolist(), copies.tolist(), leads.tolist()):
+            window = self.stream[start: start + width]
+            if copy:
+                passage = window[lead: lead + (width - lead + 1) // 2]
+                window = torch.cat([window[:lead], passage, passage])[:width]
+            rows.append(window)
+        return torch.stack(rows)
 
 
 def eval_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
@@ -334,6 +351,21 @@ def evaluate(model: TrainLlama, windows: torch.Tensor, batch_size: int = 8) -> d
     return {"loss": total / count, "top1": correct / count}
 
 
+@torch.no_grad()
+def copy_accuracy(model: TrainLlama, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """Top-1 accuracy on the second copy of held-out passages (each window's first half twice)."""
+    model.eval()
+    half = windows.shape[1] // 2
+    doubled = torch.cat([windows[:, :half], windows[:, :half]], dim=1)
+    correct = count = 0
+    for chunk in doubled.split(batch_size):
+        predicted = model(chunk[:, :-1]).argmax(-1)[:, half:]
+        correct += (predicted == chunk[:, half + 1:]).sum().item()
+        count += predicted.numel()
+    model.train()
+    return correct / count
+
+
 def _schedule(step: int, steps: int, warmup: int, lr: float) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -354,7 +386,7 @@ def train_model(name: str, config: dict, train: torch.Tensor, val: torch.Tensor,
     model = TrainLlama(config)
     model.init_weights(torch.Generator().manual_seed(seed))
     optimizer = _optimizer(list(model.named_parameters()), s.lr, s.weight_decay)
-    batches = Batches(train, s.seq_len, s.batch_size, seed + 1)
+    batches = Batches(train, s.seq_len, s.batch_size, seed + 1, s.copy_fraction)
     windows = eval_windows(val, s.seq_len, s.eval_windows)
     log(f"[{name}] {num_parameters(config):,} parameters, {steps} steps of {s.batch_size}x{s.seq_len} tokens")
     start, smoothed, history = time.perf_counter(), None, []
@@ -381,13 +413,16 @@ def train_model(name: str, config: dict, train: torch.Tensor, val: torch.Tensor,
     # What ships is the model rounded to the stored dtype: evaluate that.
     _round_to(model, s.dtype)
     val_metrics = evaluate(model, windows)
+    copy_top1 = copy_accuracy(model, windows)
     result = {"parameters": num_parameters(config), "steps": steps,
               "tokens_seen": steps * s.batch_size * s.seq_len, "seconds": round(time.perf_counter() - start, 1),
               "final_train_loss_ema": round(smoothed, 4), "train_eval_loss": round(train_metrics["loss"], 4),
               "val_loss_float32": round(unrounded["loss"], 4), "val_loss": round(val_metrics["loss"], 4), "val_top1": round(val_metrics["top1"], 4),
+              "val_copy_top1": round(copy_top1, 4),
               "history": history}
     log(f"[{name}] done: train loss {train_metrics['loss']:.3f}, val loss {val_metrics['loss']:.3f} "
-        f"(ppl {math.exp(val_metrics['loss']):.1f}), val top-1 {val_metrics['top1']:.3f}")
+        f"(ppl {math.exp(val_metrics['loss']):.1f}), val top-1 {val_metrics['top1']:.3f}, "
+        f"top-1 on the repeated half of held-out passages {copy_top1:.3f}")
     return model, result
 
 
@@ -426,7 +461,7 @@ def train_medusa(target: TrainLlama, train: torch.Tensor, val: torch.Tensor, s: 
     k, hidden = s.medusa_heads, target.config["hidden_size"]
     heads = MedusaHeads(k, hidden)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=s.medusa_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    batches = Batches(train, s.seq_len, s.batch_size, s.seed + 201)
+    batches = Batches(train, s.seq_len, s.batch_size, s.seed + 201, s.copy_fraction)
     windows = eval_windows(val, s.seq_len, s.eval_windows)
     log(f"[medusa] {k} heads, {sum(p.numel() for p in heads.parameters()):,} parameters, {s.medusa_steps} steps")
     start = time.perf_counter()
