@@ -129,7 +129,8 @@ class LLMEngine:
             load_model=lambda spec, num_blocks: load_aux_model(spec, num_blocks, engine, self.registry,
                                                                self.config.attention, self.limits.max_model_len))
         drafter = build_policy(selected[0], selected[1], context)
-        return Speculator(self.config.drafter.name, drafter, self.allocator, self.limits.max_model_len)
+        return Speculator(self.config.drafter.name, drafter, self.allocator, self.limits.max_model_len,
+                          self.model_config.vocab_size)
 
     def _select(self, kind: str, section: Any) -> tuple[RegisteredPolicy, Any]:
         registered = self.registry.select(kind, section.name)

@@ -13,11 +13,14 @@ from __future__ import annotations
 from typing import Any, Sequence as Seq
 
 import attrs
+import structlog
 import torch
 
 from servelab.errors import ConfigError
 from servelab.interfaces import Draft, ForkingAllocator, Sequence
 from servelab.verification import Verified, verify
+
+logger = structlog.get_logger(__name__)
 
 
 @attrs.frozen
@@ -44,7 +47,7 @@ class SpeculationStats:
 class Speculator:
     """The engine's half of speculative decoding, around one drafter."""
 
-    def __init__(self, name: str, drafter: Any, allocator: Any, max_model_len: int) -> None:
+    def __init__(self, name: str, drafter: Any, allocator: Any, max_model_len: int, vocab_size: int) -> None:
         if not isinstance(allocator, ForkingAllocator):
             raise ConfigError(
                 f"drafter {name!r} needs an allocator that can roll back rejected draft slots "
@@ -53,6 +56,7 @@ class Speculator:
         self.drafter = drafter
         self.allocator = allocator
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.needs_hidden_states = bool(getattr(drafter, "needs_hidden_states", False))
         self._probs: dict[str, torch.Tensor | None] = {}
         self._hidden: dict[str, torch.Tensor] = {}  # seq id -> target hidden state behind its last token
@@ -79,6 +83,11 @@ class Speculator:
             room = self._room(seq)
             tokens = list(draft.token_ids if isinstance(draft, Draft) else draft)[:room]
             probs = draft.probs if isinstance(draft, Draft) else None
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens):
+                # A broken drafter costs its speed-up, never the request: the draft is dropped.
+                logger.warning("drafter.invalid_draft", drafter=self.name, request_id=seq.request_id,
+                               draft=tokens, vocab_size=self.vocab_size)
+                continue
             seq.draft_token_ids = tokens
             self._probs[seq.request_id] = probs[: len(tokens)] if probs is not None else None
             self._drafted.append(seq)

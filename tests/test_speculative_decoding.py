@@ -322,3 +322,33 @@ def test_server_metrics_export_the_acceptance_rate(reference, checkpoint_factory
     text = metrics.render().decode()
     line = next(row for row in text.splitlines() if row.startswith("servelab_spec_decode_acceptance_rate "))
     assert float(line.split()[1]) == pytest.approx(stats.acceptance_rate)
+
+
+def test_a_drafter_proposing_garbage_costs_nothing_but_speed(reference):
+    """Out-of-vocabulary or non-integer drafts are dropped (with a warning); the request's
+    tokens are still the target's, and nothing leaks."""
+    import servelab
+    from servelab.plugin_types import DrafterPlugin
+
+    class Garbage:
+        def __init__(self, options, context):
+            self.calls = 0
+
+        def propose(self, seqs):
+            self.calls += 1
+            return {seq.request_id: ([VOCAB + 5, 1] if self.calls % 2 else ["x"]) for seq in seqs}
+
+    class Plugin:
+        @servelab.hookimpl
+        def servelab_register_drafters(self):
+            return [DrafterPlugin(name="garbage", factory=Garbage)]
+
+    registry = servelab.PluginRegistry.from_entry_points()
+    registry.register(Plugin())
+    path, expected = reference
+    llm = LLM(path, config={"drafter": {"name": "garbage"}}, registry=registry, max_model_len=128)
+    outputs = llm.generate(spec_prompts()[:2], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                                for n in MAX_NEW[:2]])
+    assert [o.token_ids for o in outputs] == expected[:2]
+    assert llm.engine.speculation_stats().num_draft_tokens == 0
+    assert llm.engine.allocator.stats().num_used_blocks == 0
