@@ -254,14 +254,15 @@ class TestMedusa(DrafterContract):
 
     plugin_name = "medusa"
 
-    def drafter(self):
-        import tempfile
-        from pathlib import Path
+    @pytest.fixture(autouse=True)
+    def _heads(self, tmp_path_factory):
+        if not hasattr(type(self), "heads"):
+            type(self).heads = medusa_heads(tmp_path_factory.mktemp("medusa-contract"), 72)
 
+    def drafter(self):
         from servelab.testing.tiny_model import tiny_checkpoint
 
-        heads = medusa_heads(Path(tempfile.mkdtemp(prefix="servelab-medusa-")), 72)
-        engine = LLM(tiny_checkpoint("llama"), config={"drafter": {"name": "medusa", "heads": heads}},
+        engine = LLM(tiny_checkpoint("llama"), config={"drafter": {"name": "medusa", "heads": self.heads}},
                      max_model_len=self.max_model_len).engine
         return engine.speculator.drafter
 
@@ -352,3 +353,28 @@ def test_a_drafter_proposing_garbage_costs_nothing_but_speed(reference):
     assert [o.token_ids for o in outputs] == expected[:2]
     assert llm.engine.speculation_stats().num_draft_tokens == 0
     assert llm.engine.allocator.stats().num_used_blocks == 0
+
+
+# ---------------------------------------------------------------- the embedded models
+
+
+@pytest.fixture(scope="module")
+def embedded_plain():
+    """Greedy tokens of builtin:tiny without speculation, on text that repeats and text that does not."""
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "The with statement", "import os\n"]
+    llm = LLM("builtin:tiny", max_model_len=256)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    return prompts, [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("drafter", [{"name": "ngram"}, {"name": "draft-model"}, {"name": "medusa"}],
+                         ids=["ngram", "draft-model", "medusa"])
+@pytest.mark.parametrize("scheduler", ["continuous", "chunked-prefill"])
+def test_embedded_models_greedy_unchanged_by_every_drafter(drafter, scheduler, embedded_plain):
+    prompts, expected = embedded_plain
+    llm = LLM("builtin:tiny", config={"drafter": drafter}, max_model_len=256,
+              **{"scheduler.name": scheduler, "max_num_batched_tokens": 256 if scheduler == "continuous" else 8})
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.engine.speculation_stats()
+    assert stats.num_accepted_tokens > 0, stats  # trained drafters do get accepted
