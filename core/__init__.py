@@ -1,7 +1,7 @@
 """servelab: an LLM serving engine whose every policy is a plugin.
 
     from servelab import LLM, SamplingParams
-    llm = LLM("builtin:tiny-random")
+    llm = LLM("builtin:tiny")
     print(llm.generate("The", SamplingParams(max_tokens=8, temperature=0))[0].text)
 
 Importing `servelab` stays light (no torch) so plugin discovery is cheap; `LLM` and

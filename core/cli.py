@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint directory or builtin:<name> (default: the config's, "
-                                        "else builtin:tiny-random)")
+                                        "else builtin:tiny)")
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable), e.g. --set engine.max_num_seqs=8")

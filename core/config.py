@@ -2,7 +2,7 @@
 policy of each kind by name, with `section.key=value` overrides.
 
     [engine]
-    model = "builtin:tiny-random"
+    model = "builtin:tiny"
     max_num_seqs = 64
 
     [allocator]
@@ -31,7 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-DEFAULT_MODEL = "builtin:tiny-random"
+DEFAULT_MODEL = "builtin:tiny"
 DTYPES = ("float32", "bfloat16", "float16")
 POLICY_SECTIONS = ("allocator", "scheduler", "drafter", "attention")
 DEFAULT_POLICIES = {"allocator": "paged", "scheduler": "continuous", "attention": "torch-paged"}

@@ -1,5 +1,10 @@
 """Built-in models that need no download.
 
+`builtin:tiny` (the default model) and `builtin:tiny-draft` are small trained Llamas shipped
+as package data in `servelab/model/assets/` (trained by `servelab.model.train` on Python's
+own documentation and standard-library sources; see `assets/README.md`); tiny's directory
+also holds its Medusa heads (`medusa.safetensors`, `medusa_config.json`).
+
 `builtin:tiny-random` is a 32 M-parameter Llama (hidden 512, 8 layers, GQA 8:4) with
 seeded random weights and a byte-level BPE tokenizer trained on the Python standard
 library's documentation strings. It is generated deterministically on first use into
@@ -37,6 +42,8 @@ TINY_RANDOM = {
 }
 _SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 _GENERATED = {"tiny-random": TINY_RANDOM}
+ASSETS = Path(__file__).resolve().parent / "assets"
+_PACKAGED = ("tiny", "tiny-draft")  # directories under ASSETS
 
 
 def cache_root() -> Path:
@@ -51,9 +58,11 @@ def resolve(model: str) -> Path:
     if not model.startswith(BUILTIN_PREFIX):
         return Path(model)
     name = model[len(BUILTIN_PREFIX):]
+    if name in _PACKAGED:
+        return ASSETS / name
     if name not in _GENERATED:
         raise CheckpointError(f"unknown built-in model {model!r}; available: "
-                              + ", ".join(BUILTIN_PREFIX + n for n in _GENERATED))
+                              + ", ".join(BUILTIN_PREFIX + n for n in (*_PACKAGED, *_GENERATED)))
     path = cache_root() / name
     if not (path / "model.safetensors").is_file():
         _generate(path, _GENERATED[name])

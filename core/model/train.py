@@ -113,7 +113,7 @@ class TrainSettings:
     # "rewrite this passage" prompts need and the corpus alone rarely shows at this scale.
     copy_fraction: float = 0.25
     lr: float = 2e-3
-    medusa_lr: float = 2e-3
+    medusa_lr: float = 1e-2
     warmup: int = 50
     weight_decay: float = 0.1
     eval_windows: int = 64  # validation windows of seq_len tokens
@@ -560,6 +560,29 @@ def train_all(out: Path, s: TrainSettings, log=print) -> dict[str, Any]:
     return metrics
 
 
+def retrain_medusa(out: Path, s: TrainSettings, log=print) -> dict[str, Any]:
+    """Train only the Medusa heads, on the (stored, so bfloat16-rounded) target in `out/tiny`.
+    With the same settings this reproduces what `train_all` writes: the heads' seeds do not
+    depend on the other stages."""
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    path = out / "tiny"
+    target = TrainLlama(json.loads((path / "config.json").read_text()))
+    target.load_state_dict({k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()})
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    train_docs, val_docs = split_documents(corpus_documents(s.max_chars))
+    train, val = token_stream(tokenizer, train_docs), token_stream(tokenizer, val_docs)
+    heads, result = train_medusa(target, train, val, s, log)
+    save_medusa(heads, path, s.dtype)
+    log_path = out / "training_log.json"
+    metrics = json.loads(log_path.read_text()) if log_path.is_file() else {}
+    metrics["medusa"] = result
+    metrics.setdefault("settings", {}).update(medusa_steps=s.medusa_steps, medusa_lr=s.medusa_lr)
+    log_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> int:
     defaults = TrainSettings()
     parser = argparse.ArgumentParser(prog="python -m servelab.model.train", description=__doc__.split("\n")[0])
@@ -570,13 +593,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--medusa-lr", type=float, default=defaults.medusa_lr)
+    parser.add_argument("--only", choices=("all", "medusa"), default="all",
+                        help="medusa: retrain only the heads, on the target already in OUT/tiny")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 reproduces the assets)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     settings = attrs.evolve(defaults, target_steps=args.target_steps, draft_steps=args.draft_steps,
                             medusa_steps=args.medusa_steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                            seed=args.seed)
-    train_all(Path(args.out), settings, log=lambda line: print(line, flush=True))
+                            seed=args.seed, medusa_lr=args.medusa_lr)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    if args.only == "medusa":
+        retrain_medusa(Path(args.out), settings, log)
+    else:
+        train_all(Path(args.out), settings, log)
     return 0
 
 
