@@ -147,7 +147,8 @@ TINY_SHAPE = {**training.TINY_CONFIG, "vocab_size": 300, "hidden_size": 32, "int
 def test_training_runs_end_to_end(tmp_path):
     settings = training.TrainSettings(
         target=TINY_SHAPE, draft={**TINY_SHAPE, "hidden_size": 16}, vocab_size=300, seq_len=32, batch_size=2,
-        target_steps=3, draft_steps=2, medusa_steps=2, max_chars=60_000, eval_windows=4, log_every=1)
+        target_steps=3, draft_steps=2, medusa_steps=2, copy_tune_steps=2, max_chars=60_000, eval_windows=4,
+        log_every=1)
     lines: list[str] = []
     metrics = training.train_all(tmp_path, settings, log=lines.append)
     assert any("step 3/3" in line for line in lines)
@@ -159,4 +160,22 @@ def test_training_runs_end_to_end(tmp_path):
     assert len(metrics["medusa"]["val_top1"]) == 3
     heads = _load_medusa(tmp_path / "tiny")
     assert len(heads.medusa_heads) == 3
-    assert json.loads((tmp_path / "training_log.json").read_text())["tiny"]["steps"] == 3
+    log = json.loads((tmp_path / "training_log.json").read_text())
+    assert log["tiny"]["steps"] == 3 and log["tiny"]["copy_tune"]["steps"] == 2
+    assert 0 <= log["tiny-draft"]["copy_tune"]["copy_top1"] <= 1
+
+
+def test_copy_windows_repeat_a_passage():
+    import torch
+
+    windows = training.Batches(torch.arange(10_000), 64, 8, seed=0, copy_fraction=1.0).next()
+    for window in windows.tolist():
+        # lead-in, passage, passage again: over a stream of consecutive ids the window jumps
+        # back once, and what follows the jump repeats the stretch that started at its value.
+        jumps = [j for j in range(len(window) - 1) if window[j + 1] != window[j] + 1]
+        assert len(jumps) == 1, window
+        again = window[jumps[0] + 1:]
+        first = window.index(again[0])
+        assert window[first:first + len(again)] == again and len(again) >= 16, window
+    plain = training.Batches(torch.arange(10_000), 64, 8, seed=0, copy_fraction=0.0).next()
+    assert all(row == list(range(row[0], row[0] + 65)) for row in plain.tolist())

@@ -109,9 +109,15 @@ class TrainSettings:
     draft_steps: int = 1000
     medusa_steps: int = 300
     medusa_heads: int = 3
-    # Windows that repeat their first half: they teach the models to copy (induction), which
-    # "rewrite this passage" prompts need and the corpus alone rarely shows at this scale.
-    copy_fraction: float = 0.25
+    # Copy tuning: after pre-training, target and draft continue on windows of which this
+    # fraction repeat a passage (lead-in, passage, passage again). That teaches copying
+    # (induction), which "rewrite this passage" prompts need and which the corpus alone
+    # did not teach at this scale (a 25% mix during pre-training did not either).
+    copy_fraction: float = 0.0  # during pre-training
+    copy_tune_steps: int = 400
+    copy_tune_fraction: float = 0.5
+    copy_tune_lr: float = 1e-3
+    medusa_copy_fraction: float = 0.25
     lr: float = 2e-3
     medusa_lr: float = 1e-2
     warmup: int = 50
@@ -426,6 +432,39 @@ def train_model(name: str, config: dict, train: torch.Tensor, val: torch.Tensor,
     return model, result
 
 
+def copy_tune(name: str, model: TrainLlama, train: torch.Tensor, val: torch.Tensor, s: TrainSettings,
+              seed: int, log=print) -> dict[str, Any]:
+    """Continue training on windows of which `copy_tune_fraction` repeat a passage; the
+    model ends rounded to the stored dtype, like `train_model`'s."""
+    windows = eval_windows(val, s.seq_len, s.eval_windows)
+    before = copy_accuracy(model, windows)
+    optimizer = _optimizer(list(model.named_parameters()), s.copy_tune_lr, s.weight_decay)
+    batches = Batches(train, s.seq_len, s.batch_size, seed + 301, s.copy_tune_fraction)
+    start = time.perf_counter()
+    for step in range(s.copy_tune_steps):
+        lr = _schedule(step, s.copy_tune_steps, min(s.warmup, max(1, s.copy_tune_steps // 10)), s.copy_tune_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = batches.next()
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if (step + 1) % s.log_every == 0 or step + 1 == s.copy_tune_steps:
+            log(f"[{name} copy-tune] step {step + 1}/{s.copy_tune_steps} loss {loss.item():.3f} "
+                f"{time.perf_counter() - start:.0f}s")
+    _round_to(model, s.dtype)
+    after = evaluate(model, windows)
+    result = {"steps": s.copy_tune_steps, "fraction": s.copy_tune_fraction, "lr": s.copy_tune_lr,
+              "copy_top1_before": round(before, 4), "copy_top1": round(copy_accuracy(model, windows), 4),
+              "val_loss": round(after["loss"], 4), "val_top1": round(after["top1"], 4),
+              "seconds": round(time.perf_counter() - start, 1)}
+    log(f"[{name} copy-tune] done: top-1 on repeated held-out passages {result['copy_top1_before']:.3f} -> "
+        f"{result['copy_top1']:.3f}; val loss {result['val_loss']:.3f}, top-1 {result['val_top1']:.3f}")
+    return result
+
+
 def _round_to(model: nn.Module, dtype: str) -> None:
     with torch.no_grad():
         for param in model.parameters():
@@ -461,7 +500,7 @@ def train_medusa(target: TrainLlama, train: torch.Tensor, val: torch.Tensor, s: 
     k, hidden = s.medusa_heads, target.config["hidden_size"]
     heads = MedusaHeads(k, hidden)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=s.medusa_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    batches = Batches(train, s.seq_len, s.batch_size, s.seed + 201, s.copy_fraction)
+    batches = Batches(train, s.seq_len, s.batch_size, s.seed + 201, s.medusa_copy_fraction)
     windows = eval_windows(val, s.seq_len, s.eval_windows)
     log(f"[medusa] {k} heads, {sum(p.numel() for p in heads.parameters()):,} parameters, {s.medusa_steps} steps")
     start = time.perf_counter()
@@ -546,10 +585,12 @@ def train_all(out: Path, s: TrainSettings, log=print) -> dict[str, Any]:
                                "corpus_characters": sum(len(t) for _, t in docs),
                                "train_tokens": len(train), "val_tokens": len(val)}
     target, metrics["tiny"] = train_model("tiny", s.target, train, val, s, s.target_steps, s.seed, log)
+    metrics["tiny"]["copy_tune"] = copy_tune("tiny", target, train, val, s, s.seed, log)
     save_checkpoint(target, tokenizer, out / "tiny", s.dtype)
     heads, metrics["medusa"] = train_medusa(target, train, val, s, log)
     save_medusa(heads, out / "tiny", s.dtype)
     draft, metrics["tiny-draft"] = train_model("tiny-draft", s.draft, train, val, s, s.draft_steps, s.seed + 100, log)
+    metrics["tiny-draft"]["copy_tune"] = copy_tune("tiny-draft", draft, train, val, s, s.seed + 100, log)
     save_checkpoint(draft, tokenizer, out / "tiny-draft", s.dtype)
     metrics["samples"] = {name: {p: greedy(model, tokenizer, p) for p in SAMPLE_PROMPTS}
                           for name, model in (("tiny", target), ("tiny-draft", draft))}
@@ -583,6 +624,28 @@ def retrain_medusa(out: Path, s: TrainSettings, log=print) -> dict[str, Any]:
     return metrics
 
 
+def retune_copying(out: Path, s: TrainSettings, name: str, seed: int, log=print) -> dict[str, Any]:
+    """Copy-tune the stored model `out/<name>` in place (the stage `train_all` runs after
+    pre-training; the stored weights are the pre-trained ones rounded to the stored dtype,
+    which is what `train_all` tunes too)."""
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    path = out / name
+    model = TrainLlama(json.loads((path / "config.json").read_text()))
+    model.load_state_dict({k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()})
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    train_docs, val_docs = split_documents(corpus_documents(s.max_chars))
+    train, val = token_stream(tokenizer, train_docs), token_stream(tokenizer, val_docs)
+    result = copy_tune(name, model, train, val, s, seed, log)
+    save_checkpoint(model, tokenizer, path, s.dtype)
+    log_path = out / "training_log.json"
+    metrics = json.loads(log_path.read_text()) if log_path.is_file() else {}
+    metrics.setdefault(name, {})["copy_tune"] = result
+    log_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> int:
     defaults = TrainSettings()
     parser = argparse.ArgumentParser(prog="python -m servelab.model.train", description=__doc__.split("\n")[0])
@@ -594,8 +657,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--medusa-lr", type=float, default=defaults.medusa_lr)
-    parser.add_argument("--only", choices=("all", "medusa"), default="all",
-                        help="medusa: retrain only the heads, on the target already in OUT/tiny")
+    parser.add_argument("--only", choices=("all", "medusa", "copy-tune-tiny", "copy-tune-draft"), default="all",
+                        help="medusa: retrain only the heads, on the target already in OUT/tiny; "
+                             "copy-tune-tiny / copy-tune-draft: only the copy-tuning stage of OUT/tiny or "
+                             "OUT/tiny-draft (run copy-tune-tiny before medusa)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 reproduces the assets)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -605,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda line: print(line, flush=True)  # noqa: E731
     if args.only == "medusa":
         retrain_medusa(Path(args.out), settings, log)
+    elif args.only == "copy-tune-tiny":
+        retune_copying(Path(args.out), settings, "tiny", settings.seed, log)
+    elif args.only == "copy-tune-draft":
+        retune_copying(Path(args.out), settings, "tiny-draft", settings.seed + 100, log)
     else:
         train_all(Path(args.out), settings, log)
     return 0
