@@ -116,7 +116,7 @@ class TrainSettings:
     copy_fraction: float = 0.0  # during pre-training
     copy_tune_steps: int = 400
     copy_tune_fraction: float = 0.5
-    copy_tune_lr: float = 1e-3
+    copy_tune_lr: float = 3e-3
     medusa_copy_fraction: float = 0.25
     lr: float = 2e-3
     medusa_lr: float = 1e-2
