@@ -30,7 +30,7 @@ from servelab.logging_setup import configure_logging
 WORKLOADS = ("repetitive", "open-ended")
 
 
-def passages(count: int, chars: int = 500) -> list[str]:
+def passages(count: int, chars: int = 400) -> list[str]:
     """Deterministic passages from pydoc_data topics and a few standard-library sources."""
     import inspect
     import json as json_module
@@ -50,7 +50,9 @@ def passages(count: int, chars: int = 500) -> list[str]:
 
 def prompts(workload: str, count: int) -> list[str]:
     if workload == "repetitive":
-        return [f"{p}\n\nThe same text, once more:\n\n{p[:40]}" for p in passages(count)]
+        # The passage, a blank line, and its first words again (cut at a space, so the
+        # restart tokenises as the passage did).
+        return [f"{p}\n\n{p[:40].rsplit(' ', 1)[0]}" for p in passages(count)]
     openings = ["def ", "class ", "The ", "import ", "    def __init__(self", "# ", "Return the ", "If the ",
                 "for ", "This module ", "with open(", "A ", "raise ", "The following ", "try:\n    ", "@"]
     return [openings[i % len(openings)] for i in range(count)]
