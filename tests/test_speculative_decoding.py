@@ -378,3 +378,15 @@ def test_embedded_models_greedy_unchanged_by_every_drafter(drafter, scheduler, e
     assert [o.token_ids for o in outputs] == expected
     stats = llm.engine.speculation_stats()
     assert stats.num_accepted_tokens > 0, stats  # trained drafters do get accepted
+
+
+@pytest.mark.parametrize("name", ["spec-ngram", "spec-draft-model", "spec-medusa"])
+def test_example_configs_run(name):
+    from pathlib import Path
+
+    from servelab.config import EngineConfig
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "configs" / f"{name}.toml"
+    llm = LLM(config=EngineConfig.load(path))
+    out = llm.generate("import os\n", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 16 and out.metrics.num_draft_tokens > 0
