@@ -67,10 +67,14 @@ def load_aux_model(spec: str, num_blocks: int, engine: EngineSection, registry: 
 
     source = CheckpointSource(spec)
     config = source.model_config
+    if config.max_position_embeddings < max_positions:
+        raise ConfigError(
+            f"model {spec!r} handles {config.max_position_embeddings} positions, fewer than "
+            f"max_model_len={max_positions}; lower [engine] max_model_len or choose another model")
     registered = registry.select("attention", attention.name)
     options = build_options(registered.plugin.options, attention.options, "attention", attention.name)
     backend = build_policy(registered, options, AttentionContext(
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         block_size=engine.block_size, num_blocks=num_blocks, dtype=DTYPES[engine.dtype],
         device=torch.device(engine.device)))
-    return source.build_runner(backend, engine, num_blocks, min(max_positions, config.max_position_embeddings))
+    return source.build_runner(backend, engine, num_blocks, max_positions)

@@ -5,7 +5,9 @@ small enough to preempt; seeded sampling keeps the target's distribution."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -163,6 +165,12 @@ def test_drafter_errors_are_clear(checkpoint_factory, tmp_path):
     with pytest.raises(ConfigError, match="only 3 Medusa heads"):
         LLM(path, config={"drafter": {"name": "medusa", "heads": medusa_heads(tmp_path, 72),
                                       "num_speculative_tokens": 5}})
+    short = tmp_path / "short-draft"
+    shutil.copytree(checkpoint_factory("llama-draft"), short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    with pytest.raises(ConfigError, match="handles 64 positions, fewer than max_model_len=128"):
+        LLM(path, config={"drafter": {"name": "draft-model", "model": str(short)}}, max_model_len=128)
     with pytest.raises(PluginError, match="unknown drafter .nope.; installed: ngram"):
         LLM(path, config={"drafter": {"name": "nope"}})
     with pytest.raises(ConfigError, match="min_ngram"):
