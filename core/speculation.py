@@ -67,7 +67,8 @@ class Speculator:
 
     def propose(self, candidates: Seq[Sequence]) -> None:
         """Set the drafts of every running sequence that is about to decode."""
-        seqs = [seq for seq in candidates if seq.is_decoding and self._room(seq) > 0]
+        room = {seq.request_id: self._room(seq) for seq in candidates if seq.is_decoding}
+        seqs = [seq for seq in candidates if room.get(seq.request_id, 0) > 0]
         if not seqs:
             return
         if self.needs_hidden_states:
@@ -80,8 +81,7 @@ class Speculator:
             draft = proposals.get(seq.request_id)
             if not draft:
                 continue
-            room = self._room(seq)
-            tokens = list(draft.token_ids if isinstance(draft, Draft) else draft)[:room]
+            tokens = list(draft.token_ids if isinstance(draft, Draft) else draft)[: room[seq.request_id]]
             probs = draft.probs if isinstance(draft, Draft) else None
             if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens):
                 # A broken drafter costs its speed-up, never the request: the draft is dropped.

@@ -386,6 +386,21 @@ def _optimizer(params: list[tuple[str, nn.Parameter]], lr: float, weight_decay: 
                               {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+def _language_model_step(model: TrainLlama, optimizer: torch.optim.Optimizer, batches: Batches, step: int,
+                         steps: int, warmup: int, peak_lr: float) -> tuple[float, torch.Tensor]:
+    """One next-token step at the scheduled learning rate; returns (lr, loss)."""
+    lr = _schedule(step, steps, min(warmup, max(1, steps // 10)), peak_lr)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    batch = batches.next()
+    loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return lr, loss
+
+
 def train_model(name: str, config: dict, train: torch.Tensor, val: torch.Tensor, s: TrainSettings,
                 steps: int, seed: int, log=print) -> tuple[TrainLlama, dict[str, Any]]:
     torch.manual_seed(seed)
@@ -397,16 +412,7 @@ def train_model(name: str, config: dict, train: torch.Tensor, val: torch.Tensor,
     log(f"[{name}] {num_parameters(config):,} parameters, {steps} steps of {s.batch_size}x{s.seq_len} tokens")
     start, smoothed, history = time.perf_counter(), None, []
     for step in range(steps):
-        lr = _schedule(step, steps, min(s.warmup, max(1, steps // 10)), s.lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = batches.next()
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        lr, loss = _language_model_step(model, optimizer, batches, step, steps, s.warmup, s.lr)
         smoothed = loss.item() if smoothed is None else 0.9 * smoothed + 0.1 * loss.item()
         if (step + 1) % s.log_every == 0 or step + 1 == steps:
             elapsed = time.perf_counter() - start
@@ -442,15 +448,7 @@ def copy_tune(name: str, model: TrainLlama, train: torch.Tensor, val: torch.Tens
     batches = Batches(train, s.seq_len, s.batch_size, seed + 301, s.copy_tune_fraction)
     start = time.perf_counter()
     for step in range(s.copy_tune_steps):
-        lr = _schedule(step, s.copy_tune_steps, min(s.warmup, max(1, s.copy_tune_steps // 10)), s.copy_tune_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = batches.next()
-        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        _, loss = _language_model_step(model, optimizer, batches, step, s.copy_tune_steps, s.warmup, s.copy_tune_lr)
         if (step + 1) % s.log_every == 0 or step + 1 == s.copy_tune_steps:
             log(f"[{name} copy-tune] step {step + 1}/{s.copy_tune_steps} loss {loss.item():.3f} "
                 f"{time.perf_counter() - start:.0f}s")
@@ -601,33 +599,9 @@ def train_all(out: Path, s: TrainSettings, log=print) -> dict[str, Any]:
     return metrics
 
 
-def retrain_medusa(out: Path, s: TrainSettings, log=print) -> dict[str, Any]:
-    """Train only the Medusa heads, on the (stored, so bfloat16-rounded) target in `out/tiny`.
-    With the same settings this reproduces what `train_all` writes: the heads' seeds do not
-    depend on the other stages."""
-    from safetensors.torch import load_file
-    from tokenizers import Tokenizer
-
-    path = out / "tiny"
-    target = TrainLlama(json.loads((path / "config.json").read_text()))
-    target.load_state_dict({k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()})
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    train_docs, val_docs = split_documents(corpus_documents(s.max_chars))
-    train, val = token_stream(tokenizer, train_docs), token_stream(tokenizer, val_docs)
-    heads, result = train_medusa(target, train, val, s, log)
-    save_medusa(heads, path, s.dtype)
-    log_path = out / "training_log.json"
-    metrics = json.loads(log_path.read_text()) if log_path.is_file() else {}
-    metrics["medusa"] = result
-    metrics.setdefault("settings", {}).update(medusa_steps=s.medusa_steps, medusa_lr=s.medusa_lr)
-    log_path.write_text(json.dumps(metrics, indent=2) + "\n")
-    return metrics
-
-
-def retune_copying(out: Path, s: TrainSettings, name: str, seed: int, log=print) -> dict[str, Any]:
-    """Copy-tune the stored model `out/<name>` in place (the stage `train_all` runs after
-    pre-training; the stored weights are the pre-trained ones rounded to the stored dtype,
-    which is what `train_all` tunes too)."""
+def _load_stored(out: Path, name: str, s: TrainSettings):
+    """The stored (dtype-rounded) model `out/<name>` in float32, its tokenizer, and the
+    corpus's train and validation streams."""
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
@@ -636,14 +610,41 @@ def retune_copying(out: Path, s: TrainSettings, name: str, seed: int, log=print)
     model.load_state_dict({k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()})
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     train_docs, val_docs = split_documents(corpus_documents(s.max_chars))
-    train, val = token_stream(tokenizer, train_docs), token_stream(tokenizer, val_docs)
-    result = copy_tune(name, model, train, val, s, seed, log)
-    save_checkpoint(model, tokenizer, path, s.dtype)
+    return model, tokenizer, token_stream(tokenizer, train_docs), token_stream(tokenizer, val_docs)
+
+
+def _update_log(out: Path, update) -> dict[str, Any]:
+    """Apply `update(metrics)` to out/training_log.json (created if missing)."""
     log_path = out / "training_log.json"
     metrics = json.loads(log_path.read_text()) if log_path.is_file() else {}
-    metrics.setdefault(name, {})["copy_tune"] = result
+    update(metrics)
     log_path.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def retrain_medusa(out: Path, s: TrainSettings, log=print) -> dict[str, Any]:
+    """Train only the Medusa heads, on the (stored, so bfloat16-rounded) target in `out/tiny`.
+    With the same settings this reproduces what `train_all` writes: the heads' seeds do not
+    depend on the other stages."""
+    target, _, train, val = _load_stored(out, "tiny", s)
+    heads, result = train_medusa(target, train, val, s, log)
+    save_medusa(heads, out / "tiny", s.dtype)
+
+    def update(metrics: dict[str, Any]) -> None:
+        metrics["medusa"] = result
+        metrics.setdefault("settings", {}).update(medusa_steps=s.medusa_steps, medusa_lr=s.medusa_lr)
+
+    return _update_log(out, update)
+
+
+def retune_copying(out: Path, s: TrainSettings, name: str, seed: int, log=print) -> dict[str, Any]:
+    """Copy-tune the stored model `out/<name>` in place (the stage `train_all` runs after
+    pre-training; the stored weights are the pre-trained ones rounded to the stored dtype,
+    which is what `train_all` tunes too)."""
+    model, tokenizer, train, val = _load_stored(out, name, s)
+    result = copy_tune(name, model, train, val, s, seed, log)
+    save_checkpoint(model, tokenizer, out / name, s.dtype)
+    return _update_log(out, lambda metrics: metrics.setdefault(name, {}).__setitem__("copy_tune", result))
 
 
 def main(argv: list[str] | None = None) -> int:

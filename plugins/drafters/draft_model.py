@@ -45,13 +45,17 @@ class DraftModelDrafter:
                 f"the target {context.vocab_size}: a draft model must share the target's tokenizer")
         self.allocator = PagedAllocator(None, AllocatorContext(num_blocks, context.block_size, context.max_model_len))
         self.filtered_probs = context.filtered_probs
-        self._cached: dict[str, list[int]] = {}  # tokens whose K/V the draft cache holds, per sequence
+        # Per sequence, the draft cache holds K/V of its first `_verified` tokens (verified,
+        # so they never change) followed by the draft tokens `_fed` back into the model.
+        self._verified: dict[str, int] = {}
+        self._fed: dict[str, list[int]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device=getattr(self.runner, "device", "cpu")).manual_seed(context.seed)
 
     def release(self, request_id: str) -> None:
         self.allocator.free(request_id)
-        self._cached.pop(request_id, None)
+        self._verified.pop(request_id, None)
+        self._fed.pop(request_id, None)
         self._generators.pop(request_id, None)
 
     def propose(self, seqs: Seq[Sequence]) -> Mapping[str, Draft]:
@@ -76,7 +80,7 @@ class DraftModelDrafter:
                 tokens[request_id].append(token)
                 if q is not None:
                     probs[request_id].append(q)
-                self._cached[request_id] = shadow.prompt_token_ids[: shadow.num_computed_tokens]
+                self._fed[request_id] = shadow.prompt_token_ids[self._verified[request_id]: shadow.num_computed_tokens]
                 if len(tokens[request_id]) < budget[request_id]:
                     shadow.prompt_token_ids.append(token)  # fed back in the next pass
                     if self.allocator.allocate(request_id, shadow.num_tokens):
@@ -90,14 +94,14 @@ class DraftModelDrafter:
         `seq`, with KV room allocated; None (holding nothing) if the pool is full."""
         request_id = seq.request_id
         tokens = seq.prompt_token_ids + seq.output_token_ids
-        cached = self._cached.get(request_id, [])
-        keep = 0
-        limit = min(len(cached), len(tokens) - 1)  # the last token is always fed, for its logits
-        while keep < limit and cached[keep] == tokens[keep]:
+        verified, fed = self._verified.get(request_id, 0), self._fed.get(request_id, [])
+        cached = verified + len(fed)
+        limit = min(cached, len(tokens) - 1)  # the last token is always fed, for its logits
+        keep = min(verified, limit)  # only the fed drafts need comparing with what was accepted
+        while keep < limit and fed[keep - verified] == tokens[keep]:
             keep += 1
-        if keep < len(cached):
-            self.allocator.rollback(request_id, len(cached) - keep)
-            self._cached[request_id] = cached[:keep]
+        if keep < cached:
+            self.allocator.rollback(request_id, cached - keep)
         if not self.allocator.allocate(request_id, len(tokens)):
             self.release(request_id)
             return None
@@ -106,6 +110,7 @@ class DraftModelDrafter:
                 seq.params.seed + seq.completion_index)
         shadow = Sequence(request_id, tokens, seq.params, seq.arrival_time)
         shadow.num_computed_tokens = keep
+        self._verified[request_id] = len(tokens)  # the first pass below computes all of them
         return shadow
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Any]]:

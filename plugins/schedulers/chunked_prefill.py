@@ -40,7 +40,7 @@ class ChunkedPrefillScheduler(QueueScheduler):
         self._run(builder, decodes=True)
         self._run(builder, decodes=False)
         if not builder.preempted:
-            self._admit_waiting(builder)
+            self._admit_waiting(builder, whole=False)
         return self._plan(builder)
 
     def _run(self, builder: PlanBuilder, *, decodes: bool) -> None:
@@ -56,13 +56,3 @@ class ChunkedPrefillScheduler(QueueScheduler):
             if self._make_room(seq, num_new, builder):  # victims come from behind `index`
                 builder.add(seq, num_new)
                 index += 1
-
-    def _admit_waiting(self, builder: PlanBuilder) -> None:
-        while self.waiting and len(self.running) < self.context.max_num_seqs and builder.budget > 0:
-            seq = self.waiting[0]
-            num_new = self._admit(seq, builder.budget, whole=False)
-            if not num_new:
-                break  # the head of the queue waits; nobody overtakes it
-            self.waiting.pop(0)
-            self._start(seq)
-            builder.add(seq, num_new)

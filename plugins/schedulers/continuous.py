@@ -60,7 +60,7 @@ class ContinuousScheduler(QueueScheduler):
         if self.options.policy == "decode-first":
             self._run(ready, builder)
         if not builder.preempted:
-            self._admit_waiting(builder)
+            self._admit_waiting(builder, whole=True)
         if self.options.policy == "prefill-first":
             self._run(ready, builder)
         return self._plan(builder)
@@ -86,13 +86,3 @@ class ContinuousScheduler(QueueScheduler):
         for seq, num_new in ready:
             if num_new <= builder.budget:
                 builder.add(seq, num_new)
-
-    def _admit_waiting(self, builder: PlanBuilder) -> None:
-        while self.waiting and len(self.running) < self.context.max_num_seqs:
-            seq = self.waiting[0]
-            num_new = self._admit(seq, builder.budget, whole=True)
-            if not num_new:
-                break  # the head of the queue waits; nobody overtakes it
-            self.waiting.pop(0)
-            self._start(seq)
-            builder.add(seq, num_new)

@@ -190,6 +190,19 @@ class QueueScheduler:
         seq.num_computed_tokens = 0
         return 0
 
+    def _admit_waiting(self, builder: PlanBuilder, *, whole: bool) -> None:
+        """Admit from the head of `waiting` while a slot is free: whole prompts (`whole`),
+        or first chunks while the budget lasts. The head that does not fit waits, and
+        nobody overtakes it."""
+        while self.waiting and len(self.running) < self.context.max_num_seqs and (whole or builder.budget > 0):
+            seq = self.waiting[0]
+            num_new = self._admit(seq, builder.budget, whole=whole)
+            if not num_new:
+                break
+            self.waiting.pop(0)
+            self._start(seq)
+            builder.add(seq, num_new)
+
     def _make_room(self, seq: Sequence, num_new: int, builder: PlanBuilder) -> bool:
         """Allocate `num_new` more tokens for running `seq`, preempting from the back of
         `running` while the pool is dry; False if `seq` itself had to go."""
