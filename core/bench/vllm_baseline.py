@@ -79,6 +79,10 @@ class VllmBaseline:
         """Batch-1 TTFT and TPOT in ms, one entry per repetition, sorted."""
         return self._ask({"cmd": "latency", "prompt_len": prompt_len, "max_tokens": max_tokens, "repeats": repeats})
 
+    def memory(self) -> dict[str, Any]:
+        """The driver's peak RSS and its engine processes' current RSS, in bytes."""
+        return self._ask({"cmd": "memory"})
+
     def close(self) -> None:
         if self._process.poll() is None:
             try:

@@ -7,6 +7,7 @@ read as JSON lines on stdin, one JSON line each on stdout prefixed with RESULT_P
 
     {"cmd": "run", "workload": "requests.jsonl"}       offline throughput on a saved workload
     {"cmd": "latency", "prompt_len": 128, "max_tokens": 64, "repeats": 5}   batch-1 TTFT / TPOT
+    {"cmd": "memory"}                                   peak / current resident memory
     {"cmd": "quit"}
 
 The first line it answers is {"ready": true, "start_seconds": ...} once the engine is up.
@@ -75,6 +76,25 @@ def latency(llm, prompt_len: int, max_tokens: int, repeats: int) -> dict:
     return {"ttft_ms": sorted(ttfts), "tpot_ms": sorted(tpots)}
 
 
+def _children_rss() -> int:
+    """Summed current RSS of this process's live descendants (vLLM's engine core and
+    workers), read from /proc; 0 where /proc is absent."""
+    import os
+
+    total, pending = 0, [os.getpid()]
+    while pending:
+        pid = pending.pop()
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as handle:
+                children = [int(c) for c in handle.read().split()]
+            with open(f"/proc/{pid}/statm") as handle:
+                total += int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") if pid != os.getpid() else 0
+        except OSError:
+            continue
+        pending.extend(children)
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -96,6 +116,11 @@ def main() -> None:
             _emit(run_workload(llm, command["workload"]))
         elif command["cmd"] == "latency":
             _emit(latency(llm, command["prompt_len"], command["max_tokens"], command.get("repeats", 5)))
+        elif command["cmd"] == "memory":  # peak RSS of this process and of its engine processes
+            import resource
+
+            _emit({"self_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                   "children_peak_rss_bytes": _children_rss()})
         elif command["cmd"] == "quit":
             break
 

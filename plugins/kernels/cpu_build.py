@@ -2,13 +2,17 @@
 
 The first build compiles cpu_paged.cpp (about a minute on two cores); torch caches the
 library (under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so later starts
-only load it. A build runs in a background thread so that an engine can serve on the
-torch path meanwhile; without a compiler the build fails once, says so in one log line,
-and the torch path keeps serving.
+only load it. The compiler runs in a detached process (`python -m
+servelab.plugins.kernels.cpu_build`), watched from a background thread, so an engine
+serves on the torch path meanwhile, and a process that exits mid-build leaves neither a
+half-built library nor a held build lock behind. Without a compiler the build fails
+once, says so in one log line, and the torch path keeps serving.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -61,11 +65,13 @@ class KernelBuild:
 
     def _build(self) -> None:
         try:
-            from torch.utils import cpp_extension
-
-            name, flags = _flags()
-            self._module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
-            logger.info("cpu_paged.kernels_ready", library=name)
+            compiled = subprocess.run([sys.executable, "-m", "servelab.plugins.kernels.cpu_build"],
+                                      capture_output=True, text=True, start_new_session=True)
+            if compiled.returncode != 0:
+                raise RuntimeError((compiled.stderr.strip() or compiled.stdout.strip() or "build failed")
+                                   .splitlines()[-1])
+            self._module = load_library()  # built: this only loads it
+            logger.info("cpu_paged.kernels_ready", library=_flags()[0])
         except Exception as exc:  # a missing compiler, headers or ninja: serve on the torch path
             self.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
             logger.warning("cpu_paged.kernels_unavailable", reason=self.error,
@@ -74,9 +80,21 @@ class KernelBuild:
             self._done.set()
 
 
+def load_library() -> ModuleType:
+    """Build (when the cache lacks it) and import the kernels' library in this process."""
+    from torch.utils import cpp_extension
+
+    name, flags = _flags()
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+
+
 _BUILD = KernelBuild()
 
 
 def kernel_build() -> KernelBuild:
     """The process-wide build (every engine and draft model shares one library)."""
     return _BUILD
+
+
+if __name__ == "__main__":
+    load_library()
