@@ -58,11 +58,11 @@ class ContinuousScheduler(QueueScheduler):
         self._shed_overflow(builder)
         ready = self._claim_running(builder)
         if self.options.policy == "decode-first":
-            self._run(ready, builder)
+            builder.add_each_that_fits(ready)
         if not builder.preempted:
             self._admit_waiting(builder, whole=True)
         if self.options.policy == "prefill-first":
-            self._run(ready, builder)
+            builder.add_each_that_fits(ready)
         return self._plan(builder)
 
     def _claim_running(self, builder: PlanBuilder) -> list[tuple[Sequence, int]]:
@@ -82,7 +82,3 @@ class ContinuousScheduler(QueueScheduler):
                 index += 1
         return ready
 
-    def _run(self, ready: list[tuple[Sequence, int]], builder: PlanBuilder) -> None:
-        for seq, num_new in ready:
-            if num_new <= builder.budget:
-                builder.add(seq, num_new)

@@ -72,6 +72,15 @@ class PlanBuilder:
         self.scheduled[seq] = num_new
         self.budget -= num_new
 
+    def add_each_that_fits(self, pairs: Seq[tuple[Sequence, int]]) -> None:
+        """`add` every (sequence, new tokens) pair, in order, whose tokens fit the budget left."""
+        scheduled, budget = self.scheduled, self.budget
+        for seq, num_new in pairs:
+            if num_new <= budget:
+                scheduled[seq] = num_new
+                budget -= num_new
+        self.budget = budget
+
     def drop(self, seq: Sequence) -> None:
         """Unschedule `seq` (it was preempted after all), returning its tokens to the budget."""
         self.budget += self.scheduled.pop(seq, 0)
@@ -119,8 +128,10 @@ class QueueScheduler:
         return None
 
     def finish(self, seqs: Seq[Sequence]) -> None:
-        done = {id(seq) for seq in seqs}
-        self.running = [seq for seq in self.running if id(seq) not in done]
+        if not seqs:
+            return
+        done = set(seqs)  # a Sequence hashes by identity
+        self.running = list(itertools.filterfalse(done.__contains__, self.running))
         for seq in seqs:
             self.allocator.free(seq.request_id)
             self._ranks.pop(seq.request_id, None)
@@ -130,8 +141,13 @@ class QueueScheduler:
         return any(self._queues())
 
     def stats(self) -> SchedulerStats:
-        return attrs.evolve(self._last, num_waiting=sum(map(len, self._queues())) - len(self.running),
-                            num_running=len(self.running), num_preemptions=self.num_preemptions)
+        last = self._last  # built field by field: attrs.evolve costs a few microseconds every step
+        return SchedulerStats(
+            num_waiting=sum(map(len, self._queues())) - len(self.running), num_running=len(self.running),
+            num_preemptions=self.num_preemptions, num_scheduled_seqs=last.num_scheduled_seqs,
+            num_scheduled_tokens=last.num_scheduled_tokens, num_idle_slots=last.num_idle_slots,
+            slot_steps_used=last.slot_steps_used, slot_steps_wasted=last.slot_steps_wasted,
+            num_steps=last.num_steps)
 
     def fork(self, parent: Sequence, children: Seq[Sequence]) -> None:
         """Children share the parent's KV and run from the next step; one that cannot
@@ -238,13 +254,15 @@ class QueueScheduler:
 
     def _plan(self, builder: PlanBuilder) -> StepPlan:
         """The plan in rank order, with this step's accounting recorded."""
-        scheduled = tuple((seq, builder.scheduled[seq]) for seq in self.running if seq in builder.scheduled)
+        tokens_of = builder.scheduled.get
+        scheduled = tuple([(seq, num_new) for seq in self.running if (num_new := tokens_of(seq)) is not None])
         plan = StepPlan(scheduled=scheduled, preempted=tuple(builder.preempted))
         num_seqs, num_tokens = len(scheduled), plan.num_scheduled_tokens
         num_idle = self._num_held_slots() - num_seqs if scheduled else 0
         last = self._last
-        self._last = attrs.evolve(
-            last, num_scheduled_seqs=num_seqs, num_scheduled_tokens=num_tokens, num_idle_slots=num_idle,
+        self._last = SchedulerStats(
+            num_waiting=last.num_waiting, num_running=last.num_running, num_preemptions=last.num_preemptions,
+            num_scheduled_seqs=num_seqs, num_scheduled_tokens=num_tokens, num_idle_slots=num_idle,
             slot_steps_used=last.slot_steps_used + num_seqs, slot_steps_wasted=last.slot_steps_wasted + num_idle,
             num_steps=last.num_steps + bool(scheduled))
         return plan
