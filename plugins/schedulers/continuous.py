@@ -71,12 +71,15 @@ class ContinuousScheduler(QueueScheduler):
         ready: list[tuple[Sequence, int]] = []
         demand = 0
         index = 0
-        while index < len(self.running):
-            seq = self.running[index]
+        running, allocate = self.running, self.allocator.allocate  # `running` shrinks in place only
+        while index < len(running):
+            seq = running[index]
             num_new = seq.num_uncomputed_tokens
             if demand + num_new > builder.budget:
                 break
-            if self._make_room(seq, num_new, builder):  # victims come from behind `index`
+            # _make_room, spelled out for the common case: the first allocation succeeds.
+            if (allocate(seq.request_id, seq.num_computed_tokens + num_new)
+                    or self._preempt_until_room(seq, num_new, builder)):  # victims come from behind `index`
                 ready.append((seq, num_new))
                 demand += num_new
                 index += 1

@@ -217,12 +217,19 @@ class QueueScheduler:
     def _make_room(self, seq: Sequence, num_new: int, builder: PlanBuilder) -> bool:
         """Allocate `num_new` more tokens for running `seq`, preempting from the back of
         `running` while the pool is dry; False if `seq` itself had to go."""
-        while not self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+        return (self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new)
+                or self._preempt_until_room(seq, num_new, builder))
+
+    def _preempt_until_room(self, seq: Sequence, num_new: int, builder: PlanBuilder) -> bool:
+        """`_make_room` once the first allocation failed: preempt from the back of `running`
+        and retry; False if `seq` itself had to go."""
+        while True:
             victim = self.running[-1]
             self._preempt(victim, builder)
             if victim is seq:
                 return False
-        return True
+            if self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+                return True
 
     def _preempt(self, seq: Sequence, builder: PlanBuilder) -> None:
         """Preempt by recompute: free its KV, keep its tokens, queue it to resume."""
