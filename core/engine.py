@@ -372,8 +372,9 @@ class LLMEngine:
         return logits[torch.tensor(rows, device=logits.device)], seqs, forks
 
     def _note_scheduled(self, plan: StepPlan, now: float) -> None:
-        for seq in [seq for seq, _ in plan.scheduled if seq.first_scheduled_time is None]:
-            seq.first_scheduled_time = now
+        for seq, _ in plan.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
 
     def _append_token(self, seq: Sequence, token_id: int, now: float) -> bool:
         """Append a sampled token; True when the sequence has finished."""
