@@ -55,6 +55,11 @@ class StepResult:
     finished: list[RequestOutput]
 
 
+def _all_token_ids(prompt: list | tuple) -> bool:
+    """Every item is an int, not a bool."""
+    return set(map(type, prompt)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
 class LLMEngine:
     """Owns the model runner and one policy of each kind; `step()` advances every request."""
 
@@ -63,6 +68,7 @@ class LLMEngine:
         self.config = config
         self.registry = registry or PluginRegistry.from_entry_points()
         self.clock = clock
+        self._timer = time.perf_counter  # stage timings in StepReport: wall-clock even on a virtual clock
         # Every name and option is checked before the (slow) model load.
         selected = {kind: self._select(kind, section) for kind, section in self._policy_sections()}
         self.source = source or CheckpointSource(config.engine.model)
@@ -148,7 +154,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise RequestError("this checkpoint has no tokenizer.json: pass prompts as lists of token ids")
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and _all_token_ids(prompt):
             token_ids = list(prompt)
         else:
             raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -157,9 +163,10 @@ class LLMEngine:
         if len(token_ids) > self.limits.max_model_len:
             raise RequestError(
                 f"prompt has {len(token_ids)} tokens, more than max_model_len={self.limits.max_model_len}")
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        vocab_size = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
         return token_ids
 
     def validate_request(self, prompt: str | list[int], params: SamplingParams | None) -> list[int]:
@@ -234,43 +241,34 @@ class LLMEngine:
     # ------------------------------------------------------------ the step
 
     def step(self) -> StepResult:
-        t0 = self.clock()
+        timer = self._timer
+        t0 = timer()
         if self.speculator is not None:
             self.speculator.propose([s for s in self._sequences.values() if s.status is SequenceStatus.RUNNING])
         plan = self.scheduler.schedule()
         copies = self._forking.take_block_copies() if self._forking is not None else ()
-        t1 = self.clock()
+        t1 = timer()
         if copies:  # copy-on-write: shared blocks are copied before anything writes this step
             self.runner.copy_blocks(copies)
         if plan.is_empty:
             if self.speculator is not None:
                 self.speculator.end_step()
             return StepResult({}, [])
-        self._note_scheduled(plan, t1)
+        self._note_scheduled(plan, self.clock())
         inputs = self.runner.prepare(plan, self.allocator)
-        t2 = self.clock()
+        t2 = timer()
         if self.speculator is not None and self.speculator.needs_hidden_states:
             logits, hidden = self.runner.execute_with_hidden(inputs)
         else:
             logits, hidden = self.runner.execute(inputs), None
-        t3 = self.clock()
+        t3 = timer()
         sampled = [plan.scheduled[row][0] for row in inputs.sampled_seq_rows]
         new_tokens, forks, num_drafts, num_accepted = self._sample(sampled, inputs.num_logits_rows, logits, hidden)
-        t4 = self.clock()
+        t4 = timer()
+        now = self.clock()
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
-        finished = []
-        emitted: dict[str, list[int]] = {}
-        for seq, tokens in new_tokens.items():
-            before = seq.num_tokens
-            for token_id in tokens:
-                if self._append_token(seq, token_id, t4):
-                    finished.append(seq)
-                    break
-            emitted[seq.request_id] = seq.output_token_ids[before - seq.num_tokens:]  # always >= 1 token
-            seq.num_sampling_steps += 1
-            if self.speculator is not None and seq.request_id in num_drafts:
-                self.speculator.settle(seq, num_drafts[seq.request_id], num_accepted[seq.request_id], before)
+        finished, emitted = self._append_new_tokens(new_tokens, now, num_drafts, num_accepted)
         if self.speculator is not None:
             self.speculator.end_step()
             self.speculator.record(sum(num_drafts.values()), sum(num_accepted.values()), len(num_drafts),
@@ -282,28 +280,57 @@ class LLMEngine:
             self.scheduler.fork(parent, [child for child in children if child.finish_reason is None])
         self.scheduler.finish(finished)
         outputs = [output for output in map(self._retire, finished) if output is not None]
-        t5 = self.clock()
+        t5 = timer()
         self._report(plan, len(finished), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4),
                      sum(num_drafts.values()), sum(num_accepted.values()))
         return StepResult(emitted, outputs)
+
+    def _append_new_tokens(self, new_tokens: dict[Sequence, list[int]], now: float, num_drafts: dict[str, int],
+                           num_accepted: dict[str, int]) -> tuple[list[Sequence], dict[str, list[int]]]:
+        """Append each sequence's new tokens up to its first stop; settle its verified drafts.
+        Returns the sequences that finished, and the tokens each sequence emitted."""
+        finished: list[Sequence] = []
+        emitted: dict[str, list[int]] = {}
+        append_token = self._append_token
+        for seq, tokens in new_tokens.items():
+            if len(tokens) == 1:
+                if append_token(seq, tokens[0], now):
+                    finished.append(seq)
+                emitted[seq.request_id] = tokens  # a list of this step's own
+            else:
+                before = seq.num_tokens
+                for token_id in tokens:
+                    if append_token(seq, token_id, now):
+                        finished.append(seq)
+                        break
+                emitted[seq.request_id] = seq.output_token_ids[before - seq.num_tokens:]  # always >= 1 token
+            seq.num_sampling_steps += 1
+            if self.speculator is not None and seq.request_id in num_drafts:
+                self.speculator.settle(seq, num_drafts[seq.request_id], num_accepted[seq.request_id],
+                                       seq.num_tokens - len(emitted[seq.request_id]))
+        return finished, emitted
 
     def _sample(self, sampled: list[Sequence], num_rows: list[int], logits: torch.Tensor,
                 hidden: torch.Tensor | None):
         """New tokens per sequence: sampled from its one logits row, or its drafts verified
         against its rows. Returns ({seq: tokens}, forks, {seq id: drafts verified},
         {seq id: drafts accepted})."""
-        first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
-        plain = [i for i, n in enumerate(num_rows) if n == 1]
-        spec = [i for i, n in enumerate(num_rows) if n > 1]
-        plain_seqs = [sampled[i] for i in plain]
-        plain_rows = [first_rows[i] for i in plain]
+        if num_rows.count(1) == len(num_rows):  # nothing to verify: one row per sequence
+            first_rows, spec, plain_seqs = list(range(len(num_rows))), [], sampled
+        else:
+            first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
+            plain = [i for i, n in enumerate(num_rows) if n == 1]
+            spec = [i for i, n in enumerate(num_rows) if n > 1]
+            plain_seqs = [sampled[i] for i in plain]
+            plain_rows = [first_rows[i] for i in plain]
         plain_logits, plain_seqs, forks = self._with_forks(
             logits[torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)] if spec else logits, plain_seqs)
         new_tokens: dict[Sequence, list[int]] = {}
         if plain_seqs:
-            token_ids = sample(plain_logits, [s.params for s in plain_seqs],
-                               [self._generators.get(s.request_id) for s in plain_seqs], self._default_generator)
-            new_tokens.update((seq, [token_id]) for seq, token_id in zip(plain_seqs, token_ids))
+            generators = ([self._generators.get(s.request_id) for s in plain_seqs] if self._generators
+                          else [None] * len(plain_seqs))
+            token_ids = sample(plain_logits, [s.params for s in plain_seqs], generators, self._default_generator)
+            new_tokens = {seq: [token_id] for seq, token_id in zip(plain_seqs, token_ids)}
         num_drafts: dict[str, int] = {}
         num_accepted: dict[str, int] = {}
         if spec:
@@ -351,7 +378,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token_id: int, now: float) -> bool:
         """Append a sampled token; True when the sequence has finished."""
-        seq.output_token_ids.append(token_id)
+        output = seq.output_token_ids
+        output.append(token_id)
         if seq.first_token_time is None:
             seq.first_token_time = now
         params = seq.params
@@ -359,7 +387,8 @@ class LLMEngine:
             seq.finish_reason = "stop"
         elif params.stop and self._hit_stop_string(seq):
             seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+        elif (len(output) >= params.max_tokens
+              or len(seq.prompt_token_ids) + len(output) >= self.limits.max_model_len):  # seq.num_tokens, inlined
             seq.finish_reason = "length"
         else:
             return False

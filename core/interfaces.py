@@ -6,6 +6,7 @@ Plugins import from here (and from `servelab`), never from other core modules.
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence as Seq, runtime_checkable
 
 import attrs
@@ -201,7 +202,7 @@ class StepPlan:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(map(itemgetter(1), self.scheduled))
 
     @property
     def is_empty(self) -> bool:

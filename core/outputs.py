@@ -128,7 +128,11 @@ def _completion(seq: Sequence, decode: Callable[[list[int]], str]) -> Completion
 
 @attrs.frozen
 class StepReport:
-    """What one engine step did, for observers (metrics, tracing, benchmarks)."""
+    """What one engine step did, for observers (metrics, tracing, benchmarks).
+
+    The *_seconds stage timings are wall-clock time (time.perf_counter), also when the
+    engine runs on a virtual clock (the simulator, whose forward is a cost model).
+    """
 
     step_index: int
     num_seqs: int  # sequences in the batch

@@ -56,15 +56,17 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    # The two below spell num_tokens out: they run for every sequence at every step.
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens (and draft tokens) whose K/V are not in the cache yet."""
-        return self.num_tokens + len(self.draft_token_ids) - self.num_computed_tokens
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.draft_token_ids)
+                - self.num_computed_tokens)
 
     @property
     def is_decoding(self) -> bool:
         """Every token but the last is computed: the next step decodes (and verifies drafts)."""
-        return self.num_computed_tokens == self.num_tokens - 1
+        return self.num_computed_tokens == len(self.prompt_token_ids) + len(self.output_token_ids) - 1
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output (+ drafts past the end), without

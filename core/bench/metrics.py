@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 from servelab.bench.driver import RunRecord
+from servelab.bench.stage_profile import stage_profile
 
 
 @attrs.frozen
@@ -77,6 +78,7 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
         "preemptions": record.preemptions,
         "steps": len(reports),
         "engine_overhead_ms_at_max_batch": _overhead_at_max_batch(reports),
+        "stage_profile": stage_profile(reports),
     }
 
 

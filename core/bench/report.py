@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from servelab.bench.stage_profile import format_stage_profile
+
 
 def _fmt(value: Any, digits: int = 1) -> str:
     if value is None:
@@ -58,6 +60,8 @@ def format_table(result: dict[str, Any]) -> str:
         base = result["baseline"]["metrics"]["output_tokens_per_s"]
         for name, metrics in columns[:-1]:
             lines.append(f"{name} / {result['baseline']['config']} output tokens/s: {metrics['output_tokens_per_s'] / base:.2f}x")
+    for name, metrics in columns:
+        lines.extend(format_stage_profile(name, metrics.get("stage_profile", [])))
     for name, points in result.get("rate_sweep", {}).items():
         lines.append(f"rate sweep, {name}:")
         lines.append(f"  {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'goodput':>8}")

@@ -70,6 +70,16 @@ class PagedAllocator:
         if num_tokens <= start:
             return True
         block_size = self.block_size
+        if seq is not None and start % block_size and num_tokens <= len(seq.table) * block_size:
+            # The common decode step: the writes land in the partly filled last block.
+            last = seq.table[-1]
+            if not self._is_shared(last):
+                count = num_tokens - (len(seq.table) - 1) * block_size
+                if count > self._filled[last]:
+                    self._num_slots_used += count - self._filled[last]
+                    self._filled[last] = count
+                seq.num_tokens = num_tokens
+                return True
         table = seq.table if seq is not None else []
         num_new = blocks_for(num_tokens, block_size) - len(table)
         # The first write lands in the last block when it is partly filled; copy it first

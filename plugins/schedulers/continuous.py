@@ -58,11 +58,11 @@ class ContinuousScheduler(QueueScheduler):
         self._shed_overflow(builder)
         ready = self._claim_running(builder)
         if self.options.policy == "decode-first":
-            self._run(ready, builder)
+            builder.add_each_that_fits(ready)
         if not builder.preempted:
             self._admit_waiting(builder, whole=True)
         if self.options.policy == "prefill-first":
-            self._run(ready, builder)
+            builder.add_each_that_fits(ready)
         return self._plan(builder)
 
     def _claim_running(self, builder: PlanBuilder) -> list[tuple[Sequence, int]]:
@@ -71,18 +71,17 @@ class ContinuousScheduler(QueueScheduler):
         ready: list[tuple[Sequence, int]] = []
         demand = 0
         index = 0
-        while index < len(self.running):
-            seq = self.running[index]
+        running, allocate = self.running, self.allocator.allocate  # `running` shrinks in place only
+        while index < len(running):
+            seq = running[index]
             num_new = seq.num_uncomputed_tokens
             if demand + num_new > builder.budget:
                 break
-            if self._make_room(seq, num_new, builder):  # victims come from behind `index`
+            # _make_room, spelled out for the common case: the first allocation succeeds.
+            if (allocate(seq.request_id, seq.num_computed_tokens + num_new)
+                    or self._preempt_until_room(seq, num_new, builder)):  # victims come from behind `index`
                 ready.append((seq, num_new))
                 demand += num_new
                 index += 1
         return ready
 
-    def _run(self, ready: list[tuple[Sequence, int]], builder: PlanBuilder) -> None:
-        for seq, num_new in ready:
-            if num_new <= builder.budget:
-                builder.add(seq, num_new)

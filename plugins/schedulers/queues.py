@@ -72,6 +72,15 @@ class PlanBuilder:
         self.scheduled[seq] = num_new
         self.budget -= num_new
 
+    def add_each_that_fits(self, pairs: Seq[tuple[Sequence, int]]) -> None:
+        """`add` every (sequence, new tokens) pair, in order, whose tokens fit the budget left."""
+        scheduled, budget = self.scheduled, self.budget
+        for seq, num_new in pairs:
+            if num_new <= budget:
+                scheduled[seq] = num_new
+                budget -= num_new
+        self.budget = budget
+
     def drop(self, seq: Sequence) -> None:
         """Unschedule `seq` (it was preempted after all), returning its tokens to the budget."""
         self.budget += self.scheduled.pop(seq, 0)
@@ -119,8 +128,10 @@ class QueueScheduler:
         return None
 
     def finish(self, seqs: Seq[Sequence]) -> None:
-        done = {id(seq) for seq in seqs}
-        self.running = [seq for seq in self.running if id(seq) not in done]
+        if not seqs:
+            return
+        done = set(seqs)  # a Sequence hashes by identity
+        self.running = list(itertools.filterfalse(done.__contains__, self.running))
         for seq in seqs:
             self.allocator.free(seq.request_id)
             self._ranks.pop(seq.request_id, None)
@@ -206,12 +217,19 @@ class QueueScheduler:
     def _make_room(self, seq: Sequence, num_new: int, builder: PlanBuilder) -> bool:
         """Allocate `num_new` more tokens for running `seq`, preempting from the back of
         `running` while the pool is dry; False if `seq` itself had to go."""
-        while not self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+        return (self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new)
+                or self._preempt_until_room(seq, num_new, builder))
+
+    def _preempt_until_room(self, seq: Sequence, num_new: int, builder: PlanBuilder) -> bool:
+        """`_make_room` once the first allocation failed: preempt from the back of `running`
+        and retry; False if `seq` itself had to go."""
+        while True:
             victim = self.running[-1]
             self._preempt(victim, builder)
             if victim is seq:
                 return False
-        return True
+            if self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+                return True
 
     def _preempt(self, seq: Sequence, builder: PlanBuilder) -> None:
         """Preempt by recompute: free its KV, keep its tokens, queue it to resume."""
@@ -238,7 +256,8 @@ class QueueScheduler:
 
     def _plan(self, builder: PlanBuilder) -> StepPlan:
         """The plan in rank order, with this step's accounting recorded."""
-        scheduled = tuple((seq, builder.scheduled[seq]) for seq in self.running if seq in builder.scheduled)
+        tokens_of = builder.scheduled.get
+        scheduled = tuple([(seq, num_new) for seq in self.running if (num_new := tokens_of(seq)) is not None])
         plan = StepPlan(scheduled=scheduled, preempted=tuple(builder.preempted))
         num_seqs, num_tokens = len(scheduled), plan.num_scheduled_tokens
         num_idle = self._num_held_slots() - num_seqs if scheduled else 0

@@ -30,8 +30,11 @@ class CostModel:
 
     def step(self, query_lens: list[int], context_lens: list[int], num_sampled: int) -> StepCost:
         num_tokens = sum(query_lens)
-        # Each query token attends to the context up to itself: q_len * (ctx - (q_len - 1) / 2) keys.
-        attended = sum(q * (c - (q - 1) / 2) for q, c in zip(query_lens, context_lens))
+        if num_tokens == len(query_lens):  # decodes only: every query token attends to its whole context
+            attended = float(sum(context_lens))
+        else:
+            # Each query token attends to the context up to itself: q_len * (ctx - (q_len - 1) / 2) keys.
+            attended = sum(q * (c - (q - 1) / 2) for q, c in zip(query_lens, context_lens))
         flops = 2 * self.layer_params * num_tokens + 2 * self.head_params * num_sampled
         flops += 4 * self.attention_width * attended
         kv_bytes = self.kv_bytes_per_token * (sum(context_lens) + num_tokens)

@@ -37,14 +37,14 @@ class SimInputs:
 
 def plan_shape(plan: StepPlan) -> SimInputs:
     """What the cost model needs from a plan: tokens and context per sequence, sampled rows."""
-    query_lens, context_lens, sampled, num_rows = [], [], [], []
-    for row, (seq, num_new) in enumerate(plan.scheduled):
-        end = seq.num_computed_tokens + num_new
-        query_lens.append(num_new)
-        context_lens.append(end)
-        if end >= seq.num_tokens:
-            sampled.append(row)
-            num_rows.append(end - seq.num_tokens + 1)
+    scheduled = plan.scheduled
+    query_lens = [num_new for _, num_new in scheduled]
+    context_lens = [seq.num_computed_tokens + num_new for seq, num_new in scheduled]
+    # Logits rows past each sequence's last verified token (+ 1); <= 0 when it does not sample yet.
+    past_end = [end - len(seq.prompt_token_ids) - len(seq.output_token_ids) + 1
+                for (seq, _), end in zip(scheduled, context_lens)]
+    sampled = [row for row, rows in enumerate(past_end) if rows > 0]
+    num_rows = [past_end[row] for row in sampled]
     return SimInputs(query_lens, context_lens, sampled, num_rows)
 
 
