@@ -24,7 +24,7 @@ from typing import Sequence as Seq
 import attrs
 import torch
 
-from servelab.sampler import filtered_probs
+from servelab.sampler import filtered_probs, greedy_tokens
 from servelab.sampling_params import SamplingParams
 
 
@@ -51,7 +51,7 @@ def verify(
         starts[r] = starts[r - 1] + len(draft_token_ids[r - 1]) + 1
     greedy = [r for r in range(num_seqs) if params[r].is_greedy]
     if greedy:  # exact match against the argmax: a handful of Python comparisons per sequence
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = greedy_tokens(logits)
         for r in greedy:
             drafts = list(draft_token_ids[r])
             target = argmax[starts[r]: starts[r] + len(drafts) + 1]

@@ -373,3 +373,14 @@ def test_engine_temperature_zero_is_argmax_decoding(llm, llama_checkpoint):
     assert out[0:3] == first
     assert out[3:6] == first
     assert out[6:9] != first
+
+
+def test_greedy_tokens_agree_with_torch_argmax_including_ties():
+    from servelab.sampler import greedy_tokens
+
+    logits = torch.randn(37, 1000, generator=torch.Generator().manual_seed(0))
+    logits[3, [10, 20, 30]] = 100.0  # a three-way tie: the first one wins, as in torch
+    logits[5] = 0.0
+    assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits[::2]) == logits[::2].argmax(dim=-1).tolist()  # strided rows
+    assert greedy_tokens(logits.bfloat16()) == logits.bfloat16().argmax(dim=-1).tolist()
