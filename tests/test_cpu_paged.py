@@ -115,3 +115,26 @@ def test_selected_on_a_non_cpu_device_falls_back_without_building():
                                dtype=torch.float32, device=torch.device("meta"))
     backend = CpuPagedAttention(CpuPagedOptions(build="wait"), context)
     assert not backend.kernels_ready
+
+
+@needs_compiler
+def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch):
+    """A lock left by a build process that was killed would make torch wait forever."""
+    import time
+
+    from torch.utils import cpp_extension
+
+    from servelab.plugins.kernels import cpu_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name, _ = cpu_build._flags()
+    lock = tmp_path / name / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    old = time.time() - 2 * cpu_build.STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    cpu_build._clear_stale_lock(cpp_extension, name)
+    assert not lock.exists()
+    lock.touch()  # a fresh lock belongs to a build in progress: kept
+    cpu_build._clear_stale_lock(cpp_extension, name)
+    assert lock.exists()

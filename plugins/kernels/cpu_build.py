@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -22,6 +23,7 @@ import torch
 
 logger = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("cpu_paged.cpp")
+STALE_LOCK_SECONDS = 600
 
 
 def _flags() -> tuple[str, list[str]]:
@@ -85,7 +87,20 @@ def load_library() -> ModuleType:
     from torch.utils import cpp_extension
 
     name, flags = _flags()
+    _clear_stale_lock(cpp_extension, name)
     return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+
+
+def _clear_stale_lock(cpp_extension: ModuleType, name: str) -> None:
+    """torch waits forever on the lock file of a build whose process was killed; a build
+    takes about a minute, so a lock untouched for STALE_LOCK_SECONDS is such a leftover."""
+    try:
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
+            logger.warning("cpu_paged.stale_build_lock_removed", path=str(lock))
+    except (OSError, AttributeError):  # no lock (the usual case), or torch moved its helper
+        return
 
 
 _BUILD = KernelBuild()
