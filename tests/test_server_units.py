@@ -17,9 +17,11 @@ from servelab.sampling_params import SamplingParams
 from servelab.server.chat import ChatTemplate
 from servelab.server.engine_loop import AsyncEngine, EngineUnavailable, NewRequest
 from servelab.server.generation import TextStreamer
-from servelab.server.protocol import ApiError, parse_chat, parse_completion, parse_json
+from servelab.server.limits import RequestLimits, parse_body
+from servelab.server.protocol import ApiError, PromptBounds, brief, parse_chat, parse_completion
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+BOUNDS = PromptBounds(max_model_len=64, max_prompt_chars=1000, vocab_size=100)
 
 
 # ---------------------------------------------------------------- chat templates
@@ -62,7 +64,7 @@ def test_template_raise_exception_is_a_request_error():
 def test_completion_fields_become_sampling_params():
     parsed = parse_completion({"prompt": ["a", [1, 2]], "max_tokens": 5, "temperature": 0, "top_k": 3,
                                "min_p": 0.1, "seed": 9, "stop": "x", "stop_token_ids": [7], "ignore_eos": True,
-                               "n": 2, "stream": True, "user": "ignored", "stream_options": {"include_usage": True}})
+                               "n": 2, "stream": True, "user": "ignored", "stream_options": {"include_usage": True}}, BOUNDS)
     assert parsed.prompts == ("a", [1, 2]) and parsed.n == 2 and parsed.stream
     assert parsed.params == SamplingParams(max_tokens=5, temperature=0.0, top_k=3, min_p=0.1, seed=9, stop=("x",),
                                            stop_token_ids=(7,), ignore_eos=True)
@@ -71,9 +73,9 @@ def test_completion_fields_become_sampling_params():
 def test_chat_defaults_and_max_completion_tokens():
     parsed = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                     {"type": "text", "text": "b"}]}],
-                         "max_completion_tokens": 7})
+                         "max_completion_tokens": 7}, BOUNDS)
     assert parsed.messages == ({"role": "user", "content": "ab"},) and parsed.params.max_tokens == 7
-    assert parse_chat({"messages": MESSAGES}).params.max_tokens > 10**6  # until max_model_len
+    assert parse_chat({"messages": MESSAGES}, BOUNDS).params.max_tokens > 10**6  # until max_model_len
 
 
 @pytest.mark.parametrize("body,param", [
@@ -87,7 +89,7 @@ def test_chat_defaults_and_max_completion_tokens():
 ])
 def test_bad_completion_fields_are_named(body, param):
     with pytest.raises(ApiError) as info:
-        parse_completion(body)
+        parse_completion(body, BOUNDS)
     assert info.value.status == 400 and info.value.param == param
 
 
@@ -99,13 +101,13 @@ def test_bad_completion_fields_are_named(body, param):
 ])
 def test_bad_chat_fields_are_named(body, param):
     with pytest.raises(ApiError) as info:
-        parse_chat(body)
+        parse_chat(body, BOUNDS)
     assert info.value.param == param
 
 
 def test_malformed_json():
     with pytest.raises(ApiError) as info:
-        parse_json(b"{nope")
+        parse_body(b"{nope", RequestLimits())
     assert info.value.body()["error"]["code"] == "invalid_json"
 
 
@@ -265,11 +267,33 @@ def test_percentiles_and_histogram_quantiles():
     assert report.blocks_leaked == 0
 
 
-def test_api_key_comes_from_the_environment(monkeypatch):
+def test_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path):
     from servelab.cli import _parser
+    from servelab.server.options import api_key
 
-    monkeypatch.setenv("SERVELAB_API_KEY", "from-env")
-    assert _parser().parse_args(["serve"]).api_key == "from-env"
-    assert _parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
-    monkeypatch.delenv("SERVELAB_API_KEY")
-    assert _parser().parse_args(["serve"]).api_key is None
+    def key(argv, environ):
+        return api_key(_parser().parse_args(["serve", *argv]), environ)
+
+    (tmp_path / "key").write_text("from-file\n")
+    assert key([], {"SERVELAB_API_KEY": "from-env"}) == "from-env"
+    assert key(["--api-key-file", str(tmp_path / "key")], {"SERVELAB_API_KEY": "from-env"}) == "from-file"
+    assert key(["--api-key", "flag"], {"SERVELAB_API_KEY": "from-env"}) == "flag"
+    assert key([], {}) is None
+
+
+@pytest.mark.parametrize("argv,environ,source", [
+    ([], {"SERVELAB_API_KEY": ""}, "SERVELAB_API_KEY"),
+    ([], {"SERVELAB_API_KEY": "  "}, "SERVELAB_API_KEY"),
+    (["--api-key", ""], {}, "--api-key"),
+    (["--api-key-file", "{empty}"], {}, "--api-key-file"),
+])
+def test_an_empty_api_key_is_refused_wherever_it_comes_from(tmp_path, argv, environ, source):
+    from servelab.cli import _parser
+    from servelab.errors import ServelabError
+    from servelab.server.options import api_key
+
+    (tmp_path / "empty").write_text("\n")
+    argv = [a.format(empty=tmp_path / "empty") for a in argv]
+    with pytest.raises(ServelabError, match="empty") as info:
+        api_key(_parser().parse_args(["serve", *argv]), environ)
+    assert source in str(info.value)

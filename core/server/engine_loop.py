@@ -33,6 +33,11 @@ class EngineUnavailable(ServelabError):
     """The engine loop is stopping or has failed; no new request can start."""
 
 
+class AdmissionFailed(ServelabError):
+    """The engine raised something other than RequestError while taking this request in:
+    a fault of ours, not of the client's; the request is refused and nothing of it remains."""
+
+
 @attrs.frozen
 class RequestEvent:
     """What one step did for one sequence (tokens) or request (output, error)."""
@@ -71,9 +76,11 @@ Listener = Callable[[Events, EngineSnapshot], None]
 class AsyncEngine:
     """Owns the engine thread. Every method is called from the event loop's thread."""
 
-    def __init__(self, engine: Any, listener: Listener | None = None) -> None:
+    def __init__(self, engine: Any, listener: Listener | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self._listener = listener
+        self.on_failure = on_failure  # called on the event loop once the engine has failed
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._unstarted: dict[str, int] = {}  # request id -> sequences, until its first token
@@ -118,6 +125,15 @@ class AsyncEngine:
             raise
         return events
 
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests added here that have not had their output (or error) yet."""
+        return len(self._queues)
+
+    def abort_all(self) -> None:
+        """Abort every request in flight: each ends with an output whose finish_reason is "abort"."""
+        self.abort(list(self._queues))
+
     def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests now (their KV is freed before the next step); unknown ids are ignored."""
         request_ids = list(request_ids)
@@ -152,8 +168,16 @@ class AsyncEngine:
     # ------------------------------------------------------------ engine thread side
 
     def _run(self) -> None:
-        engine = self.engine
         in_flight: set[str] = set()  # request ids
+        try:
+            self._serve(in_flight)
+        except Exception as exc:  # a broken engine must not hang its clients
+            self._fail(exc, in_flight, {})
+            self._refuse_until_stopped()
+
+    def _serve(self, in_flight: set[str]) -> None:
+        """Take commands and step until told to stop; an exception here is the engine's death."""
+        engine = self.engine
         while True:
             events: Events = {}
             stop = False
@@ -171,12 +195,7 @@ class AsyncEngine:
                 self._post(events, _snapshot(engine))
                 return
             if engine.has_unfinished():
-                try:
-                    result = engine.step()
-                except Exception as exc:  # a broken engine must not hang its clients
-                    self._fail(exc, in_flight, events)
-                    self._refuse_until_stopped()
-                    return
+                result = engine.step()
                 for sequence_id, token_ids in result.new_token_ids.items():
                     events[sequence_id] = RequestEvent(tuple(token_ids))
                 for output in result.finished:
@@ -202,6 +221,13 @@ class AsyncEngine:
                 in_flight.add(request.request_id)
         except RequestError as exc:
             self._resolve(future, exc)
+        except Exception as exc:  # a fault while taking this group in fails this group alone
+            logger.exception("request.admission_failed", request_ids=[r.request_id for r in requests])
+            for request in requests:
+                if request.request_id in in_flight:
+                    self.engine.abort(request.request_id)
+                    in_flight.discard(request.request_id)
+            self._resolve(future, AdmissionFailed(f"{type(exc).__name__}: {exc}"))
         else:
             self._resolve(future, None)
 
@@ -217,8 +243,12 @@ class AsyncEngine:
         message = f"the engine failed: {type(exc).__name__}: {exc}"
         for request_id in in_flight:
             events[request_id] = RequestEvent(error=message)
+        try:
+            snapshot = _snapshot(self.engine)
+        except Exception:  # the policies may be as broken as the step was
+            snapshot = self.snapshot
         self._call_soon(self._mark_failed, message)
-        self._post(events, _snapshot(self.engine))
+        self._post(events, snapshot)
 
     def _refuse_until_stopped(self) -> None:
         while True:
@@ -230,6 +260,8 @@ class AsyncEngine:
 
     def _mark_failed(self, message: str) -> None:
         self.error = message
+        if self.on_failure is not None:
+            self.on_failure(message)
 
     def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
         def resolve() -> None:

@@ -17,6 +17,7 @@ import structlog
 
 from servelab.outputs import CompletionOutput, RequestOutput
 from servelab.sampling_params import SamplingParams
+from servelab.server.codec import CodecFailure, TextCodec
 from servelab.server.engine_loop import AsyncEngine, NewRequest, RequestEvent
 
 logger = structlog.get_logger(__name__)
@@ -104,9 +105,11 @@ class Choice:
 class Generation:
     """The engine requests behind one HTTP request, and their deltas."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, prompts: Seq[Any], params: SamplingParams, n: int,
-                 request_id: str, endpoint: str) -> None:
+    def __init__(self, engine: AsyncEngine, codec: TextCodec, prompts: Seq[list[int]], params: SamplingParams,
+                 n: int, request_id: str, endpoint: str) -> None:
         self.engine = engine
+        self._codec = codec
+        tokenizer = codec.tokenizer
         self.request_id = request_id
         self.endpoint = endpoint
         self.created = int(time.time())
@@ -128,37 +131,49 @@ class Generation:
 
         Events that queued up while the client was being served (a slow reader, a busy
         event loop) are merged: one delta per choice for all of them, not one per step.
+        The text is decoded on the codec's pool. EngineFailure / CodecFailure end it.
         """
-        by_sequence = {c.sequence_id: c for c in self.choices}
         unfinished = set(self.engine_request_ids)
         status = "aborted"
         try:
             while unfinished:
                 tokens, outputs = await self._next_events()
-                finishing = {output.request_id for output in outputs}
-                for sequence_id, token_ids in tokens.items():
-                    if sequence_id.partition("#")[0] in finishing:
-                        continue  # its final text comes from the output (a stop string may cut it)
-                    choice = by_sequence[sequence_id]
-                    text = choice.streamer.feed(token_ids, None)
-                    if text:
-                        yield ChoiceDelta(choice.index, text, None)
                 for output in outputs:
                     self.outputs[output.request_id] = output
                     unfinished.discard(output.request_id)
-                    for completion in output.outputs:
-                        choice = by_sequence[_sequence_id(output.request_id, completion.index)]
-                        choice.output = completion
-                        yield ChoiceDelta(choice.index, choice.streamer.feed((), completion), choice.finish_reason)
+                for delta in await self._codec.run(self._text_deltas, tokens, outputs):
+                    yield delta
             status = "ok"
         except EngineFailure:
             unfinished.clear()  # the engine has dropped them already
+            status = "failed"
+            raise
+        except CodecFailure:
             status = "failed"
             raise
         finally:
             if unfinished:
                 self.engine.abort(unfinished)
             self._log(status)
+
+    def _text_deltas(self, tokens: dict[str, list[int]], outputs: list[RequestOutput]) -> list[ChoiceDelta]:
+        """The deltas for one batch of events (runs on the codec's pool)."""
+        by_sequence = {c.sequence_id: c for c in self.choices}
+        finishing = {output.request_id for output in outputs}
+        deltas = []
+        for sequence_id, token_ids in tokens.items():
+            if sequence_id.partition("#")[0] in finishing:
+                continue  # its final text comes from the output (a stop string may cut it)
+            choice = by_sequence[sequence_id]
+            text = choice.streamer.feed(token_ids, None)
+            if text:
+                deltas.append(ChoiceDelta(choice.index, text, None))
+        for output in outputs:
+            for completion in output.outputs:
+                choice = by_sequence[_sequence_id(output.request_id, completion.index)]
+                choice.output = completion
+                deltas.append(ChoiceDelta(choice.index, choice.streamer.feed((), completion), choice.finish_reason))
+        return deltas
 
     async def _next_events(self) -> tuple[dict[str, list[int]], list[RequestOutput]]:
         """The next event and every one already queued: new tokens per sequence, outputs."""
