@@ -218,7 +218,7 @@ async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[An
         raise ApiError(429, f"the server is overloaded: {state.engine.num_waiting} sequences are waiting "
                             f"(limit {state.max_waiting}); retry later", type="rate_limit_error",
                        code="overloaded", headers={"Retry-After": "1"})
-    generation = Generation(state.engine, state.codec, prompts, parsed.params, parsed.n,
+    generation = Generation(state.engine, state.codec.tokenizer, prompts, parsed.params, parsed.n,
                             f"{id_prefix}-{uuid.uuid4().hex}", endpoint)
     try:
         await generation.start(arrival_time)
@@ -256,7 +256,7 @@ async def _run_to_end(generation: Generation, request: Request) -> None:
     except EngineFailure as exc:
         raise ApiError(500, str(exc), type="server_error") from None
     except CodecFailure as exc:
-        raise ApiError(500, f"detokenizing the output failed: {exc}", type="server_error") from None
+        raise ApiError(500, str(exc), type="server_error") from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -1,10 +1,11 @@
-"""Tokenization and detokenization on a small thread pool of their own.
+"""Tokenization (and chat-template rendering) on a small thread pool of its own.
 
-Neither belongs on the event loop (it would stall every stream and `/health` while one
-long prompt is encoded) nor on the engine thread (it would stall every step). Prompts
-are encoded with the tokenizer's batch call, which runs without the GIL, and each
-request's text deltas are computed on the pool too. A failure here is the one request's:
-`RequestError` for what the client sent, `CodecFailure` (a 500 naming the cause) for ours.
+It belongs neither on the event loop (it would stall every stream and `/health` while
+one long prompt is encoded) nor on the engine thread (it would stall every step).
+Prompts are encoded with the tokenizer's batch call, which runs without the GIL.
+(Detokenization has a thread of its own: see detokenizer.py.) A failure here is the one
+request's: `RequestError` for what the client sent, `CodecFailure` (a 500 naming the
+cause) for ours.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class CodecFailure(ServelabError):
 
 
 class TextCodec:
-    """Prompts -> token ids and token ids -> text, off the event loop and the engine thread."""
+    """Prompts -> token ids, off the event loop and the engine thread."""
 
     def __init__(self, tokenizer: Any, chat_template: ChatTemplate, workers: int = 2) -> None:
         self.tokenizer = tokenizer

@@ -25,6 +25,7 @@ from servelab.errors import RequestError, ServelabError
 from servelab.interfaces import AllocatorStats, SchedulerStats
 from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
+from servelab.server.detokenizer import Decode, Detokenizer
 
 logger = structlog.get_logger(__name__)
 
@@ -45,6 +46,8 @@ class RequestEvent:
     new_token_ids: tuple[int, ...] = ()
     output: RequestOutput | None = None  # set once, when the request finished or was aborted
     error: str | None = None  # the engine failed; the request is gone
+    deltas: tuple[Any, ...] = ()  # the request's text deltas, when it registered a decode function
+    decode_error: str | None = None  # its decode function failed (see detokenizer.py)
 
     @property
     def is_last(self) -> bool:
@@ -87,6 +90,7 @@ class AsyncEngine:
         self.num_waiting = 0  # sequences of requests added here that have no token yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._detokenizer: Detokenizer | None = None
         self.snapshot = _snapshot(engine)
         self.error: str | None = None  # set when the engine failed
         self.stopping = False
@@ -95,18 +99,24 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._detokenizer = Detokenizer(lambda events, snapshot: self._call_soon(self._deliver, events, snapshot),
+                                        RequestEvent)
         self._thread = threading.Thread(target=self._run, name="servelab-engine", daemon=True)
         self._thread.start()
 
-    async def add(self, requests: Seq[NewRequest]) -> asyncio.Queue:
+    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> asyncio.Queue:
         """Add a group of requests, all or none (RequestError names the first bad one).
 
         Returns one queue receiving `(sequence or request id, RequestEvent)` for every
         request of the group until each has had its output. Until a request's first token
-        its sequences count in `num_waiting`.
+        its sequences count in `num_waiting`. With `decode`, each event keyed by a request
+        id also carries that request's text deltas, decoded on the detokenizer's thread.
         """
         if self.error is not None or self.stopping:
             raise EngineUnavailable(self.error or "the server is shutting down")
+        request_ids = [request.request_id for request in requests]
+        if decode is not None:
+            self._detokenizer.register(request_ids, decode)
         events: asyncio.Queue = asyncio.Queue()
         for request in requests:
             self._queues[request.request_id] = events
@@ -117,6 +127,7 @@ class AsyncEngine:
         try:
             await accepted
         except BaseException as exc:
+            self._detokenizer.unregister(request_ids)
             for request in requests:
                 self._queues.pop(request.request_id, None)
                 self._started(request.request_id)
@@ -147,6 +158,7 @@ class AsyncEngine:
             return
         self._commands.put(("stop", None, None))
         await asyncio.to_thread(self._thread.join, timeout)
+        await asyncio.to_thread(self._detokenizer.stop)
 
     def _deliver(self, events: Events, snapshot: EngineSnapshot) -> None:
         self.snapshot = snapshot
@@ -159,6 +171,7 @@ class AsyncEngine:
         for key, event in events.items():  # after every sibling's tokens went out
             if event.is_last:
                 self._queues.pop(key, None)
+                self._detokenizer.unregister([key])
         if self._listener is not None:
             self._listener(events, snapshot)
 
@@ -275,7 +288,7 @@ class AsyncEngine:
         self._call_soon(resolve)
 
     def _post(self, events: Events, snapshot: EngineSnapshot) -> None:
-        self._call_soon(self._deliver, events, snapshot)
+        self._detokenizer.put(events, snapshot)  # then on to _deliver, on the event loop
 
     def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
         try:
