@@ -2,9 +2,10 @@
 
 uvicorn closes idle keep-alive connections but waits forever for a request whose
 headers never finish, so a few thousand half-sent requests would hold as many sockets
-(and their buffers) for good. Here a connection whose next request's headers are not
-complete `header_timeout` seconds after the connection opened (or after its previous
-response) is answered 408 and closed. The body's own deadline is the application's
+(and their buffers) for good. Here a request's headers must be complete
+`header_timeout` seconds after the connection opened, or after the request's first
+byte on a kept-alive connection; else it is answered 408 and the connection closed
+(a connection that sent nothing is just closed). The body's own deadline is the application's
 (limits.read_body), since uvicorn hands the request over once its headers are in.
 """
 
@@ -37,12 +38,8 @@ def protocol_with_header_timeout(header_timeout: float) -> type[H11Protocol]:
             super().data_received(data)
             if self.cycle is not cycle:  # a request's headers are in: the application takes over
                 self._disarm()
-
-        def on_response_complete(self) -> None:
-            cycle = self.cycle
-            super().on_response_complete()
-            if self.cycle is cycle and not self.transport.is_closing():
-                self._arm()  # the next request on this connection gets the same deadline
+            elif self._header_timer is None and (cycle is None or cycle.response_complete):
+                self._arm()  # the first bytes of the next request on a kept-alive connection
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -31,6 +31,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        message, param = _printable(message), _printable(param)  # it may quote text that is not Unicode
         super().__init__(message)
         self.status = status
         self.message = message
@@ -41,6 +42,11 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _printable(text: str | None) -> str | None:
+    """`text` with anything UTF-8 cannot carry (a lone surrogate) written as a backslash escape."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
