@@ -297,3 +297,58 @@ def test_an_empty_api_key_is_refused_wherever_it_comes_from(tmp_path, argv, envi
     with pytest.raises(ServelabError, match="empty") as info:
         api_key(_parser().parse_args(["serve", *argv]), environ)
     assert source in str(info.value)
+
+
+# ---------------------------------------------------------------- failure isolation in process
+
+
+def test_a_failing_decode_fails_its_request_alone():
+    def broken(tokens, outputs):
+        raise ValueError("cannot decode")
+
+    def working(tokens, outputs):
+        return [sum(len(t) for t in tokens.values())]
+
+    async def scenario():
+        loop = AsyncEngine(FakeEngine())
+        loop.start()
+        bad = await loop.add([NewRequest("bad", "p", SamplingParams(max_tokens=2), 0.0)], decode=broken)
+        good = await loop.add([NewRequest("good", "p", SamplingParams(max_tokens=2), 0.0)], decode=working)
+        (_, bad_event), = await drain(bad, 1)
+        good_events = await drain(good, 2)
+        assert "ValueError: cannot decode" in bad_event.decode_error and not bad_event.deltas
+        assert [e.deltas for _, e in good_events] == [(1,), (1,)] and good_events[-1][1].output is not None
+        await loop.shutdown()
+
+    run(scenario())
+
+
+def test_a_failed_engine_answers_500_naming_the_cause_and_health_503():
+    import httpx
+
+    from servelab.server.app import ServerState, build_app
+    from servelab.server.codec import TextCodec
+    from servelab.server.metrics import ServerMetrics
+
+    failures = []
+    engine = FakeEngine(fail_at=1)
+    engine.model_config = SimpleNamespace(vocab_size=100)
+    engine.clock = lambda: 0.0
+    state = ServerState(engine=AsyncEngine(engine, on_failure=failures.append), metrics=ServerMetrics(),
+                        codec=TextCodec(None, ChatTemplate(None)), model_name="fake", max_model_len=64, max_waiting=8)
+
+    async def scenario():
+        state.engine.start()
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            failed = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+            health = await client.get("/health")
+            refused = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        await state.engine.shutdown()
+        return failed, health, refused
+
+    failed, health, refused = run(scenario())
+    assert failed.status_code == 500 and "the engine failed: RuntimeError: boom" in failed.json()["error"]["message"]
+    assert health.status_code == 503 and "boom" in health.json()["error"]
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert failures and "boom" in failures[0]
