@@ -35,7 +35,7 @@ def main() -> int:
     args = parser.parse_args()
     args.max_waiting, args.api_key = max(256, args.streams), None
 
-    process, url = start_server(args)
+    process, url, _ = start_server(args)
     server, offline = [], []
     try:  # interleaved, so that both sides see the same machine load
         _server_run(url, args)  # warm-up

@@ -10,7 +10,9 @@ so a request that is answered must bring exactly `max_tokens` tokens. Outcomes:
 properly, with [DONE], but its finish_reason was "abort": a shutdown's deadline cut it),
 "disconnected" (the first `num_disconnect` requests close their stream once half their
 tokens came, as a client that goes away would), "incomplete" (the stream ended without
-[DONE] or with the wrong token count) and "transport" (connection errors, timeouts).
+[DONE] or with the wrong token count), "connect_refused" (no server listening, as after
+a shutdown) and "transport" (other connection errors, timeouts). TTFT and TPOT are of
+the "ok" requests.
 Needs httpx (in the serve extra).
 """
 
@@ -75,7 +77,7 @@ class LoadReport:
             f"answered {ok}; errors by kind: {self.errors or 'none'}",
             f"TTFT p50 {_ms(percentile(self.ttft, 50))}, p99 {_ms(percentile(self.ttft, 99))}",
             f"TPOT p50 {_ms(percentile(self.tpot, 50))}, p99 {_ms(percentile(self.tpot, 99))}",
-            f"output tokens {self.output_tokens} ({self.output_tokens / self.seconds:.0f} tok/s)"
+            f"output tokens delivered {self.output_tokens} ({self.output_tokens / self.seconds:.0f} tok/s)"
             if self.seconds else "output tokens 0",
             f"server-side (/metrics histograms, since it started): "
             f"TTFT p50 {_ms(self.server_quantile('time_to_first_token', 0.5))}, "
@@ -136,7 +138,10 @@ async def run_load(url: str, num_requests: int = 200, concurrency: int = 200, ma
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         report.seconds = time.perf_counter() - started
-        report.server = await settled_metrics(client)
+        try:
+            report.server = await settled_metrics(client)
+        except httpx.HTTPError:  # the server has stopped (a shutdown during the run)
+            report.server = {}
     return report
 
 
@@ -170,11 +175,15 @@ async def _stream_one(client: Any, body: dict[str, Any], report: LoadReport, han
                 if hang_up and num_deltas >= body["max_tokens"] // 2:
                     report.outcomes["disconnected"] += 1
                     return  # leaving the block closes the connection mid-stream
+    except httpx.ConnectError:  # nobody listens (any more): refused before a request was sent
+        report.outcomes["connect_refused"] += 1
+        return
     except httpx.HTTPError:
         report.outcomes["transport"] += 1
         return
-    if done and aborted:
+    if done and aborted:  # cut off by a shutdown's deadline: its tokens count, its latencies do not
         report.outcomes["aborted"] += 1
+        report.output_tokens += num_tokens
         return
     if not done or num_tokens != body["max_tokens"]:
         report.outcomes["incomplete"] += 1

@@ -93,7 +93,8 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     server = _graceful_server(uvicorn_config, state, options.shutdown_timeout, ready)
     state.engine.on_failure = server.engine_failed
     server.run(sockets=[sock])
-    logger.info("server.stopped", model=state.model_name, exit_code=server.exit_code)
+    logger.info("server.stopped", model=state.model_name, exit_code=server.exit_code,
+                kv_blocks_used=state.engine.snapshot.allocator.num_used_blocks)
     return server.exit_code
 
 
