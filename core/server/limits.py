@@ -46,8 +46,12 @@ async def read_body(chunks: AsyncIterator[bytes], content_length: str | None, li
             raise bad_request(f"Content-Length is not a number: {brief(content_length)}", None) from None
         if declared > limits.max_body_bytes:
             raise _too_large(limits)
+    from starlette.requests import ClientDisconnect
+
     try:
         return await asyncio.wait_for(_collect(chunks, limits), limits.body_timeout)
+    except ClientDisconnect:
+        raise ApiError(499, "the client closed the request before its body was sent") from None
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {limits.body_timeout:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None
