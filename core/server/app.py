@@ -33,15 +33,14 @@ from servelab.server.engine_loop import AdmissionFailed, AsyncEngine, EngineUnav
 from servelab.server.generation import EngineFailure, Generation
 from servelab.server.limits import RequestLimits, parse_body, read_body
 from servelab.server.metrics import ServerMetrics
-from servelab.server.protocol import (ApiError, GenerationRequest, PromptBounds, bad_request, check_model,
-                                      parse_chat, parse_completion, request_error)
+from servelab.server.protocol import (UNBOUNDED_MAX_TOKENS, ApiError, GenerationRequest, PromptBounds, bad_request,
+                                      check_model, parse_chat, parse_completion, request_error)
 from servelab.server.responses import chat_body, chat_chunks, completion_body, completion_chunks
 
 logger = structlog.get_logger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _REJECT_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 408: "timeout", 413: "too_large",
                    429: "overloaded", 499: "client_closed", 500: "error", 503: "unavailable"}
-UNBOUNDED_MAX_TOKENS = 2**31 - 1  # chat without max_tokens: until the context is full
 
 
 @attrs.define
@@ -158,7 +157,7 @@ async def _body(request: Request, state: ServerState) -> dict[str, Any]:
     return body
 
 
-async def _encoded(state: ServerState, encode: Awaitable[Any], field: str) -> Any:
+async def _encoded(encode: Awaitable[Any], field: str) -> Any:
     """Prompts encoded on the codec's pool: RequestError -> 400, CodecFailure -> 500."""
     try:
         return await encode
@@ -182,10 +181,11 @@ def _check_context(prompts: list[list[int]], parsed: GenerationRequest, state: S
 
 
 async def _completions(request: Request, state: ServerState) -> Response:
+    arrival_time = state.engine.engine.clock()  # TTFT counts the tokenization too
     parsed = parse_completion(await _body(request, state), state.bounds)
-    prompts = await _encoded(state, state.codec.encode_prompts(parsed.prompts), "prompt")
+    prompts = await _encoded(state.codec.encode_prompts(parsed.prompts), "prompt")
     _check_context(prompts, parsed, state, "prompt")
-    generation = await _start(state, parsed, prompts, "prompt", "cmpl", "completions")
+    generation = await _start(state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time)
     if parsed.stream:
         return _sse(completion_chunks(generation, state.model_name))
     await _run_to_end(generation, request)
@@ -193,10 +193,11 @@ async def _completions(request: Request, state: ServerState) -> Response:
 
 
 async def _chat_completions(request: Request, state: ServerState) -> Response:
+    arrival_time = state.engine.engine.clock()
     parsed = parse_chat(await _body(request, state), state.bounds)
-    prompt = await _encoded(state, state.codec.encode_chat(list(parsed.messages)), "messages")
+    prompt = await _encoded(state.codec.encode_chat(list(parsed.messages)), "messages")
     _check_context([prompt], parsed, state, "messages")
-    generation = await _start(state, parsed, [prompt], "messages", "chatcmpl", "chat.completions")
+    generation = await _start(state, parsed, [prompt], "messages", "chatcmpl", "chat.completions", arrival_time)
     if parsed.stream:
         return _sse(chat_chunks(generation, state.model_name))
     await _run_to_end(generation, request)
@@ -204,12 +205,11 @@ async def _chat_completions(request: Request, state: ServerState) -> Response:
 
 
 async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[Any], prompt_field: str,
-                 id_prefix: str, endpoint: str) -> Generation:
+                 id_prefix: str, endpoint: str, arrival_time: float) -> Generation:
     """Admission control, then queue every choice; 400 / 429 / 500 / 503 as ApiError."""
     if state.draining:  # it began before the signal and was tokenized since
         raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
                        headers={"Retry-After": "5"})
-    arrival_time = state.engine.engine.clock()
     num_seqs = len(prompts) * parsed.n
     if num_seqs > state.max_waiting:
         raise bad_request(f"n x prompts = {num_seqs} sequences, more than this server queues at once "

@@ -29,8 +29,8 @@ class Detokenizer:
     """Turns each step's events into text deltas, then hands them to `deliver`."""
 
     def __init__(self, deliver: Callable[..., None], event_type: type) -> None:
-        self._deliver = deliver
-        self._event_type = event_type  # attrs class with new_token_ids, output, deltas, decode_error  # called with (events, *extra) from this thread; must be thread-safe
+        self._deliver = deliver  # called with (events, *extra) from this thread: it must be thread-safe
+        self._event_type = event_type  # the attrs class of events: new_token_ids, output, deltas, decode_error
         self._decoders: dict[str, Decode] = {}  # engine request id -> its decode function
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -84,4 +84,3 @@ class Detokenizer:
                 logger.exception("request.detokenize_failed", request_id=request_id)
                 decoded[request_id] = attrs.evolve(base, decode_error=f"{type(exc).__name__}: {exc}")
         return decoded
-

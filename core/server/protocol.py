@@ -19,6 +19,7 @@ from servelab.errors import RequestError
 from servelab.sampling_params import SamplingParams
 
 MAX_N = 64  # choices per request
+UNBOUNDED_MAX_TOKENS = 2**31 - 1  # chat without max_tokens: until the context is full (the engine stops there)
 MAX_SEED = 2**64 - 1  # the largest seed a torch generator takes; choice i of a request uses seed + i
 MIN_SEED = -(2**63)
 _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -204,7 +205,7 @@ def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: in
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
     else:
-        values["max_tokens"] = 2**31 - 1  # bounded by max_model_len in the engine
+        values["max_tokens"] = UNBOUNDED_MAX_TOKENS
     try:
         return SamplingParams(**values)
     except RequestError as exc:
