@@ -52,8 +52,9 @@ class ServerOptions:
     def __attrs_post_init__(self) -> None:
         positive = {"--max-waiting": self.max_waiting, "--header-timeout": self.header_timeout,
                     "--body-timeout": self.limits.body_timeout, "--max-body-bytes": self.limits.max_body_bytes,
-                    "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers,
-                    "--max-prompt-chars": self.limits.max_prompt_chars or 1}
+                    "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers}
+        if self.limits.max_prompt_chars is not None:
+            positive["--max-prompt-chars"] = self.limits.max_prompt_chars
         for flag, value in positive.items():
             if not value > 0:
                 raise ServelabError(f"{flag} must be > 0, got {value}")
