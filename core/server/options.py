@@ -44,7 +44,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help=f"longer prompts get 400 before tokenization (default {CHARS_PER_TOKEN_BOUND} "
                             f"x max_model_len)")
     serve.add_argument("--tokenizer-workers", type=int, default=2,
-                       help="threads that tokenize and detokenize (default 2)")
+                       help="threads that tokenize prompts and render chat templates (default 2)")
 
 
 def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerOptions:

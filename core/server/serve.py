@@ -47,7 +47,7 @@ class ServerOptions:
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
     header_timeout: float = 10.0  # seconds a connection gets to send a request's headers
     limits: RequestLimits = attrs.field(factory=RequestLimits)  # body size and time, JSON depth, prompt size
-    tokenizer_workers: int = 2  # threads that tokenize prompts and detokenize outputs
+    tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
 
     def __attrs_post_init__(self) -> None:
         positive = {"--max-waiting": self.max_waiting, "--header-timeout": self.header_timeout,
