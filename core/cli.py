@@ -12,6 +12,7 @@ from servelab.config import EngineConfig
 from servelab.errors import ServelabError
 from servelab.logging_setup import configure_logging
 from servelab.registry import PluginRegistry
+from servelab.server.options import add_serve_arguments, serve_options
 
 EXIT_USAGE = 2
 
@@ -76,15 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     _add_engine_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    serve.add_argument("--api-key", default=os.environ.get("SERVELAB_API_KEY") or None,
-                       help="require `Authorization: Bearer KEY` on /v1/* (default: $SERVELAB_API_KEY)")
-    serve.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
-    serve.add_argument("--max-waiting", type=int, default=256,
-                       help="queued sequences beyond which requests get 429 with Retry-After (default 256)")
-    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
-                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 10)")
+    add_serve_arguments(serve)
     serve.set_defaults(handler=_cmd_serve)
     return parser
 
@@ -187,11 +180,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from servelab.server.serve import ServerOptions, run_server
+    from servelab.server.serve import run_server
 
-    options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
-                            served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-                            shutdown_timeout=args.shutdown_timeout)
+    options = serve_options(args, os.environ)  # usage errors before the config is read
     return run_server(load_config(args), options)
 
 

@@ -175,6 +175,9 @@ class LLMEngine:
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         if params is not None and params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none")
+        if params is not None and params.top_k > self.model_config.vocab_size:
+            raise RequestError(f"top_k must be -1 (disabled) or in 1..{self.model_config.vocab_size} "
+                               f"(the vocabulary), got {params.top_k}")
         if params is not None and params.n > 1:
             self._check_can_fork(params.n)
         return self.encode_prompt(prompt)
@@ -202,11 +205,13 @@ class LLMEngine:
         for seq in group:
             if seq.request_id in self._sequences:
                 raise RequestError(f"request id {seq.request_id!r} is already in flight")
+        generators = {}  # built before any state changes: a seed torch refuses leaves nothing behind
+        if params.seed is not None:
+            generators = {seq.request_id: torch.Generator(device=self.runner.device).manual_seed(
+                params.seed + seq.completion_index) for seq in group}
+        self._generators.update(generators)
         for seq in group:
             self._sequences[seq.request_id] = seq
-            if params.seed is not None:
-                self._generators[seq.request_id] = torch.Generator(device=self.runner.device).manual_seed(
-                    params.seed + seq.completion_index)
             if self.tokenizer is not None:
                 self._decoders[seq.request_id] = IncrementalDecoder(self.tokenizer)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None

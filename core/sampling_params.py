@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from servelab.errors import RequestError
+
+MAX_SEED = 2**64 - 1  # the range torch.Generator.manual_seed takes
+MIN_SEED = -(2**63)
+
+
+def _brief(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _as_tuple(value):
@@ -44,23 +54,30 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise RequestError naming the first invalid field."""
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
+            raise RequestError(f"n must be an integer >= 1, got {_brief(self.n)}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {_brief(self.max_tokens)}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {_brief(value)}")
         if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise RequestError(f"temperature must be >= 0, got {_brief(self.temperature)}")
         if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {_brief(self.top_p)}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            raise RequestError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+            raise RequestError(f"top_k must be -1 (disabled) or an integer >= 1, got {_brief(self.top_k)}")
         if not 0 <= self.min_p <= 1:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise RequestError(f"seed must be an integer, got {self.seed!r}")
+            raise RequestError(f"min_p must be in [0, 1], got {_brief(self.min_p)}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise RequestError(f"seed must be an integer, got {_brief(self.seed)}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED - (self.n - 1):
+            raise RequestError(f"seed must be in [{MIN_SEED}, {MAX_SEED - (self.n - 1)}] (completion i uses "
+                               f"seed + i, and n={self.n}), got {_brief(self.seed)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise RequestError(f"stop must be non-empty strings, got {_brief(self.stop)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise RequestError(f"stop_token_ids must be non-negative integers, got {_brief(self.stop_token_ids)}")
 
     @property
     def is_greedy(self) -> bool:

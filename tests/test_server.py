@@ -210,8 +210,6 @@ CHAT = {"messages": [{"role": "user", "content": "w5"}]}
 BAD_INPUTS = [
     ("completions", b'{"prompt": ', None),
     ("completions", b'["w5"]', None),
-    ("completions", {"model": "gpt-4", "prompt": "w5"}, "model"),
-    ("chat/completions", {**CHAT, "model": "gpt-4"}, "model"),
     ("completions", {}, "prompt"),
     ("completions", {"prompt": LONG_PROMPT}, "prompt"),
     ("completions", {"prompt": [5, 100000]}, "prompt"),
@@ -327,7 +325,9 @@ def test_metrics_cover_the_engine(server, http):
     (["--port", "{port}"], "cannot listen on 127.0.0.1:"),  # taken: fails before the model loads
     (["--max-waiting", "0"], "--max-waiting"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
-], ids=["port-taken", "max-waiting", "shutdown-timeout"])
+    (["--max-prompt-chars", "0"], "--max-prompt-chars"),
+    (["--header-timeout", "0"], "--header-timeout"),
+], ids=["port-taken", "max-waiting", "shutdown-timeout", "max-prompt-chars", "header-timeout"])
 def test_serve_usage_errors_exit_2(server, args, fragment):
     port = server.url.rsplit(":", 1)[1]
     command = [sys.executable, "-m", "servelab.cli", "serve", "--model", "nowhere",

@@ -17,9 +17,11 @@ from servelab.sampling_params import SamplingParams
 from servelab.server.chat import ChatTemplate
 from servelab.server.engine_loop import AsyncEngine, EngineUnavailable, NewRequest
 from servelab.server.generation import TextStreamer
-from servelab.server.protocol import ApiError, parse_chat, parse_completion, parse_json
+from servelab.server.limits import RequestLimits, parse_body
+from servelab.server.protocol import ApiError, PromptBounds, brief, parse_chat, parse_completion
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+BOUNDS = PromptBounds(max_model_len=64, max_prompt_chars=1000, vocab_size=100)
 
 
 # ---------------------------------------------------------------- chat templates
@@ -62,7 +64,7 @@ def test_template_raise_exception_is_a_request_error():
 def test_completion_fields_become_sampling_params():
     parsed = parse_completion({"prompt": ["a", [1, 2]], "max_tokens": 5, "temperature": 0, "top_k": 3,
                                "min_p": 0.1, "seed": 9, "stop": "x", "stop_token_ids": [7], "ignore_eos": True,
-                               "n": 2, "stream": True, "user": "ignored", "stream_options": {"include_usage": True}})
+                               "n": 2, "stream": True, "user": "ignored", "stream_options": {"include_usage": True}}, BOUNDS)
     assert parsed.prompts == ("a", [1, 2]) and parsed.n == 2 and parsed.stream
     assert parsed.params == SamplingParams(max_tokens=5, temperature=0.0, top_k=3, min_p=0.1, seed=9, stop=("x",),
                                            stop_token_ids=(7,), ignore_eos=True)
@@ -71,9 +73,9 @@ def test_completion_fields_become_sampling_params():
 def test_chat_defaults_and_max_completion_tokens():
     parsed = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                     {"type": "text", "text": "b"}]}],
-                         "max_completion_tokens": 7})
+                         "max_completion_tokens": 7}, BOUNDS)
     assert parsed.messages == ({"role": "user", "content": "ab"},) and parsed.params.max_tokens == 7
-    assert parse_chat({"messages": MESSAGES}).params.max_tokens > 10**6  # until max_model_len
+    assert parse_chat({"messages": MESSAGES}, BOUNDS).params.max_tokens > 10**6  # until max_model_len
 
 
 @pytest.mark.parametrize("body,param", [
@@ -87,7 +89,7 @@ def test_chat_defaults_and_max_completion_tokens():
 ])
 def test_bad_completion_fields_are_named(body, param):
     with pytest.raises(ApiError) as info:
-        parse_completion(body)
+        parse_completion(body, BOUNDS)
     assert info.value.status == 400 and info.value.param == param
 
 
@@ -99,13 +101,13 @@ def test_bad_completion_fields_are_named(body, param):
 ])
 def test_bad_chat_fields_are_named(body, param):
     with pytest.raises(ApiError) as info:
-        parse_chat(body)
+        parse_chat(body, BOUNDS)
     assert info.value.param == param
 
 
 def test_malformed_json():
     with pytest.raises(ApiError) as info:
-        parse_json(b"{nope")
+        parse_body(b"{nope", RequestLimits())
     assert info.value.body()["error"]["code"] == "invalid_json"
 
 
@@ -265,11 +267,88 @@ def test_percentiles_and_histogram_quantiles():
     assert report.blocks_leaked == 0
 
 
-def test_api_key_comes_from_the_environment(monkeypatch):
+def test_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path):
     from servelab.cli import _parser
+    from servelab.server.options import api_key
 
-    monkeypatch.setenv("SERVELAB_API_KEY", "from-env")
-    assert _parser().parse_args(["serve"]).api_key == "from-env"
-    assert _parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
-    monkeypatch.delenv("SERVELAB_API_KEY")
-    assert _parser().parse_args(["serve"]).api_key is None
+    def key(argv, environ):
+        return api_key(_parser().parse_args(["serve", *argv]), environ)
+
+    (tmp_path / "key").write_text("from-file\n")
+    assert key([], {"SERVELAB_API_KEY": "from-env"}) == "from-env"
+    assert key(["--api-key-file", str(tmp_path / "key")], {"SERVELAB_API_KEY": "from-env"}) == "from-file"
+    assert key(["--api-key", "flag"], {"SERVELAB_API_KEY": "from-env"}) == "flag"
+    assert key([], {}) is None
+
+
+@pytest.mark.parametrize("argv,environ,source", [
+    ([], {"SERVELAB_API_KEY": ""}, "SERVELAB_API_KEY"),
+    ([], {"SERVELAB_API_KEY": "  "}, "SERVELAB_API_KEY"),
+    (["--api-key", ""], {}, "--api-key"),
+    (["--api-key-file", "{empty}"], {}, "--api-key-file"),
+])
+def test_an_empty_api_key_is_refused_wherever_it_comes_from(tmp_path, argv, environ, source):
+    from servelab.cli import _parser
+    from servelab.errors import ServelabError
+    from servelab.server.options import api_key
+
+    (tmp_path / "empty").write_text("\n")
+    argv = [a.format(empty=tmp_path / "empty") for a in argv]
+    with pytest.raises(ServelabError, match="empty") as info:
+        api_key(_parser().parse_args(["serve", *argv]), environ)
+    assert source in str(info.value)
+
+
+# ---------------------------------------------------------------- failure isolation in process
+
+
+def test_a_failing_decode_fails_its_request_alone():
+    def broken(tokens, outputs):
+        raise ValueError("cannot decode")
+
+    def working(tokens, outputs):
+        return [sum(len(t) for t in tokens.values())]
+
+    async def scenario():
+        loop = AsyncEngine(FakeEngine())
+        loop.start()
+        bad = await loop.add([NewRequest("bad", "p", SamplingParams(max_tokens=2), 0.0)], decode=broken)
+        good = await loop.add([NewRequest("good", "p", SamplingParams(max_tokens=2), 0.0)], decode=working)
+        (_, bad_event), = await drain(bad, 1)
+        good_events = await drain(good, 2)
+        assert "ValueError: cannot decode" in bad_event.decode_error and not bad_event.deltas
+        assert [e.deltas for _, e in good_events] == [(1,), (1,)] and good_events[-1][1].output is not None
+        await loop.shutdown()
+
+    run(scenario())
+
+
+def test_a_failed_engine_answers_500_naming_the_cause_and_health_503():
+    import httpx
+
+    from servelab.server.app import ServerState, build_app
+    from servelab.server.codec import TextCodec
+    from servelab.server.metrics import ServerMetrics
+
+    failures = []
+    engine = FakeEngine(fail_at=1)
+    engine.model_config = SimpleNamespace(vocab_size=100)
+    engine.clock = lambda: 0.0
+    state = ServerState(engine=AsyncEngine(engine, on_failure=failures.append), metrics=ServerMetrics(),
+                        codec=TextCodec(None, ChatTemplate(None)), model_name="fake", max_model_len=64, max_waiting=8)
+
+    async def scenario():
+        state.engine.start()
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            failed = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+            health = await client.get("/health")
+            refused = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        await state.engine.shutdown()
+        return failed, health, refused
+
+    failed, health, refused = run(scenario())
+    assert failed.status_code == 500 and "the engine failed: RuntimeError: boom" in failed.json()["error"]["message"]
+    assert health.status_code == 503 and "boom" in health.json()["error"]
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert failures and "boom" in failures[0]

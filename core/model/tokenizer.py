@@ -28,6 +28,11 @@ class Tokenizer:
         # add_special_tokens=False for text that already holds them (a rendered chat template)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of several texts; the work runs without Python's GIL, so a server can
+        tokenize on worker threads while its other threads carry on."""
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 

@@ -4,7 +4,10 @@
     GET  /health                GET  /metrics
 
 `/v1/*` requires `Authorization: Bearer <key>` when the server has an API key; `/health`
-and `/metrics` never do. Errors are OpenAI-shaped JSON bodies (see protocol.py).
+and `/metrics` never do. Errors are OpenAI-shaped JSON bodies (see protocol.py), unknown
+paths and methods included. A request's body is read within the limits of limits.py, its
+prompts are encoded on the codec's pool, and whatever fails on its way fails it alone:
+4xx for what the client sent, 5xx naming the cause for the server's own faults.
 """
 
 from __future__ import annotations
@@ -17,23 +20,27 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import attrs
+import structlog
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from servelab.errors import RequestError
-from servelab.server.chat import ChatTemplate
-from servelab.server.engine_loop import AsyncEngine, EngineUnavailable
+from servelab.server.codec import CodecFailure, TextCodec
+from servelab.server.engine_loop import AdmissionFailed, AsyncEngine, EngineUnavailable
 from servelab.server.generation import EngineFailure, Generation
+from servelab.server.limits import RequestLimits, parse_body, read_body
 from servelab.server.metrics import ServerMetrics
-from servelab.server.protocol import (ApiError, GenerationRequest, bad_request, check_model, parse_chat,
-                                      parse_completion, parse_json, request_error)
+from servelab.server.protocol import (UNBOUNDED_MAX_TOKENS, ApiError, GenerationRequest, PromptBounds, bad_request,
+                                      check_model, parse_chat, parse_completion, request_error)
 from servelab.server.responses import chat_body, chat_chunks, completion_body, completion_chunks
 
+logger = structlog.get_logger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_REJECT_REASONS = {400: "invalid", 401: "unauthorized", 429: "overloaded", 499: "client_closed", 500: "error",
-                   503: "unavailable"}
+_REJECT_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 408: "timeout", 413: "too_large",
+                   429: "overloaded", 499: "client_closed", 500: "error", 503: "unavailable"}
 
 
 @attrs.define
@@ -42,16 +49,18 @@ class ServerState:
 
     engine: AsyncEngine
     metrics: ServerMetrics
+    codec: TextCodec
     model_name: str
     max_model_len: int
     max_waiting: int
     api_key: str | None = None
-    chat_template: ChatTemplate = attrs.field(factory=lambda: ChatTemplate(None))
-    is_draining: Callable[[], bool] = lambda: False
+    limits: RequestLimits = attrs.field(factory=RequestLimits)
+    draining: bool = False  # set on SIGTERM: admission stops, in-flight requests finish
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+    def bounds(self) -> PromptBounds:
+        return PromptBounds(self.max_model_len, self.limits.prompt_chars(self.max_model_len),
+                            self.engine.engine.model_config.vocab_size)
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -62,6 +71,7 @@ def build_app(state: ServerState) -> Starlette:
             yield
         finally:
             await state.engine.shutdown()
+            state.codec.close()
 
     routes = [
         Route("/health", _health, methods=["GET"]),
@@ -70,7 +80,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/completions", _guarded(_completions), methods=["POST"]),
         Route("/v1/chat/completions", _guarded(_chat_completions), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: _internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.servelab = state
     return app
 
@@ -86,7 +97,7 @@ def _guarded(handler: Callable[[Request, ServerState], Awaitable[Response]]) -> 
         state = _state(request)
         try:
             _check_api_key(request, state.api_key)
-            if state.is_draining():
+            if state.draining:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
                                headers={"Retry-After": "5"})
             return await handler(request, state)
@@ -99,6 +110,14 @@ def _guarded(handler: Callable[[Request, ServerState], Awaitable[Response]]) -> 
 
 def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (no such path, wrong method) in the OpenAI shape."""
+    message = {404: f"no route for {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    error = ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)), code="not_found"
+                     if exc.status_code == 404 else None, headers=dict(exc.headers or {}))
+    return error_response(error)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -116,7 +135,7 @@ def _check_api_key(request: Request, api_key: str | None) -> None:
 
 async def _health(request: Request) -> Response:
     state = _state(request)
-    if state.engine.error is not None or state.engine.stopping or state.is_draining():
+    if state.engine.error is not None or state.engine.stopping or state.draining:
         return JSONResponse({"status": "unavailable", "error": state.engine.error}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -131,11 +150,42 @@ async def _models(request: Request, state: ServerState) -> Response:
         "max_model_len": state.max_model_len}]})
 
 
-async def _completions(request: Request, state: ServerState) -> Response:
-    body = parse_json(await request.body())
+async def _body(request: Request, state: ServerState) -> dict[str, Any]:
+    raw = await read_body(request.stream(), request.headers.get("content-length"), state.limits)
+    body = parse_body(raw, state.limits)
     check_model(body, state.model_name)
-    parsed = parse_completion(body)
-    generation = await _start(state, parsed, parsed.prompts, "prompt", "cmpl", "completions")
+    return body
+
+
+async def _encoded(encode: Awaitable[Any], field: str) -> Any:
+    """Prompts encoded on the codec's pool: RequestError -> 400, CodecFailure -> 500."""
+    try:
+        return await encode
+    except RequestError as exc:
+        raise request_error(exc, field) from None
+    except CodecFailure as exc:
+        raise ApiError(500, f"tokenizing the {field} failed: {exc}", field, type="server_error") from None
+
+
+def _check_context(prompts: list[list[int]], parsed: GenerationRequest, state: ServerState, field: str) -> None:
+    """400 when a prompt and max_tokens together do not fit the context (vLLM's rule)."""
+    max_tokens = parsed.params.max_tokens
+    for prompt in prompts:
+        if len(prompt) > state.max_model_len:
+            raise bad_request(f"{field} has {len(prompt)} tokens, more than max_model_len={state.max_model_len}",
+                              field)
+        if max_tokens != UNBOUNDED_MAX_TOKENS and len(prompt) + max_tokens > state.max_model_len:
+            raise bad_request(f"{field} has {len(prompt)} tokens and max_tokens is {max_tokens}: "
+                              f"{len(prompt) + max_tokens} tokens do not fit max_model_len={state.max_model_len}",
+                              "max_tokens")
+
+
+async def _completions(request: Request, state: ServerState) -> Response:
+    arrival_time = state.engine.engine.clock()  # TTFT counts the tokenization too
+    parsed = parse_completion(await _body(request, state), state.bounds)
+    prompts = await _encoded(state.codec.encode_prompts(parsed.prompts), "prompt")
+    _check_context(prompts, parsed, state, "prompt")
+    generation = await _start(state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time)
     if parsed.stream:
         return _sse(completion_chunks(generation, state.model_name))
     await _run_to_end(generation, request)
@@ -143,17 +193,11 @@ async def _completions(request: Request, state: ServerState) -> Response:
 
 
 async def _chat_completions(request: Request, state: ServerState) -> Response:
-    body = parse_json(await request.body())
-    check_model(body, state.model_name)
-    parsed = parse_chat(body)
-    if state.tokenizer is None:
-        raise bad_request("this checkpoint has no tokenizer.json, so it cannot take chat messages", "messages")
-    try:
-        rendered = state.chat_template.render(list(parsed.messages))
-    except RequestError as exc:
-        raise bad_request(str(exc), "messages") from None
-    prompt = state.tokenizer.encode(rendered.text, add_special_tokens=rendered.add_special_tokens)
-    generation = await _start(state, parsed, [prompt], "messages", "chatcmpl", "chat.completions")
+    arrival_time = state.engine.engine.clock()
+    parsed = parse_chat(await _body(request, state), state.bounds)
+    prompt = await _encoded(state.codec.encode_chat(list(parsed.messages)), "messages")
+    _check_context([prompt], parsed, state, "messages")
+    generation = await _start(state, parsed, [prompt], "messages", "chatcmpl", "chat.completions", arrival_time)
     if parsed.stream:
         return _sse(chat_chunks(generation, state.model_name))
     await _run_to_end(generation, request)
@@ -161,9 +205,11 @@ async def _chat_completions(request: Request, state: ServerState) -> Response:
 
 
 async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[Any], prompt_field: str,
-                 id_prefix: str, endpoint: str) -> Generation:
-    """Admission control, then queue every choice; 400 / 429 / 503 as ApiError."""
-    arrival_time = state.engine.engine.clock()
+                 id_prefix: str, endpoint: str, arrival_time: float) -> Generation:
+    """Admission control, then queue every choice; 400 / 429 / 500 / 503 as ApiError."""
+    if state.draining:  # it began before the signal and was tokenized since
+        raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                       headers={"Retry-After": "5"})
     num_seqs = len(prompts) * parsed.n
     if num_seqs > state.max_waiting:
         raise bad_request(f"n x prompts = {num_seqs} sequences, more than this server queues at once "
@@ -172,12 +218,14 @@ async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[An
         raise ApiError(429, f"the server is overloaded: {state.engine.num_waiting} sequences are waiting "
                             f"(limit {state.max_waiting}); retry later", type="rate_limit_error",
                        code="overloaded", headers={"Retry-After": "1"})
-    generation = Generation(state.engine, state.tokenizer, prompts, parsed.params, parsed.n,
+    generation = Generation(state.engine, state.codec.tokenizer, prompts, parsed.params, parsed.n,
                             f"{id_prefix}-{uuid.uuid4().hex}", endpoint)
     try:
         await generation.start(arrival_time)
     except RequestError as exc:
         raise request_error(exc, prompt_field) from None
+    except AdmissionFailed as exc:
+        raise ApiError(500, f"the engine could not take the request in: {exc}", type="server_error") from None
     except EngineUnavailable as exc:
         raise ApiError(503, f"the server cannot take requests: {exc}", type="server_error",
                        code="unavailable", headers={"Retry-After": "5"}) from None
@@ -207,6 +255,8 @@ async def _run_to_end(generation: Generation, request: Request) -> None:
         work.result()
     except EngineFailure as exc:
         raise ApiError(500, str(exc), type="server_error") from None
+    except CodecFailure as exc:
+        raise ApiError(500, str(exc), type="server_error") from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -219,8 +269,12 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-        except EngineFailure as exc:
+        except (EngineFailure, CodecFailure) as exc:
             error = ApiError(500, str(exc), type="server_error").body()
+            yield f"data: {json.dumps(error)}\n\n"
+        except Exception as exc:  # the stream has begun: the error can only be an event
+            logger.exception("stream.failed")
+            error = ApiError(500, f"internal server error: {type(exc).__name__}", type="server_error").body()
             yield f"data: {json.dumps(error)}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -25,12 +25,18 @@ from servelab.errors import RequestError, ServelabError
 from servelab.interfaces import AllocatorStats, SchedulerStats
 from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
+from servelab.server.detokenizer import Decode, Detokenizer
 
 logger = structlog.get_logger(__name__)
 
 
 class EngineUnavailable(ServelabError):
     """The engine loop is stopping or has failed; no new request can start."""
+
+
+class AdmissionFailed(ServelabError):
+    """The engine raised something other than RequestError while taking this request in:
+    a fault of ours, not of the client's; the request is refused and nothing of it remains."""
 
 
 @attrs.frozen
@@ -40,6 +46,8 @@ class RequestEvent:
     new_token_ids: tuple[int, ...] = ()
     output: RequestOutput | None = None  # set once, when the request finished or was aborted
     error: str | None = None  # the engine failed; the request is gone
+    deltas: tuple[Any, ...] = ()  # the request's text deltas, when it registered a decode function
+    decode_error: str | None = None  # its decode function failed (see detokenizer.py)
 
     @property
     def is_last(self) -> bool:
@@ -71,15 +79,18 @@ Listener = Callable[[Events, EngineSnapshot], None]
 class AsyncEngine:
     """Owns the engine thread. Every method is called from the event loop's thread."""
 
-    def __init__(self, engine: Any, listener: Listener | None = None) -> None:
+    def __init__(self, engine: Any, listener: Listener | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self._listener = listener
+        self.on_failure = on_failure  # called on the event loop once the engine has failed
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._unstarted: dict[str, int] = {}  # request id -> sequences, until its first token
         self.num_waiting = 0  # sequences of requests added here that have no token yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._detokenizer: Detokenizer | None = None
         self.snapshot = _snapshot(engine)
         self.error: str | None = None  # set when the engine failed
         self.stopping = False
@@ -88,18 +99,24 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._detokenizer = Detokenizer(lambda events, snapshot: self._call_soon(self._deliver, events, snapshot),
+                                        RequestEvent)
         self._thread = threading.Thread(target=self._run, name="servelab-engine", daemon=True)
         self._thread.start()
 
-    async def add(self, requests: Seq[NewRequest]) -> asyncio.Queue:
+    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> asyncio.Queue:
         """Add a group of requests, all or none (RequestError names the first bad one).
 
         Returns one queue receiving `(sequence or request id, RequestEvent)` for every
         request of the group until each has had its output. Until a request's first token
-        its sequences count in `num_waiting`.
+        its sequences count in `num_waiting`. With `decode`, each event keyed by a request
+        id also carries that request's text deltas, decoded on the detokenizer's thread.
         """
         if self.error is not None or self.stopping:
             raise EngineUnavailable(self.error or "the server is shutting down")
+        request_ids = [request.request_id for request in requests]
+        if decode is not None:
+            self._detokenizer.register(request_ids, decode)
         events: asyncio.Queue = asyncio.Queue()
         for request in requests:
             self._queues[request.request_id] = events
@@ -110,6 +127,7 @@ class AsyncEngine:
         try:
             await accepted
         except BaseException as exc:
+            self._detokenizer.unregister(request_ids)
             for request in requests:
                 self._queues.pop(request.request_id, None)
                 self._started(request.request_id)
@@ -117,6 +135,15 @@ class AsyncEngine:
                 self.abort([r.request_id for r in requests])
             raise
         return events
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests added here that have not had their output (or error) yet."""
+        return len(self._queues)
+
+    def abort_all(self) -> None:
+        """Abort every request in flight: each ends with an output whose finish_reason is "abort"."""
+        self.abort(list(self._queues))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests now (their KV is freed before the next step); unknown ids are ignored."""
@@ -131,6 +158,7 @@ class AsyncEngine:
             return
         self._commands.put(("stop", None, None))
         await asyncio.to_thread(self._thread.join, timeout)
+        await asyncio.to_thread(self._detokenizer.stop)
 
     def _deliver(self, events: Events, snapshot: EngineSnapshot) -> None:
         self.snapshot = snapshot
@@ -143,6 +171,7 @@ class AsyncEngine:
         for key, event in events.items():  # after every sibling's tokens went out
             if event.is_last:
                 self._queues.pop(key, None)
+                self._detokenizer.unregister([key])
         if self._listener is not None:
             self._listener(events, snapshot)
 
@@ -152,8 +181,16 @@ class AsyncEngine:
     # ------------------------------------------------------------ engine thread side
 
     def _run(self) -> None:
-        engine = self.engine
         in_flight: set[str] = set()  # request ids
+        try:
+            self._serve(in_flight)
+        except Exception as exc:  # a broken engine must not hang its clients
+            self._fail(exc, in_flight, {})
+            self._refuse_until_stopped()
+
+    def _serve(self, in_flight: set[str]) -> None:
+        """Take commands and step until told to stop; an exception here is the engine's death."""
+        engine = self.engine
         while True:
             events: Events = {}
             stop = False
@@ -171,12 +208,7 @@ class AsyncEngine:
                 self._post(events, _snapshot(engine))
                 return
             if engine.has_unfinished():
-                try:
-                    result = engine.step()
-                except Exception as exc:  # a broken engine must not hang its clients
-                    self._fail(exc, in_flight, events)
-                    self._refuse_until_stopped()
-                    return
+                result = engine.step()
                 for sequence_id, token_ids in result.new_token_ids.items():
                     events[sequence_id] = RequestEvent(tuple(token_ids))
                 for output in result.finished:
@@ -202,6 +234,13 @@ class AsyncEngine:
                 in_flight.add(request.request_id)
         except RequestError as exc:
             self._resolve(future, exc)
+        except Exception as exc:  # a fault while taking this group in fails this group alone
+            logger.exception("request.admission_failed", request_ids=[r.request_id for r in requests])
+            for request in requests:
+                if request.request_id in in_flight:
+                    self.engine.abort(request.request_id)
+                    in_flight.discard(request.request_id)
+            self._resolve(future, AdmissionFailed(f"{type(exc).__name__}: {exc}"))
         else:
             self._resolve(future, None)
 
@@ -217,8 +256,12 @@ class AsyncEngine:
         message = f"the engine failed: {type(exc).__name__}: {exc}"
         for request_id in in_flight:
             events[request_id] = RequestEvent(error=message)
+        try:
+            snapshot = _snapshot(self.engine)
+        except Exception:  # the policies may be as broken as the step was
+            snapshot = self.snapshot
         self._call_soon(self._mark_failed, message)
-        self._post(events, _snapshot(self.engine))
+        self._post(events, snapshot)
 
     def _refuse_until_stopped(self) -> None:
         while True:
@@ -230,6 +273,8 @@ class AsyncEngine:
 
     def _mark_failed(self, message: str) -> None:
         self.error = message
+        if self.on_failure is not None:
+            self.on_failure(message)
 
     def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
         def resolve() -> None:
@@ -243,7 +288,7 @@ class AsyncEngine:
         self._call_soon(resolve)
 
     def _post(self, events: Events, snapshot: EngineSnapshot) -> None:
-        self._call_soon(self._deliver, events, snapshot)
+        self._detokenizer.put(events, snapshot)  # then on to _deliver, on the event loop
 
     def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
         try:

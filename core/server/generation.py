@@ -17,6 +17,7 @@ import structlog
 
 from servelab.outputs import CompletionOutput, RequestOutput
 from servelab.sampling_params import SamplingParams
+from servelab.server.codec import CodecFailure
 from servelab.server.engine_loop import AsyncEngine, NewRequest, RequestEvent
 
 logger = structlog.get_logger(__name__)
@@ -41,6 +42,9 @@ class TextStreamer:
     Text ending in an incomplete UTF-8 sequence is held back, and so are the last
     (longest stop string - 1) characters, which a stop string completed by the next
     token could still claim: a stop string never reaches the client.
+
+    Decoding is incremental (as vLLM's detokenizer does it): each call decodes a window
+    of the last few tokens, not the whole output, so a long output costs O(1) per token.
     """
 
     def __init__(self, tokenizer: Any, stop: Seq[str]) -> None:
@@ -49,6 +53,9 @@ class TextStreamer:
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.token_ids: list[int] = []
         self.emitted = ""
+        self._text = ""  # the decoded text so far
+        self._prefix_offset = 0  # the window decode_new reads: tokens[prefix_offset:] ...
+        self._read_offset = 0  # ... of which those before read_offset are already in _text
 
     def feed(self, new_token_ids: Seq[int], completion: CompletionOutput | None) -> str:
         """The text to send now for these new tokens (and the finished completion, if any)."""
@@ -58,13 +65,20 @@ class TextStreamer:
         elif self._tokenizer is None:
             return ""
         else:
-            text = self._tokenizer.decode(self.token_ids)
-            if text.endswith("\ufffd"):
-                return ""
-            text = text[: max(0, len(text) - self._holdback)]
+            self._decode_new()
+            text = self._text[: max(0, len(self._text) - self._holdback)]
         delta = text[len(self.emitted):]
         self.emitted += delta
         return delta
+
+    def _decode_new(self) -> None:
+        """Extend _text by the new tokens' text, unless it ends in an incomplete character."""
+        window = self.token_ids[self._prefix_offset:]
+        known = self._tokenizer.decode(window[: self._read_offset - self._prefix_offset])
+        text = self._tokenizer.decode(window)
+        if len(text) > len(known) and not text.endswith("\ufffd"):
+            self._text += text[len(known):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
 
     def final_text(self, completion: CompletionOutput) -> str:
         """The completion's text, cut before the earliest stop string when one ended it.
@@ -104,8 +118,8 @@ class Choice:
 class Generation:
     """The engine requests behind one HTTP request, and their deltas."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, prompts: Seq[Any], params: SamplingParams, n: int,
-                 request_id: str, endpoint: str) -> None:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, prompts: Seq[list[int]], params: SamplingParams,
+                 n: int, request_id: str, endpoint: str) -> None:
         self.engine = engine
         self.request_id = request_id
         self.endpoint = endpoint
@@ -115,44 +129,39 @@ class Generation:
         self.engine_request_ids = [f"{request_id}-{p}" for p in range(len(prompts))]
         self.choices = [Choice(p * n + i, p, _sequence_id(rid, i), TextStreamer(tokenizer, params.stop))
                         for p, rid in enumerate(self.engine_request_ids) for i in range(n)]
+        self._by_sequence = {c.sequence_id: c for c in self.choices}
         self.outputs: dict[str, RequestOutput] = {}  # engine request id -> its output, once finished
         self._events = None
 
     async def start(self, arrival_time: float) -> None:
         """Queue every prompt in the engine (RequestError / EngineUnavailable propagate)."""
         self._events = await self.engine.add([NewRequest(rid, prompt, self._params, arrival_time)
-                                              for rid, prompt in zip(self.engine_request_ids, self._prompts)])
+                                              for rid, prompt in zip(self.engine_request_ids, self._prompts)],
+                                             decode=self._text_deltas)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's text deltas as the engine produces them, until all have finished.
 
         Events that queued up while the client was being served (a slow reader, a busy
         event loop) are merged: one delta per choice for all of them, not one per step.
+        The text was decoded on the detokenizer's thread. EngineFailure / CodecFailure end it.
         """
-        by_sequence = {c.sequence_id: c for c in self.choices}
         unfinished = set(self.engine_request_ids)
         status = "aborted"
         try:
             while unfinished:
-                tokens, outputs = await self._next_events()
-                finishing = {output.request_id for output in outputs}
-                for sequence_id, token_ids in tokens.items():
-                    if sequence_id.partition("#")[0] in finishing:
-                        continue  # its final text comes from the output (a stop string may cut it)
-                    choice = by_sequence[sequence_id]
-                    text = choice.streamer.feed(token_ids, None)
-                    if text:
-                        yield ChoiceDelta(choice.index, text, None)
+                deltas, outputs = await self._next_events()
                 for output in outputs:
                     self.outputs[output.request_id] = output
                     unfinished.discard(output.request_id)
-                    for completion in output.outputs:
-                        choice = by_sequence[_sequence_id(output.request_id, completion.index)]
-                        choice.output = completion
-                        yield ChoiceDelta(choice.index, choice.streamer.feed((), completion), choice.finish_reason)
+                for delta in deltas:
+                    yield delta
             status = "ok"
         except EngineFailure:
             unfinished.clear()  # the engine has dropped them already
+            status = "failed"
+            raise
+        except CodecFailure:
             status = "failed"
             raise
         finally:
@@ -160,21 +169,45 @@ class Generation:
                 self.engine.abort(unfinished)
             self._log(status)
 
-    async def _next_events(self) -> tuple[dict[str, list[int]], list[RequestOutput]]:
-        """The next event and every one already queued: new tokens per sequence, outputs."""
+    def _text_deltas(self, tokens: dict[str, list[int]], outputs: list[RequestOutput]) -> list[ChoiceDelta]:
+        """The deltas for one step's events (runs on the detokenizer's thread)."""
+        by_sequence = self._by_sequence
+        finishing = {output.request_id for output in outputs}
+        deltas = []
+        for sequence_id, token_ids in tokens.items():
+            if sequence_id.partition("#")[0] in finishing:
+                continue  # its final text comes from the output (a stop string may cut it)
+            choice = by_sequence[sequence_id]
+            text = choice.streamer.feed(token_ids, None)
+            if text:
+                deltas.append(ChoiceDelta(choice.index, text, None))
+        for output in outputs:
+            for completion in output.outputs:
+                choice = by_sequence[_sequence_id(output.request_id, completion.index)]
+                choice.output = completion
+                deltas.append(ChoiceDelta(choice.index, choice.streamer.feed((), completion), choice.finish_reason))
+        return deltas
+
+    async def _next_events(self) -> tuple[list[ChoiceDelta], list[RequestOutput]]:
+        """The next event and every one already queued: their text deltas (merged into one
+        per choice, in order), and the outputs of requests that finished."""
         events: list[tuple[str, RequestEvent]] = [await self._events.get()]
         while not self._events.empty():
             events.append(self._events.get_nowait())
-        tokens: dict[str, list[int]] = {}
+        merged: dict[int, ChoiceDelta] = {}
         outputs = []
-        for key, event in events:
+        for _, event in events:
             if event.error is not None:
                 raise EngineFailure(event.error)
-            if event.new_token_ids:
-                tokens.setdefault(key, []).extend(event.new_token_ids)
+            if event.decode_error is not None:
+                raise CodecFailure(f"detokenizing the output failed: {event.decode_error}")
+            for delta in event.deltas:
+                earlier = merged.pop(delta.index, None)
+                text = earlier.text + delta.text if earlier is not None else delta.text
+                merged[delta.index] = ChoiceDelta(delta.index, text, delta.finish_reason)
             if event.output is not None:
                 outputs.append(event.output)
-        return tokens, outputs
+        return list(merged.values()), outputs
 
     def prompt_token_ids(self, choice: Choice) -> list[int]:
         output = self.outputs.get(self.engine_request_ids[choice.prompt_index])

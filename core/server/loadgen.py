@@ -6,9 +6,14 @@ from one process, with client-side TTFT / TPOT and every outcome counted by kind
 
 Each request is a `stream: true` completion of a random word prompt with `ignore_eos`,
 so a request that is answered must bring exactly `max_tokens` tokens. Outcomes:
-"ok", "http_429" / "http_503" / "http_<status>" (refused), "incomplete" (the stream
-ended without [DONE] or with the wrong token count) and "transport" (connection errors,
-timeouts). Needs httpx (in the serve extra).
+"ok", "http_429" / "http_503" / "http_<status>" (refused), "aborted" (the stream ended
+properly, with [DONE], but its finish_reason was "abort": a shutdown's deadline cut it),
+"disconnected" (the first `num_disconnect` requests close their stream once half their
+tokens came, as a client that goes away would), "incomplete" (the stream ended without
+[DONE] or with the wrong token count), "connect_refused" (no server listening, as after
+a shutdown) and "transport" (other connection errors, timeouts). TTFT and TPOT are of
+the "ok" requests.
+Needs httpx (in the serve extra).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ class LoadReport:
             f"answered {ok}; errors by kind: {self.errors or 'none'}",
             f"TTFT p50 {_ms(percentile(self.ttft, 50))}, p99 {_ms(percentile(self.ttft, 99))}",
             f"TPOT p50 {_ms(percentile(self.tpot, 50))}, p99 {_ms(percentile(self.tpot, 99))}",
-            f"output tokens {self.output_tokens} ({self.output_tokens / self.seconds:.0f} tok/s)"
+            f"output tokens delivered {self.output_tokens} ({self.output_tokens / self.seconds:.0f} tok/s)"
             if self.seconds else "output tokens 0",
             f"server-side (/metrics histograms, since it started): "
             f"TTFT p50 {_ms(self.server_quantile('time_to_first_token', 0.5))}, "
@@ -98,15 +103,23 @@ def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
+def make_prompts(num_requests: int, prompt_words: tuple[int, int] = (4, 24), vocab: tuple[int, int] = (3, 211),
+                 seed: int = 0) -> list[str]:
+    """The random word prompts `run_load` sends (the same for the same arguments)."""
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(*vocab)}" for _ in range(rng.randint(*prompt_words)))
+            for _ in range(num_requests)]
+
+
 async def run_load(url: str, num_requests: int = 200, concurrency: int = 200, max_tokens: int = 8,
                    prompt_words: tuple[int, int] = (4, 24), model: str | None = None, api_key: str | None = None,
-                   seed: int = 0, timeout: float = 60.0, vocab: tuple[int, int] = (3, 211)) -> LoadReport:
-    """Send `num_requests` streaming completions, at most `concurrency` at a time."""
+                   seed: int = 0, timeout: float = 60.0, vocab: tuple[int, int] = (3, 211),
+                   num_disconnect: int = 0) -> LoadReport:
+    """Send `num_requests` streaming completions, at most `concurrency` at a time; the
+    first `num_disconnect` of them hang up halfway through their stream."""
     import httpx
 
-    rng = random.Random(seed)
-    prompts = [" ".join(f"w{rng.randrange(*vocab)}" for _ in range(rng.randint(*prompt_words)))
-               for _ in range(num_requests)]
+    prompts = make_prompts(num_requests, prompt_words, vocab, seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     report = LoadReport(num_requests, concurrency, max_tokens)
     gate = asyncio.Semaphore(concurrency)
@@ -115,27 +128,30 @@ async def run_load(url: str, num_requests: int = 200, concurrency: int = 200, ma
                                  timeout=httpx.Timeout(timeout, connect=timeout, pool=timeout)) as client:
         started = time.perf_counter()
 
-        async def one(prompt: str) -> None:
+        async def one(index: int, prompt: str) -> None:
             body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                     "temperature": 0.0}
             if model is not None:
                 body["model"] = model
             async with gate:
-                await _stream_one(client, body, report)
+                await _stream_one(client, body, report, hang_up=index < num_disconnect)
 
-        await asyncio.gather(*(one(p) for p in prompts))
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         report.seconds = time.perf_counter() - started
-        report.server = await settled_metrics(client)
+        try:
+            report.server = await settled_metrics(client)
+        except httpx.HTTPError:  # the server has stopped (a shutdown during the run)
+            report.server = {}
     return report
 
 
-async def _stream_one(client: Any, body: dict[str, Any], report: LoadReport) -> None:
+async def _stream_one(client: Any, body: dict[str, Any], report: LoadReport, hang_up: bool = False) -> None:
     import httpx
 
     sent = time.perf_counter()
     first = last = None
-    num_tokens = 0
-    done = False
+    num_tokens = num_deltas = 0
+    done = aborted = False
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -154,8 +170,20 @@ async def _stream_one(client: Any, body: dict[str, Any], report: LoadReport) -> 
                 elif any(c.get("text") for c in chunk.get("choices", ())):
                     last = time.perf_counter()
                     first = first or last
+                    num_deltas += 1
+                aborted = aborted or any(c.get("finish_reason") == "abort" for c in chunk.get("choices", ()))
+                if hang_up and num_deltas >= body["max_tokens"] // 2:
+                    report.outcomes["disconnected"] += 1
+                    return  # leaving the block closes the connection mid-stream
+    except httpx.ConnectError:  # nobody listens (any more): refused before a request was sent
+        report.outcomes["connect_refused"] += 1
+        return
     except httpx.HTTPError:
         report.outcomes["transport"] += 1
+        return
+    if done and aborted:  # cut off by a shutdown's deadline: its tokens count, its latencies do not
+        report.outcomes["aborted"] += 1
+        report.output_tokens += num_tokens
         return
     if not done or num_tokens != body["max_tokens"]:
         report.outcomes["incomplete"] += 1

@@ -9,7 +9,7 @@ tools, ...) are refused by name rather than silently ignored; unknown fields are
 
 from __future__ import annotations
 
-import json
+import math
 import re
 from typing import Any
 
@@ -19,6 +19,9 @@ from servelab.errors import RequestError
 from servelab.sampling_params import SamplingParams
 
 MAX_N = 64  # choices per request
+UNBOUNDED_MAX_TOKENS = 2**31 - 1  # chat without max_tokens: until the context is full (the engine stops there)
+MAX_SEED = 2**64 - 1  # the largest seed a torch generator takes; choice i of a request uses seed + i
+MIN_SEED = -(2**63)
 _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -29,6 +32,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        message, param = _printable(message), _printable(param)  # it may quote text that is not Unicode
         super().__init__(message)
         self.status = status
         self.message = message
@@ -41,8 +45,31 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _printable(text: str | None) -> str | None:
+    """`text` with anything UTF-8 cannot carry (a lone surrogate) written as a backslash escape."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param, code)
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """`repr(value)` cut to `limit` characters, for quoting a client's value in an error."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= 4 * limit else repr(value[: 4 * limit])
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
+    return f"{text[:limit]}... ({size})"
+
+
+@attrs.frozen
+class PromptBounds:
+    """What the served model allows, checked before anything is tokenized."""
+
+    max_model_len: int
+    max_prompt_chars: int
+    vocab_size: int
 
 
 def request_error(exc: RequestError, prompt_field: str) -> ApiError:
@@ -68,48 +95,50 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM's extra: token ids in non-streaming choices
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
-    return body
-
-
 def check_model(body: dict[str, Any], served_model: str) -> None:
     model = body.get("model")
     if model is None:
         return
     if model != served_model:
-        raise bad_request(f"the model {model!r} does not exist; this server serves {served_model!r}", "model",
-                          "model_not_found")
+        raise ApiError(404, f"the model {brief(model)} does not exist; this server serves {served_model!r}",
+                       "model", "model_not_found")
 
 
-def parse_completion(body: dict[str, Any]) -> GenerationRequest:
+def parse_completion(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
     """`POST /v1/completions`: prompt is a string, a token-id list, or a list of either."""
     _refuse_unsupported(body, chat=False)
     prompts = _prompts(body.get("prompt", _MISSING))
+    for prompt in prompts:
+        _check_prompt_size(prompt, bounds, "prompt")
     n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
-    return GenerationRequest(prompts, _sampling_params(body, default_max_tokens=16), n, _boolean(body, "stream"),
+    return GenerationRequest(prompts, _sampling_params(body, 16, n, bounds), n, _boolean(body, "stream"),
                              return_token_ids=_boolean(body, "return_token_ids"))
 
 
-def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
     """`POST /v1/chat/completions`: messages are {"role", "content"} with text content."""
     _refuse_unsupported(body, chat=True)
     messages = _messages(body.get("messages", _MISSING))
+    _check_prompt_size("".join(m["content"] for m in messages), bounds, "messages")
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
     # Chat's default is "until the context is full"; the engine stops at max_model_len.
-    params = _sampling_params(body, default_max_tokens=None)
+    params = _sampling_params(body, None, n, bounds)
     return GenerationRequest((), params, n, _boolean(body, "stream"), messages,
                              return_token_ids=_boolean(body, "return_token_ids"))
 
 
 _MISSING = object()
+
+
+def _check_prompt_size(prompt: str | list[int], bounds: PromptBounds, field: str) -> None:
+    """A prompt too long for the context however it tokenizes is refused before tokenization."""
+    if isinstance(prompt, str) and len(prompt) > bounds.max_prompt_chars:
+        raise bad_request(f"{field} has {len(prompt)} characters, more than this server tokenizes "
+                          f"({bounds.max_prompt_chars}, for max_model_len={bounds.max_model_len})", field)
+    if isinstance(prompt, list) and len(prompt) > bounds.max_model_len:
+        raise bad_request(f"{field} has {len(prompt)} tokens, more than max_model_len={bounds.max_model_len}", field)
 
 
 def _prompts(prompt: Any) -> tuple[Any, ...]:
@@ -135,7 +164,7 @@ def _messages(messages: Any) -> tuple[dict[str, str], ...]:
             raise bad_request(f"{where} must be an object with role and content", where)
         role = message.get("role")
         if role not in _ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
+            raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}, got {brief(role)}", f"{where}.role")
         parsed.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
     return tuple(parsed)
 
@@ -156,14 +185,19 @@ def _content(content: Any, where: str) -> str:
     raise bad_request(f"{where} must be a string or a list of text parts", where)
 
 
-def _sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> SamplingParams:
+def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: int,
+                     bounds: PromptBounds) -> SamplingParams:
     max_tokens = _integer(body, "max_tokens", default_max_tokens, minimum=1)
+    top_k = _integer(body, "top_k", -1)
+    if not (top_k in (-1, 0) or 1 <= top_k <= bounds.vocab_size):  # 0 disables it too, as in vLLM
+        raise bad_request(f"top_k must be -1 (disabled) or in 1..{bounds.vocab_size} (the vocabulary), "
+                          f"got {brief(top_k)}", "top_k")
     values = {
         "temperature": _number(body, "temperature", 1.0),
         "top_p": _number(body, "top_p", 1.0),
-        "top_k": _integer(body, "top_k", -1),
+        "top_k": top_k,
         "min_p": _number(body, "min_p", 0.0),
-        "seed": _integer(body, "seed", None),
+        "seed": _seed(body, n),
         "stop": _stop(body.get("stop")),
         "stop_token_ids": _token_ids(body, "stop_token_ids"),
         "ignore_eos": _boolean(body, "ignore_eos"),
@@ -171,7 +205,7 @@ def _sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> Sa
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
     else:
-        values["max_tokens"] = 2**31 - 1  # bounded by max_model_len in the engine
+        values["max_tokens"] = UNBOUNDED_MAX_TOKENS
     try:
         return SamplingParams(**values)
     except RequestError as exc:
@@ -184,12 +218,20 @@ def _integer(body: dict[str, Any], name: str, default: int | None, minimum: int 
     if value is None:
         return default
     if not _is_int(value):
-        raise bad_request(f"{name} must be an integer, got {value!r}", name)
+        raise bad_request(f"{name} must be an integer, got {brief(value)}", name)
     if minimum is not None and value < minimum:
-        raise bad_request(f"{name} must be >= {minimum}, got {value!r}", name)
+        raise bad_request(f"{name} must be >= {minimum}, got {brief(value)}", name)
     if maximum is not None and value > maximum:
-        raise bad_request(f"{name} must be <= {maximum}, got {value!r}", name)
+        raise bad_request(f"{name} must be <= {maximum}, got {brief(value)}", name)
     return value
+
+
+def _seed(body: dict[str, Any], n: int) -> int | None:
+    seed = _integer(body, "seed", None)
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED - (n - 1):
+        raise bad_request(f"seed must be in [{MIN_SEED}, {MAX_SEED - (n - 1)}] (2**64 - 1 - (n - 1): choice i "
+                          f"uses seed + i, and n={n}), got {brief(seed)}", "seed")
+    return seed
 
 
 def _number(body: dict[str, Any], name: str, default: float) -> float:
@@ -197,8 +239,14 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"{name} must be a number, got {value!r}", name)
-    return float(value)
+        raise bad_request(f"{name} must be a number, got {brief(value)}", name)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad_request(f"{name} must be a finite number, got {brief(value)}", name)
+    return number
 
 
 def _boolean(body: dict[str, Any], name: str) -> bool:
@@ -206,7 +254,7 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise bad_request(f"{name} must be true or false, got {value!r}", name)
+        raise bad_request(f"{name} must be true or false, got {brief(value)}", name)
     return value
 
 
@@ -216,7 +264,7 @@ def _stop(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise bad_request(f"stop must be a non-empty string or a list of them, got {value!r}", "stop")
+        raise bad_request(f"stop must be a non-empty string or a list of them, got {brief(value)}", "stop")
     return tuple(value)
 
 
@@ -225,7 +273,7 @@ def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-        raise bad_request(f"{name} must be a list of non-negative integers, got {value!r}", name)
+        raise bad_request(f"{name} must be a list of non-negative integers, got {brief(value)}", name)
     return tuple(value)
 
 
@@ -237,10 +285,10 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     for name, allowed in neutral.items():
         value = body.get(name)
         if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
-            raise bad_request(f"{name} is not supported by this server (got {value!r})", name, "unsupported")
+            raise bad_request(f"{name} is not supported by this server (got {brief(value)})", name, "unsupported")
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
-        raise bad_request(f"best_of is not supported by this server (got {best_of!r})", "best_of", "unsupported")
+        raise bad_request(f"best_of is not supported by this server (got {brief(best_of)})", "best_of", "unsupported")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise bad_request("response_format other than {\"type\": \"text\"} is not supported", "response_format",

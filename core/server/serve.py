@@ -1,9 +1,16 @@
 """`servelab serve`: build the engine, bind the socket, run uvicorn until a signal.
 
-SIGINT or SIGTERM starts a graceful shutdown: the listening socket closes (new
-connections are refused), requests on open connections get 503, in-flight requests
-run to completion for up to `shutdown_timeout` seconds, then whatever is left is
-cancelled (its engine requests aborted), the engine thread stops and the process exits 0.
+SIGINT or SIGTERM starts a graceful shutdown: admission stops (every new request, on a
+new connection or an open one, gets 503 with Retry-After, and /health 503), in-flight
+requests run to completion for up to `shutdown_timeout` seconds, then whatever is left
+is aborted: each open stream ends with a final chunk whose finish_reason is "abort",
+its usage and [DONE]. Then the socket closes, the engine thread stops and the process
+exits 0. A second signal skips the wait.
+
+If the engine itself fails (an exception out of a step, or out of the loop around it),
+every request in flight ends with an error (a stream: an error event, then [DONE]),
+/health answers 503, and the process exits with EXIT_ENGINE_FAILED so that a supervisor
+restarts it: a failed engine's state cannot be trusted, so it is not restarted in place.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import contextlib
 import signal
 import socket
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import attrs
@@ -19,9 +27,12 @@ import structlog
 
 from servelab.config import EngineConfig
 from servelab.errors import ServelabError
+from servelab.server.limits import RequestLimits
 
 logger = structlog.get_logger(__name__)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_ENGINE_FAILED = 1
+_FLUSH_SECONDS = 5.0  # after the drain: for the last chunks to reach their clients
 
 
 @attrs.frozen(kw_only=True)
@@ -34,14 +45,23 @@ class ServerOptions:
     served_model_name: str | None = None  # the model id clients send; default: the model path
     max_waiting: int = 256  # queued sequences beyond which requests get 429 + Retry-After
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
+    header_timeout: float = 10.0  # seconds a connection gets to send a request's headers
+    limits: RequestLimits = attrs.field(factory=RequestLimits)  # body size and time, JSON depth, prompt size
+    tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
 
     def __attrs_post_init__(self) -> None:
-        if self.max_waiting < 1:
-            raise ServelabError(f"--max-waiting must be >= 1, got {self.max_waiting}")
+        positive = {"--max-waiting": self.max_waiting, "--header-timeout": self.header_timeout,
+                    "--body-timeout": self.limits.body_timeout, "--max-body-bytes": self.limits.max_body_bytes,
+                    "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers}
+        if self.limits.max_prompt_chars is not None:
+            positive["--max-prompt-chars"] = self.limits.max_prompt_chars
+        for flag, value in positive.items():
+            if not value > 0:
+                raise ServelabError(f"{flag} must be > 0, got {value}")
         if self.shutdown_timeout < 0:
             raise ServelabError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
-        if self.api_key == "":
-            raise ServelabError("--api-key must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ServelabError("the API key must not be empty (from --api-key, --api-key-file or SERVELAB_API_KEY)")
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
@@ -58,21 +78,25 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     except BaseException:
         sock.close()
         raise
+    from servelab.server.connection import protocol_with_header_timeout
+
     uvicorn_config = uvicorn.Config(build_app(state), log_config=None, access_log=False, lifespan="on",
-                                    timeout_graceful_shutdown=options.shutdown_timeout)
+                                    http=protocol_with_header_timeout(options.header_timeout),
+                                    timeout_graceful_shutdown=_FLUSH_SECONDS)
     host, port = sock.getsockname()[:2]
 
     def ready() -> None:
         print(f"servelab: serving {state.model_name!r} on http://{_url_host(host)}:{port}", flush=True)
         logger.info("server.started", model=state.model_name, host=host, port=port,
                     api_key=options.api_key is not None, max_waiting=options.max_waiting,
-                    chat_template="default" if state.chat_template.is_default else "checkpoint")
+                    chat_template="default" if state.codec.chat_template.is_default else "checkpoint")
 
-    server = _graceful_server(uvicorn_config, ready)
-    state.is_draining = lambda: server.should_exit
+    server = _graceful_server(uvicorn_config, state, options.shutdown_timeout, ready)
+    state.engine.on_failure = server.engine_failed
     server.run(sockets=[sock])
-    logger.info("server.stopped", model=state.model_name)
-    return 0
+    logger.info("server.stopped", model=state.model_name, exit_code=server.exit_code,
+                kv_blocks_used=state.engine.snapshot.allocator.num_used_blocks)
+    return server.exit_code
 
 
 def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
@@ -82,6 +106,7 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     from servelab.engine import LLMEngine
     from servelab.registry import PluginRegistry
     from servelab.server.app import ServerState
+    from servelab.server.codec import TextCodec
     from servelab.server.engine_loop import AsyncEngine
     from servelab.server.metrics import EngineObserver, ServerMetrics
 
@@ -90,18 +115,26 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     registry = PluginRegistry.from_entry_points()
     registry.register(EngineObserver(metrics), name="servelab-server-metrics")
     engine = LLMEngine(config, registry)
-    return ServerState(engine=AsyncEngine(engine, metrics.observe), metrics=metrics,
+    codec = TextCodec(engine.tokenizer, _chat_template(engine), options.tokenizer_workers)
+    return ServerState(engine=AsyncEngine(engine, metrics.observe), metrics=metrics, codec=codec,
                        model_name=options.served_model_name or config.engine.model,
                        max_model_len=engine.limits.max_model_len, max_waiting=options.max_waiting,
-                       api_key=options.api_key, chat_template=_chat_template(engine))
+                       api_key=options.api_key, limits=options.limits)
 
 
-def _graceful_server(config: Any, on_ready: Callable[[], None]) -> Any:
-    """A uvicorn Server whose signals mean: shut down gracefully and return. (uvicorn's
-    own re-raises the signal afterwards, which would end the process by that signal.)"""
+def _graceful_server(config: Any, state: Any, shutdown_timeout: float, on_ready: Callable[[], None]) -> Any:
+    """A uvicorn Server that drains on a signal (see the module docstring) and returns, with
+    `exit_code` 0, or EXIT_ENGINE_FAILED once the engine has failed. (uvicorn's own server
+    closes the socket at once and re-raises the signal afterwards.)"""
+    import asyncio
+
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
+        exit_code = 0
+        _loop: Any = None
+        _drain: Any = None
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             if threading.current_thread() is not threading.main_thread():
@@ -114,12 +147,50 @@ def _graceful_server(config: Any, on_ready: Callable[[], None]) -> Any:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if state.draining or self._loop is None:  # a second signal, or one before startup: stop now
+                super().handle_exit(sig, frame)
+                return
+            state.draining = True
+            logger.info("server.draining", in_flight=state.engine.num_in_flight, deadline_s=shutdown_timeout)
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+        def engine_failed(self, message: str) -> None:
+            logger.error("server.engine_failed", error=message, exit_code=EXIT_ENGINE_FAILED)
+            self.exit_code = EXIT_ENGINE_FAILED
+            state.draining = True
+            self.should_exit = True  # the failed requests' error events are already queued
+
+        def _start_drain(self) -> None:
+            self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            engine = state.engine
+            if not await _wait_until(lambda: engine.num_in_flight == 0, shutdown_timeout):
+                logger.warning("server.drain_deadline", aborted=engine.num_in_flight)
+                engine.abort_all()  # each stream ends with finish_reason "abort" and [DONE]
+                await _wait_until(lambda: engine.num_in_flight == 0, _FLUSH_SECONDS)
+            self.should_exit = True
+
         async def startup(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
             if self.started:
                 on_ready()
 
     return GracefulServer(config)
+
+
+async def _wait_until(condition: Callable[[], bool], seconds: float) -> bool:
+    """Poll `condition` for up to `seconds`; whether it came true."""
+    import asyncio
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 def _chat_template(engine: Any) -> Any:

@@ -1,0 +1,65 @@
+"""Tokenization (and chat-template rendering) on a small thread pool of its own.
+
+It belongs neither on the event loop (it would stall every stream and `/health` while
+one long prompt is encoded) nor on the engine thread (it would stall every step).
+Prompts are encoded with the tokenizer's batch call, which runs without the GIL.
+(Detokenization has a thread of its own: see detokenizer.py.) A failure here is the one
+request's: `RequestError` for what the client sent, `CodecFailure` (a 500 naming the
+cause) for ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence as Seq, TypeVar
+
+from servelab.errors import RequestError, ServelabError
+from servelab.server.chat import ChatTemplate
+
+T = TypeVar("T")
+
+
+class CodecFailure(ServelabError):
+    """Tokenizing or detokenizing one request failed for a reason of the server's."""
+
+
+class TextCodec:
+    """Prompts -> token ids, off the event loop and the engine thread."""
+
+    def __init__(self, tokenizer: Any, chat_template: ChatTemplate, workers: int = 2) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="servelab-codec")
+
+    async def run(self, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)` on the pool; an unexpected exception becomes CodecFailure."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
+        except (RequestError, CodecFailure):
+            raise
+        except Exception as exc:
+            raise CodecFailure(f"{type(exc).__name__}: {exc}") from exc
+
+    async def encode_prompts(self, prompts: Seq[str | list[int]]) -> list[list[int]]:
+        """Token ids of every prompt (token-id prompts are passed through as they are)."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if not texts:
+            return [list(p) for p in prompts]
+        if self.tokenizer is None:
+            raise RequestError("prompt: this checkpoint has no tokenizer.json: pass prompts as lists of token ids")
+        encoded = iter(await self.run(self.tokenizer.encode_batch, texts))
+        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template rendered and tokenized (RequestError when the template refuses)."""
+        if self.tokenizer is None:
+            raise RequestError("messages: this checkpoint has no tokenizer.json, so it cannot take chat messages")
+        return await self.run(self._render_and_encode, messages)
+
+    def _render_and_encode(self, messages: list[dict[str, str]]) -> list[int]:
+        rendered = self.chat_template.render(messages)
+        return self.tokenizer.encode_batch([rendered.text], add_special_tokens=rendered.add_special_tokens)[0]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,86 @@
+"""Detokenization on a thread of its own, between the engine thread and the event loop.
+
+Each engine-loop iteration's events pass through here once: the requests that registered
+a decode function get their new tokens (and finished outputs) turned into text deltas,
+all in one batch on this thread, and the events go on to the event loop in one
+callback. The engine thread never decodes, the event loop never decodes, and there is
+one thread hand-off per step, not one per request.
+
+A decode function that raises fails its own request alone: its event carries
+`decode_error` instead of deltas, and every other request carries on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+import attrs
+import structlog
+
+logger = structlog.get_logger(__name__)
+
+# decode(tokens by sequence id, finished outputs) -> the request's text deltas
+Decode = Callable[[dict[str, list[int]], list[Any]], list[Any]]
+
+
+class Detokenizer:
+    """Turns each step's events into text deltas, then hands them to `deliver`."""
+
+    def __init__(self, deliver: Callable[..., None], event_type: type) -> None:
+        self._deliver = deliver  # called with (events, *extra) from this thread: it must be thread-safe
+        self._event_type = event_type  # the attrs class of events: new_token_ids, output, deltas, decode_error
+        self._decoders: dict[str, Decode] = {}  # engine request id -> its decode function
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="servelab-detokenizer", daemon=True)
+        self._thread.start()
+
+    def register(self, request_ids: list[str], decode: Decode) -> None:
+        with self._lock:
+            self._decoders.update((request_id, decode) for request_id in request_ids)
+
+    def unregister(self, request_ids: list[str]) -> None:
+        with self._lock:
+            for request_id in request_ids:
+                self._decoders.pop(request_id, None)
+
+    def put(self, events: dict[str, Any], *extra: Any) -> None:
+        """Queue one iteration's events (called from the engine thread)."""
+        self._queue.put((events, extra))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            events, extra = item
+            self._deliver(self._decode(events), *extra)
+
+    def _decode(self, events: dict[str, Any]) -> dict[str, Any]:
+        by_request: dict[str, tuple[dict[str, list[int]], list[Any]]] = {}
+        for key, event in events.items():
+            tokens, outputs = by_request.setdefault(key.partition("#")[0], ({}, []))
+            if event.new_token_ids:
+                tokens[key] = list(event.new_token_ids)
+            if event.output is not None:
+                outputs.append(event.output)
+        with self._lock:
+            decoders = {rid: self._decoders.get(rid) for rid in by_request}
+        decoded = dict(events)
+        for request_id, (tokens, outputs) in by_request.items():
+            decode = decoders[request_id]
+            if decode is None:
+                continue
+            base = events.get(request_id) or self._event_type()
+            try:
+                decoded[request_id] = attrs.evolve(base, deltas=tuple(decode(tokens, outputs)))
+            except Exception as exc:  # this request's text is lost; the others' is not
+                logger.exception("request.detokenize_failed", request_id=request_id)
+                decoded[request_id] = attrs.evolve(base, decode_error=f"{type(exc).__name__}: {exc}")
+        return decoded

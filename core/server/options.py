@@ -1,0 +1,80 @@
+"""`servelab serve`'s command-line options -> ServerOptions.
+
+The API key comes from `--api-key`, `--api-key-file PATH` (the file's first line) or the
+SERVELAB_API_KEY environment variable, in that order, so it never has to appear on a
+command line (where `ps` shows it). An empty key is refused wherever it comes from:
+it would otherwise turn authentication off without a word.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Mapping
+
+from servelab.errors import ServelabError
+from servelab.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
+from servelab.server.serve import ServerOptions
+
+API_KEY_ENV = "SERVELAB_API_KEY"
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """The HTTP server's own options (the engine's come from --model, --config, --set)."""
+    limits = RequestLimits()
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on /v1/* (better: --api-key-file "
+                                         f"or ${API_KEY_ENV}, which keep it off the command line)")
+    serve.add_argument("--api-key-file", help="read the API key from the first line of this file")
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="queued sequences beyond which requests get 429 with Retry-After (default 256)")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 10)")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection gets to send a request's headers, else 408 (default 10)")
+    serve.add_argument("--body-timeout", type=float, default=limits.body_timeout,
+                       help=f"seconds a request gets to send its body, else 408 (default {limits.body_timeout:g})")
+    serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                       help=f"larger request bodies get 413 (default {limits.max_body_bytes})")
+    serve.add_argument("--max-json-depth", type=int, default=limits.max_json_depth,
+                       help=f"deeper nested JSON bodies get 400 (default {limits.max_json_depth})")
+    serve.add_argument("--max-prompt-chars", type=int, default=None,
+                       help=f"longer prompts get 400 before tokenization (default {CHARS_PER_TOKEN_BOUND} "
+                            f"x max_model_len)")
+    serve.add_argument("--tokenizer-workers", type=int, default=2,
+                       help="threads that tokenize prompts and render chat templates (default 2)")
+
+
+def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerOptions:
+    """ServerOptions from parsed arguments; ServelabError for a bad value (an empty key included)."""
+    limits = RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                           body_timeout=args.body_timeout, max_prompt_chars=args.max_prompt_chars)
+    return ServerOptions(host=args.host, port=args.port, api_key=api_key(args, environ),
+                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                         shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
+                         limits=limits, tokenizer_workers=args.tokenizer_workers)
+
+
+def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The key from --api-key, --api-key-file or the environment; None when none is given."""
+    if args.api_key is not None:
+        return _non_empty(args.api_key, "--api-key")
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ServelabError(f"--api-key-file: cannot read {args.api_key_file!r}: {exc.strerror or exc}") from None
+        return _non_empty(lines[0] if lines else "", f"--api-key-file {args.api_key_file!r}")
+    if API_KEY_ENV in environ:
+        return _non_empty(environ[API_KEY_ENV], API_KEY_ENV)
+    return None
+
+
+def _non_empty(key: str, source: str) -> str:
+    key = key.strip()
+    if not key:
+        raise ServelabError(f"the API key from {source} is empty; an empty key would turn authentication off "
+                            f"(leave it unset to serve without a key)")
+    return key

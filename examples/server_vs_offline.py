@@ -1,0 +1,91 @@
+"""Server throughput against offline `LLM.generate` on the same requests, in one run.
+
+    python examples/server_vs_offline.py --model builtin:tiny --streams 100 --max-tokens 64 --repeats 3
+
+Starts `servelab serve --port 0` on 127.0.0.1, sends `--streams` concurrent streaming
+completions (ignore_eos, greedy) `--repeats` times, and after each server run the same prompts and parameters through
+`LLM.generate` in this process (interleaved, so both see the same machine load). Prints
+output tokens per second of every run, the median and range of each, and the ratio of
+each pair (server / offline). Both sides use the same engine settings (--set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from load_test import start_server, stop_server  # noqa: E402
+
+from servelab.server.loadgen import make_prompts, run_load  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="builtin:tiny")
+    parser.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--streams", type=int, default=100)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    args.max_waiting, args.api_key = max(256, args.streams), None
+
+    process, url, _ = start_server(args)
+    server, offline = [], []
+    try:  # interleaved, so that both sides see the same machine load
+        _server_run(url, args)  # warm-up
+        for _ in range(args.repeats):
+            server.append(_server_run(url, args))
+            offline.append(_offline_run(args))  # the server is idle meanwhile
+    finally:
+        code = stop_server(process)
+    ratios = [s / o for s, o in zip(server, offline)]
+    print(f"{args.streams} streams x {args.max_tokens} tokens, model {args.model}, settings {args.assignments}")
+    print(f"server  tok/s: {_spread(server)}  (exit code after SIGTERM: {code})")
+    print(f"offline tok/s: {_spread(offline)}")
+    print(f"server / offline, run by run: median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, "
+          f"max {max(ratios):.2f}; runs {', '.join(f'{r:.2f}' for r in ratios)})")
+    return 0
+
+
+def _server_run(url: str, args: argparse.Namespace) -> float:
+    report = asyncio.run(run_load(url, args.streams, args.streams, args.max_tokens, timeout=600))
+    if report.errors:
+        raise SystemExit(f"the server run had errors: {report.errors}")
+    return report.output_tokens / report.seconds
+
+
+_LLM = None
+
+
+def _offline_run(args: argparse.Namespace) -> float:
+    global _LLM
+    from servelab import LLM, SamplingParams
+
+    if _LLM is None:
+        overrides = dict(a.split("=", 1) for a in args.assignments)
+        _LLM = LLM(args.model, **{k: _value(v) for k, v in overrides.items()})
+    prompts = make_prompts(args.streams)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    started = time.perf_counter()
+    outputs = _LLM.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+
+
+def _value(text: str) -> object:
+    return int(text) if text.isdigit() else text
+
+
+def _spread(values: list[float]) -> str:
+    runs = ", ".join(f"{v:.0f}" for v in values)
+    return f"median {statistics.median(values):.0f} (min {min(values):.0f}, max {max(values):.0f}; runs {runs})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
