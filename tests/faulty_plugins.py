@@ -10,7 +10,9 @@ from typing import Any
 import attrs
 
 from servelab.interfaces import DrafterContext, SchedulerContext
-from servelab.plugins.allocators.paged import PagedAllocator
+from servelab.plugins.allocators.hash_prefix import CachedBlock, HashAllocator
+from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
+from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention
 from servelab.plugins.schedulers.continuous import ContinuousScheduler
 
@@ -30,6 +32,88 @@ class NoCopyOnWriteAllocator(PagedAllocator):
 
     def _is_shared(self, block: int) -> bool:
         return False
+
+
+class RefusalKeepsBlocksAllocator(PagedAllocator):
+    """Refuses a new sequence that does not fit, but keeps the blocks it had taken for it
+    until `free()` (a partial reservation not undone)."""
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        if super().allocate(seq_id, num_tokens):
+            return True
+        if seq_id not in self._seqs and self._free_blocks:
+            taken = self._take_blocks(len(self._free_blocks))
+            for block in taken:
+                self._hold(block)
+            self._seqs[seq_id] = SeqBlocks(taken, 0)
+        return False
+
+
+class PerHolderSlotsAllocator(PagedAllocator):
+    """Counts a forked child's slots again, as if each holder of a block filled it."""
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        forked = super().fork(parent_id, child_id)
+        if parent_id in self._seqs:
+            self._num_slots_used += self._seqs[parent_id].num_tokens
+        return forked
+
+    def free(self, seq_id: str) -> None:
+        if seq_id in self._seqs and any(self._ref_counts[b] > 1 for b in self._seqs[seq_id].table):
+            self._num_slots_used -= self._seqs[seq_id].num_tokens  # so it returns to 0 once all is freed
+        super().free(seq_id)
+
+
+class CountsEveryLookupAllocator(RadixAllocator):
+    """Counts a prefix lookup when it is made, so refused admissions count too."""
+
+    def match_prefix(self, seq) -> int:
+        hit = super().match_prefix(seq)
+        self.lookups.admitted(seq.request_id)
+        return hit
+
+
+class StrictFreeAllocator(PagedAllocator):
+    """Raises KeyError when freeing a sequence it does not know."""
+
+    def free(self, seq_id: str) -> None:
+        self._seqs[seq_id]  # noqa: B018 - the bug: unknown ids must be a no-op
+        super().free(seq_id)
+
+
+class PositionalHashAllocator(HashAllocator):
+    """A hash prefix cache keying each block by (its index, its tokens) instead of chaining
+    the parent block's hash: block 1 of "X0 X1" is reused for "Y0 X1"."""
+
+    def match_prefix(self, seq) -> int:
+        blocks = []
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            block = self._block_of.get(hash((index, self._chunk(seq, index))))
+            if block is None:
+                break
+            blocks.append(block)
+        for block in blocks:
+            self._hold(block)
+        num_hit = len(blocks) * self.block_size
+        self._seqs[seq.request_id] = SeqBlocks(blocks, num_hit, num_cached_blocks=len(blocks))
+        self.lookups.looked_up(seq.request_id, num_hit, seq.num_tokens)
+        return num_hit
+
+    def cache_blocks(self, seq) -> None:
+        state = self._seqs.get(seq.request_id)
+        if state is None:
+            return
+        num_full = min(seq.num_computed_tokens, state.num_tokens) // self.block_size
+        for index in range(state.num_cached_blocks, num_full):
+            key = hash((index, self._chunk(seq, index)))
+            block = state.table[index]
+            if key not in self._block_of and block not in self._cached:
+                self._block_of[key] = block
+                self._cached[block] = CachedBlock(key, index, self._chunk(seq, index))
+            state.num_cached_blocks = index + 1
+
+    def _chunk(self, seq, index: int) -> tuple[int, ...]:
+        return tuple(seq.token_slice(index * self.block_size, (index + 1) * self.block_size))
 
 
 class OverBudgetScheduler(ContinuousScheduler):

@@ -185,3 +185,80 @@ def test_kernel_with_a_wrong_scale_fails_dense_attention(pytester):
     assert len(grid) == 24, "every shape of the grid catches it"
     assert "invariant violated: tokens identical to the reference policies" in \
         failed["TestWrongScale::test_greedy_tokens_match_the_reference_policies[roomy]"]
+
+
+# ---------------------------------------------------------------- faults the hardened contracts catch
+
+
+def test_positional_hash_prefix_cache_fails_whole_prefix_kv(pytester):
+    """Keyed by (block index, tokens): block 1 of "X0 X1" is handed to "Y0 X1"."""
+    results = run_contract(pytester, """
+        from faulty_plugins import PositionalHashAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestPositional(AllocatorContract):
+            factory = PositionalHashAllocator
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_equal_blocks_after_different_parents_never_hit", "test_random_operation_sequences"):
+        assert "invariant violated: a prefix-cache hit holds the K/V of the whole matched prefix" in \
+            failed[f"TestPositional::{test}"]
+    assert "TestPositional::test_prefix_hits_reuse_computed_blocks" not in failed
+
+
+def test_refused_allocate_that_keeps_blocks_fails_all_or_nothing(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import RefusalKeepsBlocksAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestKeeps(AllocatorContract):
+            factory = RefusalKeepsBlocksAllocator
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_allocate_is_all_or_nothing", "test_random_operation_sequences"):
+        assert "invariant violated: allocate and fork are all-or-nothing" in failed[f"TestKeeps::{test}"]
+    assert "TestKeeps::test_writes_after_a_fork_stay_private" not in failed
+
+
+def test_slots_counted_per_holder_fail_stats_bounds(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import PerHolderSlotsAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestPerHolder(AllocatorContract):
+            factory = PerHolderSlotsAllocator
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_stats_stay_in_bounds_through_fork_cow_and_rollback", "test_writes_after_a_fork_stay_private"):
+        assert "invariant violated: allocator stats within bounds" in failed[f"TestPerHolder::{test}"]
+    assert "TestPerHolder::test_allocate_is_all_or_nothing" not in failed
+
+
+def test_lookups_counted_before_admission_fail_prefix_statistics(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import CountsEveryLookupAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestCountsLookups(AllocatorContract):
+            factory = CountsEveryLookupAllocator
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_prefix_statistics_count_admissions", "test_random_operation_sequences"):
+        assert "invariant violated: prefix statistics count one lookup per admission" in \
+            failed[f"TestCountsLookups::{test}"]
+    assert "TestCountsLookups::test_prefix_hits_reuse_computed_blocks" not in failed
+
+
+def test_an_exception_from_the_policy_names_the_invariant_and_keeps_its_traceback(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import StrictFreeAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestStrictFree(AllocatorContract):
+            factory = StrictFreeAllocator
+    """, "-k", "free_returns or random_operation")
+    failed = failures(results)
+    for test in ("test_free_returns_every_block", "test_random_operation_sequences"):
+        text = failed[f"TestStrictFree::{test}"]
+        assert "invariant violated: free of an unknown sequence is a no-op: the policy raised KeyError" in text
+        assert "faulty_plugins.py" in text and "in free" in text, "the policy's traceback is in the report"
