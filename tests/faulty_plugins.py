@@ -124,6 +124,14 @@ class OverBudgetScheduler(ContinuousScheduler):
         self.context = attrs.evolve(context, max_num_batched_tokens=2 * context.max_num_batched_tokens)
 
 
+class UnchargedDecodeScheduler(ContinuousScheduler):
+    """Does not charge running sequences' decode tokens to the token budget."""
+
+    def _run(self, ready, builder) -> None:
+        for seq, num_new in ready:
+            builder.scheduled[seq] = num_new  # the bug: builder.budget is not lowered
+
+
 class DroppingScheduler(ContinuousScheduler):
     """Loses every third request it is given."""
 
@@ -149,6 +157,50 @@ class PaddingLookupDrafter:
             draft = tokens[earlier[-1] + 1: earlier[-1] + 1 + self.k] if earlier else []
             drafts[seq.request_id] = draft + [-1] * (self.k - len(draft))
         return drafts
+
+
+class LongLookupDrafter(PaddingLookupDrafter):
+    """Prompt lookup without a bound: proposes everything that followed the last
+    occurrence, and declares no num_speculative_tokens anywhere."""
+
+    def __init__(self, options: Any, context: DrafterContext) -> None:
+        self.k = 10_000
+        self.max_model_len = context.max_model_len
+
+    def propose(self, seqs):
+        drafts = {}
+        for seq in seqs:
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            earlier = [i for i in range(len(tokens) - 1) if tokens[i] == tokens[-1]]
+            draft = tokens[earlier[-1] + 1:] if earlier else []
+            drafts[seq.request_id] = draft[: max(0, self.max_model_len - len(tokens))]
+        return drafts
+
+
+class StashingDrafter(PaddingLookupDrafter):
+    """Stores each proposal in the sequence's draft_token_ids (the engine's field)."""
+
+    def propose(self, seqs):
+        drafts = {r: [t for t in d if t >= 0] for r, d in super().propose(seqs).items()}
+        for seq in seqs:
+            seq.draft_token_ids = list(drafts[seq.request_id])
+        return drafts
+
+
+class StaleCacheDrafter(PaddingLookupDrafter):
+    """Remembers each request's first draft and proposes it again; release() forgets nothing."""
+
+    def __init__(self, options: Any, context: DrafterContext) -> None:
+        super().__init__(options, context)
+        self.first_drafts: dict[str, list[int]] = {}
+
+    def propose(self, seqs):
+        fresh = {r: [t for t in d if t >= 0] for r, d in super().propose(seqs).items()}
+        return {seq.request_id: self.first_drafts.setdefault(seq.request_id, fresh[seq.request_id])
+                for seq in seqs}
+
+    def release(self, request_id: str) -> None:
+        pass
 
 
 class WrongScaleAttention(TorchPagedAttention):

@@ -262,3 +262,62 @@ def test_an_exception_from_the_policy_names_the_invariant_and_keeps_its_tracebac
         text = failed[f"TestStrictFree::{test}"]
         assert "invariant violated: free of an unknown sequence is a no-op: the policy raised KeyError" in text
         assert "faulty_plugins.py" in text and "in free" in text, "the policy's traceback is in the report"
+
+
+def test_scheduler_not_charging_decodes_fails_token_budget_on_every_run(pytester):
+    """Derandomized by default: the pressing scenario and the random workloads catch it
+    on every run, at the contract's default example count."""
+    results = run_contract(pytester, """
+        from faulty_plugins import UnchargedDecodeScheduler
+        from servelab.testing import SchedulerContract
+
+        class TestUncharged(SchedulerContract):
+            factory = UnchargedDecodeScheduler
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_budget_holds_with_many_decodes_and_long_prompts", "test_random_workloads"):
+        assert "invariant violated: token budget exceeded" in failed[f"TestUncharged::{test}"]
+    assert "TestUncharged::test_every_request_is_served_once" not in failed
+
+
+def test_drafter_without_a_declared_k_is_still_held_to_at_most_k(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import LongLookupDrafter
+        from servelab.testing import DrafterContract
+
+        class TestLong(DrafterContract):
+            factory = LongLookupDrafter
+    """, "-k", "repetitive or random_batches")
+    failed = failures(results)
+    for test in ("test_repetitive_sequences", "test_random_batches"):
+        assert "invariant violated: at most num_speculative_tokens draft tokens per sequence" in \
+            failed[f"TestLong::{test}"]
+
+
+def test_drafter_writing_into_a_sequence_fails_immutable(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import StashingDrafter
+        from servelab.testing import DrafterContract
+
+        class TestStashing(DrafterContract):
+            factory = StashingDrafter
+            num_speculative_tokens = 3
+    """, "-k", "repetitive or random_batches")
+    failed = failures(results)
+    for test in ("test_repetitive_sequences", "test_random_batches"):
+        text = failed[f"TestStashing::{test}"]
+        assert "invariant violated: propose never changes the sequences" in text and "draft_token_ids" in text
+
+
+def test_drafter_keeping_state_past_release_fails_release(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import StaleCacheDrafter
+        from servelab.testing import DrafterContract
+
+        class TestStale(DrafterContract):
+            factory = StaleCacheDrafter
+            num_speculative_tokens = 3
+    """, "-k", "release or empty_batch")
+    failed = failures(results)
+    assert "invariant violated: release forgets a sequence" in failed["TestStale::test_release_forgets_a_sequence"]
+    assert "TestStale::test_empty_batch_gets_no_proposals" not in failed
