@@ -203,6 +203,19 @@ class StaleCacheDrafter(PaddingLookupDrafter):
         pass
 
 
+class SortedBlocksAttention(TorchPagedAttention):
+    """Reads each sequence's blocks in ascending block id order instead of table order
+    (right for a fresh pool, which hands out ascending blocks)."""
+
+    def prepare(self, metadata):
+        tables = metadata.block_tables.clone()
+        block_size = self.context.block_size
+        for row, context_len in enumerate(metadata.context_lens_list):
+            num_blocks = -(-context_len // block_size)
+            tables[row, :num_blocks] = tables[row, :num_blocks].sort().values
+        return super().prepare(attrs.evolve(metadata, block_tables=tables))
+
+
 class WrongScaleAttention(TorchPagedAttention):
     """Scales scores by 1 / head_dim instead of the scale it is given."""
 

@@ -321,3 +321,42 @@ def test_drafter_keeping_state_past_release_fails_release(pytester):
     failed = failures(results)
     assert "invariant violated: release forgets a sequence" in failed["TestStale::test_release_forgets_a_sequence"]
     assert "TestStale::test_empty_batch_gets_no_proposals" not in failed
+
+
+def test_kernel_reading_blocks_in_sorted_order_fails_end_to_end(pytester):
+    """The end-to-end pool is handed out in shuffled order, so block tables are not ascending."""
+    results = run_contract(pytester, """
+        from faulty_plugins import SortedBlocksAttention
+        from servelab.testing import AttentionBackendContract
+
+        class TestSorted(AttentionBackendContract):
+            factory = SortedBlocksAttention
+    """, "-k", "greedy and roomy")
+    assert "invariant violated: tokens identical to the reference policies" in \
+        failures(results)["TestSorted::test_greedy_tokens_match_the_reference_policies[roomy]"]
+
+
+def test_positional_hash_prefix_cache_changes_tokens_end_to_end(pytester):
+    """"Y0 X1" reuses X1's K/V computed after X0: the warm-cache run's tokens change."""
+    results = run_contract(pytester, """
+        from faulty_plugins import PositionalHashAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestPositional(AllocatorContract):
+            factory = PositionalHashAllocator
+    """, "-k", "greedy and roomy")
+    assert "invariant violated: tokens identical to the reference policies" in \
+        failures(results)["TestPositional::test_greedy_tokens_match_the_reference_policies[roomy]"]
+
+
+def test_allocator_without_copy_on_write_fails_parallel_sampling_end_to_end(pytester):
+    """Seeded parallel samples write different tokens after the fork."""
+    results = run_contract(pytester, """
+        from faulty_plugins import NoCopyOnWriteAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestNoCow(AllocatorContract):
+            factory = NoCopyOnWriteAllocator
+    """, "-k", "greedy and parallel")
+    assert "invariant violated: tokens identical to the reference policies" in \
+        failures(results)["TestNoCow::test_greedy_tokens_match_the_reference_policies[parallel]"]

@@ -12,10 +12,9 @@ parent hash and tokens (a collision is a miss, never a wrong hit).
 
 A block no sequence holds stays cached, and evictable: unheld cached blocks sit in one
 LRU queue, and are taken (their names dropped) only when the free list runs dry. A
-sequence's blocks enter the queue last block first, so its tail goes before its head.
-Unlike the radix tree, nothing keeps a parent cached while its child is: an orphaned
-child is simply found again once its parent prefix is recomputed (the hash is of the
-content, not of block ids).
+sequence's blocks enter the queue last block first, so its tail goes before its head,
+and a block shared by several sequences enters with its last holder: a parent is never
+evicted before its child.
 
 Cached blocks are never written: a write into one (possible only after a rollback)
 copies it first, like any shared block. Drafts are never cached: only tokens of the
