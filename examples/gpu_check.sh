@@ -6,7 +6,7 @@
 # Needs python3 with torch (CUDA), cupy, transformers, pytest, hypothesis and this
 # project's pure-Python dependencies; installs nothing from the internet. A missing
 # pure-Python package (structlog, say) can be carried as wheels in ./.whl: they are
-# installed into /tmp/site first. See the README's "cupy-paged" section.
+# installed into /tmp/site first. See docs/attention.md, "GPU check".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
