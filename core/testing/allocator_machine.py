@@ -1,7 +1,8 @@
 """The allocator contract's hypothesis state machine.
 
 Random sequences of allocate (after a prefix-cache lookup where the allocator has
-one), append, fork, write, rollback, free and prefix-cache reset run against a
+one), append, fork, write, rollback, free and prefix-cache reset (the last and the
+prefix-aimed prompts in `allocator_prefix_rules`) run against a
 simulated KV cache (`KVStore`) whose values depend on the whole prefix. Prompts built
 from a few block-sized chunks reach the same block content through different parents.
 After every rule each invariant below is checked; every failure (an exception the
@@ -19,12 +20,12 @@ from hypothesis.stateful import (
     consumes,
     initialize,
     invariant,
-    multiple,
     precondition,
     rule,
 )
 
 from servelab.interfaces import AllocatorContext, ForkingAllocator, KVAllocator, PrefixCachingAllocator
+from servelab.testing.allocator_prefix_rules import PrefixRules
 from servelab.testing.allocator_stats import (
     BLOCKS_CONSERVED,
     STATS_BOUNDS,
@@ -42,7 +43,6 @@ ALL_OR_NOTHING = "allocate and fork are all-or-nothing (a refusal changes nothin
 DISTINCT_IN_TABLE = "a block appears at most once in a table"
 LEAK_ON_FREE = "block leaked on free"
 REF_COUNTS = "ref counts equal the number of tables holding a block"
-RESET = "reset_prefix_cache drops every cached block no sequence holds"
 FREE_UNKNOWN = "free of an unknown sequence is a no-op"
 PREFIX_HIT_SHAPE = "a prefix-cache hit is whole blocks, below the sequence's length"
 ROLLBACK = "rollback returns the slots past the kept tokens"
@@ -50,11 +50,9 @@ POOL_WHOLE = "the whole pool is allocatable again once everything is freed"
 
 # Two token values only, so that prompts share prefixes and prefix caches hit.
 TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=24)
-# Prompts of whole blocks drawn from three contents: equal blocks after different parents.
-CHUNKS = st.lists(st.integers(0, 2), min_size=1, max_size=6)
 
 
-class AllocatorMachine(RuleBasedStateMachine):
+class AllocatorMachine(PrefixRules, RuleBasedStateMachine):
     """`contract` (an AllocatorContract instance) is set on a subclass per run."""
 
     contract: Any = None
@@ -80,29 +78,6 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(target=seqs, tokens=TOKENS)
     def allocate(self, tokens: list[int]) -> str:
         return self._admit(tokens)
-
-    @rule(target=seqs, chunks=CHUNKS, tail=st.integers(0, 3))
-    def allocate_chunks(self, chunks: list[int], tail: int) -> str:
-        """A prompt of whole blocks of a few contents (plus a few tokens), computed at once
-        as a prefill would be, so later prompts can hit its blocks."""
-        seq_id = self._admit([10 + c for c in chunks for _ in range(self.block_size)] + [1] * tail)
-        if seq_id in self.live:
-            with exercising(COPY_ON_WRITE):
-                self.store.step([self.live[seq_id]])
-        return seq_id
-
-    @precondition(lambda self: self.caching)
-    @rule(target=seqs, contents=st.permutations([20, 21, 22, 23]), tail=st.integers(1, 3))
-    def allocate_after_other_parents(self, contents: list[int], tail: int):
-        """Compute "X0 X1" and "Y0 Z1", then look up "Y0 X1": its block 1 holds X1's
-        tokens, whose K/V in the cache were computed after another parent."""
-        x0, x1, y0, z1 = ([c] * self.block_size for c in contents)
-        ids = []
-        for tokens in (x0 + x1, y0 + z1, y0 + x1):
-            ids.append(self._admit(tokens + [1] * tail))
-            if ids[-1] in self.live:
-                self.write()
-        return multiple(*ids)
 
     def _admit(self, tokens: list[int]) -> str:
         """What a scheduler does to admit a sequence: look up its prefix, allocate, and
@@ -238,19 +213,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         with exercising(FREE_UNKNOWN):
             self.alloc.free("never-allocated")
         check(self.alloc.stats() == before, FREE_UNKNOWN, "stats changed")
-
-    @precondition(lambda self: self.caching)
-    @rule()
-    def reset_prefix_cache(self) -> None:
-        held = {seq_id: list(self.alloc.block_table(seq_id)) for seq_id in self.live}
-        before = self.alloc.stats()
-        with exercising(RESET):
-            self.alloc.reset_prefix_cache()
-        after = self.alloc.stats()
-        check(after.num_cached_blocks == 0 and after.num_used_blocks == before.num_used_blocks, RESET,
-              lambda: f"before the reset {before}, after it {after}")
-        now = {seq_id: list(self.alloc.block_table(seq_id)) for seq_id in self.live}
-        check(now == held, RESET, lambda: f"the reset changed block tables from {held} to {now}")
 
     # ------------------------------------------------------------ invariants
 
