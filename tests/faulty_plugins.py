@@ -132,6 +132,17 @@ class UnchargedDecodeScheduler(ContinuousScheduler):
             builder.scheduled[seq] = num_new  # the bug: builder.budget is not lowered
 
 
+class CrashingScheduler(ContinuousScheduler):
+    """Raises IndexError once a sequence has decoded three tokens (an off-by-one in
+    code that looks at recent output)."""
+
+    def schedule(self):
+        for seq in self.running:
+            if len(seq.output_token_ids) == 3:
+                seq.output_token_ids[5]  # noqa: B018 - the bug
+        return super().schedule()
+
+
 class DroppingScheduler(ContinuousScheduler):
     """Loses every third request it is given."""
 

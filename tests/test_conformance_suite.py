@@ -360,3 +360,20 @@ def test_allocator_without_copy_on_write_fails_parallel_sampling_end_to_end(pyte
     """, "-k", "greedy and parallel")
     assert "invariant violated: tokens identical to the reference policies" in \
         failures(results)["TestNoCow::test_greedy_tokens_match_the_reference_policies[parallel]"]
+
+
+def test_a_scheduler_exception_names_the_invariant_in_the_harness_and_end_to_end(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import CrashingScheduler
+        from servelab.testing import SchedulerContract
+
+        class TestCrashing(SchedulerContract):
+            factory = CrashingScheduler
+    """, "-k", "every_request or (greedy and roomy)")
+    failed = failures(results)
+    for test, invariant in (("test_every_request_is_served_once", "schedule() plans a step within every limit"),
+                            ("test_greedy_tokens_match_the_reference_policies[roomy]",
+                             "tokens identical to the reference policies")):
+        text = failed[f"TestCrashing::{test}"]
+        assert f"invariant violated: {invariant}: the policy raised IndexError" in text
+        assert "in schedule" in text and "faulty_plugins.py" in text, "the scheduler's traceback is in the report"
