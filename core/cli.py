@@ -55,7 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--workload", default="skewed", help="workload spec, e.g. 'skewed:num_requests=64', "
                        "'shared-prefix:prefix_len=1000', 'skewed:arrival=poisson,rate=4', 'file:reqs.jsonl'")
     bench.add_argument("--repeats", type=int, default=1, help="interleaved timed repetitions (median reported)")
-    bench.add_argument("--baseline", choices=["hf"], help="also run transformers generate with static batches")
+    bench.add_argument("--baseline", choices=["hf", "vllm"],
+                       help="also run transformers generate with static batches (hf), or vLLM's offline LLM (vllm)")
+    bench.add_argument("--baseline-python", metavar="PATH",
+                       help="for --baseline vllm: the Python of a virtual environment with vLLM installed")
     bench.add_argument("--hf-batch-size", type=int, help="static batch size for the baseline (default max_num_seqs)")
     bench.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput SLO on time to first token")
     bench.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput SLO on time per output token")
@@ -166,7 +169,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ServelabError(f"config names must differ (they come from file names): {names}")
     options = BenchOptions(
         workload=args.workload, repeats=args.repeats, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
-        baseline=args.baseline, hf_batch_size=args.hf_batch_size,
+        baseline=args.baseline, hf_batch_size=args.hf_batch_size, baseline_python=args.baseline_python,
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
         save_workload=Path(args.save_workload) if args.save_workload else None,

@@ -71,6 +71,9 @@ class EngineSection:
     kv_cache_memory: int = attrs.field(default=512 * 2**20, converter=parse_memory, validator=_positive)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)  # overrides kv_cache_memory
     seed: int = 0
+    # On CPU, pack the decoder's linear weights for oneDNN's matmul kernels at load time
+    # (2x+ faster than torch's default here); false keeps torch's default linear.
+    prepack_weights: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -189,6 +192,8 @@ def _engine_section(data: Any) -> EngineSection:
     for key, expected in types.items():
         if key in data and (not isinstance(data[key], expected) or isinstance(data[key], bool)):
             raise ConfigError(f"[engine] {key} must be a {expected.__name__}, got {data[key]!r}")
+    if "prepack_weights" in data and not isinstance(data["prepack_weights"], bool):
+        raise ConfigError(f"[engine] prepack_weights must be true or false, got {data['prepack_weights']!r}")
     return EngineSection(**data)
 
 

@@ -15,7 +15,8 @@ import torch
 from servelab import LLM
 from servelab.errors import ConfigError
 from servelab.interfaces import AttentionContext
-from servelab.plugins.kernels.options import TorchPagedOptions
+from servelab.plugins.kernels.cpu_paged import CpuPagedAttention
+from servelab.plugins.kernels.options import CpuPagedOptions, TorchPagedOptions
 from servelab.plugins.kernels.sdpa_contiguous import SdpaContiguousAttention
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention, decode_groups, prefill_groups
 from servelab.testing.attention_batch import TOLERANCE, BatchCheck, dense_reference, metadata_for
@@ -33,6 +34,11 @@ BACKENDS = {
     "torch-paged-one-group": lambda context: TorchPagedAttention(TorchPagedOptions(
         decode_group_tokens=1 << 30, prefill_padding=1e9, prefill_group_area=1 << 40), context),
     "sdpa-contiguous": lambda context: SdpaContiguousAttention(None, context),
+    # the C++ kernel for short rows, torch-paged's SDPA path for prompts
+    "cpu-paged": lambda context: CpuPagedAttention(CpuPagedOptions(build="wait"), context),
+    # the C++ kernel for every row, prompts and chunks included (causal limits per token)
+    "cpu-paged-all-rows": lambda context: CpuPagedAttention(
+        CpuPagedOptions(build="wait", max_kernel_query_len=1 << 20), context),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -136,3 +137,31 @@ def test_hf_baseline_column_runs_interleaved(llama_checkpoint):
     assert len(baseline["repeats_output_tokens_per_s"]) == 2
     assert baseline["metrics"]["output_tokens"] == result["workload"]["output_tokens"]
     assert "servelab / hf-static output tokens/s" in format_table(result)
+
+
+def test_vllm_baseline_without_vllm_says_how_to_install(tmp_path):
+    from servelab.bench.vllm_baseline import check_python
+
+    with pytest.raises(ConfigError, match="install vLLM's CPU build in its own virtual environment"):
+        check_python(None)
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_python(str(tmp_path / "no-python"))
+    with pytest.raises(ConfigError, match="cannot import vllm"):
+        check_python(sys.executable)  # servelab's own environment has no vLLM
+
+
+@pytest.mark.skipif(not os.environ.get("SERVELAB_VLLM_PYTHON"),
+                    reason="vLLM is an optional peer: set SERVELAB_VLLM_PYTHON to its venv's python to run this")
+def test_vllm_baseline_runs_the_same_workload(tmp_path):
+    from servelab.bench.vllm_baseline import VllmBaseline
+    from servelab.model.builtin import resolve
+
+    vllm = VllmBaseline(os.environ["SERVELAB_VLLM_PYTHON"], str(resolve("builtin:tiny-random")), "float32",
+                        256, 8, 2048)
+    try:
+        workload = build_workload("skewed:num_requests=4,max_len=128", 8192)
+        result = vllm.run(workload)
+        assert result["output_tokens"] == workload.num_output_tokens
+        assert len(vllm.latency(16, 8, 2)["tpot_ms"]) == 2
+    finally:
+        vllm.close()

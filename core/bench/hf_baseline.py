@@ -48,6 +48,22 @@ def run_hf_static(model: Any, workload: Workload, batch_size: int) -> dict[str, 
     }
 
 
+class HfStaticBaseline:
+    """`transformers` generate in static batches, as a bench baseline."""
+
+    name = "hf-static"
+
+    def __init__(self, checkpoint_dir: str, dtype: str, batch_size: int, warm_up: list[BenchRequest]) -> None:
+        self.model = load_hf_model(checkpoint_dir, dtype, warm_up)
+        self.batch_size = batch_size
+
+    def run(self, workload: Workload) -> dict[str, Any]:
+        return run_hf_static(self.model, workload, self.batch_size)
+
+    def close(self) -> None:
+        self.model = None
+
+
 def _generate(model: Any, batch: list[BenchRequest]) -> None:
     import torch
 

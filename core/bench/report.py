@@ -57,7 +57,7 @@ def format_table(result: dict[str, Any]) -> str:
     if "baseline" in result:
         base = result["baseline"]["metrics"]["output_tokens_per_s"]
         for name, metrics in columns[:-1]:
-            lines.append(f"{name} / hf-static output tokens/s: {metrics['output_tokens_per_s'] / base:.2f}x")
+            lines.append(f"{name} / {result['baseline']['config']} output tokens/s: {metrics['output_tokens_per_s'] / base:.2f}x")
     for name, points in result.get("rate_sweep", {}).items():
         lines.append(f"rate sweep, {name}:")
         lines.append(f"  {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'goodput':>8}")

@@ -13,7 +13,6 @@ import attrs
 
 from servelab.bench import plots
 from servelab.bench.driver import RunRecord, StepRecorder, run_workload
-from servelab.bench.hf_baseline import run_hf_static
 from servelab.bench.metrics import SLO, summarize
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
@@ -26,8 +25,9 @@ class BenchOptions:
     workload: str = "skewed"
     repeats: int = 1
     slo: SLO = SLO()
-    baseline: str | None = None
+    baseline: str | None = None  # "hf" or "vllm"
     hf_batch_size: int | None = None
+    baseline_python: str | None = None  # vLLM's interpreter, for baseline "vllm"
     plots_dir: Path | None = None
     rates: tuple[float, ...] = ()  # request rates (req/s) for a Poisson sweep
     save_workload: Path | None = None
@@ -77,15 +77,16 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
         for e in engines:
             run_workload(e.engine, e.recorder, warm_up, e.name)
         widest_first = tuple(sorted(workload.requests, key=lambda r: -len(r.prompt_token_ids)))
-        hf_model = _load_baseline(engines[0], options, widest_first)
+        baseline = _load_baseline(engines[0], options, widest_first)
         per_config: dict[str, list[RunRecord]] = {e.name: [] for e in engines}
         baseline_runs = []
         for _ in range(options.repeats):
             for e in engines:  # interleaved: drift on a shared machine hits every config alike
                 per_config[e.name].append(run_workload(e.engine, e.recorder, workload, e.name, bar.update))
-            if hf_model is not None:
-                baseline_runs.append(run_hf_static(hf_model, workload, options.hf_batch_size
-                                                   or engines[0].config.engine.max_num_seqs))
+            if baseline is not None:
+                baseline_runs.append(baseline.run(workload))
+        if baseline is not None:
+            baseline.close()
         runs = []
         chosen: list[RunRecord] = []
         for e in engines:
@@ -105,7 +106,7 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
     if baseline_runs:
         median = statistics.median_low([r["output_tokens_per_s"] for r in baseline_runs])
         chosen_baseline = next(r for r in baseline_runs if r["output_tokens_per_s"] == median)
-        result["baseline"] = {"config": "hf-static", "metrics": chosen_baseline,
+        result["baseline"] = {"config": baseline.name, "metrics": chosen_baseline,
                               "repeats_output_tokens_per_s": [r["output_tokens_per_s"] for r in baseline_runs]}
     if sweep:
         result["rate_sweep"] = {name: [{"rate": rate, "metrics": m} for rate, m in points]
@@ -116,14 +117,24 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
 
 
 def _load_baseline(first: _Engine, options: BenchOptions, warm_up: tuple) -> Any:
-    if options.baseline != "hf":
+    """The baseline engine, loaded and warmed up, with `name`, `run(workload)` and `close()`."""
+    if options.baseline is None:
         return None
     if options.sim_accelerator:
-        raise ConfigError("--baseline hf runs a real model; it cannot be combined with --sim")
-    from servelab.bench.hf_baseline import load_hf_model
+        raise ConfigError(f"--baseline {options.baseline} runs a real model; it cannot be combined with --sim")
+    engine = first.config.engine
+    if options.baseline == "vllm":
+        from servelab.bench.vllm_baseline import VllmBaseline
 
-    batch_size = options.hf_batch_size or first.config.engine.max_num_seqs
-    return load_hf_model(str(first.engine.source.path), first.config.engine.dtype, list(warm_up[:batch_size]))
+        limits = first.engine.limits
+        vllm = VllmBaseline(options.baseline_python, str(first.engine.source.path), engine.dtype,
+                            limits.max_model_len, engine.max_num_seqs, limits.max_num_batched_tokens)
+        vllm.run(Workload("warm-up", warm_up[: engine.max_num_seqs]))
+        return vllm
+    from servelab.bench.hf_baseline import HfStaticBaseline
+
+    batch_size = options.hf_batch_size or engine.max_num_seqs
+    return HfStaticBaseline(str(first.engine.source.path), engine.dtype, batch_size, list(warm_up[:batch_size]))
 
 
 def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, update) -> dict[str, list]:

@@ -23,6 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op; in float32 it rounds exactly as the composite below.
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32, as the reference implementation does, then cast back.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -44,10 +47,11 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], backend: Any, prepared: Any) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        # Q and K sit side by side in the projection: one rotation covers both.
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], prepared, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

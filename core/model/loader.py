@@ -11,6 +11,7 @@ from servelab.errors import CheckpointError
 from servelab.model import builtin
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.model_config import ModelConfig
+from servelab.model.packed_linear import can_prepack, prepack_linears
 from servelab.model.rope import RotaryEmbedding
 from servelab.model.tokenizer import Tokenizer
 from servelab.model.weights import load_weights, read_checkpoint_tensors
@@ -37,7 +38,10 @@ class Checkpoint:
         return cls(path, config, Tokenizer.from_directory(path))
 
 
-def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: int) -> LlamaForCausalLM:
+def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: int,
+               prepack_weights: bool = False) -> LlamaForCausalLM:
+    """The checkpoint's decoder in `dtype` on `device`; with `prepack_weights` (CPU), the
+    decoder's linear layers and LM head packed for oneDNN (see servelab.model.packed_linear)."""
     torch_dtype = DTYPES[dtype]
     torch_device = torch.device(device)
     config = checkpoint.config
@@ -49,4 +53,6 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, read_checkpoint_tensors(checkpoint.path))
+    if prepack_weights and can_prepack(torch_device, torch_dtype):
+        prepack_linears(model, keep_weights=("lm_head",))
     return model.eval()

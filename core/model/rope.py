@@ -47,14 +47,19 @@ class RotaryEmbedding:
         self.sin = angles.sin().to(dtype=dtype, device=device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over heads."""
+        """cos and signed sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over
+        heads: cos repeated, and sin with its first half negated (see apply_rotary)."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [T, heads, head_dim] by the angles in cos/sin [T, 1, head_dim]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [T, heads, head_dim] by the angles in the tables from `tables()`.
+
+    The reference computes x * cos + cat(-x2, x1) * sin; the sign lives in the table
+    instead (-x2 * sin == x2 * -sin exactly), which saves a negation per layer.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin

@@ -2,7 +2,7 @@
 
 import servelab
 from servelab.plugin_types import AttentionPlugin
-from servelab.plugins.kernels.options import CupyPagedOptions, TorchPagedOptions
+from servelab.plugins.kernels.options import CpuPagedOptions, CupyPagedOptions, TorchPagedOptions
 
 
 @servelab.hookimpl
@@ -13,6 +13,13 @@ def servelab_register_attention():
             factory="servelab.plugins.kernels.torch_paged:TorchPagedAttention",
             options=TorchPagedOptions,
             description="reference paged attention in torch: gathers K/V through block tables (CPU and GPU)",
+        ),
+        AttentionPlugin(
+            name="cpu-paged",
+            factory="servelab.plugins.kernels.cpu_paged:CpuPagedAttention",
+            options=CpuPagedOptions,
+            description="paged attention in C++ for the CPU (decodes and short rows; long prompts through "
+                        "torch-paged's SDPA path); compiles on first use, torch-paged until then",
         ),
         AttentionPlugin(
             name="sdpa-contiguous",

@@ -1,0 +1,238 @@
+// Paged attention on the CPU for rows with few query tokens (decodes, verified drafts,
+// short chunks), and the K/V cache write, for the `cpu-paged` attention backend.
+//
+// Cache layout (as torch-paged): [num_kv_heads, num_blocks, block_size, head_dim], so one
+// (KV head, block) is a contiguous block_size x head_dim tile. One work item is one
+// (sequence, KV head): its query heads' rows (every query token x the query heads of that
+// KV head) are scored against the sequence's keys block by block, straight from the
+// cache through its block table (nothing is gathered), softmaxed in float32 with the
+// causal limit of each query token, and the value rows are summed in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename scalar_t>
+inline void load_row(const scalar_t* source, float* target, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) target[i] = static_cast<float>(source[i]);
+}
+
+#ifdef __AVX2__
+template <>
+inline void load_row<float>(const float* source, float* target, int64_t n) {
+  std::memcpy(target, source, n * sizeof(float));
+}
+
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* source, float* target, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {  // bfloat16 is the high half of a float32
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + i));
+    _mm256_storeu_ps(target + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+  }
+  for (; i < n; ++i) target[i] = static_cast<float>(source[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+    sum1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), sum1);
+  }
+  for (; i + 8 <= n; i += 8) sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+  const __m256 sum = _mm256_add_ps(sum0, sum1);
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  float total = _mm_cvtss_f32(half);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  const __m256 scale = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+#else
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+#endif
+
+template <typename scalar_t>
+inline void prefetch_tile(const scalar_t* tile, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(tile);
+  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(scalar_t)); offset += 64)
+    __builtin_prefetch(bytes + offset);
+}
+
+template <typename scalar_t, typename index_t>
+void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
+                   const at::Tensor& sequences, double scale, at::Tensor& out) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(0), num_blocks = key_cache.size(1), block_size = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_width = block_tables.size(1);
+  const scalar_t* q_data = query.data_ptr<scalar_t>();
+  const scalar_t* k_data = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_data = value_cache.data_ptr<scalar_t>();
+  const index_t* tables = block_tables.data_ptr<index_t>();
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t* contexts = context_lens.data_ptr<int64_t>();
+  const int64_t* seqs = sequences.data_ptr<int64_t>();
+  scalar_t* o_data = out.data_ptr<scalar_t>();
+  const int64_t num_items = sequences.size(0) * num_kv_heads;
+  const float softmax_scale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_rows, scores, acc, row;
+    row.resize(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = seqs[item / num_kv_heads], kv_head = item % num_kv_heads;
+      const int64_t first = starts[b], num_queries = starts[b + 1] - first, context = contexts[b];
+      const int64_t num_rows = num_queries * group;  // row r = token t * group + head j
+      q_rows.resize(num_rows * head_dim);
+      scores.resize(num_rows * context);
+      acc.assign(num_rows * head_dim, 0.f);
+      for (int64_t t = 0; t < num_queries; ++t)
+        for (int64_t j = 0; j < group; ++j) {
+          float* target = &q_rows[(t * group + j) * head_dim];
+          load_row(q_data + ((first + t) * num_heads + kv_head * group + j) * head_dim, target, head_dim);
+          for (int64_t i = 0; i < head_dim; ++i) target[i] *= softmax_scale;
+        }
+      const index_t* table = tables + b * table_width;
+      // Scores: each key is converted once and dotted with every row. Blocks sit anywhere
+      // in the cache, so the next one is prefetched while this one is scored.
+      const int64_t tile = block_size * head_dim;  // elements of one (KV head, block) tile
+      const int64_t used_blocks = (context + block_size - 1) / block_size;
+      const scalar_t* k_head = k_data + kv_head * num_blocks * tile;
+      const scalar_t* v_head = v_data + kv_head * num_blocks * tile;
+      for (int64_t blk = 0; blk < used_blocks; ++blk) {
+        if (blk + 1 < used_blocks) prefetch_tile(k_head + table[blk + 1] * tile, tile);
+        const scalar_t* keys = k_head + table[blk] * tile;
+        const int64_t count = std::min(block_size, context - blk * block_size);
+        for (int64_t s = 0; s < count; ++s) {
+          load_row(keys + s * head_dim, row.data(), head_dim);
+          const int64_t position = blk * block_size + s;
+          for (int64_t r = 0; r < num_rows; ++r) scores[r * context + position] = dot(&q_rows[r * head_dim], row.data(), head_dim);
+        }
+      }
+      // Softmax of each row over the keys its query token may see (causal: the last
+      // query token sees the whole context, each earlier one a key less).
+      std::vector<float> denominators(num_rows);
+      for (int64_t r = 0; r < num_rows; ++r) {
+        const int64_t visible = context - num_queries + r / group + 1;
+        float* s = &scores[r * context];
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < visible; ++i) peak = std::max(peak, s[i]);
+        float total = 0.f;
+        for (int64_t i = 0; i < visible; ++i) {
+          s[i] = std::exp(s[i] - peak);
+          total += s[i];
+        }
+        for (int64_t i = visible; i < context; ++i) s[i] = 0.f;
+        denominators[r] = total;
+      }
+      for (int64_t blk = 0; blk < used_blocks; ++blk) {
+        if (blk + 1 < used_blocks) prefetch_tile(v_head + table[blk + 1] * tile, tile);
+        const scalar_t* values = v_head + table[blk] * tile;
+        const int64_t count = std::min(block_size, context - blk * block_size);
+        for (int64_t s = 0; s < count; ++s) {
+          load_row(values + s * head_dim, row.data(), head_dim);
+          const int64_t position = blk * block_size + s;
+          for (int64_t r = 0; r < num_rows; ++r) {
+            const float weight = scores[r * context + position];
+            if (weight != 0.f) axpy(weight, row.data(), &acc[r * head_dim], head_dim);
+          }
+        }
+      }
+      for (int64_t r = 0; r < num_rows; ++r) {
+        const int64_t t = r / group, j = r % group;
+        scalar_t* target = o_data + ((first + t) * num_heads + kv_head * group + j) * head_dim;
+        const float inverse = 1.f / denominators[r];
+        for (int64_t i = 0; i < head_dim; ++i) target[i] = static_cast<scalar_t>(acc[r * head_dim + i] * inverse);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void write_kernel(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                  const at::Tensor& slot_mapping) {
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
+  const int64_t num_slots = key_cache.size(1) * key_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const scalar_t* k = key.data_ptr<scalar_t>();
+  const scalar_t* v = value.data_ptr<scalar_t>();
+  scalar_t* kc = key_cache.data_ptr<scalar_t>();
+  scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  at::parallel_for(0, num_tokens * num_kv_heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / num_kv_heads, head = item % num_kv_heads;
+      const int64_t target = (head * num_slots + slots[t]) * head_dim, source = (t * num_kv_heads + head) * head_dim;
+      std::copy(k + source, k + source + head_dim, kc + target);
+      std::copy(v + source, v + source + head_dim, vc + target);
+    }
+  });
+}
+
+void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "cpu-paged runs on CPU tensors");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "cpu-paged needs contiguous query and caches");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(query.size(1) % key_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+}
+
+}  // namespace
+
+void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                 const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), "cpu-paged needs contiguous new K/V");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_cache", [&] {
+    write_kernel<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
+  });
+}
+
+void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
+            const at::Tensor& sequences, double scale, at::Tensor& out) {
+  check_inputs(query, key_cache, value_cache);
+  TORCH_CHECK(query_start.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+              sequences.scalar_type() == at::kLong, "query_start, context_lens and sequences must be int64");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "attend", [&] {
+    if (block_tables.scalar_type() == at::kInt)
+      attend_kernel<scalar_t, int32_t>(query, key_cache, value_cache, block_tables, query_start, context_lens,
+                                       sequences, scale, out);
+    else
+      attend_kernel<scalar_t, int64_t>(query, key_cache, value_cache, block_tables, query_start, context_lens,
+                                       sequences, scale, out);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_cache", &write_cache, "store new K/V rows at their cache slots");
+  m.def("attend", &attend, "paged attention for the given sequences' query rows");
+}

@@ -1,0 +1,93 @@
+"""`cpu-paged`: paged attention in C++ for the CPU, torch-paged's SDPA path for long prompts.
+
+Rows with at most `max_kernel_query_len` query tokens (decodes, verified drafts, short
+chunks) are attended by a C++ kernel (cpu_paged.cpp) that reads K and V straight from
+the paged cache through each sequence's block table, one (sequence, KV head) per task
+on torch's thread pool: nothing is gathered or copied. Longer rows (prompts) go through
+torch-paged's grouped scaled_dot_product_attention, which is compute-bound and already
+runs at matmul speed there. The cache layout is torch-paged's.
+
+The kernels compile on first use (see cpu_build); until they are ready, or when they
+cannot be built, every row takes the torch-paged path, which computes the same attention.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import structlog
+import torch
+
+from servelab.interfaces import AttentionContext, AttentionMetadata
+from servelab.plugins.kernels.cpu_build import kernel_build
+from servelab.plugins.kernels.options import CpuPagedOptions, TorchPagedOptions
+from servelab.plugins.kernels.torch_paged import TorchPagedAttention, _Host, _PrefillGroup, prefill_groups
+
+logger = structlog.get_logger(__name__)
+
+
+@attrs.frozen
+class _KernelPrepared:
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [B, M]
+    query_start: torch.Tensor  # [B + 1]
+    context_lens: torch.Tensor  # [B]
+    kernel_seqs: torch.Tensor  # [K] sequences the kernel attends
+    prefill_groups: tuple[_PrefillGroup, ...]  # the rest, as torch-paged attends them
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    def __init__(self, options: CpuPagedOptions | None, context: AttentionContext) -> None:
+        self.cpu_options = options or CpuPagedOptions()
+        super().__init__(TorchPagedOptions(prefill_group_size=self.cpu_options.prefill_group_size,
+                                           prefill_padding=self.cpu_options.prefill_padding,
+                                           prefill_group_area=self.cpu_options.prefill_group_area), context)
+        self._build = kernel_build()
+        self._kernels = None
+        if context.device.type != "cpu":
+            logger.warning("cpu_paged.not_cpu", device=str(context.device), fallback="torch-paged attention")
+            return
+        if self.cpu_options.build == "wait":
+            self._kernels = self._build.wait()
+        elif self.cpu_options.build == "background":
+            self._build.start()
+
+    @property
+    def kernels_ready(self) -> bool:
+        return self._kernels is not None
+
+    def prepare(self, metadata: AttentionMetadata):
+        if self._kernels is None:
+            self._kernels = self._build.module() if self.context.device.type == "cpu" else None
+            if self._kernels is None:
+                return super().prepare(metadata)
+        limit = self.cpu_options.max_kernel_query_len
+        query_lens, context_lens = metadata.query_lens_list, metadata.context_lens_list
+        short = [i for i, q in enumerate(query_lens) if q <= limit]
+        long = [i for i, q in enumerate(query_lens) if q > limit]
+        groups: tuple[_PrefillGroup, ...] = ()
+        if long:
+            host = _Host(metadata, self.context.num_kv_heads, self.context.num_blocks)
+            options = self.options
+            groups = tuple(
+                self._prefill_group(host, [long[i] for i in group])
+                for group in prefill_groups([query_lens[i] for i in long], [context_lens[i] for i in long],
+                                            options.prefill_group_size, options.prefill_padding,
+                                            options.prefill_group_area))
+        return _KernelPrepared(metadata.slot_mapping, metadata.block_tables, metadata.query_start_loc,
+                               metadata.context_lens, torch.from_numpy(np.asarray(short, dtype=np.int64)), groups)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, prepared, scale: float) -> torch.Tensor:
+        if not isinstance(prepared, _KernelPrepared):
+            return super().forward(query, key, value, key_cache, value_cache, prepared, scale)
+        kernels = self._kernels
+        kernels.write_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, prepared.slot_mapping)
+        query = query.contiguous()
+        output = torch.empty_like(query)
+        if prepared.kernel_seqs.numel():
+            kernels.attend(query, key_cache, value_cache, prepared.block_tables, prepared.query_start,
+                           prepared.context_lens, prepared.kernel_seqs, scale, output)
+        for group in prepared.prefill_groups:
+            output.index_copy_(0, group.output_rows, self._prefill(query, key_cache, value_cache, group, scale))
+        return output

@@ -1,0 +1,117 @@
+"""cpu-paged: the C++ kernels build where a compiler exists, pass the attention contract
+(kernel for short rows, and for every row), match transformers end to end, and fall back
+to the torch path, saying so once, when they cannot be built."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from servelab import LLM, SamplingParams
+from servelab.interfaces import AttentionContext
+from servelab.plugins.kernels.cpu_build import kernel_build
+from servelab.plugins.kernels.cpu_paged import CpuPagedAttention
+from servelab.plugins.kernels.options import CpuPagedOptions
+from servelab.testing import AttentionBackendContract
+from servelab.testing.attention_batch import dense_reference, metadata_for
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: cpu-paged serves on the torch path")
+
+
+class TestCpuPaged(AttentionBackendContract):
+    plugin_name = "cpu-paged"
+    options = CpuPagedOptions(build="wait")
+
+
+class TestCpuPagedKernelForEveryRow(AttentionBackendContract):
+    plugin_name = "cpu-paged"
+    options = CpuPagedOptions(build="wait", max_kernel_query_len=1 << 20)
+
+
+def _context(dtype=torch.float32, num_heads=6, num_kv_heads=2, head_dim=64, block_size=4, num_blocks=64):
+    return AttentionContext(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            block_size=block_size, num_blocks=num_blocks, dtype=dtype, device=torch.device("cpu"))
+
+
+@needs_compiler
+def test_kernels_build_where_a_compiler_exists():
+    assert kernel_build().wait() is not None, f"cpu-paged kernels failed to build: {kernel_build().error}"
+    assert CpuPagedAttention(CpuPagedOptions(build="wait"), _context()).kernels_ready
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_draft_rows_see_a_causal_prefix(dtype):
+    """Rows of 3 query tokens on top of a cache (speculative verification): each token
+    attends to the keys up to its own position only."""
+    backend = CpuPagedAttention(CpuPagedOptions(build="wait"), _context(dtype))
+    generator = torch.Generator().manual_seed(0)
+    tables = [[5, 9, 2, 7, 30], [11, 3, 40]]
+    contexts, num_queries, block_size = [19, 10], 3, 4
+    key_cache = torch.zeros(backend.kv_cache_shape(), dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    keys = [torch.randn(n, 2, 64, generator=generator).to(dtype) for n in contexts]
+    values = [torch.randn(n, 2, 64, generator=generator).to(dtype) for n in contexts]
+    queries = [torch.randn(num_queries, 6, 64, generator=generator).to(dtype) for _ in contexts]
+    for table, k, v in zip(tables, keys, values):  # the cached part, written as the runner would
+        for position in range(k.shape[0] - num_queries):
+            block, offset = table[position // block_size], position % block_size
+            key_cache[:, block, offset] = k[position]
+            value_cache[:, block, offset] = v[position]
+    metadata = metadata_for(tables, [num_queries] * 2, contexts, block_size, "cpu")
+    out = backend.forward(torch.cat(queries), torch.cat([k[-num_queries:] for k in keys]),
+                          torch.cat([v[-num_queries:] for v in values]), key_cache, value_cache,
+                          backend.prepare(metadata), 0.125)
+    expected = torch.cat([dense_reference(q, k, v, num_queries, 0.125) for q, k, v in zip(queries, keys, values)])
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_engine_greedy_matches_transformers(checkpoint_factory):
+    import transformers
+
+    path = checkpoint_factory("llama")
+    prompts = [[5, 9, 13, 2, 40, 7], list(range(3, 40)), [17]]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(path, max_model_len=128, **{"attention.name": "cpu-paged", "attention.build": "wait"})
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected
+
+
+FALLBACK_SCRIPT = """
+import torch, structlog
+from structlog.testing import capture_logs
+from servelab.interfaces import AttentionContext
+from servelab.plugins.kernels.cpu_paged import CpuPagedAttention
+from servelab.plugins.kernels.options import CpuPagedOptions
+context = AttentionContext(num_heads=4, num_kv_heads=2, head_dim=32, block_size=4, num_blocks=8,
+                           dtype=torch.float32, device=torch.device("cpu"))
+with capture_logs() as logs:
+    backend = CpuPagedAttention(CpuPagedOptions(build="wait"), context)
+warnings = [e for e in logs if e["log_level"] == "warning"]
+print(backend.kernels_ready, len(warnings), warnings[0]["event"] if warnings else "")
+"""
+
+
+def test_without_a_compiler_the_torch_path_serves_and_says_so_once(tmp_path):
+    # A fresh extension cache and a compiler that does not exist: the build fails.
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    result = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "1", "cpu_paged.kernels_unavailable"]
+
+
+def test_selected_on_a_non_cpu_device_falls_back_without_building():
+    context = AttentionContext(num_heads=4, num_kv_heads=2, head_dim=32, block_size=4, num_blocks=8,
+                               dtype=torch.float32, device=torch.device("meta"))
+    backend = CpuPagedAttention(CpuPagedOptions(build="wait"), context)
+    assert not backend.kernels_ready
