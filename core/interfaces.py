@@ -156,6 +156,10 @@ class PrefixCachingAllocator(Protocol):
     def cache_blocks(self, seq: Sequence) -> None:
         """Make `seq`'s full blocks of computed tokens reusable by later sequences."""
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block no sequence holds: later lookups miss them, and they
+        count as free. Blocks sequences hold stay; the prefix statistics keep counting."""
+
 
 @runtime_checkable
 class ContiguousAllocator(Protocol):

@@ -1,14 +1,16 @@
 """Seeded benchmark workloads: who asks for what, and when.
 
 A workload is a list of requests (prompt token ids, output length, arrival offset in
-seconds). Generators cover length-skewed traffic, shared-prefix traffic, repetitive
-traffic and long-prompt bursts; arrivals are offline (all at t=0), Poisson or bursty.
+seconds). Generators cover length-skewed traffic, shared-prefix traffic, multi-turn
+conversations, repetitive traffic and long-prompt bursts; arrivals are offline (all at
+t=0, but for the turns of a conversation), Poisson or bursty.
 Workloads save to and replay from JSONL exactly.
 
 Spec strings (`servelab bench --workload SPEC`):
 
     skewed:num_requests=64,mean_prompt_len=128,mean_output_len=128
     shared-prefix:num_groups=2,prefix_len=1000,num_requests=32
+    multi-turn:num_conversations=8,num_turns=4,turn_gap_s=0.5
     repetitive:passage_len=200,num_requests=16
     long-burst:num_long=4,long_len=2000,num_short=32
     skewed:num_requests=200,arrival=poisson,rate=4
@@ -124,6 +126,24 @@ def shared_prefix(rng: random.Random, vocab_size: int, num_groups: int = 2, pref
             for i in range(num_requests)]
 
 
+def multi_turn(rng: random.Random, vocab_size: int, num_conversations: int = 8, num_turns: int = 4,
+               system_len: int = 128, user_len: int = 32, answer_len: int = 32, output_len: int = 32,
+               turn_gap_s: float = 0.5) -> list[BenchRequest]:
+    """Conversations sharing a system prompt: turn t's prompt is turn t-1's prompt plus an
+    answer and a new user message, and arrives `turn_gap_s` seconds after it. (The
+    answers are drawn here, not generated, so each turn reuses the previous turn's prompt.)"""
+    system = _tokens(rng, vocab_size, system_len)
+    histories = [system + _tokens(rng, vocab_size, user_len) for _ in range(num_conversations)]
+    out = []
+    for turn in range(num_turns):
+        for index in range(num_conversations):
+            if turn:
+                histories[index] = (histories[index] + _tokens(rng, vocab_size, answer_len)
+                                    + _tokens(rng, vocab_size, user_len))
+            out.append(BenchRequest(list(histories[index]), output_len, arrival_time=round(turn * turn_gap_s, 6)))
+    return out
+
+
 def repetitive(rng: random.Random, vocab_size: int, passage_len: int = 200, num_requests: int = 16,
                output_len: int = 64) -> list[BenchRequest]:
     """Continue or rewrite a passage: the prompt holds the passage and the start of a copy."""
@@ -147,6 +167,7 @@ def long_burst(rng: random.Random, vocab_size: int, num_long: int = 4, long_len:
 GENERATORS: dict[str, Callable[..., list[BenchRequest]]] = {
     "skewed": skewed,
     "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn,
     "repetitive": repetitive,
     "long-burst": long_burst,
 }

@@ -10,7 +10,9 @@ from typing import Any
 import attrs
 
 from servelab.interfaces import DrafterContext, SchedulerContext
-from servelab.plugins.allocators.paged import PagedAllocator
+from servelab.plugins.allocators.hash_prefix import CachedBlock, HashAllocator
+from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
+from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention
 from servelab.plugins.schedulers.continuous import ContinuousScheduler
 
@@ -32,12 +34,113 @@ class NoCopyOnWriteAllocator(PagedAllocator):
         return False
 
 
+class RefusalKeepsBlocksAllocator(PagedAllocator):
+    """Refuses a new sequence that does not fit, but keeps the blocks it had taken for it
+    until `free()` (a partial reservation not undone)."""
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        if super().allocate(seq_id, num_tokens):
+            return True
+        if seq_id not in self._seqs and self._free_blocks:
+            taken = self._take_blocks(len(self._free_blocks))
+            for block in taken:
+                self._hold(block)
+            self._seqs[seq_id] = SeqBlocks(taken, 0)
+        return False
+
+
+class PerHolderSlotsAllocator(PagedAllocator):
+    """Counts a forked child's slots again, as if each holder of a block filled it."""
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        forked = super().fork(parent_id, child_id)
+        if parent_id in self._seqs:
+            self._num_slots_used += self._seqs[parent_id].num_tokens
+        return forked
+
+    def free(self, seq_id: str) -> None:
+        if seq_id in self._seqs and any(self._ref_counts[b] > 1 for b in self._seqs[seq_id].table):
+            self._num_slots_used -= self._seqs[seq_id].num_tokens  # so it returns to 0 once all is freed
+        super().free(seq_id)
+
+
+class CountsEveryLookupAllocator(RadixAllocator):
+    """Counts a prefix lookup when it is made, so refused admissions count too."""
+
+    def match_prefix(self, seq) -> int:
+        hit = super().match_prefix(seq)
+        self.lookups.admitted(seq.request_id)
+        return hit
+
+
+class StrictFreeAllocator(PagedAllocator):
+    """Raises KeyError when freeing a sequence it does not know."""
+
+    def free(self, seq_id: str) -> None:
+        self._seqs[seq_id]  # noqa: B018 - the bug: unknown ids must be a no-op
+        super().free(seq_id)
+
+
+class PositionalHashAllocator(HashAllocator):
+    """A hash prefix cache keying each block by (its index, its tokens) instead of chaining
+    the parent block's hash: block 1 of "X0 X1" is reused for "Y0 X1"."""
+
+    def match_prefix(self, seq) -> int:
+        blocks = []
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            block = self._block_of.get(hash((index, self._chunk(seq, index))))
+            if block is None:
+                break
+            blocks.append(block)
+        for block in blocks:
+            self._hold(block)
+        num_hit = len(blocks) * self.block_size
+        self._seqs[seq.request_id] = SeqBlocks(blocks, num_hit, num_cached_blocks=len(blocks))
+        self.lookups.looked_up(seq.request_id, num_hit, seq.num_tokens)
+        return num_hit
+
+    def cache_blocks(self, seq) -> None:
+        state = self._seqs.get(seq.request_id)
+        if state is None:
+            return
+        num_full = min(seq.num_computed_tokens, state.num_tokens) // self.block_size
+        for index in range(state.num_cached_blocks, num_full):
+            key = hash((index, self._chunk(seq, index)))
+            block = state.table[index]
+            if key not in self._block_of and block not in self._cached:
+                self._block_of[key] = block
+                self._cached[block] = CachedBlock(key, index, self._chunk(seq, index))
+            state.num_cached_blocks = index + 1
+
+    def _chunk(self, seq, index: int) -> tuple[int, ...]:
+        return tuple(seq.token_slice(index * self.block_size, (index + 1) * self.block_size))
+
+
 class OverBudgetScheduler(ContinuousScheduler):
     """Plans against twice the token budget it was given."""
 
     def __init__(self, options: Any, context: SchedulerContext) -> None:
         super().__init__(options, context)
         self.context = attrs.evolve(context, max_num_batched_tokens=2 * context.max_num_batched_tokens)
+
+
+class UnchargedDecodeScheduler(ContinuousScheduler):
+    """Does not charge running sequences' decode tokens to the token budget."""
+
+    def _run(self, ready, builder) -> None:
+        for seq, num_new in ready:
+            builder.scheduled[seq] = num_new  # the bug: builder.budget is not lowered
+
+
+class CrashingScheduler(ContinuousScheduler):
+    """Raises IndexError once a sequence has decoded three tokens (an off-by-one in
+    code that looks at recent output)."""
+
+    def schedule(self):
+        for seq in self.running:
+            if len(seq.output_token_ids) == 3:
+                seq.output_token_ids[5]  # noqa: B018 - the bug
+        return super().schedule()
 
 
 class DroppingScheduler(ContinuousScheduler):
@@ -65,6 +168,63 @@ class PaddingLookupDrafter:
             draft = tokens[earlier[-1] + 1: earlier[-1] + 1 + self.k] if earlier else []
             drafts[seq.request_id] = draft + [-1] * (self.k - len(draft))
         return drafts
+
+
+class LongLookupDrafter(PaddingLookupDrafter):
+    """Prompt lookup without a bound: proposes everything that followed the last
+    occurrence, and declares no num_speculative_tokens anywhere."""
+
+    def __init__(self, options: Any, context: DrafterContext) -> None:
+        self.k = 10_000
+        self.max_model_len = context.max_model_len
+
+    def propose(self, seqs):
+        drafts = {}
+        for seq in seqs:
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            earlier = [i for i in range(len(tokens) - 1) if tokens[i] == tokens[-1]]
+            draft = tokens[earlier[-1] + 1:] if earlier else []
+            drafts[seq.request_id] = draft[: max(0, self.max_model_len - len(tokens))]
+        return drafts
+
+
+class StashingDrafter(PaddingLookupDrafter):
+    """Stores each proposal in the sequence's draft_token_ids (the engine's field)."""
+
+    def propose(self, seqs):
+        drafts = {r: [t for t in d if t >= 0] for r, d in super().propose(seqs).items()}
+        for seq in seqs:
+            seq.draft_token_ids = list(drafts[seq.request_id])
+        return drafts
+
+
+class StaleCacheDrafter(PaddingLookupDrafter):
+    """Remembers each request's first draft and proposes it again; release() forgets nothing."""
+
+    def __init__(self, options: Any, context: DrafterContext) -> None:
+        super().__init__(options, context)
+        self.first_drafts: dict[str, list[int]] = {}
+
+    def propose(self, seqs):
+        fresh = {r: [t for t in d if t >= 0] for r, d in super().propose(seqs).items()}
+        return {seq.request_id: self.first_drafts.setdefault(seq.request_id, fresh[seq.request_id])
+                for seq in seqs}
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class SortedBlocksAttention(TorchPagedAttention):
+    """Reads each sequence's blocks in ascending block id order instead of table order
+    (right for a fresh pool, which hands out ascending blocks)."""
+
+    def prepare(self, metadata):
+        tables = metadata.block_tables.clone()
+        block_size = self.context.block_size
+        for row, context_len in enumerate(metadata.context_lens_list):
+            num_blocks = -(-context_len // block_size)
+            tables[row, :num_blocks] = tables[row, :num_blocks].sort().values
+        return super().prepare(attrs.evolve(metadata, block_tables=tables))
 
 
 class WrongScaleAttention(TorchPagedAttention):

@@ -1,5 +1,5 @@
 """The allocators are interchangeable: greedy outputs are token-identical across naive,
-paged and radix, and equal to `transformers`, for prompts sharing long prefixes, over
+paged, radix and hash, and equal to `transformers`, for prompts sharing long prefixes, over
 several `generate` calls of one engine, and with a KV pool small enough to force
 eviction and preemption. Parallel sampling (n > 1) forks one prefill n ways."""
 
@@ -14,7 +14,8 @@ import servelab
 from servelab import LLM, AllocatorPlugin, PluginRegistry, RequestError, SamplingParams
 from servelab.interfaces import AllocatorContext
 
-ALLOCATORS = ["naive", "paged", "radix"]
+ALLOCATORS = ["naive", "paged", "radix", "hash"]
+PREFIX_CACHES = ["radix", "hash"]
 BLOCK_SIZE = 8
 
 
@@ -65,33 +66,35 @@ def generate(llm, prompts=None):
 def test_greedy_matches_transformers_across_generate_calls(llama_checkpoint, reference, allocator):
     llm = LLM(llama_checkpoint, max_model_len=128, block_size=BLOCK_SIZE, **{"allocator.name": allocator})
     assert generate(llm) == reference
-    assert generate(llm) == reference, "a second call (radix: served from the prefix cache) changed tokens"
+    assert generate(llm) == reference, "a second call (radix, hash: served from the prefix cache) changed tokens"
     stats = llm.engine.allocator.stats()
     assert stats.num_used_blocks == 0
-    if allocator == "radix":
+    if allocator in PREFIX_CACHES:
         # The first call admits every prompt in its first step, so nothing hits; the second
         # hits each prompt's full blocks but its last token's: 6 + 7 + 5 + 3 + 1 + 6 blocks.
         assert stats.prefix_hit_tokens == 28 * BLOCK_SIZE
         assert stats.num_prefix_lookups == 12 and stats.num_cached_blocks > 0
 
 
+@pytest.mark.parametrize("allocator", PREFIX_CACHES)
 @pytest.mark.parametrize("scheduler", ["chunked-prefill", "static"])
-def test_radix_under_other_schedulers(llama_checkpoint, reference, scheduler):
+def test_prefix_caches_under_other_schedulers(llama_checkpoint, reference, scheduler, allocator):
     # Chunks of 12 tokens end inside blocks and inside cached prefixes.
     budget = {"chunked-prefill": 12, "static": 128}[scheduler]
     llm = LLM(llama_checkpoint, max_model_len=128, block_size=BLOCK_SIZE, max_num_batched_tokens=budget,
-              **{"allocator.name": "radix", "scheduler.name": scheduler})
+              **{"allocator.name": allocator, "scheduler.name": scheduler})
     assert generate(llm) == reference
     assert generate(llm) == reference
     assert llm.engine.allocator.stats().prefix_hit_tokens > 0
 
 
-def test_radix_computes_fewer_prefill_tokens_and_keeps_them_across_calls(llama_checkpoint):
+@pytest.mark.parametrize("allocator", PREFIX_CACHES)
+def test_prefix_caches_compute_fewer_prefill_tokens_and_keep_them_across_calls(llama_checkpoint, allocator):
     recorder = _StepRecorder()
     registry = PluginRegistry.from_entry_points()
     registry.register(recorder)
     llm = LLM(llama_checkpoint, max_model_len=128, block_size=BLOCK_SIZE, registry=registry,
-              **{"allocator.name": "radix"})
+              **{"allocator.name": allocator})
     prompts = make_prompts()
     first = generate(llm, prompts[:1])
     computed_alone = recorder.take_scheduled_tokens()
@@ -103,8 +106,8 @@ def test_radix_computes_fewer_prefill_tokens_and_keeps_them_across_calls(llama_c
 
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_small_pool_evicts_and_preempts_without_changing_tokens(llama_checkpoint, reference, allocator):
-    # 14 blocks of 8 slots: naive fits one sequence at a time; paged and radix preempt,
-    # and radix must evict cached prefixes to make room.
+    # 14 blocks of 8 slots: naive fits one sequence at a time; the others preempt, and
+    # the prefix caches must evict cached prefixes to make room.
     llm = LLM(llama_checkpoint, max_model_len=112, num_kv_blocks=14, block_size=BLOCK_SIZE,
               **{"allocator.name": allocator})
     evicted = []
@@ -118,10 +121,20 @@ def test_small_pool_evicts_and_preempts_without_changing_tokens(llama_checkpoint
             return blocks
 
         tree.evict = counting_evict
+    if allocator == "hash":
+        evict_blocks = llm.engine.allocator._evict
+        cached = llm.engine.allocator.stats
+
+        def counting_evict_blocks(count):
+            before = cached().num_cached_blocks
+            evict_blocks(count)
+            evicted.extend(range(before - cached().num_cached_blocks))
+
+        llm.engine.allocator._evict = counting_evict_blocks
     assert generate(llm) == reference
     assert generate(llm) == reference
     assert llm.engine.allocator.stats().num_used_blocks == 0
-    if allocator == "radix":
+    if allocator in PREFIX_CACHES:
         assert evicted, "the pool was meant to be too small to keep every prefix cached"
     if allocator != "naive":
         assert llm.engine.scheduler.stats().num_preemptions > 0
@@ -175,11 +188,11 @@ def test_n_seeded_completions_differ_and_reproduce(llama_checkpoint):
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, n=3, ignore_eos=True)
     prompts = make_prompts()[:2]
     runs = []
-    for allocator, neighbours in (("paged", []), ("radix", [[5, 6, 7]]), ("naive", [])):
+    for allocator, neighbours in (("paged", []), ("radix", [[5, 6, 7]]), ("hash", [[5, 6, 7]]), ("naive", [])):
         llm = LLM(llama_checkpoint, max_model_len=128, block_size=BLOCK_SIZE, **{"allocator.name": allocator})
         outputs = llm.generate(prompts + neighbours, [params] * 2 + [greedy(3)] * len(neighbours))
         runs.append([[c.token_ids for c in o.outputs] for o in outputs[:2]])
-    assert runs[0] == runs[1] == runs[2], "seeded parallel samples must not depend on allocator or batch"
+    assert runs[0] == runs[1] == runs[2] == runs[3], "seeded parallel samples must not depend on allocator or batch"
     for completions in runs[0]:
         assert len({tuple(c) for c in completions}) == 3, "the n seeded completions should differ"
 

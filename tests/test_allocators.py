@@ -15,6 +15,7 @@ from servelab.interfaces import (
 )
 from servelab.plugins.allocators.naive import NaiveAllocator
 from servelab.plugins.allocators.paged import PagedAllocator
+from servelab.plugins.allocators.hash_prefix import HashAllocator
 from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.allocators.radix_tree import RadixTree
 from servelab.plugins.schedulers.continuous import ContinuousScheduler
@@ -32,11 +33,11 @@ def seq(seq_id: str, tokens: list[int], num_computed: int = 0) -> Sequence:
     return s
 
 
-@pytest.mark.parametrize("cls", [NaiveAllocator, PagedAllocator, RadixAllocator])
+@pytest.mark.parametrize("cls", [NaiveAllocator, PagedAllocator, RadixAllocator, HashAllocator])
 def test_capabilities(cls):
     alloc = make(cls)
     assert isinstance(alloc, KVAllocator) and isinstance(alloc, ForkingAllocator)
-    assert isinstance(alloc, PrefixCachingAllocator) is (cls is RadixAllocator)
+    assert isinstance(alloc, PrefixCachingAllocator) is (cls in (RadixAllocator, HashAllocator))
 
 
 # ---------------------------------------------------------------- naive
@@ -227,6 +228,9 @@ def test_radix_tree_evicts_only_as_many_as_asked():
 # ---------------------------------------------------------------- radix allocator
 
 
+PREFIX_CACHES = [RadixAllocator, HashAllocator]
+
+
 def admit(alloc, s: Sequence) -> int:
     """What the scheduler does: look up the prefix, allocate the rest."""
     s.num_computed_tokens = alloc.match_prefix(s)
@@ -241,8 +245,9 @@ def run_to_end(alloc, s: Sequence) -> None:
     alloc.free(s.request_id)
 
 
-def test_radix_reuses_full_blocks_of_a_finished_sequence():
-    alloc = make(RadixAllocator)
+@pytest.mark.parametrize("cls", PREFIX_CACHES)
+def test_prefix_cache_reuses_full_blocks_of_a_finished_sequence(cls):
+    alloc = make(cls)
     first = seq("a", list(range(10)))
     assert admit(alloc, first) == 0
     run_to_end(alloc, first)
@@ -257,8 +262,9 @@ def test_radix_reuses_full_blocks_of_a_finished_sequence():
     assert (stats.num_used_blocks, stats.num_cached_blocks) == (3, 0)
 
 
-def test_radix_always_leaves_one_token_to_compute():
-    alloc = make(RadixAllocator)
+@pytest.mark.parametrize("cls", PREFIX_CACHES)
+def test_prefix_cache_always_leaves_one_token_to_compute(cls):
+    alloc = make(cls)
     first = seq("a", list(range(8)))
     admit(alloc, first)
     run_to_end(alloc, first)
@@ -266,8 +272,9 @@ def test_radix_always_leaves_one_token_to_compute():
     assert admit(alloc, again) == 4, "8 cached tokens, but the last block is recomputed for logits"
 
 
-def test_radix_failed_admission_is_not_counted_and_unpins():
-    alloc = make(RadixAllocator, num_blocks=4, max_model_len=16)
+@pytest.mark.parametrize("cls", PREFIX_CACHES)
+def test_prefix_cache_failed_admission_is_not_counted_and_unpins(cls):
+    alloc = make(cls, num_blocks=4, max_model_len=16)
     first = seq("a", list(range(8)))
     admit(alloc, first)
     run_to_end(alloc, first)
@@ -281,8 +288,9 @@ def test_radix_failed_admission_is_not_counted_and_unpins():
     assert (stats.num_used_blocks, stats.num_cached_blocks) == (2, 2)
 
 
-def test_radix_evicts_only_when_the_free_list_is_dry_lru_first():
-    alloc = make(RadixAllocator, num_blocks=6, max_model_len=24)
+@pytest.mark.parametrize("cls", PREFIX_CACHES)
+def test_prefix_cache_evicts_only_when_the_free_list_is_dry_lru_first(cls):
+    alloc = make(cls, num_blocks=6, max_model_len=24)
     for name, tokens in (("a", [1] * 8), ("b", [2] * 8)):
         s = seq(name, tokens)
         admit(alloc, s)
@@ -330,8 +338,9 @@ def test_radix_merges_blocks_two_sequences_computed_in_one_step():
     assert alloc.stats().num_cached_blocks == 3
 
 
-def test_radix_cached_blocks_of_a_fork_are_shared_by_both():
-    alloc = make(RadixAllocator)
+@pytest.mark.parametrize("cls", PREFIX_CACHES)
+def test_prefix_cache_cached_blocks_of_a_fork_are_shared_by_both(cls):
+    alloc = make(cls)
     parent = seq("p", list(range(10)))
     admit(alloc, parent)
     parent.num_computed_tokens = 10

@@ -44,6 +44,19 @@ def test_shared_prefix_groups_share_their_prefix():
     assert len({tuple(p[50:]) for p in prompts}) == 6
 
 
+def test_multi_turn_turns_extend_the_previous_turn_and_arrive_later():
+    workload = build_workload("multi-turn:num_conversations=3,num_turns=3,system_len=20,user_len=4,"
+                              "answer_len=6,turn_gap_s=0.25", 300)
+    requests = workload.requests
+    assert [r.arrival_time for r in requests] == [0.0] * 3 + [0.25] * 3 + [0.5] * 3
+    for conversation in range(3):
+        turns = [requests[turn * 3 + conversation].prompt_token_ids for turn in range(3)]
+        assert [len(t) for t in turns] == [24, 34, 44]
+        assert turns[1][:24] == turns[0] and turns[2][:34] == turns[1]
+    assert requests[0].prompt_token_ids[:20] == requests[1].prompt_token_ids[:20], "one system prompt"
+    assert requests[0].prompt_token_ids[20:] != requests[1].prompt_token_ids[20:]
+
+
 def test_poisson_and_bursty_arrivals_are_ordered_at_the_rate():
     poisson = build_workload("skewed:num_requests=400,arrival=poisson,rate=10", 300)
     times = [r.arrival_time for r in poisson.requests]

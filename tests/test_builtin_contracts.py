@@ -4,7 +4,7 @@ with more hypothesis examples than the contracts' defaults.
 
 The attention backend `torch-paged` runs its contract in test_torch_paged.py.
 Built-in-specific invariants ride on the contracts' hooks: the radix allocator's cached
-blocks are the unheld blocks of its tree; naive tables are disjoint contiguous runs; the
+blocks are the unheld blocks of its tree, and the hash allocator's the unheld hashed ones; naive tables are disjoint contiguous runs; the
 built-in schedulers keep their waiting queue in rank order (priority, then arrival; with
 aging, arrival + priority * priority_aging_s) and admit only from its head.
 """
@@ -48,6 +48,19 @@ class TestRadix(AllocatorContract):
         unheld = [b for b in range(allocator.num_blocks) if b in allocator.tree and allocator.ref_count(b) == 0]
         check(allocator.stats().num_cached_blocks == len(unheld), "radix: cached blocks are the unheld tree blocks",
               f"{allocator.stats().num_cached_blocks} cached, {len(unheld)} unheld tree blocks")
+
+
+class TestHash(AllocatorContract):
+    plugin_name = "hash"
+    max_examples = ALLOCATOR_EXAMPLES
+
+    def check_allocator_state(self, allocator, tables):
+        unheld = [b for b in range(allocator.num_blocks) if b in allocator._cached and allocator.ref_count(b) == 0]
+        check(allocator.stats().num_cached_blocks == len(unheld), "hash: cached blocks are the unheld hashed blocks",
+              f"{allocator.stats().num_cached_blocks} cached, {len(unheld)} unheld hashed blocks")
+        for block, entry in allocator._cached.items():
+            check(allocator._block_of.get(entry.block_hash) == block, "hash: every cached block is found by its hash",
+                  f"block {block} cached as {entry}")
 
 
 class TestSdpaContiguous(AttentionBackendContract):

@@ -185,3 +185,195 @@ def test_kernel_with_a_wrong_scale_fails_dense_attention(pytester):
     assert len(grid) == 24, "every shape of the grid catches it"
     assert "invariant violated: tokens identical to the reference policies" in \
         failed["TestWrongScale::test_greedy_tokens_match_the_reference_policies[roomy]"]
+
+
+# ---------------------------------------------------------------- faults the hardened contracts catch
+
+
+def test_positional_hash_prefix_cache_fails_whole_prefix_kv(pytester):
+    """Keyed by (block index, tokens): block 1 of "X0 X1" is handed to "Y0 X1"."""
+    results = run_contract(pytester, """
+        from faulty_plugins import PositionalHashAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestPositional(AllocatorContract):
+            factory = PositionalHashAllocator
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_equal_blocks_after_different_parents_never_hit", "test_random_operation_sequences"):
+        assert "invariant violated: a prefix-cache hit holds the K/V of the whole matched prefix" in \
+            failed[f"TestPositional::{test}"]
+    assert "TestPositional::test_prefix_hits_reuse_computed_blocks" not in failed
+
+
+def test_refused_allocate_that_keeps_blocks_fails_all_or_nothing(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import RefusalKeepsBlocksAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestKeeps(AllocatorContract):
+            factory = RefusalKeepsBlocksAllocator
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_allocate_is_all_or_nothing", "test_random_operation_sequences"):
+        assert "invariant violated: allocate and fork are all-or-nothing" in failed[f"TestKeeps::{test}"]
+    assert "TestKeeps::test_writes_after_a_fork_stay_private" not in failed
+
+
+def test_slots_counted_per_holder_fail_stats_bounds(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import PerHolderSlotsAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestPerHolder(AllocatorContract):
+            factory = PerHolderSlotsAllocator
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_stats_stay_in_bounds_through_fork_cow_and_rollback", "test_writes_after_a_fork_stay_private"):
+        assert "invariant violated: allocator stats within bounds" in failed[f"TestPerHolder::{test}"]
+    assert "TestPerHolder::test_allocate_is_all_or_nothing" not in failed
+
+
+def test_lookups_counted_before_admission_fail_prefix_statistics(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import CountsEveryLookupAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestCountsLookups(AllocatorContract):
+            factory = CountsEveryLookupAllocator
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_prefix_statistics_count_admissions", "test_random_operation_sequences"):
+        assert "invariant violated: prefix statistics count one lookup per admission" in \
+            failed[f"TestCountsLookups::{test}"]
+    assert "TestCountsLookups::test_prefix_hits_reuse_computed_blocks" not in failed
+
+
+def test_an_exception_from_the_policy_names_the_invariant_and_keeps_its_traceback(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import StrictFreeAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestStrictFree(AllocatorContract):
+            factory = StrictFreeAllocator
+    """, "-k", "free_returns or random_operation")
+    failed = failures(results)
+    for test in ("test_free_returns_every_block", "test_random_operation_sequences"):
+        text = failed[f"TestStrictFree::{test}"]
+        assert "invariant violated: free of an unknown sequence is a no-op: the policy raised KeyError" in text
+        assert "faulty_plugins.py" in text and "in free" in text, "the policy's traceback is in the report"
+
+
+def test_scheduler_not_charging_decodes_fails_token_budget_on_every_run(pytester):
+    """Derandomized by default: the pressing scenario and the random workloads catch it
+    on every run, at the contract's default example count."""
+    results = run_contract(pytester, """
+        from faulty_plugins import UnchargedDecodeScheduler
+        from servelab.testing import SchedulerContract
+
+        class TestUncharged(SchedulerContract):
+            factory = UnchargedDecodeScheduler
+    """, "-k", "not greedy")
+    failed = failures(results)
+    for test in ("test_budget_holds_with_many_decodes_and_long_prompts", "test_random_workloads"):
+        assert "invariant violated: token budget exceeded" in failed[f"TestUncharged::{test}"]
+    assert "TestUncharged::test_every_request_is_served_once" not in failed
+
+
+def test_drafter_without_a_declared_k_is_still_held_to_at_most_k(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import LongLookupDrafter
+        from servelab.testing import DrafterContract
+
+        class TestLong(DrafterContract):
+            factory = LongLookupDrafter
+    """, "-k", "repetitive or random_batches")
+    failed = failures(results)
+    for test in ("test_repetitive_sequences", "test_random_batches"):
+        assert "invariant violated: at most num_speculative_tokens draft tokens per sequence" in \
+            failed[f"TestLong::{test}"]
+
+
+def test_drafter_writing_into_a_sequence_fails_immutable(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import StashingDrafter
+        from servelab.testing import DrafterContract
+
+        class TestStashing(DrafterContract):
+            factory = StashingDrafter
+            num_speculative_tokens = 3
+    """, "-k", "repetitive or random_batches")
+    failed = failures(results)
+    for test in ("test_repetitive_sequences", "test_random_batches"):
+        text = failed[f"TestStashing::{test}"]
+        assert "invariant violated: propose never changes the sequences" in text and "draft_token_ids" in text
+
+
+def test_drafter_keeping_state_past_release_fails_release(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import StaleCacheDrafter
+        from servelab.testing import DrafterContract
+
+        class TestStale(DrafterContract):
+            factory = StaleCacheDrafter
+            num_speculative_tokens = 3
+    """, "-k", "release or empty_batch")
+    failed = failures(results)
+    assert "invariant violated: release forgets a sequence" in failed["TestStale::test_release_forgets_a_sequence"]
+    assert "TestStale::test_empty_batch_gets_no_proposals" not in failed
+
+
+def test_kernel_reading_blocks_in_sorted_order_fails_end_to_end(pytester):
+    """The end-to-end pool is handed out in shuffled order, so block tables are not ascending."""
+    results = run_contract(pytester, """
+        from faulty_plugins import SortedBlocksAttention
+        from servelab.testing import AttentionBackendContract
+
+        class TestSorted(AttentionBackendContract):
+            factory = SortedBlocksAttention
+    """, "-k", "greedy and roomy")
+    assert "invariant violated: tokens identical to the reference policies" in \
+        failures(results)["TestSorted::test_greedy_tokens_match_the_reference_policies[roomy]"]
+
+
+def test_positional_hash_prefix_cache_changes_tokens_end_to_end(pytester):
+    """"Y0 X1" reuses X1's K/V computed after X0: the warm-cache run's tokens change."""
+    results = run_contract(pytester, """
+        from faulty_plugins import PositionalHashAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestPositional(AllocatorContract):
+            factory = PositionalHashAllocator
+    """, "-k", "greedy and roomy")
+    assert "invariant violated: tokens identical to the reference policies" in \
+        failures(results)["TestPositional::test_greedy_tokens_match_the_reference_policies[roomy]"]
+
+
+def test_allocator_without_copy_on_write_fails_parallel_sampling_end_to_end(pytester):
+    """Seeded parallel samples write different tokens after the fork."""
+    results = run_contract(pytester, """
+        from faulty_plugins import NoCopyOnWriteAllocator
+        from servelab.testing import AllocatorContract
+
+        class TestNoCow(AllocatorContract):
+            factory = NoCopyOnWriteAllocator
+    """, "-k", "greedy and parallel")
+    assert "invariant violated: tokens identical to the reference policies" in \
+        failures(results)["TestNoCow::test_greedy_tokens_match_the_reference_policies[parallel]"]
+
+
+def test_a_scheduler_exception_names_the_invariant_in_the_harness_and_end_to_end(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import CrashingScheduler
+        from servelab.testing import SchedulerContract
+
+        class TestCrashing(SchedulerContract):
+            factory = CrashingScheduler
+    """, "-k", "every_request or (greedy and roomy)")
+    failed = failures(results)
+    for test, invariant in (("test_every_request_is_served_once", "schedule() plans a step within every limit"),
+                            ("test_greedy_tokens_match_the_reference_policies[roomy]",
+                             "tokens identical to the reference policies")):
+        text = failed[f"TestCrashing::{test}"]
+        assert f"invariant violated: {invariant}: the policy raised IndexError" in text
+        assert "in schedule" in text and "faulty_plugins.py" in text, "the scheduler's traceback is in the report"

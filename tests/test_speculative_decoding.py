@@ -261,6 +261,7 @@ class TestMedusa(DrafterContract):
     verify its drafts."""
 
     plugin_name = "medusa"
+    num_speculative_tokens = 3  # one per head: its options' 0 means "as many as there are heads"
 
     @pytest.fixture(autouse=True)
     def _heads(self, tmp_path_factory):

@@ -6,7 +6,9 @@
         factory = MyAllocator          # or: plugin_name = "mine"
 
 Capabilities are tested when present: fork, copy-on-write and rollback for a
-ForkingAllocator, prefix hits for a PrefixCachingAllocator.
+ForkingAllocator, prefix hits, statistics and reset for a PrefixCachingAllocator.
+Randomised tests are derandomized (the same examples every run) unless pytest gets
+`--servelab-random`; an exception the allocator raises fails the invariant exercised.
 """
 
 from __future__ import annotations
@@ -16,25 +18,36 @@ from typing import Any
 import pytest
 
 from servelab.interfaces import AllocatorContext, ForkingAllocator, KVAllocator, PrefixCachingAllocator
-from servelab.testing.contract import PolicyContract, check
-from servelab.testing.kv_store import KVStore, blocks_for, new_sequence
+from servelab.testing.allocator_prefix import PrefixCacheScenarios
+from servelab.testing.allocator_stats import STATS_BOUNDS, check_stats_bounds
+from servelab.testing.contract import PolicyContract, check, exercising
+from servelab.testing.kv_store import COPY_ON_WRITE, KVStore, blocks_for, new_sequence
+
+ALL_OR_NOTHING = "allocate and fork are all-or-nothing (a refusal changes nothing)"
+PREFIX_CAPABILITY = "implements PrefixCachingAllocator (match_prefix, cache_blocks, reset_prefix_cache)"
 
 
-class AllocatorContract(PolicyContract):
+class AllocatorContract(PrefixCacheScenarios, PolicyContract):
     """Invariants (each failure message starts "invariant violated: <name>"):
 
     - implements KVAllocator; fresh pool: every block free, nothing used
-    - allocate and fork are all-or-nothing (a refusal changes nothing)
+    - allocate and fork are all-or-nothing (a refusal changes nothing: stats and tables
+      right after it equal those before it)
     - the block table covers exactly the allocated tokens; block ids are valid; a block
       appears at most once in a table
     - blocks are conserved (used + free + cached == num_blocks); slot statistics add up
+    - allocator stats within bounds (no negatives, slots within used blocks), after
+      fork, copy-on-write and rollback too
     - block leaked on free: freeing returns every block no other sequence holds
     - free of an unknown sequence is a no-op
     - ref counts equal the number of tables holding a block (ForkingAllocator)
     - copy-on-write: every sequence reads back exactly its own tokens (ForkingAllocator)
     - rollback returns the slots past the kept tokens (ForkingAllocator)
-    - a prefix-cache hit is whole blocks below the sequence's length and holds the
-      matched tokens (PrefixCachingAllocator)
+    - a prefix-cache hit is whole blocks below the sequence's length and holds the K/V
+      of the whole matched prefix: equal blocks after different parents never hit
+      (PrefixCachingAllocator)
+    - prefix statistics count one lookup per admission (hits <= lookups)
+    - reset_prefix_cache drops every cached block no sequence holds
     - the whole pool is allocatable again once everything is freed
     - tokens identical to the reference policies, end to end on a tiny model
     """
@@ -59,17 +72,22 @@ class AllocatorContract(PolicyContract):
               "a fresh pool is all free", str(stats))
         check(stats.num_free_blocks + stats.num_cached_blocks == 10, "a fresh pool is all free", str(stats))
         check(list(alloc.block_table("unknown")) == [], "an unknown sequence has an empty table")
+        partial = [name for name in ("match_prefix", "cache_blocks", "reset_prefix_cache") if hasattr(alloc, name)]
+        check(len(partial) in (0, 3), PREFIX_CAPABILITY,
+              f"it has only {partial}: the engine and schedulers treat it as having no prefix cache")
 
     def test_allocate_is_all_or_nothing(self):
-        alloc = self.make(self.context(num_blocks=6, block_size=4, max_model_len=12))
-        check(alloc.allocate("a", 12) and alloc.allocate("b", 9), "allocate succeeds while blocks are free")
-        before = (alloc.stats(), list(alloc.block_table("a")), list(alloc.block_table("c")))
-        check(not alloc.allocate("c", 12), "allocate and fork are all-or-nothing (a refusal changes nothing)",
-              "12 more tokens fit in a full pool")
-        alloc.free("c")
-        after = (alloc.stats(), list(alloc.block_table("a")), list(alloc.block_table("c")))
-        check(after == before, "allocate and fork are all-or-nothing (a refusal changes nothing)",
-              f"{before} became {after}")
+        """A refusal, of a new sequence or of growing one, changes nothing, before any free()."""
+        alloc = self.make(self.context(num_blocks=7, block_size=4, max_model_len=12))
+        with exercising(ALL_OR_NOTHING):
+            check(alloc.allocate("a", 12) and alloc.allocate("b", 9), "allocate succeeds while blocks are free")
+            for seq_id, num_tokens in (("c", 12), ("b", 20)):  # one block is free; each needs more
+                before = (alloc.stats(), [list(alloc.block_table(s)) for s in "abc"])
+                refused = not alloc.allocate(seq_id, num_tokens)
+                after = (alloc.stats(), [list(alloc.block_table(s)) for s in "abc"])
+                check(refused, "allocate refuses what does not fit", f"{seq_id}: {num_tokens} tokens, {before}")
+                check(after == before, ALL_OR_NOTHING, f"refusing {seq_id} {num_tokens} tokens changed {before} "
+                                                       f"into {after}")
 
     def test_free_returns_every_block(self):
         alloc = self.make(self.context(num_blocks=12, block_size=4, max_model_len=12))
@@ -86,6 +104,9 @@ class AllocatorContract(PolicyContract):
         stats = alloc.stats()
         check(stats.num_used_blocks == 0 and stats.num_free_blocks + stats.num_cached_blocks == 12,
               "block leaked on free", f"after freeing everything: {stats}")
+        with exercising("free of an unknown sequence is a no-op"):
+            alloc.free("never-allocated")
+        check(alloc.stats() == stats, "free of an unknown sequence is a no-op", f"{stats} became {alloc.stats()}")
 
     def test_writes_after_a_fork_stay_private(self):
         """Parent and child share a partly filled block, then both write into it."""
@@ -94,15 +115,18 @@ class AllocatorContract(PolicyContract):
             pytest.skip("not a ForkingAllocator")
         store = KVStore(alloc, 10, 4)
         parent = new_sequence("p", [5, 6, 7, 8, 9, 10])
-        check(alloc.allocate("p", 6), "allocate succeeds while blocks are free")
-        store.step([parent])
-        check(alloc.fork("p", "c"), "fork succeeds while blocks are free")
-        child = new_sequence("c", parent.prompt_token_ids, num_computed=6)
-        store.step([child])  # the child reads the parent's tokens
-        for seq, token in ((child, 100), (parent, 200), (child, 101)):
-            seq.prompt_token_ids.append(token)
-            check(alloc.allocate(seq.request_id, seq.num_tokens), "allocate succeeds while blocks are free")
-            store.step([parent, child])
+        with exercising(COPY_ON_WRITE):
+            check(alloc.allocate("p", 6), "allocate succeeds while blocks are free")
+            store.step([parent])
+            check(alloc.fork("p", "c"), "fork succeeds while blocks are free")
+            child = new_sequence("c", parent.prompt_token_ids, num_computed=6)
+            store.step([child])  # the child reads the parent's tokens
+            check_stats_bounds(alloc.stats(), 10, 4)
+            for seq, token in ((child, 100), (parent, 200), (child, 101)):
+                seq.prompt_token_ids.append(token)
+                check(alloc.allocate(seq.request_id, seq.num_tokens), "allocate succeeds while blocks are free")
+                store.step([parent, child])
+                check_stats_bounds(alloc.stats(), 10, 4)
         ref_counts = [alloc.ref_count(b) for b in range(10)]
         holders = [sum(b in alloc.block_table(s) for s in "pc") for b in range(10)]
         check(ref_counts == holders, "ref counts equal the number of tables holding a block",
@@ -112,35 +136,45 @@ class AllocatorContract(PolicyContract):
         alloc = self.make(self.context())
         if not isinstance(alloc, ForkingAllocator):
             pytest.skip("not a ForkingAllocator")
-        check(alloc.allocate("a", 9), "allocate succeeds while blocks are free")
-        alloc.rollback("a", 6)
+        with exercising("rollback returns the slots past the kept tokens"):
+            check(alloc.allocate("a", 9), "allocate succeeds while blocks are free")
+            alloc.rollback("a", 6)
         check(len(alloc.block_table("a")) == 1, "rollback returns the slots past the kept tokens",
               f"3 tokens kept in {len(alloc.block_table('a'))} blocks of 4")
         check(alloc.stats().num_token_slots_used >= 3, "slot statistics add up")
+        check_stats_bounds(alloc.stats(), 10, 4)
         alloc.free("a")
         check(alloc.stats().num_used_blocks == 0, "block leaked on free", "after a rollback and a free")
 
-    def test_prefix_hits_reuse_computed_blocks(self):
-        alloc = self.make(self.context(num_blocks=12))
-        if not isinstance(alloc, PrefixCachingAllocator):
-            pytest.skip("not a PrefixCachingAllocator")
-        store = KVStore(alloc, 12, 4)
-        first = new_sequence("a", list(range(3, 14)))  # two full blocks and a partial one
-        check(alloc.match_prefix(first) == 0, "an empty cache hits nothing")
-        check(alloc.allocate("a", first.num_tokens), "allocate succeeds while blocks are free")
-        store.step([first])
-        second = new_sequence("b", list(range(3, 11)) + [50, 51])
-        hit = alloc.match_prefix(second)
-        check(hit == 8, "computed full blocks are reused",
-              f"second sequence shares 8 tokens (two blocks) with a computed one, matched {hit}")
-        store.check_prefix_hit(second, hit)
-        alloc.free("a")
-        alloc.free("b")
-        whole = new_sequence("c", list(range(3, 11)))  # exactly the cached blocks
-        hit = alloc.match_prefix(whole)
-        check(hit == 4, "a prefix-cache hit is whole blocks, below the sequence's length",
-              f"an 8-token sequence fully cached must compute its last block's token: matched {hit}")
+    def test_stats_stay_in_bounds_through_fork_cow_and_rollback(self):
+        """Until a rollback, the slots used are exactly those holding a token: a block
+        two sequences hold counts its slots once."""
+        alloc = self.make(self.context())
+        if not isinstance(alloc, ForkingAllocator):
+            pytest.skip("not a ForkingAllocator")
+        lengths: dict[str, int] = {}
+        steps = (("a 10-token sequence", lambda: alloc.allocate("p", 10), {"p": 10}),
+                 ("a fork of it", lambda: alloc.fork("p", "c"), {"c": 10}),
+                 ("the child's copy-on-write append", lambda: alloc.allocate("c", 11), {"c": 11}),
+                 ("a rollback of the child's last 3 tokens", lambda: alloc.rollback("c", 3), {"c": 8}))
+        for what, operation, grown in steps:
+            with exercising(STATS_BOUNDS):
+                check(operation() is not False, "allocate and fork succeed while blocks are free", what)
+                stats = alloc.stats()
+            lengths.update(grown)
+            check_stats_bounds(stats, 10, 4)
+            fullest: dict[int, int] = {}
+            for seq_id, length in lengths.items():
+                for index, block in enumerate(alloc.block_table(seq_id)):
+                    fullest[block] = max(fullest.get(block, 0), min(4, length - 4 * index))
+            holding = sum(fullest.values())
+            exact = "rollback" not in what  # a rollback may leave a shared block's high-water mark
+            check(stats.num_token_slots_used == holding if exact else stats.num_token_slots_used >= holding,
+                  STATS_BOUNDS, f"after {what}: {stats.num_token_slots_used} slots used, the tables hold "
+                                f"{holding} tokens in {len(fullest)} distinct blocks")
+        alloc.free("p")
         alloc.free("c")
+        check(alloc.stats().num_used_blocks == 0, "block leaked on free", str(alloc.stats()))
 
     # ------------------------------------------------------------ random operation sequences
 

@@ -1,9 +1,12 @@
 """The allocator contract's hypothesis state machine.
 
 Random sequences of allocate (after a prefix-cache lookup where the allocator has
-one), append, fork, write, rollback and free run against a simulated KV cache
-(`KVStore`). After every rule each invariant below is checked; every failure names
-the invariant it broke.
+one), append, fork, write, rollback, free and prefix-cache reset (the last and the
+prefix-aimed prompts in `allocator_prefix_rules`) run against a
+simulated KV cache (`KVStore`) whose values depend on the whole prefix. Prompts built
+from a few block-sized chunks reach the same block content through different parents.
+After every rule each invariant below is checked; every failure (an exception the
+allocator raises included) names the invariant it broke.
 """
 
 from __future__ import annotations
@@ -11,18 +14,35 @@ from __future__ import annotations
 from typing import Any
 
 import hypothesis.strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from servelab.interfaces import AllocatorContext, ForkingAllocator, KVAllocator, PrefixCachingAllocator
-from servelab.testing.contract import check
-from servelab.testing.kv_store import TABLE_COVERS_TOKENS, KVStore, blocks_for, new_sequence
+from servelab.testing.allocator_prefix_rules import PrefixRules
+from servelab.testing.allocator_stats import (
+    BLOCKS_CONSERVED,
+    STATS_BOUNDS,
+    PREFIX_STATS,
+    SLOT_STATS,
+    PrefixLedger,
+    check_stats_bounds,
+    prefix_counts,
+    without_prefix_counts,
+)
+from servelab.testing.contract import check, exercising
+from servelab.testing.kv_store import COPY_ON_WRITE, TABLE_COVERS_TOKENS, KVStore, blocks_for, new_sequence
 
 ALL_OR_NOTHING = "allocate and fork are all-or-nothing (a refusal changes nothing)"
-BLOCKS_CONSERVED = "blocks are conserved (used + free + cached == num_blocks, each >= 0, used >= held)"
 DISTINCT_IN_TABLE = "a block appears at most once in a table"
 LEAK_ON_FREE = "block leaked on free"
 REF_COUNTS = "ref counts equal the number of tables holding a block"
-SLOT_STATS = "slot statistics add up"
 FREE_UNKNOWN = "free of an unknown sequence is a no-op"
 PREFIX_HIT_SHAPE = "a prefix-cache hit is whole blocks, below the sequence's length"
 ROLLBACK = "rollback returns the slots past the kept tokens"
@@ -32,11 +52,7 @@ POOL_WHOLE = "the whole pool is allocatable again once everything is freed"
 TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=24)
 
 
-def counts(stats: Any) -> tuple[int, int, int, int]:
-    return stats.num_used_blocks, stats.num_free_blocks, stats.num_cached_blocks, stats.num_token_slots_used
-
-
-class AllocatorMachine(RuleBasedStateMachine):
+class AllocatorMachine(PrefixRules, RuleBasedStateMachine):
     """`contract` (an AllocatorContract instance) is set on a subclass per run."""
 
     contract: Any = None
@@ -53,6 +69,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.forking = isinstance(self.alloc, ForkingAllocator)
         self.caching = isinstance(self.alloc, PrefixCachingAllocator)
         self.store = KVStore(self.alloc, self.num_blocks, self.block_size)
+        self.ledger = PrefixLedger()
         self.live: dict[str, Any] = {}  # seq id -> Sequence; tokens in prompt_token_ids, computed = written
         self.counter = 0
 
@@ -60,25 +77,45 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(target=seqs, tokens=TOKENS)
     def allocate(self, tokens: list[int]) -> str:
+        return self._admit(tokens)
+
+    def _admit(self, tokens: list[int]) -> str:
+        """What a scheduler does to admit a sequence: look up its prefix, allocate, and
+        free it again if the allocation is refused."""
         tokens = tokens[: self.max_model_len]
         seq = new_sequence(self._new_id(), tokens)
-        before = self.alloc.stats()
+        before_lookup = self.alloc.stats()
+        hit = 0
         if self.caching:
-            hit = self.alloc.match_prefix(seq)
+            with exercising(PREFIX_HIT_SHAPE):
+                hit = self.alloc.match_prefix(seq)
             check(hit % self.block_size == 0 and 0 <= hit < len(tokens), PREFIX_HIT_SHAPE,
                   f"{hit} tokens matched of {len(tokens)}, block size {self.block_size}")
             check(len(self.alloc.block_table(seq.request_id)) == hit // self.block_size, PREFIX_HIT_SHAPE,
                   f"{hit} tokens matched but the table has {len(self.alloc.block_table(seq.request_id))} blocks")
             self.store.check_prefix_hit(seq, hit)
             seq.num_computed_tokens = hit
-        if self.alloc.allocate(seq.request_id, len(tokens)):
+        before = (self.alloc.stats(), list(self.alloc.block_table(seq.request_id)))
+        with exercising(ALL_OR_NOTHING):
+            admitted = self.alloc.allocate(seq.request_id, len(tokens))
+        if admitted:
             self.live[seq.request_id] = seq
-        else:
-            self.alloc.free(seq.request_id)  # what a scheduler does when admission fails
-            check(counts(self.alloc.stats()) == counts(before), ALL_OR_NOTHING,
-                  f"a refused allocate (+ free) moved the stats from {counts(before)} to {counts(self.alloc.stats())}")
-            check(list(self.alloc.block_table(seq.request_id)) == [], ALL_OR_NOTHING,
-                  "a refused allocate left a block table behind")
+            if self.caching:
+                self.ledger.admitted(hit, len(tokens))
+            self.ledger.check(self.alloc.stats(), f"after admitting {seq.request_id} with {hit} tokens hit")
+            return seq.request_id
+        after = (self.alloc.stats(), list(self.alloc.block_table(seq.request_id)))
+        check(after == before, ALL_OR_NOTHING, lambda: f"a refused allocate changed {before} into {after}")
+        with exercising(LEAK_ON_FREE if self.caching else FREE_UNKNOWN):  # unknown unless a lookup held blocks
+            self.alloc.free(seq.request_id)
+        freed = self.alloc.stats()
+        check(without_prefix_counts(freed) == without_prefix_counts(before_lookup), ALL_OR_NOTHING,
+              lambda: f"a lookup, a refused allocate and a free moved the stats from {before_lookup} to {freed}")
+        check(prefix_counts(freed) == prefix_counts(before_lookup), PREFIX_STATS,
+              lambda: f"a refused admission changed the prefix counters from {prefix_counts(before_lookup)} "
+                      f"to {prefix_counts(freed)}")
+        check(list(self.alloc.block_table(seq.request_id)) == [], ALL_OR_NOTHING,
+              "a refused allocate left a block table behind")
         return seq.request_id
 
     @rule(seq_id=seqs, tokens=TOKENS)
@@ -88,7 +125,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         tokens = tokens[: self.max_model_len - seq.num_tokens]
         before = (self.alloc.stats(), list(self.alloc.block_table(seq_id)))
-        if self.alloc.allocate(seq_id, seq.num_tokens + len(tokens)):
+        with exercising(ALL_OR_NOTHING):
+            grown = self.alloc.allocate(seq_id, seq.num_tokens + len(tokens))
+        if grown:
             seq.prompt_token_ids.extend(tokens)
         else:
             after = (self.alloc.stats(), list(self.alloc.block_table(seq_id)))
@@ -97,7 +136,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule()
     def write(self) -> None:
         """One engine step: block copies first, then every pending token into its slot."""
-        self.store.step(list(self.live.values()))
+        with exercising(COPY_ON_WRITE):
+            self.store.step(list(self.live.values()))
 
     @precondition(lambda self: self.forking)
     @rule(target=seqs, parent_id=seqs)
@@ -107,11 +147,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         if parent is None or not self._written(parent):
             return child_id
         before = self.alloc.stats()
-        if self.alloc.fork(parent_id, child_id):
+        with exercising(ALL_OR_NOTHING):
+            forked = self.alloc.fork(parent_id, child_id)
+        if forked:
             child = new_sequence(child_id, parent.prompt_token_ids, num_computed=parent.num_tokens)
             self.live[child_id] = child
         else:
-            check(counts(self.alloc.stats()) == counts(before), ALL_OR_NOTHING, "a refused fork changed the stats")
+            check(self.alloc.stats() == before, ALL_OR_NOTHING, "a refused fork changed the stats")
         return child_id
 
     @precondition(lambda self: self.forking)
@@ -124,7 +166,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         if None in pair:
             return child_id
         for seq in pair:
-            if seq.num_tokens < self.max_model_len and self.alloc.allocate(seq.request_id, seq.num_tokens + 1):
+            if seq.num_tokens >= self.max_model_len:
+                continue
+            with exercising(ALL_OR_NOTHING):
+                grown = self.alloc.allocate(seq.request_id, seq.num_tokens + 1)
+            if grown:
                 self.counter += 1
                 seq.prompt_token_ids.append(100 + self.counter)  # a token no other sequence writes
         self.write()
@@ -137,7 +183,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         if seq is None or not self._written(seq):
             return
         num_slots = min(num_slots, seq.num_tokens)
-        self.alloc.rollback(seq_id, num_slots)
+        with exercising(ROLLBACK):
+            self.alloc.rollback(seq_id, num_slots)
         del seq.prompt_token_ids[seq.num_tokens - num_slots:]
         seq.num_computed_tokens = seq.num_tokens
         table = self.alloc.block_table(seq_id)
@@ -150,7 +197,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         before = self.alloc.stats().num_used_blocks
         mine = set(self.alloc.block_table(seq_id))
         others = {b for other in self.live for b in self.alloc.block_table(other)}
-        self.alloc.free(seq_id)
+        with exercising(LEAK_ON_FREE):
+            self.alloc.free(seq_id)
         after = self.alloc.stats().num_used_blocks
         check(list(self.alloc.block_table(seq_id)) == [], LEAK_ON_FREE, f"{seq_id} still has a block table")
         if seq is not None:
@@ -162,7 +210,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule()
     def free_unknown(self) -> None:
         before = self.alloc.stats()
-        self.alloc.free("never-allocated")
+        with exercising(FREE_UNKNOWN):
+            self.alloc.free("never-allocated")
         check(self.alloc.stats() == before, FREE_UNKNOWN, "stats changed")
 
     # ------------------------------------------------------------ invariants
@@ -188,24 +237,18 @@ class AllocatorMachine(RuleBasedStateMachine):
         check(found == holders, REF_COUNTS, lambda: f"ref counts {found}, tables hold {holders}")
 
     @invariant()
-    def blocks_are_conserved(self) -> None:
-        stats = self.alloc.stats()
+    def stats_within_bounds(self) -> None:
+        with exercising(STATS_BOUNDS):
+            stats = self.alloc.stats()
+        check_stats_bounds(stats, self.num_blocks, self.block_size)
         held = {b for seq_id in self.live for b in self.alloc.block_table(seq_id)}
-        total = stats.num_used_blocks + stats.num_free_blocks + stats.num_cached_blocks
-        check(total == self.num_blocks == stats.num_blocks, BLOCKS_CONSERVED,
-              lambda: f"{counts(stats)[:3]} (used, free, cached) add up to {total}, the pool has {self.num_blocks}")
-        check(min(counts(stats)) >= 0, BLOCKS_CONSERVED, lambda: f"negative count in {stats}")
         check(stats.num_used_blocks >= len(held), BLOCKS_CONSERVED,
               lambda: f"{stats.num_used_blocks} used blocks, but tables hold {len(held)}")
+        self.ledger.check(stats, "after the last operation")
 
     @invariant()
-    def slot_stats_add_up(self) -> None:
+    def slot_stats_cover_the_tables(self) -> None:
         stats = self.alloc.stats()
-        check(stats.num_token_slots_used + stats.num_token_slots_reserved_empty ==
-              stats.num_used_blocks * self.block_size, SLOT_STATS,
-              lambda: f"slots used {stats.num_token_slots_used} + reserved empty "
-                      f"{stats.num_token_slots_reserved_empty} != {stats.num_used_blocks} used blocks "
-                      f"x {self.block_size}")
         # A shared block holds as many tokens as its fullest holder has in it.
         fullest: dict[int, int] = {}
         for seq_id, seq in self.live.items():
@@ -219,7 +262,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def policy_specific_state(self) -> None:
         if hasattr(self, "alloc"):
-            self.contract.check_allocator_state(self.alloc, {s: list(self.alloc.block_table(s)) for s in self.live})
+            with exercising("the policy's own invariants"):
+                self.contract.check_allocator_state(self.alloc, {s: list(self.alloc.block_table(s)) for s in self.live})
 
     # ------------------------------------------------------------ the end
 
@@ -232,7 +276,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         check(stats.num_used_blocks == 0 and stats.num_token_slots_used == 0, LEAK_ON_FREE,
               f"with every sequence freed, {stats.num_used_blocks} blocks and {stats.num_token_slots_used} "
               f"slots are still in use")
-        check_pool_is_whole(self.alloc, self.num_blocks, self.block_size, self.max_model_len)
+        with exercising(POOL_WHOLE):
+            check_pool_is_whole(self.alloc, self.num_blocks, self.block_size, self.max_model_len)
 
     # ------------------------------------------------------------ helpers
 

@@ -16,8 +16,10 @@ inside the tests that need them, so `import servelab.testing` stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+import traceback
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -40,6 +42,20 @@ def check(condition: Any, invariant: str, detail: str | Callable[[], str] = "") 
         return
     text = detail() if callable(detail) else detail
     raise ContractViolation(f"invariant violated: {invariant}" + (f": {text}" if text else ""))
+
+
+@contextlib.contextmanager
+def exercising(invariant: str) -> Iterator[None]:
+    """Report any exception raised inside as a violation of `invariant` (the one the
+    enclosed calls exercise), with the policy's traceback in the message."""
+    try:
+        yield
+    except ContractViolation:
+        raise
+    except Exception as error:
+        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        raise ContractViolation(f"invariant violated: {invariant}: the policy raised "
+                                f"{type(error).__name__}: {error}\n\n{trace}") from error
 
 
 def _class_attribute(cls: type, name: str) -> Any:
@@ -73,6 +89,7 @@ class PolicyContract:
     plugin_name: str | None = None  # or: the installed policy of this name
     options: Any = None  # options instance handed to the factory (default: the options class's defaults)
     # Hypothesis budget per randomised test; `pytest --servelab-max-examples=N` overrides it.
+    # Runs are derandomized (the same examples every run) unless `--servelab-random` is given.
     max_examples = 30
 
     @pytest.fixture
@@ -108,6 +125,7 @@ class PolicyContract:
                                 and _class_attribute(type(self), "options") is None)
         override = request.config.getoption("servelab_max_examples", default=None)
         self._max_examples = override or self.max_examples
+        self._derandomize = not request.config.getoption("servelab_random", default=False)
 
     def make(self, context: Any) -> Any:
         """A fresh policy instance for `context`."""
@@ -116,7 +134,7 @@ class PolicyContract:
     def hypothesis_settings(self, **overrides: Any):
         from hypothesis import HealthCheck, settings
 
-        values = dict(max_examples=self._max_examples, deadline=None,
+        values = dict(max_examples=self._max_examples, deadline=None, derandomize=self._derandomize,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                              HealthCheck.filter_too_much])
         values.update(overrides)

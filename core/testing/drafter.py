@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import attrs
 import pytest
 
 from servelab.interfaces import Drafter, DrafterContext, Sequence
 from servelab.sampling_params import SamplingParams
-from servelab.testing.contract import PolicyContract, check
+from servelab.testing.contract import PolicyContract, check, exercising
 
 KEYS = "proposals are keyed by the given request ids"
 VOCAB = "draft tokens are in the vocabulary"
@@ -27,6 +28,8 @@ AT_MOST_K = "at most num_speculative_tokens draft tokens per sequence"
 MAX_MODEL_LEN = "drafts never run past max_model_len"
 IMMUTABLE = "propose never changes the sequences"
 DETERMINISTIC = "a deterministic drafter proposes the same drafts for the same sequences"
+PROPOSE = "propose handles any batch of decoding sequences"
+RELEASE = "release forgets a sequence: a new sequence under its id gets a fresh drafter's drafts"
 
 
 def decoding_sequence(request_id: str, prompt: list[int], output: list[int]) -> Sequence:
@@ -36,8 +39,15 @@ def decoding_sequence(request_id: str, prompt: list[int], output: list[int]) -> 
     return seq
 
 
-def _snapshot(seqs: list[Sequence]) -> list[tuple]:
-    return [(s.request_id, list(s.prompt_token_ids), list(s.output_token_ids), s.num_computed_tokens) for s in seqs]
+def _snapshot(seqs: list[Sequence]) -> list[dict[str, Any]]:
+    """Every field of every sequence (lists copied)."""
+    return [{name: list(value) if isinstance(value, list) else value
+             for name, value in attrs.asdict(seq, recurse=False).items()} for seq in seqs]
+
+
+def _changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str]:
+    return [f"{b['request_id']}.{name}: {b[name]!r} -> {a[name]!r}"
+            for b, a in zip(before, after) for name in b if a[name] != b[name]]
 
 
 class DrafterContract(PolicyContract):
@@ -48,9 +58,14 @@ class DrafterContract(PolicyContract):
     - draft tokens are in the vocabulary: ints in [0, vocab_size)
     - at most num_speculative_tokens draft tokens per sequence
     - drafts never run past max_model_len
-    - propose never changes the sequences
+    - propose never changes the sequences (any field of them)
     - a deterministic drafter proposes the same drafts for the same sequences
+    - release forgets a sequence: a new sequence under its id gets a fresh drafter's
+      drafts (release, where defined, is called as the engine calls it)
     - well formed on every decode step of a real greedy generation (replayed)
+
+    k is the contract class's `num_speculative_tokens`, else the options'; a contract
+    that can find neither fails (the at-most-k check never silently skips).
     """
 
     kind = "drafters"
@@ -62,16 +77,19 @@ class DrafterContract(PolicyContract):
     def drafter(self) -> Any:
         return self.make(DrafterContext(vocab_size=self.vocab_size, max_model_len=self.max_model_len))
 
-    def max_drafts(self) -> int | None:
-        if self.num_speculative_tokens is not None:
-            return self.num_speculative_tokens
-        return getattr(self._options, "num_speculative_tokens", None)
+    def max_drafts(self) -> int:
+        k = self.num_speculative_tokens or getattr(self._options, "num_speculative_tokens", None)
+        check(k, AT_MOST_K, "the contract cannot tell k: set `num_speculative_tokens = k` on the contract class "
+                            "(the drafter's options declare no positive num_speculative_tokens)")
+        return k
 
     def check_proposals(self, drafter: Any, seqs: list[Sequence]) -> Mapping[str, Any]:
         """Propose for `seqs` and check every invariant; returns the proposals."""
         before = _snapshot(seqs)
-        proposals = drafter.propose(seqs)
-        check(_snapshot(seqs) == before, IMMUTABLE, "a sequence's tokens or computed count changed")
+        with exercising(PROPOSE):
+            proposals = drafter.propose(seqs)
+        after = _snapshot(seqs)
+        check(after == before, IMMUTABLE, lambda: "; ".join(_changes(before, after)))
         ids = {s.request_id for s in seqs}
         check(set(proposals) <= ids, KEYS, lambda: f"unknown ids {sorted(set(proposals) - ids)}")
         k = self.max_drafts()
@@ -80,13 +98,14 @@ class DrafterContract(PolicyContract):
             draft = list(draft)
             bad = [t for t in draft if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
             check(not bad, VOCAB, lambda: f"{request_id}: {bad} outside [0, {self.vocab_size}) in draft {draft}")
-            check(k is None or len(draft) <= k, AT_MOST_K, lambda: f"{request_id}: {len(draft)} drafts, k = {k}")
+            check(len(draft) <= k, AT_MOST_K, lambda: f"{request_id}: {len(draft)} drafts, k = {k}")
             room = self.max_model_len - by_id[request_id].num_tokens
             check(len(draft) <= max(room, 0), MAX_MODEL_LEN,
                   lambda: f"{request_id} holds {by_id[request_id].num_tokens} tokens, {len(draft)} drafts, "
                           f"max_model_len {self.max_model_len}")
         if self.deterministic:
-            again = drafter.propose(seqs)
+            with exercising(DETERMINISTIC):
+                again = drafter.propose(seqs)
             same = {r: list(d) for r, d in again.items()} == {r: list(d) for r, d in proposals.items()}
             check(same, DETERMINISTIC, "two calls on the same sequences disagree")
         return proposals
@@ -112,6 +131,31 @@ class DrafterContract(PolicyContract):
         self.check_proposals(self.drafter(), seqs)
         for seq in seqs:  # one at a time, too: a batch must not change anyone's drafts
             self.check_proposals(self.drafter(), [seq])
+
+    def release(self, drafter: Any, request_id: str) -> None:
+        """What the engine does when a sequence finishes or is preempted."""
+        release = getattr(drafter, "release", None)
+        if release is not None:
+            with exercising(RELEASE):
+                release(request_id)
+
+    def test_release_forgets_a_sequence(self):
+        """Sequences finish (or are preempted) and new ones reuse their ids, as a preempted
+        sequence does when it resumes with other tokens computed."""
+        pattern = [21, 22, 23, 24]
+        first = [decoding_sequence("a", pattern * 5, pattern[:3]), decoding_sequence("b", [9, 8, 9, 8, 9], [8])]
+        second = [decoding_sequence("a", [30, 31, 30, 31], [30]), decoding_sequence("b", pattern * 2, [21])]
+        drafter = self.drafter()
+        self.check_proposals(drafter, first)
+        for seq in first:
+            self.release(drafter, seq.request_id)
+        self.release(drafter, "never-proposed")  # a sequence preempted before its first decode
+        reused = self.check_proposals(drafter, second)
+        if self.deterministic:
+            fresh = self.check_proposals(self.drafter(), second)
+            got = {r: list(d) for r, d in reused.items()}
+            want = {r: list(d) for r, d in fresh.items()}
+            check(got == want, RELEASE, f"after release, drafts {got}; a fresh drafter proposes {want}")
 
     def test_random_batches(self):
         import hypothesis.strategies as st
@@ -146,6 +190,9 @@ class DrafterContract(PolicyContract):
         for step in range(max(MAX_TOKENS)):
             seqs = [decoding_sequence(f"r{i}", p, list(o[: step + 1]))
                     for i, (p, o) in enumerate(zip(prompts(), outputs)) if step + 1 < len(o)]
+            for i, output in enumerate(outputs):
+                if step + 1 == len(output):  # finished: the engine releases it
+                    self.release(drafter, f"r{i}")
             for seq_id, draft in self.check_proposals(drafter, seqs).items():
                 truth = outputs[int(seq_id[1:])][step + 1:]
                 run = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), min(len(draft), len(truth)))

@@ -6,7 +6,10 @@
         plugin_name = "mine"           # or: factory = MyScheduler
 
 The contract fixes no order (FCFS, priority, shortest job first are all fine); it fixes
-the limits, and that every request is served exactly once.
+the limits, and that every request is served exactly once. Its workloads press each
+limit (many decodes running while long prompts arrive, more requests than slots, pools
+that force preemption), so a scheduler overstepping one fails on every run; randomised
+tests are derandomized unless pytest gets `--servelab-random`.
 """
 
 from __future__ import annotations
@@ -99,6 +102,27 @@ class SchedulerContract(PolicyContract):
         harness = self.harness(max_num_seqs=3, max_num_batched_tokens=budget, max_model_len=16)
         for index in range(12):
             harness.add([5 + index % 3] * 10, max_tokens=3 + index % 4, priority=index % 2)
+        harness.run()
+        harness.check_all_done()
+
+    def test_budget_holds_with_many_decodes_and_long_prompts(self):
+        """Six sequences decode while prompts of nearly max_model_len arrive: a step that
+        admits one leaves the decodes only what is left of the budget."""
+        harness = self.harness(num_blocks=96, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=32)
+        for index in range(6):
+            harness.add([3 + index, 4], max_tokens=24)
+        for _ in range(3):
+            harness.step()
+        for index in range(3):
+            harness.add([40 + index] * 30, max_tokens=2)
+        harness.run()
+        harness.check_all_done()
+
+    def test_slots_hold_with_more_requests_than_slots(self):
+        """Twenty one-token prompts and a roomy budget: only max_num_seqs may run at once."""
+        harness = self.harness(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=16)
+        for index in range(20):
+            harness.add([5 + index % 7], max_tokens=1 + index % 5)
         harness.run()
         harness.check_all_done()
 

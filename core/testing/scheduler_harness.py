@@ -7,7 +7,8 @@ caches the computed blocks, a request with n > 1 forks its children after its pr
 (as the engine does), and a sequence holding max_tokens outputs is retired through
 `finish`. The clock advances one second per step. Every plan is checked against the
 scheduler invariants before the harness touches a sequence; `check_all_done` checks
-that every request was served exactly once.
+that every request was served exactly once. An exception the scheduler raises fails the
+invariant its call exercises, with the scheduler's traceback.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from servelab.interfaces import (
     StepPlan,
 )
 from servelab.sampling_params import SamplingParams
-from servelab.testing.contract import check
+from servelab.testing.contract import check, exercising
 
 OUTPUT_TOKEN_BASE = 1000
 
@@ -44,6 +45,8 @@ DUPLICATED = "request finished twice"
 PROGRESS = "no progress: an empty plan while requests are unfinished"
 ABORT = "abort removes the request wherever it is"
 HAS_UNFINISHED = "has_unfinished is True exactly while requests are unfinished"
+PLAN = "schedule() plans a step within every limit"
+FORK = "parallel sampling: forked children run alongside their parent"
 
 
 def output_tokens(max_tokens: int) -> list[int]:
@@ -94,7 +97,8 @@ class SchedulerHarness:
         self.add_order[request_id] = len(self.add_order)
         if n > 1:
             self.unforked.add(request_id)
-        self.scheduler.add(group[0])
+        with exercising(DROPPED):
+            self.scheduler.add(group[0])
         return group[0]
 
     def abort(self, request_id: str) -> None:
@@ -103,7 +107,8 @@ class SchedulerHarness:
             if seq.is_finished or seq.finish_reason is not None:
                 continue
             held = len(self.allocator.block_table(seq.request_id))
-            returned = self.scheduler.abort(seq.request_id)
+            with exercising(ABORT):
+                returned = self.scheduler.abort(seq.request_id)
             forked = not (request_id in self.unforked and seq.completion_index > 0)
             check(returned is seq or (returned is None and not forked), ABORT,
                   f"abort({seq.request_id!r}) returned {returned!r}")
@@ -122,7 +127,8 @@ class SchedulerHarness:
         tokens_before = {s.request_id: (list(s.prompt_token_ids), list(s.output_token_ids)) for s in self._all()}
         unfinished = self._unfinished()
         self.check_has_unfinished(unfinished)
-        plan = self.scheduler.schedule()
+        with exercising(PLAN):
+            plan = self.scheduler.schedule()
         self.check_plan(plan)
         for seq in self._all():
             check((seq.prompt_token_ids, seq.output_token_ids) == tokens_before[seq.request_id], TOKENS_KEPT,
@@ -146,7 +152,8 @@ class SchedulerHarness:
                 self.first_scheduled.append(seq.request_id)
             seq.num_computed_tokens += num_new
             if self.prefix_cache is not None:
-                self.prefix_cache.cache_blocks(seq)
+                with exercising(ROOM):
+                    self.prefix_cache.cache_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue
             sampled = [seq]
@@ -161,8 +168,10 @@ class SchedulerHarness:
                     target.finish_reason = "length"
                     done.append(target)
         for parent, children in forks:
-            self.scheduler.fork(parent, [c for c in children if c.finish_reason is None])
-        self.scheduler.finish(done)
+            with exercising(FORK):
+                self.scheduler.fork(parent, [c for c in children if c.finish_reason is None])
+        with exercising(FINISHED_FREED):
+            self.scheduler.finish(done)
         for seq in done:
             check(seq.status is SequenceStatus.FINISHED, "finish marks sequences FINISHED", seq.request_id)
             check(list(self.allocator.block_table(seq.request_id)) == [], FINISHED_FREED,
@@ -174,7 +183,8 @@ class SchedulerHarness:
         check(plan.num_scheduled_tokens <= self.max_num_batched_tokens, BUDGET,
               lambda: f"{plan.num_scheduled_tokens} tokens scheduled, max_num_batched_tokens is "
                       f"{self.max_num_batched_tokens}: {[(s.request_id, n) for s, n in plan.scheduled]}")
-        stats = self.scheduler.stats()
+        with exercising(STATS):
+            stats = self.scheduler.stats()
         check(len(plan.scheduled) <= self.max_num_seqs and stats.num_running <= self.max_num_seqs, MAX_NUM_SEQS,
               lambda: f"{len(plan.scheduled)} scheduled, {stats.num_running} running, max_num_seqs "
                       f"{self.max_num_seqs}")
@@ -201,7 +211,8 @@ class SchedulerHarness:
                           f"table {list(self.allocator.block_table(seq.request_id))}")
 
     def check_has_unfinished(self, unfinished: list[Sequence]) -> None:
-        says = self.scheduler.has_unfinished()
+        with exercising(HAS_UNFINISHED):
+            says = self.scheduler.has_unfinished()
         check(says or not unfinished, DROPPED, lambda: (
             f"has_unfinished() is False while {', '.join(s.request_id for s in unfinished)} "
             f"{'is' if len(unfinished) == 1 else 'are'} unfinished"))

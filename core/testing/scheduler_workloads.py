@@ -1,6 +1,8 @@
 """Random workloads for the scheduler contract: requests of random lengths, priorities,
 arrival steps and parallel-sampling widths, with aborts, over a random engine shape
-and a real allocator, run step by step through a `SchedulerHarness`.
+and a real allocator, run step by step through a `SchedulerHarness`. Half of them are
+shaped to press the limits: short prompts that then decode for long, joined a few steps
+later by prompts of nearly max_model_len, against a budget of about max_model_len.
 """
 
 from __future__ import annotations
@@ -35,15 +37,26 @@ def workloads(draw, allocator_names: tuple[str, ...], num_options: int, chunking
 
     # (prompt, max_tokens, arrival step, priority, n)
     requests = [request(draw(st.integers(1, max_model_len - 1))) for _ in range(draw(st.integers(1, 12)))]
+    pressing = max_model_len >= 8 and draw(st.booleans())
+    if pressing:  # decodes still running when two long prompts arrive together
+        arrival = draw(st.integers(2, 4))
+        decoders = [([5 + i, 6], max_model_len - 2, 0, draw(st.integers(0, 2)), 1)
+                    for i in range(draw(st.integers(3, 6)))]
+        long_prompts = [([60 + i] * (max_model_len - 2), 2, arrival, draw(st.integers(0, 2)), 1) for i in range(2)]
+        requests = decoders + long_prompts + requests[:2]
     allocator = draw(st.sampled_from(allocator_names))
     longest = blocks_for(max_model_len, block_size)
     budget = max_model_len + draw(st.sampled_from([0, 0, 1, 4, 24]))  # mostly tight
     if chunking and draw(st.booleans()):
         budget = draw(st.integers(1, max_model_len))  # below max_model_len: prompts are chunked
+    num_blocks = draw(st.integers(longest, longest * 3 // 2 + 1))
+    max_num_seqs = draw(st.integers(1, 6))
+    if pressing:  # room and slots for everyone, and a budget of one long prompt and two decodes
+        num_blocks, max_num_seqs, budget = longest * len(requests), len(requests), max_model_len
     return dict(
         block_size=block_size, max_model_len=max_model_len, requests=requests, allocator=allocator,
-        num_blocks=draw(st.integers(longest, longest * 3 // 2 + 1)), max_num_seqs=draw(st.integers(1, 6)),
-        budget=budget, options_index=draw(st.integers(0, num_options - 1)),
+        num_blocks=num_blocks, max_num_seqs=max_num_seqs, budget=budget,
+        options_index=draw(st.integers(0, num_options - 1)),
         aborts=draw(st.lists(st.tuples(st.integers(0, 30), st.integers(0, len(requests) - 1)), max_size=2)))
 
 

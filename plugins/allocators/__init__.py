@@ -22,4 +22,9 @@ def servelab_register_allocators():
             factory="servelab.plugins.allocators.radix:RadixAllocator",
             description="paged blocks plus a radix-tree prefix cache: shared prompt prefixes computed once",
         ),
+        AllocatorPlugin(
+            name="hash",
+            factory="servelab.plugins.allocators.hash_prefix:HashAllocator",
+            description="paged blocks plus a hash prefix cache (chained block hashes, LRU eviction), as in vLLM",
+        ),
     ]

@@ -23,6 +23,7 @@ import attrs
 
 from servelab.interfaces import AllocatorContext, AllocatorStats, Sequence
 from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
+from servelab.plugins.allocators.prefix_lookups import PrefixLookups
 from servelab.plugins.allocators.radix_tree import RadixTree
 
 
@@ -31,10 +32,7 @@ class RadixAllocator(PagedAllocator):
         super().__init__(options, context)
         self.tree = RadixTree()
         self._num_cached = 0  # blocks in the tree that no sequence holds
-        self._pending_lookups: dict[str, tuple[int, int]] = {}  # seq id -> (hit, looked-up) tokens
-        self._hit_tokens = 0
-        self._lookup_tokens = 0
-        self._num_lookups = 0
+        self.lookups = PrefixLookups()
 
     # ------------------------------------------------------------ PrefixCachingAllocator
 
@@ -50,7 +48,7 @@ class RadixAllocator(PagedAllocator):
             self._hold(block)
         num_hit = len(blocks) * block_size
         self._seqs[seq.request_id] = SeqBlocks(blocks, num_hit, num_cached_blocks=len(blocks))
-        self._pending_lookups[seq.request_id] = (num_hit, seq.num_tokens)
+        self.lookups.looked_up(seq.request_id, num_hit, seq.num_tokens)
         return num_hit
 
     def cache_blocks(self, seq: Sequence) -> None:
@@ -75,28 +73,29 @@ class RadixAllocator(PagedAllocator):
                 table[index] = cached
             state.num_cached_blocks = index + 1
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block no sequence holds (held ones stay cached)."""
+        self._evict(len(self.tree))
+
     # ------------------------------------------------------------ KVAllocator
 
     def allocate(self, seq_id: str, num_tokens: int) -> bool:
         if not super().allocate(seq_id, num_tokens):
             return False
-        lookup = self._pending_lookups.pop(seq_id, None)
-        if lookup is not None:  # a lookup counts once its sequence is admitted
-            self._hit_tokens += lookup[0]
-            self._lookup_tokens += lookup[1]
-            self._num_lookups += 1
+        self.lookups.admitted(seq_id)
         return True
 
     def free(self, seq_id: str) -> None:
-        self._pending_lookups.pop(seq_id, None)
+        self.lookups.forget(seq_id)
         seq = self._seqs.get(seq_id)
         if seq is not None and seq.num_cached_blocks:
             self.tree.touch(seq.table[seq.num_cached_blocks - 1])  # its prefix was just in use
         super().free(seq_id)
 
     def stats(self) -> AllocatorStats:
-        return attrs.evolve(super().stats(), prefix_hit_tokens=self._hit_tokens,
-                            prefix_lookup_tokens=self._lookup_tokens, num_prefix_lookups=self._num_lookups)
+        lookups = self.lookups
+        return attrs.evolve(super().stats(), prefix_hit_tokens=lookups.hit_tokens,
+                            prefix_lookup_tokens=lookups.lookup_tokens, num_prefix_lookups=lookups.num_lookups)
 
     # ------------------------------------------------------------ paged hooks
 
@@ -109,11 +108,15 @@ class RadixAllocator(PagedAllocator):
     def _take_blocks(self, count: int) -> list[int]:
         shortfall = count - len(self._free_blocks)
         if shortfall > 0:
-            for block in self.tree.evict(shortfall, self._is_unheld):
-                self._num_cached -= 1
-                self._filled[block] = 0
-                self._free_blocks.append(block)
+            self._evict(shortfall)
         return super()._take_blocks(count)
+
+    def _evict(self, count: int) -> None:
+        """Move up to `count` unheld cached blocks, LRU leaves first, to the free list."""
+        for block in self.tree.evict(count, self._is_unheld):
+            self._num_cached -= 1
+            self._filled[block] = 0
+            self._free_blocks.append(block)
 
     def _held(self, block: int) -> None:
         if block in self.tree:

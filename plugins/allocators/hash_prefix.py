@@ -1,0 +1,177 @@
+"""The hash allocator: paged blocks plus a hash-keyed prefix cache (vLLM's automatic
+prefix caching).
+
+Every full block of computed tokens is named by a hash chained through its parent:
+
+    hash(block i) = hash((hash(block i - 1), tokens of block i))      block 0: parent ROOT
+
+so a block's name stands for the whole prefix it ends, not for its own tokens alone:
+"X0 X1" and "Y0 X1" share the tokens of block 1 but not its name. A lookup walks a new
+sequence's full blocks, hashing as it goes, and confirms each hit against the stored
+parent hash and tokens (a collision is a miss, never a wrong hit).
+
+A block no sequence holds stays cached, and evictable: unheld cached blocks sit in one
+LRU queue, and are taken (their names dropped) only when the free list runs dry. A
+sequence's blocks enter the queue last block first, so its tail goes before its head,
+and a block shared by several sequences enters with its last holder: a parent is never
+evicted before its child.
+
+Cached blocks are never written: a write into one (possible only after a rollback)
+copies it first, like any shared block. Drafts are never cached: only tokens of the
+sequence up to its computed count are hashed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import attrs
+
+from servelab.interfaces import AllocatorContext, AllocatorStats, Sequence
+from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
+from servelab.plugins.allocators.prefix_lookups import PrefixLookups
+
+ROOT_HASH = 0x5E4E1AB  # the parent hash of block 0 (a constant: str hashes vary per process)
+
+
+@attrs.frozen
+class CachedBlock:
+    """What a cached block holds: its chained hash, its parent's, and its tokens."""
+
+    block_hash: int
+    parent_hash: int
+    tokens: tuple[int, ...]
+
+
+def chained_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
+    """The name of a block holding `tokens` right after the prefix named `parent_hash`."""
+    return hash((parent_hash, tokens))
+
+
+class HashAllocator(PagedAllocator):
+    def __init__(self, options: Any, context: AllocatorContext) -> None:
+        super().__init__(options, context)
+        self._block_of: dict[int, int] = {}  # block hash -> the cached block holding that prefix
+        self._cached: dict[int, CachedBlock] = {}  # block id -> what it caches
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unheld cached blocks, LRU first
+        self.lookups = PrefixLookups()
+
+    # ------------------------------------------------------------ PrefixCachingAllocator
+
+    def match_prefix(self, seq: Sequence) -> int:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"match_prefix: {seq.request_id!r} already holds KV blocks")
+        block_size = self.block_size
+        max_blocks = (seq.num_tokens - 1) // block_size  # at least one token is computed, for logits
+        blocks: list[int] = []
+        parent_hash = ROOT_HASH
+        for index in range(max_blocks):
+            tokens = tuple(seq.token_slice(index * block_size, (index + 1) * block_size))
+            block = self._lookup(parent_hash, tokens)
+            if block is None:
+                break
+            blocks.append(block)
+            parent_hash = self._cached[block].block_hash
+        for block in blocks:
+            self._hold(block)
+        num_hit = len(blocks) * block_size
+        self._seqs[seq.request_id] = SeqBlocks(blocks, num_hit, num_cached_blocks=len(blocks))
+        self.lookups.looked_up(seq.request_id, num_hit, seq.num_tokens)
+        return num_hit
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        state = self._seqs.get(seq.request_id)
+        if state is None:
+            return
+        block_size = self.block_size
+        num_full = min(seq.num_computed_tokens, state.num_tokens, seq.num_tokens) // block_size
+        table = state.table
+        for index in range(state.num_cached_blocks, num_full):
+            parent_hash = self._cached[table[index - 1]].block_hash if index else ROOT_HASH
+            tokens = tuple(seq.token_slice(index * block_size, (index + 1) * block_size))
+            cached = self._lookup(parent_hash, tokens)
+            if cached is None:
+                block_hash = chained_hash(parent_hash, tokens)
+                if block_hash in self._block_of:
+                    return  # a hash collision with another prefix: this block and its successors stay uncached
+                self._cached[table[index]] = CachedBlock(block_hash, parent_hash, tokens)
+                self._block_of[block_hash] = table[index]
+            elif cached != table[index]:
+                # Another sequence cached the same prefix first (both computed it in one
+                # step): share its block and free ours, so the cached blocks this sequence
+                # holds stay the first num_cached_blocks of its table.
+                self._hold(cached)
+                self._release(table[index])
+                table[index] = cached
+            state.num_cached_blocks = index + 1
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block no sequence holds (held ones stay cached)."""
+        self._evict(len(self._evictable))
+
+    # ------------------------------------------------------------ KVAllocator
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        if not super().allocate(seq_id, num_tokens):
+            return False
+        self.lookups.admitted(seq_id)
+        return True
+
+    def free(self, seq_id: str) -> None:
+        self.lookups.forget(seq_id)
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            for block in reversed(seq.table):  # the tail enters the LRU queue first: evicted first
+                self._release(block)
+
+    def stats(self) -> AllocatorStats:
+        lookups = self.lookups
+        return attrs.evolve(super().stats(), prefix_hit_tokens=lookups.hit_tokens,
+                            prefix_lookup_tokens=lookups.lookup_tokens, num_prefix_lookups=lookups.num_lookups)
+
+    # ------------------------------------------------------------ paged hooks
+
+    def _is_shared(self, block: int) -> bool:
+        return self._ref_counts[block] > 1 or block in self._cached
+
+    def _num_available(self) -> int:
+        return len(self._free_blocks) + len(self._evictable)
+
+    def _take_blocks(self, count: int) -> list[int]:
+        shortfall = count - len(self._free_blocks)
+        if shortfall > 0:
+            self._evict(shortfall)
+        return super()._take_blocks(count)
+
+    def _held(self, block: int) -> None:
+        self._evictable.pop(block, None)
+
+    def _unheld(self, block: int) -> None:
+        if block in self._cached:
+            self._evictable[block] = None  # most recently used: evicted last
+        else:
+            super()._unheld(block)
+
+    # ------------------------------------------------------------ internals
+
+    def _lookup(self, parent_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The cached block holding `tokens` after the prefix `parent_hash`, confirmed."""
+        block = self._block_of.get(chained_hash(parent_hash, tokens))
+        if block is None:
+            return None
+        entry = self._cached[block]
+        if entry.parent_hash != parent_hash or entry.tokens != tokens:
+            return None  # a hash collision: a different prefix owns this name
+        if block in self._evictable:
+            self._evictable.move_to_end(block)
+        return block
+
+    def _evict(self, count: int) -> None:
+        """Move up to `count` unheld cached blocks, least recently used first, to the free list."""
+        for _ in range(min(count, len(self._evictable))):
+            block, _ = self._evictable.popitem(last=False)
+            entry = self._cached.pop(block)
+            del self._block_of[entry.block_hash]
+            self._filled[block] = 0
+            self._free_blocks.append(block)
