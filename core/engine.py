@@ -185,7 +185,7 @@ class LLMEngine:
     def _check_can_fork(self, n: int) -> None:
         lacking = []
         if self._forking is None:
-            lacking.append(f"allocator {self.config.allocator.name!r} cannot fork (choose naive, paged or radix)")
+            lacking.append(f"allocator {self.config.allocator.name!r} cannot fork (choose naive, paged, radix or hash)")
         if not isinstance(self.scheduler, ForkingScheduler):
             lacking.append(f"scheduler {self.config.scheduler.name!r} cannot fork")
         if lacking:

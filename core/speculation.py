@@ -51,7 +51,7 @@ class Speculator:
         if not isinstance(allocator, ForkingAllocator):
             raise ConfigError(
                 f"drafter {name!r} needs an allocator that can roll back rejected draft slots "
-                f"(ForkingAllocator.rollback); {type(allocator).__name__} cannot: choose naive, paged or radix")
+                f"(ForkingAllocator.rollback); {type(allocator).__name__} cannot: choose naive, paged, radix or hash")
         self.name = name
         self.drafter = drafter
         self.allocator = allocator
