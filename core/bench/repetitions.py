@@ -1,0 +1,64 @@
+"""Independent, position-fair timed repetitions for `servelab bench`.
+
+Three things keep one config's figures from depending on the others or on its column:
+
+- The warm-up runs the whole workload once per config, offline (every request at t=0),
+  so the batch shapes, activation buffers and KV blocks the timed runs reach have all
+  been touched once before any clock starts. A shorter warm-up left the largest shapes
+  to the first timed run, and whichever config ran first paid for the whole process
+  (the memory allocator and the math libraries keep what one engine warmed for the next).
+- Repetition i starts from config i mod n, so any remaining cost of going first is
+  spread over every config and the median sees it at most once in n runs.
+- Before the warm-up and every repetition, a prefix-caching allocator's cache is
+  emptied (`reset_prefix_cache`), so a repetition never reuses prefixes computed by the
+  one before; `warm_cache` keeps them instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+
+from servelab.bench.driver import RunRecord, run_workload
+from servelab.workload import Workload
+
+DEFAULT_REPEATS = 5  # a median of five interleaved runs is stable to a few percent here
+
+
+def offline(workload: Workload) -> Workload:
+    """The same requests, all arriving at once."""
+    return Workload(workload.name, tuple(attrs.evolve(r, arrival_time=0.0) for r in workload.requests))
+
+
+def reset_prefix_cache(engine: Any) -> None:
+    """Empty the engine's prefix cache, if its allocator keeps one."""
+    reset = getattr(engine.allocator, "reset_prefix_cache", None)
+    if reset is not None:
+        reset()
+
+
+def warm_up(engines: list, workload: Workload, warm_cache: bool) -> None:
+    """Run `workload` once through every engine, untimed."""
+    for e in engines:
+        if not warm_cache:
+            reset_prefix_cache(e.engine)
+        run_workload(e.engine, e.recorder, offline(workload), e.name)
+
+
+def run_repetitions(engines: list, workload: Workload, repeats: int, warm_cache: bool,
+                    progress: Callable[[int], None] | None = None,
+                    after_each: Callable[[], None] | None = None) -> dict[str, list[RunRecord]]:
+    """`repeats` rounds, each running every engine once, starting one config later each
+    round; returns each config's records in round order. `after_each` runs after every
+    round (the baseline's turn)."""
+    records: dict[str, list[RunRecord]] = {e.name: [] for e in engines}
+    for round_index in range(repeats):
+        shift = round_index % len(engines)
+        for e in engines[shift:] + engines[:shift]:
+            if not warm_cache:
+                reset_prefix_cache(e.engine)
+            records[e.name].append(run_workload(e.engine, e.recorder, workload, e.name, progress))
+        if after_each is not None:
+            after_each()
+    return records
