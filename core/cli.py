@@ -67,9 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a value in every config (repeatable)")
     bench.add_argument("--workload", default="skewed", help="workload spec, e.g. 'skewed:num_requests=64', "
                        "'shared-prefix:prefix_len=1000', 'skewed:arrival=poisson,rate=4', 'file:reqs.jsonl'")
-    bench.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                       help=f"interleaved timed repetitions; the median and min-max are reported "
-                       f"(default {DEFAULT_REPEATS})")
+    bench.add_argument("--repeats", type=int, help=f"interleaved timed repetitions; the median and min-max "
+                       f"are reported (default {DEFAULT_REPEATS}; 1 with --sim, whose clock is deterministic)")
     bench.add_argument("--warm-cache", action="store_true", help="keep prefix caches between the warm-up "
                        "and the repetitions (default: every repetition starts from an empty cache)")
     bench.add_argument("--baseline", choices=["hf", "vllm"],
@@ -156,7 +155,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if len(set(names)) != len(names):
         raise ServelabError(f"config names must differ (they come from file names): {names}")
     options = BenchOptions(
-        workload=args.workload, repeats=args.repeats, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+        workload=args.workload, repeats=_repeats(args), slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
         baseline=args.baseline, hf_batch_size=args.hf_batch_size, baseline_python=args.baseline_python,
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
@@ -172,6 +171,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as handle:
             json.dump(result, handle, indent=2)
     return 0
+
+
+def _repeats(args: argparse.Namespace) -> int:
+    if args.repeats is not None:
+        return args.repeats
+    return 1 if args.sim else DEFAULT_REPEATS  # a simulated clock gives the same figures every time
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
