@@ -3,10 +3,11 @@
 Three things keep one config's figures from depending on the others or on its column:
 
 - The warm-up runs the whole workload once per config, offline (every request at t=0),
-  so the batch shapes, activation buffers and KV blocks the timed runs reach have all
-  been touched once before any clock starts. A shorter warm-up left the largest shapes
-  to the first timed run, and whichever config ran first paid for the whole process
-  (the memory allocator and the math libraries keep what one engine warmed for the next).
+  so the widest batches the timed runs reach have been run once before any clock
+  starts. A shorter warm-up left them to the first timed run, which first-touched the
+  memory for them (measured: 20-60% more minor page faults than the same run on a
+  second engine right after) on behalf of the whole process: whichever config ran
+  first paid, and the next one did not.
 - Repetition i starts from config i mod n, so any remaining cost of going first is
   spread over every config and the median sees it at most once in n runs.
 - Before the warm-up and every repetition, a prefix-caching allocator's cache is
@@ -23,7 +24,7 @@ import attrs
 from servelab.bench.driver import RunRecord, run_workload
 from servelab.workload import Workload
 
-DEFAULT_REPEATS = 5  # a median of five interleaved runs is stable to a few percent here
+DEFAULT_REPEATS = 5  # the median of five ignores two runs hit by a burst of load; the table shows min-max
 
 
 def offline(workload: Workload) -> Workload:
