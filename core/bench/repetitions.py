@@ -5,7 +5,7 @@ Three things keep one config's figures from depending on the others or on its co
 - The warm-up runs the whole workload once per config, offline (every request at t=0),
   so the widest batches the timed runs reach have been run once before any clock
   starts. A shorter warm-up left them to the first timed run, which first-touched the
-  memory for them (measured: 20-60% more minor page faults than the same run on a
+  memory for them (measured: 18-64% more minor page faults than the same run on a
   second engine right after) on behalf of the whole process: whichever config ran
   first paid, and the next one did not.
 - Repetition i starts from config i mod n, so any remaining cost of going first is
