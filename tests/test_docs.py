@@ -1,4 +1,4 @@
-"""Every command in README.md and docs/*.md works as written.
+"""Every command in README.md, docs/*.md and the example plugin's README works as written.
 
 - every ```toml block is a valid servelab config (or pyproject.toml excerpt);
 - every ```python block compiles;
@@ -31,7 +31,7 @@ else:
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples/servelab-sjf/README.md"]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"`([^`]+)`")
 PROGRAMS = ("servelab", "python", "python3", "pip")
