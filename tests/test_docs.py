@@ -137,9 +137,12 @@ def test_servelab_command_parses_and_names_what_exists(where, argv):
     except SystemExit as exc:
         pytest.fail(f"{where}: `{shlex.join(argv)}` does not parse (exit {exc.code})")
     configs = args.configs if args.command == "bench" else [getattr(args, "config", None)]
+    models = set()
     for path in filter(None, configs):
         assert (ROOT / path).is_file(), f"{where}: no config file {path}"
-        EngineConfig.load(ROOT / path).with_set_options(getattr(args, "assignments", []))
+        models.add(EngineConfig.load(ROOT / path).with_set_options(getattr(args, "assignments", [])).engine.model)
+    if args.command == "bench" and not args.model:
+        assert len(models) <= 1, f"{where}: the bench refuses configs naming different models: {models}"
     model = getattr(args, "model", None)
     if model and not _is_placeholder(model):
         assert model in BUILTIN_MODELS, f"{where}: unknown model {model}"
@@ -161,6 +164,8 @@ def test_python_and_pip_commands_name_what_exists(where, argv):
             assert (ROOT / local.group(1)).is_dir(), f"{where}: no folder {local.group(1)}"
             for extra in filter(None, (local.group(2) or "").split(",")):
                 assert local.group(1) != "." or extra in extras, f"{where}: no extra [{extra}]"
+    elif rest[0] == "-c":
+        compile(rest[1], where, "exec")
     elif rest[0] == "-m":
         assert importlib.util.find_spec(rest[1]) is not None, f"{where}: no module {rest[1]}"
     else:
