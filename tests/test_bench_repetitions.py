@@ -12,17 +12,14 @@ from servelab.bench.repetitions import run_repetitions, warm_up
 from servelab.bench.session import BenchOptions, _Engine, run_bench
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
-from servelab.interfaces import AllocatorContext, Sequence
-from servelab.plugins.allocators.radix import RadixAllocator
-from servelab.sampling_params import SamplingParams
 from servelab.workload import build_workload
 
 SHARED = "shared-prefix:num_groups=2,prefix_len=32,num_requests=4,tail_len=4,output_len=2"
 
 
-def _radix_engines(checkpoint: str, names: tuple[str, ...] = ("radix",)) -> list[_Engine]:
+def _caching_engines(checkpoint: str, names: tuple[str, ...] = ("cached",), allocator: str = "radix") -> list[_Engine]:
     config = EngineConfig().with_overrides({"engine.model": checkpoint, "engine.max_model_len": 64,
-                                            "engine.block_size": 4, "allocator.name": "radix"})
+                                            "engine.block_size": 4, "allocator.name": allocator})
     return [_Engine(name, config, BenchOptions()) for name in names]
 
 
@@ -30,49 +27,25 @@ def _hit_rates(records) -> list[float]:
     return [summarize(record, SLO())["prefix_hit_rate"] for record in records]
 
 
-def test_every_repetition_starts_from_an_empty_prefix_cache(llama_checkpoint):
-    [engine] = _radix_engines(llama_checkpoint)
+@pytest.mark.parametrize("allocator", ["radix", "hash"])
+def test_every_repetition_starts_from_an_empty_prefix_cache(llama_checkpoint, allocator):
+    [engine] = _caching_engines(llama_checkpoint, allocator=allocator)
     workload = build_workload(SHARED, 200)
     warm_up([engine], workload, warm_cache=False)
-    cold = _hit_rates(run_repetitions([engine], workload, 3, warm_cache=False)["radix"])
+    cold = _hit_rates(run_repetitions([engine], workload, 3, warm_cache=False)["cached"])
     # All four requests arrive at once and are admitted in one step, before anything is
     # cached: a hit could only come from an earlier run.
     assert cold == [0.0, 0.0, 0.0]
-    warm = _hit_rates(run_repetitions([engine], workload, 2, warm_cache=True)["radix"])
+    warm = _hit_rates(run_repetitions([engine], workload, 2, warm_cache=True)["cached"])
     assert all(rate > cold[0] for rate in warm)  # the previous run's prefixes and tails hit too
 
 
 def test_repetitions_rotate_which_config_goes_first(llama_checkpoint):
-    engines = _radix_engines(llama_checkpoint, ("a", "b", "c"))
+    engines = _caching_engines(llama_checkpoint, ("a", "b", "c"))
     records = run_repetitions(engines, build_workload(SHARED, 200), 3, warm_cache=False)
     for round_index in range(3):
         starts = {name: runs[round_index].start_time for name, runs in records.items()}
         assert min(starts, key=starts.get) == "abc"[round_index]
-
-
-def test_reset_prefix_cache_drops_unheld_blocks_and_keeps_held_ones():
-    allocator = RadixAllocator(None, AllocatorContext(num_blocks=8, block_size=2, max_model_len=16))
-
-    def run(request_id: str, tokens: list[int]) -> Sequence:
-        seq = Sequence(request_id, tokens, SamplingParams(), 0.0)
-        seq.num_computed_tokens = allocator.match_prefix(seq)
-        assert allocator.allocate(request_id, len(tokens))
-        seq.num_computed_tokens = len(tokens)
-        allocator.cache_blocks(seq)
-        return seq
-
-    run("done", [1, 2, 3, 4, 5])
-    allocator.free("done")  # its two full blocks stay cached, unheld
-    held = run("running", [7, 8, 9, 10, 11])
-    allocator.reset_prefix_cache()
-    stats = allocator.stats()
-    assert stats.num_free_blocks == 8 - 3  # only the running sequence's three blocks are out
-    assert allocator.block_table("running") == allocator.block_table(held.request_id)
-    again = Sequence("again", [1, 2, 3, 4, 5], SamplingParams(), 0.0)
-    assert allocator.match_prefix(again) == 0  # the finished prefix is gone
-    allocator.free("again")
-    still = Sequence("still", [7, 8, 9, 10, 11], SamplingParams(), 0.0)
-    assert allocator.match_prefix(still) == 4  # the running one's cached blocks stay
 
 
 def test_configs_naming_different_models_are_refused(llama_checkpoint):

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import attrs
 
 from servelab.bench.driver import RunRecord, run_workload
+from servelab.interfaces import PrefixCachingAllocator
 from servelab.workload import Workload
 
 DEFAULT_REPEATS = 5  # the median of five ignores two runs hit by a burst of load; the table shows min-max
@@ -34,9 +35,8 @@ def offline(workload: Workload) -> Workload:
 
 def reset_prefix_cache(engine: Any) -> None:
     """Empty the engine's prefix cache, if its allocator keeps one."""
-    reset = getattr(engine.allocator, "reset_prefix_cache", None)
-    if reset is not None:
-        reset()
+    if isinstance(engine.allocator, PrefixCachingAllocator):
+        engine.allocator.reset_prefix_cache()
 
 
 def warm_up(engines: list, workload: Workload, warm_cache: bool) -> None:
