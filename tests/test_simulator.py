@@ -42,7 +42,7 @@ def test_unknown_names_are_config_errors():
 def _sim(accel: str, **engine) -> dict:
     config = EngineConfig().with_overrides({f"engine.{k}": v for k, v in {"max_num_seqs": 64, **engine}.items()})
     options = BenchOptions(workload="skewed:num_requests=300,mean_prompt_len=256,mean_output_len=64,max_len=2048",
-                           sim_accelerator=accel, sim_model="llama-3-8b")
+                           sim_accelerator=accel, sim_model="llama-3-8b", repeats=1)
     return run_bench([("sim", config)], options)["runs"][0]["metrics"]
 
 
