@@ -102,7 +102,7 @@ def measure_dtype(dtype: str, args) -> dict:
         from servelab.bench.vllm_baseline import VllmBaseline
 
         vllm = VllmBaseline(args.vllm_python, path, dtype, LIMITS["max_model_len"], LIMITS["max_num_seqs"],
-                            LIMITS["max_num_batched_tokens"])
+                            LIMITS["max_num_batched_tokens"], threads=args.threads)
         vllm.run(warm)
         engines["vLLM CPU"] = (lambda: vllm.run(workload)["output_tokens_per_s"],
                                lambda: vllm.latency(len(PROMPT), 64, args.repeats))
@@ -136,6 +136,7 @@ def cold_start_seconds() -> float:
 
 PEAK_SCRIPT = """
 import math, resource, torch
+torch.set_num_threads({threads})
 from safetensors import safe_open
 from servelab import LLM, SamplingParams
 from servelab.workload import build_workload
@@ -151,10 +152,10 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, weights, kv)
 """
 
 
-def peak_memory(dtype: str, attention: str) -> dict:
+def peak_memory(dtype: str, attention: str, threads: int) -> dict:
     """Peak RSS of a fresh process running the workload once, against the model's weights
     (checkpoint parameters in `dtype`) plus the KV pool."""
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT.format(dtype=dtype, workload=WORKLOAD, attention=attention)],
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT.format(dtype=dtype, workload=WORKLOAD, attention=attention, threads=threads)],
                          capture_output=True, text=True, check=True).stdout.split()
     rss, weights, kv = map(int, out[-3:])
     return {"peak_rss_bytes": rss, "weights_bytes": weights, "kv_pool_bytes": kv,
@@ -167,16 +168,19 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-repeats", type=int, default=1, help="transformers is slow: fewer repetitions")
-    parser.add_argument("--attention", default="cpu-paged")
+    parser.add_argument("--attention", default="torch-paged")
+    parser.add_argument("--threads", type=int, help="threads for every engine (default: torch's, one per core)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     configure_logging(0)
     args.bandwidth = read_bandwidth_gbs()
     figures = {"read_bandwidth_gbs": args.bandwidth, "workload": WORKLOAD, "limits": LIMITS,
                "threads": torch.get_num_threads(), "dtypes": {}}
     for dtype in args.dtypes.split(","):
         figures["dtypes"][dtype] = measure_dtype(dtype, args)
-        figures["dtypes"][dtype]["memory"] = peak_memory(dtype, args.attention)
+        figures["dtypes"][dtype]["memory"] = peak_memory(dtype, args.attention, torch.get_num_threads())
     figures["cold_start_to_first_token_s"] = sorted(cold_start_seconds() for _ in range(3))
     print_table(figures)
     if args.json:

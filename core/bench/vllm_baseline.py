@@ -26,11 +26,13 @@ INSTALL_HINT = ("install vLLM's CPU build in its own virtual environment (see do
                 "'vLLM baseline') and pass its interpreter with --baseline-python PATH")
 
 
-def vllm_environment(python: str) -> dict[str, str]:
+def vllm_environment(python: str, threads: int | None = None) -> dict[str, str]:
     """The environment vLLM's CPU build wants: CPU target, a small KV space, threads bound
-    to every core, offline hub, and tcmalloc + Intel OpenMP preloaded where present."""
+    to every core (or to cores 0..threads-1), offline hub, and tcmalloc + Intel OpenMP
+    preloaded where present."""
+    bind = "auto" if threads is None else ("0" if threads == 1 else f"0-{threads - 1}")
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               VLLM_CPU_OMP_THREADS_BIND="auto", VLLM_CPU_NUM_OF_RESERVED_CPU="0", HF_HUB_OFFLINE="1")
+               VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_CPU_NUM_OF_RESERVED_CPU="0", HF_HUB_OFFLINE="1")
     preload = [path for path in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                                  str(Path(python).resolve().parent.parent / "lib" / "libiomp5.so"),
                                  str(Path(python).parent.parent / "lib" / "libiomp5.so"))
@@ -59,13 +61,13 @@ class VllmBaseline:
     name = "vllm"
 
     def __init__(self, python: str, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, log_path: Path | None = None) -> None:
+                 max_num_batched_tokens: int, log_path: Path | None = None, threads: int | None = None) -> None:
         self._log = open(log_path, "w") if log_path else tempfile.TemporaryFile("w+")
         command = [check_python(python), str(DRIVER), "--model", model_dir, "--dtype", dtype,
                    "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                    "--max-num-batched-tokens", str(max_num_batched_tokens)]
         self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=self._log, text=True, env=vllm_environment(python))
+                                         stderr=self._log, text=True, env=vllm_environment(python, threads))
         self.start_seconds = self._read()["start_seconds"]
         self._workload_dir = tempfile.TemporaryDirectory(prefix="servelab-vllm-")
 
