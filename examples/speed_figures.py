@@ -135,7 +135,7 @@ def cold_start_seconds() -> float:
 
 
 PEAK_SCRIPT = """
-import math, resource, torch
+import math, torch
 torch.set_num_threads({threads})
 from safetensors import safe_open
 from servelab import LLM, SamplingParams
@@ -148,7 +148,9 @@ llm.generate([list(r.prompt_token_ids) for r in w.requests],
 with safe_open(str(llm.engine.source.path / "model.safetensors"), "pt") as f:
     weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * torch.finfo(torch.{dtype}).bits // 8
 kv = sum(c.numel() * c.element_size() for pair in llm.engine.runner.kv_caches for c in pair)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, weights, kv)
+# VmHWM: this process's own peak (ru_maxrss can carry the parent's peak across fork + exec)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(peak * 1024, weights, kv)
 """
 
 

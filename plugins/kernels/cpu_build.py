@@ -33,6 +33,8 @@ def _flags() -> tuple[str, list[str]]:
     flags = ["-O3", "-fopenmp-simd"]
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
+    if capability == "AVX512":
+        flags += ["-mavx512f"]
     return f"servelab_cpu_paged_{capability.lower()}", flags
 
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -43,6 +44,27 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* source, float* target, 
   for (; i < n; ++i) target[i] = static_cast<float>(source[i]);
 }
 
+#ifdef __AVX512F__
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    sum0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum0);
+    sum1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), sum1);
+  }
+  for (; i + 16 <= n; i += 16) sum0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum0);
+  float total = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  const __m512 scale = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(scale, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+#else
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -66,6 +88,7 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
+#endif  // __AVX512F__
 #else
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
@@ -77,6 +100,17 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 #endif
+
+// A cache row as float32: read in place when it is float32 already, else converted into `buffer`.
+template <typename scalar_t>
+inline const float* as_floats(const scalar_t* source, float* buffer, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return source;
+  } else {
+    load_row(source, buffer, n);
+    return buffer;
+  }
+}
 
 template <typename scalar_t>
 inline void prefetch_tile(const scalar_t* tile, int64_t elements) {
@@ -132,9 +166,9 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         const scalar_t* keys = k_head + table[blk] * tile;
         const int64_t count = std::min(block_size, context - blk * block_size);
         for (int64_t s = 0; s < count; ++s) {
-          load_row(keys + s * head_dim, row.data(), head_dim);
+          const float* key = as_floats(keys + s * head_dim, row.data(), head_dim);
           const int64_t position = blk * block_size + s;
-          for (int64_t r = 0; r < num_rows; ++r) scores[r * context + position] = dot(&q_rows[r * head_dim], row.data(), head_dim);
+          for (int64_t r = 0; r < num_rows; ++r) scores[r * context + position] = dot(&q_rows[r * head_dim], key, head_dim);
         }
       }
       // Softmax of each row over the keys its query token may see (causal: the last
@@ -158,11 +192,11 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         const scalar_t* values = v_head + table[blk] * tile;
         const int64_t count = std::min(block_size, context - blk * block_size);
         for (int64_t s = 0; s < count; ++s) {
-          load_row(values + s * head_dim, row.data(), head_dim);
+          const float* value = as_floats(values + s * head_dim, row.data(), head_dim);
           const int64_t position = blk * block_size + s;
           for (int64_t r = 0; r < num_rows; ++r) {
             const float weight = scores[r * context + position];
-            if (weight != 0.f) axpy(weight, row.data(), &acc[r * head_dim], head_dim);
+            if (weight != 0.f) axpy(weight, value, &acc[r * head_dim], head_dim);
           }
         }
       }
