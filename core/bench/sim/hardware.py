@@ -1,10 +1,22 @@
-"""Accelerator profiles for the simulator: peak dense FLOP/s, memory bandwidth, memory."""
+"""Accelerator profiles for the simulator: peak dense FLOP/s, memory bandwidth, memory,
+and the efficiencies and overheads a serving engine reaches on them.
+
+Peaks are public spec-sheet numbers (bf16 dense, no sparsity); memory is the GiB the
+device reports. The efficiencies and overheads of the GPU profiles were fitted to
+TensorRT-LLM's published Llama-3/3.1-8B measurements (offline throughput, v0.15, and
+online serving latency under Poisson load, v0.14; see docs/bench.md, "Simulator
+fidelity"), so each GPU profile stands for a TensorRT-LLM-like engine: fused kernels,
+decode steps replayed from CUDA graphs, in-flight batching of prefills with decodes.
+`NAME-eager` is the same device with every kernel launched from the host each step
+(an engine without CUDA graphs)."""
 
 from __future__ import annotations
 
 import attrs
 
 from servelab.errors import ConfigError
+
+GIB = 2**30
 
 
 @attrs.frozen
@@ -13,27 +25,61 @@ class Accelerator:
     peak_flops: float  # dense FLOP/s at the simulated dtype
     memory_bandwidth: float  # bytes/s
     memory_bytes: float
-    step_overhead_s: float  # fixed cost per engine step (launches, host work)
-    compute_efficiency: float = 0.7  # fraction of peak that GEMMs of serving sizes reach
-    bandwidth_efficiency: float = 0.8
+    step_overhead_s: float  # host work every step pays (scheduling, sampling sync, bookkeeping)
+    compute_efficiency: float = 0.7  # fraction of peak large GEMMs reach
+    bandwidth_efficiency: float = 0.8  # fraction of peak bandwidth streaming kernels reach
+    attention_efficiency: float | None = None  # fraction of peak prefill attention reaches (None: as GEMMs)
+    gemm_half_tokens: float = 0.0  # rows at which a GEMM reaches half its large-M efficiency (0: flat)
+    kernel_launch_s: float = 0.0  # host time to launch one kernel when not replaying a CUDA graph
+    cuda_graphs: bool = False  # decode-only steps replay a captured graph: no per-kernel launches
+    per_kernel: bool = True  # False: one roofline over the whole step, the form `--calibrate` fits
+    reserved_bytes: float = 0.0  # device memory neither weights nor KV (runtime context, activations)
+    behaves_like: str = ""  # which engine's behaviour the profile represents
+
+    @property
+    def prefill_attention_efficiency(self) -> float:
+        return self.compute_efficiency if self.attention_efficiency is None else self.attention_efficiency
 
 
-# Public spec-sheet numbers (bf16 dense, no sparsity); efficiencies are the usual
-# fractions serving engines reach. "cpu-here" is this project's 2-core machine in
-# float32 as fitted by `servelab bench --calibrate` on the embedded model: its
-# "bandwidth" is an effective figure that absorbs MKL's poor small-batch GEMM
-# efficiency, not the ~25 GB/s a large reduction reads at.
+_TRTLLM_LIKE = "TensorRT-LLM-like: fused kernels, CUDA graphs on decode steps, in-flight batching"
+
+# Fitted (examples/sim_fidelity.py) to TensorRT-LLM's published Llama-3.1-8B tables:
+# GEMM efficiency and its small-M fall-off from the offline 128/128 and 2048/128 rows,
+# bandwidth efficiency and the per-step host overhead from the light-load ITL rows,
+# prefill attention from the 5000/500 rows. H100 and H200 share the Hopper compute fit.
+_HOPPER = dict(compute_efficiency=0.62, bandwidth_efficiency=0.75, attention_efficiency=0.45,
+               gemm_half_tokens=96, step_overhead_s=1.0e-3)
+_AMPERE = dict(compute_efficiency=0.72, bandwidth_efficiency=0.75, attention_efficiency=0.55,
+               gemm_half_tokens=48, step_overhead_s=1.0e-3)
+# Not fitted: Ada's ratio of compute to bandwidth is Ampere's; the GEMM fit is Ampere's.
+_ADA = dict(_AMPERE, compute_efficiency=0.65)
+# Not fitted: 12 kernels per decoder layer launched from Python at ~8 us each (PyTorch eager).
+_EAGER_LAUNCH_S = 8e-6
+_GPU = dict(kernel_launch_s=_EAGER_LAUNCH_S, cuda_graphs=True, reserved_bytes=2 * GIB, behaves_like=_TRTLLM_LIKE)
+
 ACCELERATORS = {
-    "h100": Accelerator("H100 SXM", 989e12, 3.35e12, 80e9, 4e-3),
-    "h200": Accelerator("H200", 989e12, 4.8e12, 141e9, 4e-3),
-    "a100": Accelerator("A100 80GB", 312e12, 2.04e12, 80e9, 5e-3),
-    "l4": Accelerator("L4", 121e12, 0.3e12, 24e9, 5e-3),
-    "cpu-here": Accelerator("2-core CPU (fp32, fitted)", 105e9, 3.2e9, 24e9, 0.0, 1.0, 1.0),
+    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU),
+    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU),
+    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU),
+    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU),
+    # This project's 2-core machine in float32 as fitted by `servelab bench --calibrate` on
+    # the embedded model: its "bandwidth" is an effective figure that absorbs MKL's poor
+    # small-batch GEMM efficiency, not the ~25 GB/s a large reduction reads at.
+    "cpu-here": Accelerator("2-core CPU (fp32, fitted)", 105e9, 3.2e9, 24e9, 0.0, 1.0, 1.0, per_kernel=False,
+                            behaves_like="servelab on this CPU, one roofline per step"),
 }
+EAGER_SUFFIX = "-eager"
 
 
 def accelerator(name: str) -> Accelerator:
-    try:
-        return ACCELERATORS[name.lower()]
-    except KeyError:
-        raise ConfigError(f"unknown accelerator {name!r}; choose {', '.join(ACCELERATORS)}") from None
+    """The named profile; `NAME-eager` turns CUDA graphs off (kernels launched every step)."""
+    key = name.lower()
+    eager = key.endswith(EAGER_SUFFIX) and key[: -len(EAGER_SUFFIX)] in ACCELERATORS
+    base = ACCELERATORS.get(key[: -len(EAGER_SUFFIX)] if eager else key)
+    if base is None or (eager and not base.per_kernel):
+        choices = ", ".join([*ACCELERATORS, *(n + EAGER_SUFFIX for n, a in ACCELERATORS.items() if a.per_kernel)])
+        raise ConfigError(f"unknown accelerator {name!r}; choose {choices}")
+    if eager:
+        return attrs.evolve(base, name=f"{base.name} (eager)", cuda_graphs=False,
+                            behaves_like=base.behaves_like.replace("CUDA graphs on decode steps", "no CUDA graphs"))
+    return base
