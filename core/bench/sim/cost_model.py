@@ -90,11 +90,12 @@ class CostModel:
         hw = self.hardware
         bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
         attention = hw.peak_flops * hw.prefill_attention_efficiency
+        kv_bandwidth = hw.memory_bandwidth * hw.kv_read_efficiency
         return {
             "gemm": max(flops["gemm"] / self._gemm_flops_per_s(num_tokens), nbytes["gemm"] / bandwidth),
             "lm_head": max(flops["lm_head"] / self._gemm_flops_per_s(num_sampled), nbytes["lm_head"] / bandwidth),
-            "prefill_attention": max(flops["prefill_attention"] / attention, nbytes["prefill_attention"] / bandwidth),
-            "decode_attention": max(flops["decode_attention"] / attention, nbytes["decode_attention"] / bandwidth),
+            "prefill_attention": max(flops["prefill_attention"] / attention, nbytes["prefill_attention"] / kv_bandwidth),
+            "decode_attention": max(flops["decode_attention"] / attention, nbytes["decode_attention"] / kv_bandwidth),
             "elementwise": nbytes["elementwise"] / bandwidth,
             "sampling": nbytes["sampling"] / bandwidth,
         }
