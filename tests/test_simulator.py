@@ -19,17 +19,67 @@ def test_llama_3_8b_has_8b_parameters():
     assert head == 4096 * 128256
 
 
+def _unit_hardware(**overrides) -> Accelerator:
+    return Accelerator("unit", **{"peak_flops": 1e15, "memory_bandwidth": 1e12, "memory_bytes": 80 * 2**30,
+                                  "step_overhead_s": 0.0, "compute_efficiency": 1.0, "bandwidth_efficiency": 1.0,
+                                  **overrides})
+
+
 def test_decode_step_is_memory_bound_and_prefill_compute_bound():
-    hw = Accelerator("unit", peak_flops=1e15, memory_bandwidth=1e12, memory_bytes=80e9, step_overhead_s=0.0,
-                     compute_efficiency=1.0, bandwidth_efficiency=1.0)
-    model = CostModel(model_shape("llama-3-8b"), hw, dtype_bytes=2)
+    model = CostModel(model_shape("llama-3-8b"), _unit_hardware(), dtype_bytes=2)
     decode = model.step([1] * 8, [1000] * 8, 8)
-    assert decode.seconds == pytest.approx(decode.bytes / 1e12)
+    assert decode.seconds == pytest.approx(decode.bytes / 1e12)  # every kernel class streams
     kv_bytes = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, head_dim 128, bf16
-    assert decode.bytes == pytest.approx(model.weight_bytes + kv_bytes * 8 * 1001)
+    logits = 3 * 4 * 128256 * 8  # fp32 logits written, read by softmax and by the sampler
+    assert decode.bytes == pytest.approx(model.weight_bytes + kv_bytes * 8 * 1001
+                                         + model.elementwise_bytes_per_token * 8 + logits)
     prefill = model.step([4096], [4096], 1)
-    assert prefill.seconds == pytest.approx(prefill.flops / 1e15)
-    assert prefill.flops > 2 * model.layer_params * 4096
+    assert prefill.kernel_seconds["gemm"] == pytest.approx(2 * model.layer_params * 4096 / 1e15)
+    assert prefill.kernel_seconds["prefill_attention"] == pytest.approx(
+        4 * model.attention_width * 4096 * (4096 + 1) / 2 / 1e15)
+    assert prefill.seconds == pytest.approx(sum(prefill.kernel_seconds.values()))
+
+
+def test_kernel_classes_add_up_so_a_prefill_slows_the_decodes_mixed_with_it():
+    model = CostModel(model_shape("llama-3-8b"), accelerator("h100"))
+    decodes = model.step([1] * 64, [800] * 64, 64)
+    prefill = model.step([2000], [2000], 1)
+    mixed = model.step([2000] + [1] * 64, [2000] + [800] * 64, 65)
+    assert mixed.seconds > 3 * decodes.seconds  # every decode in the step waits for the prefill
+    assert mixed.seconds > prefill.seconds
+    assert mixed.kernel_seconds["decode_attention"] == pytest.approx(decodes.kernel_seconds["decode_attention"])
+
+
+def test_small_gemms_run_below_peak_efficiency():
+    model = CostModel(model_shape("llama-3-8b"), _unit_hardware(gemm_half_tokens=200, memory_bandwidth=1e15))
+    per_token = [model.step([n], [n], 1).kernel_seconds["gemm"] / n for n in (100, 1000, 8000)]
+    assert per_token[0] > per_token[1] > per_token[2]
+    assert per_token[0] == pytest.approx(3 * per_token[2], rel=0.05)  # 100 rows: a third of 8000 rows' efficiency
+
+
+def test_cuda_graphs_hide_launches_of_decode_steps_only():
+    graphs, eager = accelerator("h100"), accelerator("h100-eager")
+    assert graphs.cuda_graphs and not eager.cuda_graphs and "no CUDA graphs" in eager.behaves_like
+    shape = model_shape("llama-3-8b")
+    small_decode = ([1] * 4, [500] * 4, 4)
+    assert CostModel(shape, eager).step(*small_decode).seconds > 1.3 * CostModel(shape, graphs).step(*small_decode).seconds
+    big_prefill = ([8000], [8000], 1)  # device work far longer than the launches: they hide behind it
+    assert CostModel(shape, eager).step(*big_prefill).seconds == CostModel(shape, graphs).step(*big_prefill).seconds
+
+
+def test_kv_pool_is_ninety_percent_of_the_memory_weights_and_runtime_leave():
+    model = CostModel(model_shape("llama-3-8b"), accelerator("h100"))
+    free = 80 * 2**30 - 2 * 2**30 - 8.03e9 * 2  # 80 GiB, 2 GiB for the runtime, weights with the embedding
+    assert model.kv_pool_bytes() == pytest.approx(0.9 * free, rel=0.002)
+    assert model.kv_blocks(16) == int(model.kv_pool_bytes() // (131072 * 16))
+
+
+def test_a_model_too_big_for_the_device_says_so_and_suggests_tensor_parallelism():
+    with pytest.raises(ConfigError, match="tensor parallelism over 2 or more devices"):
+        CostModel(model_shape("llama-3-70b"), accelerator("h100")).kv_blocks(16)
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        _sim("a100", sim_model="llama-3-70b")
+    assert CostModel(model_shape("llama-3-70b"), accelerator("h200")).kv_blocks(16) > 0  # 131 GiB of 140
 
 
 def test_unknown_names_are_config_errors():
@@ -39,10 +89,10 @@ def test_unknown_names_are_config_errors():
         model_shape("gpt-5")
 
 
-def _sim(accel: str, **engine) -> dict:
+def _sim(accel: str, sim_model: str = "llama-3-8b", **engine) -> dict:
     config = EngineConfig().with_overrides({f"engine.{k}": v for k, v in {"max_num_seqs": 64, **engine}.items()})
     options = BenchOptions(workload="skewed:num_requests=300,mean_prompt_len=256,mean_output_len=64,max_len=2048",
-                           sim_accelerator=accel, sim_model="llama-3-8b")
+                           sim_accelerator=accel, sim_model=sim_model)
     return run_bench([("sim", config)], options)["runs"][0]["metrics"]
 
 

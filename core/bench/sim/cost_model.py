@@ -115,7 +115,7 @@ class CostModel:
         blocks = int(max(0.0, self.kv_pool_bytes()) // (self.kv_bytes_per_token * block_size))
         if blocks < 1:
             hw, weights = self.hardware, self.resident_weight_bytes
-            devices = -(-weights // (hw.memory_bytes - hw.reserved_bytes)) + 1
+            devices = weights // (hw.memory_bytes - hw.reserved_bytes) + 1  # the fewest that leave room for KV
             raise ConfigError(
                 f"the model's weights ({weights / GIB:.1f} GiB at {self.dtype_bytes} bytes a parameter) leave no "
                 f"room for a KV cache on one {hw.name} ({hw.memory_bytes / GIB:.0f} GiB, "
