@@ -39,6 +39,8 @@ class StepCost:
 
 
 class CostModel:
+    """Step costs of one model shape on one accelerator, and the KV pool it leaves."""
+
     def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = 2) -> None:
         self.shape = shape
         self.hardware = hardware
@@ -56,6 +58,22 @@ class CostModel:
         """The cost of one step: `query_lens[i]` new tokens of a sequence whose context
         (those tokens included) is `context_lens[i]`; `num_sampled` rows are sampled."""
         num_tokens = sum(query_lens)
+        flops, nbytes = self._work(query_lens, context_lens, num_tokens, num_sampled)
+        total_flops, total_bytes = sum(flops.values()), sum(nbytes.values())
+        hw = self.hardware
+        if not hw.per_kernel:
+            seconds = max(total_flops / (hw.peak_flops * hw.compute_efficiency),
+                          total_bytes / (hw.memory_bandwidth * hw.bandwidth_efficiency)) + hw.step_overhead_s
+            return StepCost(total_flops, total_bytes, seconds)
+        kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
+        decode_only = num_tokens == len(query_lens)
+        launches = 0.0 if hw.cuda_graphs and decode_only else self.num_kernels * hw.kernel_launch_s
+        seconds = hw.step_overhead_s + max(sum(kernels.values()), launches)  # device work hides async launches
+        return StepCost(total_flops, total_bytes, seconds, kernels)
+
+    def _work(self, query_lens: list[int], context_lens: list[int], num_tokens: int,
+              num_sampled: int) -> tuple[dict[str, float], dict[str, float]]:
+        """FLOPs and bytes of each kernel class."""
         decode_context = sum(c for q, c in zip(query_lens, context_lens) if q == 1)
         # Each prefill token attends to the context up to itself: q_len * (ctx - (q_len - 1) / 2) keys.
         prefill_attended = sum(q * (c - (q - 1) / 2) for q, c in zip(query_lens, context_lens) if q > 1)
@@ -64,26 +82,12 @@ class CostModel:
         flops = {"gemm": 2.0 * self.layer_params * num_tokens, "lm_head": 2.0 * self.head_params * num_sampled,
                  "prefill_attention": 4.0 * self.attention_width * prefill_attended,
                  "decode_attention": 4.0 * self.attention_width * decode_context}
-        nbytes = {"gemm": self.layer_params * self.dtype_bytes, "lm_head": self.head_params * self.dtype_bytes,
+        nbytes = {"gemm": self.layer_params * self.dtype_bytes if num_tokens else 0.0,
+                  "lm_head": self.head_params * self.dtype_bytes if num_sampled else 0.0,
                   "prefill_attention": kv * prefill_context, "decode_attention": kv * decode_context,
                   "elementwise": (self.elementwise_bytes_per_token + kv) * num_tokens,
                   "sampling": LOGIT_PASSES * 4.0 * self.shape.vocab_size * num_sampled}
-        if not num_tokens:
-            nbytes["gemm"] = 0.0
-        if not num_sampled:
-            nbytes["lm_head"] = 0.0
-        total_flops, total_bytes = sum(flops.values()), sum(nbytes.values())
-        hw = self.hardware
-        if not hw.per_kernel:
-            seconds = max(total_flops / (hw.peak_flops * hw.compute_efficiency),
-                          total_bytes / (hw.memory_bandwidth * hw.bandwidth_efficiency)) + hw.step_overhead_s
-            return StepCost(total_flops, total_bytes, seconds)
-        kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
-        device = sum(kernels.values())
-        decode_only = num_tokens == len(query_lens)
-        launches = 0.0 if hw.cuda_graphs and decode_only else self.num_kernels * hw.kernel_launch_s
-        seconds = hw.step_overhead_s + max(device, launches)  # launches are asynchronous: device work hides them
-        return StepCost(total_flops, total_bytes, seconds, kernels)
+        return flops, nbytes
 
     def _kernel_seconds(self, flops: dict[str, float], nbytes: dict[str, float], num_tokens: int,
                         num_sampled: int) -> dict[str, float]:
