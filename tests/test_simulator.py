@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from servelab.bench.metrics import distribution, percentiles
+from servelab.bench.report import format_table
 from servelab.bench.session import BenchOptions, run_bench
 from servelab.bench.sim.calibrate import StepSample, _predict, fit
 from servelab.bench.sim.cost_model import CostModel
@@ -119,3 +121,19 @@ def test_fit_recovers_a_known_profile():
     fitted = fit(samples)
     for sample in samples:
         assert _predict(fitted, sample) == pytest.approx(sample.seconds, rel=0.03)
+
+
+def test_means_are_reported_beside_percentiles():
+    assert distribution([1.0, 2.0, 3.0, 10.0]) == {"mean": 4.0, **percentiles([1.0, 2.0, 3.0, 10.0])}
+    config = EngineConfig().with_overrides({"engine.max_num_seqs": 64})
+    result = run_bench([("sim", config)], BenchOptions(
+        workload="fixed:num_requests=200,prompt_len=300,output_len=40,arrival=poisson,rate=50", sim_accelerator="h100"))
+    metrics = result["runs"][0]["metrics"]
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert metrics[key]["p50"] is not None and metrics[key]["mean"] > 0
+    # Equal output lengths: the mean over all gaps is the mean over requests' TPOT.
+    assert metrics["itl_ms"]["mean"] == pytest.approx(metrics["tpot_ms"]["mean"])
+    skewed = _sim("h100")  # unequal lengths: long requests weigh more in the ITL mean
+    assert skewed["itl_ms"]["mean"] != pytest.approx(skewed["tpot_ms"]["mean"])
+    row = next(line for line in format_table(result).splitlines() if line.startswith("TTFT / TPOT / ITL mean ms"))
+    assert f"{metrics['ttft_ms']['mean']:.1f}/{metrics['tpot_ms']['mean']:.1f}/{metrics['itl_ms']['mean']:.1f}" in row
