@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Sequence as Seq
 
+from servelab.bench.repetitions import DEFAULT_REPEATS
 from servelab.config import EngineConfig
 from servelab.errors import ServelabError
 from servelab.logging_setup import configure_logging
@@ -18,14 +19,22 @@ EXIT_USAGE = 2
 
 
 def main(argv: Seq[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     configure_logging(args.verbose)
     try:
         return args.handler(args)
     except ServelabError as exc:
         print(f"servelab: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
+    """The command line, checked; a usage error exits with status 2 like argparse's own."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate" and not (args.prompts or args.prompts_file):
+        parser.error("generate needs a prompt: --prompt TEXT (repeatable) or --prompts-file FILE")
+    return args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,9 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.set_defaults(handler=_cmd_plugins)
 
-    generate = commands.add_parser("generate", help="generate text for one prompt, streamed")
+    generate = commands.add_parser("generate", help="generate text: one prompt streamed, or several batched")
     _add_engine_arguments(generate)
-    generate.add_argument("--prompt", required=True, help="the prompt text")
+    generate.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
+                          help="a prompt (repeatable; several run as one batch, printed in order)")
+    generate.add_argument("--prompts-file", metavar="FILE", help="more prompts, one per line "
+                          '(a line written as a JSON string, "...", may hold \\n)')
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     generate.add_argument("--top-p", type=float, default=1.0)
@@ -55,7 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a value in every config (repeatable)")
     bench.add_argument("--workload", default="skewed", help="workload spec, e.g. 'skewed:num_requests=64', "
                        "'shared-prefix:prefix_len=1000', 'skewed:arrival=poisson,rate=4', 'file:reqs.jsonl'")
-    bench.add_argument("--repeats", type=int, default=1, help="interleaved timed repetitions (median reported)")
+    bench.add_argument("--repeats", type=int, help=f"interleaved timed repetitions; the median and min-max "
+                       f"are reported (default {DEFAULT_REPEATS}; 1 with --sim, whose clock is deterministic)")
+    bench.add_argument("--warm-cache", action="store_true", help="keep prefix caches between the warm-up "
+                       "and the repetitions (default: every repetition starts from an empty cache)")
     bench.add_argument("--baseline", choices=["hf", "vllm"],
                        help="also run transformers generate with static batches (hf), or vLLM's offline LLM (vllm)")
     bench.add_argument("--baseline-python", metavar="PATH",
@@ -113,35 +128,14 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from servelab.generate_command import generate, read_prompts_file
     from servelab.sampling_params import SamplingParams
 
     config = load_config(args)  # config errors come before torch is even imported
+    prompts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    from servelab.engine import LLMEngine
-    from servelab.model.tokenizer import IncrementalDecoder
-
-    engine = LLMEngine(config)
-    if engine.tokenizer is None:
-        raise ServelabError(f"model {config.engine.model!r} has no tokenizer.json; cannot take a text prompt")
-    request_id = engine.add_request(args.prompt, params)
-    decoder = IncrementalDecoder(engine.tokenizer)
-    generated: list[int] = []
-    while engine.has_unfinished():
-        result = engine.step()
-        generated.extend(result.new_token_ids.get(request_id, ()))
-        sys.stdout.write(decoder.update(generated))
-        sys.stdout.flush()
-        for output in result.finished:
-            sys.stdout.write("\n")
-            metrics = output.metrics
-            spec = ""
-            if metrics.num_draft_tokens:
-                spec = (f", drafts accepted {metrics.num_accepted_tokens}/{metrics.num_draft_tokens}, "
-                        f"{output.mean_tokens_per_step:.2f} tokens per target step")
-            print(f"[{len(output.token_ids)} tokens, finish_reason={output.finish_reason}, "
-                  f"ttft={metrics.ttft * 1000:.1f} ms, e2e={metrics.e2e_latency * 1000:.1f} ms{spec}]",
-                  file=sys.stderr)
+    generate(config, prompts, params)
     return 0
 
 
@@ -162,12 +156,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if len(set(names)) != len(names):
         raise ServelabError(f"config names must differ (they come from file names): {names}")
     options = BenchOptions(
-        workload=args.workload, repeats=args.repeats, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+        workload=args.workload, repeats=_repeats(args), slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
         baseline=args.baseline, hf_batch_size=args.hf_batch_size, baseline_python=args.baseline_python,
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
         save_workload=Path(args.save_workload) if args.save_workload else None,
-        sim_accelerator=args.sim, sim_model=args.sim_model,
+        sim_accelerator=args.sim, sim_model=args.sim_model, warm_cache=args.warm_cache,
     )
     if args.calibrate:
         result = _calibrate(configs[0][1], args.workload)
@@ -178,6 +172,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as handle:
             json.dump(result, handle, indent=2)
     return 0
+
+
+def _repeats(args: argparse.Namespace) -> int:
+    if args.repeats is not None:
+        return args.repeats
+    return 1 if args.sim else DEFAULT_REPEATS  # a simulated clock gives the same figures every time
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import attrs
 import numpy as np
-import structlog
 import torch
 
 from servelab.config import EngineConfig, build_options
@@ -30,6 +29,7 @@ from servelab.interfaces import (
     SequenceStatus,
     StepPlan,
 )
+from servelab.logging_setup import get_logger
 from servelab.model.loader import DTYPES
 from servelab.model.source import CheckpointSource, ModelSource
 from servelab.model.tokenizer import IncrementalDecoder
@@ -39,7 +39,7 @@ from servelab.sampler import filtered_probs, sample
 from servelab.sampling_params import SamplingParams
 from servelab.speculation import SpeculationStats, Speculator
 
-logger = structlog.get_logger(__name__)
+logger = get_logger(__name__)
 _SECTION_OF_KIND = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention"}
 
 

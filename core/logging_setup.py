@@ -1,12 +1,61 @@
-"""structlog configuration for servelab's command-line programs. The library itself
-only emits events; applications (the CLI, your script) decide where they go."""
+"""structlog for servelab: the library's loggers, and the configuration its command-line
+programs apply.
+
+The library only emits events, through `get_logger`; the application decides where
+they go by configuring structlog. Until it does, the library stays quiet below WARNING
+(structlog's unconfigured default would print every debug event on stdout).
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR, "exception": logging.ERROR, "critical": logging.CRITICAL}
+
+
+class LibraryLogger:
+    """A structlog logger that drops events below WARNING while structlog is unconfigured."""
+
+    def __init__(self, name: str, context: dict[str, Any] | None = None) -> None:
+        self._name = name
+        self._context = context or {}
+        self._logger = structlog.get_logger(name)  # a lazy proxy: follows later configuration
+
+    def bind(self, **values: Any) -> "LibraryLogger":
+        return LibraryLogger(self._name, {**self._context, **values})
+
+    def debug(self, event: str, **values: Any) -> None:
+        self._emit("debug", event, values)
+
+    def info(self, event: str, **values: Any) -> None:
+        self._emit("info", event, values)
+
+    def warning(self, event: str, **values: Any) -> None:
+        self._emit("warning", event, values)
+
+    def error(self, event: str, **values: Any) -> None:
+        self._emit("error", event, values)
+
+    def exception(self, event: str, **values: Any) -> None:
+        self._emit("exception", event, values)
+
+    def critical(self, event: str, **values: Any) -> None:
+        self._emit("critical", event, values)
+
+    def _emit(self, level: str, event: str, values: dict[str, Any]) -> None:
+        if _LEVELS[level] < logging.WARNING and not structlog.is_configured():
+            return
+        getattr(self._logger, level)(event, **self._context, **values)
+
+
+def get_logger(name: str) -> LibraryLogger:
+    """The logger a servelab module emits through."""
+    return LibraryLogger(name)
 
 
 def configure_logging(verbosity: int = 0) -> None:

@@ -13,14 +13,14 @@ from __future__ import annotations
 from typing import Any, Sequence as Seq
 
 import attrs
-import structlog
 import torch
 
 from servelab.errors import ConfigError
 from servelab.interfaces import Draft, ForkingAllocator, Sequence
+from servelab.logging_setup import get_logger
 from servelab.verification import Verified, verify
 
-logger = structlog.get_logger(__name__)
+logger = get_logger(__name__)
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@ from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
 from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention
 from servelab.plugins.schedulers.continuous import ContinuousScheduler
+from servelab.plugins.schedulers.queues import PlanBuilder
 
 
 class LeakyAllocator(PagedAllocator):
@@ -127,9 +128,15 @@ class OverBudgetScheduler(ContinuousScheduler):
 class UnchargedDecodeScheduler(ContinuousScheduler):
     """Does not charge running sequences' decode tokens to the token budget."""
 
-    def _run(self, ready, builder) -> None:
+    def schedule(self):
+        builder = PlanBuilder(self.context.max_num_batched_tokens)
+        self._shed_overflow(builder)
+        ready = self._claim_running(builder)
+        if not builder.preempted:
+            self._admit_waiting(builder, whole=True)
         for seq, num_new in ready:
             builder.scheduled[seq] = num_new  # the bug: builder.budget is not lowered
+        return self._plan(builder)
 
 
 class CrashingScheduler(ContinuousScheduler):

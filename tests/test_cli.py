@@ -85,6 +85,10 @@ def generate_runs(llama_checkpoint, tokenized_checkpoint, tmp_path_factory):
     config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (gpt2 / "config.json").write_text(json.dumps(config))
     missing = tmp_path_factory.mktemp("empty") / "missing"
+    prompts_file = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    prompts_file.write_text('w8 w9\n\n"w10\\tw11"\n')
+    blank_file = prompts_file.with_name("blank.txt")
+    blank_file.write_text("\n  \n")
 
     cases = {
         "ok": ["--model", tokenized_checkpoint, "--prompt", "w5 w17 w42", "--max-tokens", "6",
@@ -97,6 +101,9 @@ def generate_runs(llama_checkpoint, tokenized_checkpoint, tmp_path_factory):
         "ngram": ["--model", tokenized_checkpoint, "--prompt", "w5 w17 w42 w5 w17 w42 w5 w17 w42 w5",
                   "--max-tokens", "12", "--set", "engine.max_model_len=64", "--set", 'drafter.name="ngram"'],
         "unknown_drafter": ["--model", llama_checkpoint, "--prompt", "x", "--set", 'drafter.name="nope"'],
+        "several": ["--model", tokenized_checkpoint, "--prompt", "w5 w17", "--prompt", "w42",
+                    "--prompts-file", str(prompts_file), "--max-tokens", "3", "--set", "engine.max_model_len=64"],
+        "blank_prompts_file": ["--model", tokenized_checkpoint, "--prompts-file", str(blank_file)],
     }
     processes = {name: subprocess.Popen(command("generate", *args), stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True)
@@ -156,3 +163,16 @@ def test_unsupported_architecture_fails_cleanly(generate_runs):
 def test_argument_errors_exit_2():
     result = servelab("generate")  # --prompt is required; argparse fails before importing torch
     assert result.returncode == 2 and "--prompt" in result.stderr
+
+
+def test_generate_runs_several_prompts_in_order(generate_runs):
+    result = generate_runs["several"]
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if line.startswith("--- prompt")]
+    assert headers == ['--- prompt 1/4: "w5 w17"', '--- prompt 2/4: "w42"', '--- prompt 3/4: "w8 w9"',
+                       '--- prompt 4/4: "w10\\tw11"']
+    assert len(re.findall(r"\[3 tokens, finish_reason=length", result.stderr)) == 4
+
+
+def test_a_prompts_file_without_prompts_fails_cleanly(generate_runs):
+    assert_clean_failure(generate_runs["blank_prompts_file"], "holds no prompt")

@@ -94,7 +94,7 @@ def test_unknown_names_are_config_errors():
 def _sim(accel: str, sim_model: str = "llama-3-8b", **engine) -> dict:
     config = EngineConfig().with_overrides({f"engine.{k}": v for k, v in {"max_num_seqs": 64, **engine}.items()})
     options = BenchOptions(workload="skewed:num_requests=300,mean_prompt_len=256,mean_output_len=64,max_len=2048",
-                           sim_accelerator=accel, sim_model=sim_model)
+                           sim_accelerator=accel, sim_model=sim_model, repeats=1)
     return run_bench([("sim", config)], options)["runs"][0]["metrics"]
 
 
@@ -126,8 +126,8 @@ def test_fit_recovers_a_known_profile():
 def test_means_are_reported_beside_percentiles():
     assert distribution([1.0, 2.0, 3.0, 10.0]) == {"mean": 4.0, **percentiles([1.0, 2.0, 3.0, 10.0])}
     config = EngineConfig().with_overrides({"engine.max_num_seqs": 64})
-    result = run_bench([("sim", config)], BenchOptions(
-        workload="fixed:num_requests=200,prompt_len=300,output_len=40,arrival=poisson,rate=50", sim_accelerator="h100"))
+    workload = "fixed:num_requests=200,prompt_len=300,output_len=40,arrival=poisson,rate=50"
+    result = run_bench([("sim", config)], BenchOptions(workload=workload, sim_accelerator="h100", repeats=1))
     metrics = result["runs"][0]["metrics"]
     for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         assert metrics[key]["p50"] is not None and metrics[key]["mean"] > 0

@@ -45,18 +45,27 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _spread(values: list[float] | None) -> str:
+    """min-max of the repetitions' output tokens/s: how far apart the timed runs landed."""
+    if not values:
+        return "-"
+    return f"{min(values):.1f}-{max(values):.1f}"
+
+
 def format_table(result: dict[str, Any]) -> str:
-    columns = [(run["config"], run["metrics"]) for run in result["runs"]]
-    if "baseline" in result:
-        columns.append((result["baseline"]["config"], result["baseline"]["metrics"]))
-    label_width = max(len(label) for label, _ in ROWS)
-    cells = [[render(m) for _, render in ROWS] for _, m in columns]
+    runs = [*result["runs"], *([result["baseline"]] if "baseline" in result else [])]
+    columns = [(run["config"], run["metrics"]) for run in runs]
+    repeats = max(len(run.get("repeats_output_tokens_per_s", ())) for run in runs)
+    rows = [ROWS[0], (f"  min-max of {repeats} runs", None), *ROWS[1:]]
+    label_width = max(len(label) for label, _ in rows)
+    cells = [[_spread(run.get("repeats_output_tokens_per_s")) if render is None else render(run["metrics"])
+              for _, render in rows] for run in runs]
     widths = [max(len(name), *(len(c) for c in column)) for (name, _), column in zip(columns, cells)]
     workload = result["workload"]
     lines = [f"workload {workload['spec']}: {workload['num_requests']} requests, "
              f"{workload['prompt_tokens']} prompt tokens, {workload['output_tokens']} output tokens",
              " " * label_width + "  " + "  ".join(n.rjust(w) for (n, _), w in zip(columns, widths))]
-    for row, (label, _) in enumerate(ROWS):
+    for row, (label, _) in enumerate(rows):
         lines.append(label.ljust(label_width) + "  " + "  ".join(c[row].rjust(w) for c, w in zip(cells, widths)))
     if "baseline" in result:
         base = result["baseline"]["metrics"]["output_tokens_per_s"]

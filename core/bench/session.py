@@ -1,6 +1,7 @@
 """One bench session: build an engine per config, run the workload through each
-(interleaved repetitions, warm-up excluded), optionally a transformers baseline and a
-request-rate sweep, and collect metrics, JSON and plots."""
+(interleaved repetitions from an empty prefix cache, warm-up excluded; see
+repetitions.py), optionally a transformers baseline and a request-rate sweep, and
+collect metrics, JSON and plots."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import attrs
 from servelab.bench import plots
 from servelab.bench.driver import RunRecord, StepRecorder, run_workload
 from servelab.bench.metrics import SLO, summarize
+from servelab.bench.repetitions import DEFAULT_REPEATS, run_repetitions, warm_up
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
 from servelab.registry import PluginRegistry
@@ -23,7 +25,7 @@ from servelab.workload import Workload, build_workload, parse_spec
 @attrs.frozen
 class BenchOptions:
     workload: str = "skewed"
-    repeats: int = 1
+    repeats: int = DEFAULT_REPEATS
     slo: SLO = SLO()
     baseline: str | None = None  # "hf" or "vllm"
     hf_batch_size: int | None = None
@@ -33,6 +35,7 @@ class BenchOptions:
     save_workload: Path | None = None
     sim_accelerator: str | None = None  # simulate on this accelerator instead of running the model
     sim_model: str = "llama-3-8b"  # model shape to simulate
+    warm_cache: bool = False  # keep prefix caches across the warm-up and repetitions
 
 
 class _Engine:
@@ -62,29 +65,27 @@ class _Engine:
 
 
 def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) -> dict[str, Any]:
+    _check_same_model(configs)
     engines = [_Engine(name, config, options) for name, config in configs]
     vocab_size = min(e.engine.model_config.vocab_size for e in engines)
     workload = build_workload(options.workload, vocab_size)
     if options.save_workload:
         workload.save(options.save_workload)
     _check_fits(workload, engines)
+    if options.repeats < 1:
+        raise ConfigError(f"repeats must be at least 1, got {options.repeats}")
     total = len(workload.requests) * (options.repeats * len(engines) + len(options.rates) * len(engines))
     with _progress(total) as bar:
-        # Warm-up, excluded from every figure; it includes the longest prompt so that no
-        # measured step pays a first-time allocation for its size.
-        longest = max(workload.requests, key=lambda r: len(r.prompt_token_ids))
-        warm_up = Workload("warm-up", (*workload.requests[:4], attrs.evolve(longest, arrival_time=0.0)))
-        for e in engines:
-            run_workload(e.engine, e.recorder, warm_up, e.name)
+        warm_up(engines, workload, options.warm_cache)  # excluded from every figure
         widest_first = tuple(sorted(workload.requests, key=lambda r: -len(r.prompt_token_ids)))
         baseline = _load_baseline(engines[0], options, widest_first)
-        per_config: dict[str, list[RunRecord]] = {e.name: [] for e in engines}
         baseline_runs = []
-        for _ in range(options.repeats):
-            for e in engines:  # interleaved: drift on a shared machine hits every config alike
-                per_config[e.name].append(run_workload(e.engine, e.recorder, workload, e.name, bar.update))
-            if baseline is not None:
-                baseline_runs.append(baseline.run(workload))
+
+        def run_baseline() -> None:
+            baseline_runs.append(baseline.run(workload))
+
+        per_config = run_repetitions(engines, workload, options.repeats, options.warm_cache, bar.update,
+                                     run_baseline if baseline is not None else None)
         if baseline is not None:
             baseline.close()
         runs = []
@@ -157,6 +158,14 @@ def _plots(directory: Path, records: list[RunRecord], sweep: dict[str, list]) ->
     if sweep:
         paths.append(plots.throughput_vs_rate(sweep, directory / "throughput_vs_rate.png"))
     return [str(p) for p in paths]
+
+
+def _check_same_model(configs: list[tuple[str, EngineConfig]]) -> None:
+    models = {name: config.engine.model for name, config in configs}
+    if len(set(models.values())) > 1:
+        named = ", ".join(f"{name}: {model}" for name, model in models.items())
+        raise ConfigError(f"the configs name different models ({named}); a side-by-side bench compares "
+                          "policies on one model: pass --model to run every config on the same one")
 
 
 def _check_fits(workload: Workload, engines: list[_Engine]) -> None:

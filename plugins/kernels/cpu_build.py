@@ -111,5 +111,17 @@ def kernel_build() -> KernelBuild:
     return _BUILD
 
 
-if __name__ == "__main__":
+def _watch_for_stale_locks(period: float = 30.0) -> None:
+    """While this build waits on another build's lock, clear it once it goes stale (its
+    owner was killed), so the wait ends instead of lasting forever."""
+    from torch.utils import cpp_extension
+
+    name, _ = _flags()
+    while True:
+        time.sleep(period)
+        _clear_stale_lock(cpp_extension, name)
+
+
+if __name__ == "__main__":  # the detached build process that KernelBuild starts
+    threading.Thread(target=_watch_for_stale_locks, daemon=True).start()
     load_library()

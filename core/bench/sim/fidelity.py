@@ -10,8 +10,15 @@ from typing import Any, Iterator
 
 import attrs
 
-from servelab.bench.session import BenchOptions, run_bench
+from servelab.bench.driver import StepRecorder, run_workload
+from servelab.bench.metrics import SLO, summarize
+from servelab.bench.sim.hardware import accelerator
+from servelab.bench.sim.runner import VirtualClock
+from servelab.bench.sim.shapes import model_shape
+from servelab.bench.sim.source import SimSource
 from servelab.config import EngineConfig
+from servelab.registry import PluginRegistry
+from servelab.workload import build_workload
 
 
 @attrs.frozen
@@ -60,10 +67,19 @@ def references() -> Iterator[Reference]:
 
 
 def simulate(reference: Reference, sim_model: str = "llama-3-8b") -> dict[str, float]:
-    """The reference's figures as the simulator produces them."""
-    config = EngineConfig().with_overrides(TRTLLM_LIKE_CONFIG)
-    options = BenchOptions(workload=reference.workload, sim_accelerator=reference.accelerator, sim_model=sim_model)
-    metrics = run_bench([("sim", config)], options)["runs"][0]["metrics"]
+    """The reference's figures as the simulator produces them: one run of its workload,
+    as `servelab bench --sim` times it (a simulated clock needs no warm-up or repeats)."""
+    from servelab.engine import LLMEngine
+
+    clock = VirtualClock()
+    source = SimSource(model_shape(sim_model), accelerator(reference.accelerator), clock)
+    config = source.fit_config(EngineConfig().with_overrides(TRTLLM_LIKE_CONFIG))
+    registry = PluginRegistry.from_entry_points()
+    recorder = StepRecorder(clock)
+    registry.register(recorder)
+    engine = LLMEngine(config, registry, clock=clock, source=source)
+    workload = build_workload(reference.workload, source.model_config.vocab_size)
+    metrics = summarize(run_workload(engine, recorder, workload, reference.label), SLO())
     simulated = {OUTPUT_TPS: metrics["output_tokens_per_s"], TTFT: metrics["ttft_ms"]["mean"],
                  ITL: metrics["itl_ms"]["mean"]}
     return {key: simulated[key] for key in reference.published}

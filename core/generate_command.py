@@ -1,0 +1,88 @@
+"""`servelab generate`: one prompt streamed to stdout, or several prompts run as one batch.
+
+Prompts come from repeated `--prompt` options and from a prompts file: one prompt per
+line, blank lines skipped; a line written as a JSON string ("...") is decoded, so a
+prompt can hold newlines or tabs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from servelab.config import EngineConfig
+from servelab.errors import ServelabError
+from servelab.outputs import RequestOutput
+from servelab.sampling_params import SamplingParams
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The prompts in `path`: one per non-blank line, JSON string lines decoded."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ServelabError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.startswith('"'):
+            try:
+                line = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ServelabError(f"{path}:{number}: not a JSON string: {exc.msg}") from None
+        prompts.append(line)
+    if not prompts:
+        raise ServelabError(f"prompts file {path!r} holds no prompt")
+    return prompts
+
+
+def generate(config: EngineConfig, prompts: list[str], params: SamplingParams) -> None:
+    """Run `prompts` to completion: text on stdout, a summary per prompt on stderr."""
+    from servelab.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    if engine.tokenizer is None:
+        raise ServelabError(f"model {config.engine.model!r} has no tokenizer.json; cannot take a text prompt")
+    for prompt in prompts:  # every prompt is checked before any is queued
+        engine.validate_request(prompt, params)
+    if len(prompts) == 1:
+        _stream_one(engine, prompts[0], params)
+        return
+    request_ids = [engine.add_request(prompt, params) for prompt in prompts]
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for output in engine.step().finished:
+            finished[output.request_id] = output
+    for index, request_id in enumerate(request_ids, 1):
+        output = finished[request_id]
+        print(f"--- prompt {index}/{len(prompts)}: {json.dumps(output.prompt)}")
+        print(output.text)
+        print(_summary(output), file=sys.stderr)
+
+
+def _stream_one(engine, prompt: str, params: SamplingParams) -> None:
+    from servelab.model.tokenizer import IncrementalDecoder
+
+    request_id = engine.add_request(prompt, params)
+    decoder = IncrementalDecoder(engine.tokenizer)
+    generated: list[int] = []
+    while engine.has_unfinished():
+        result = engine.step()
+        generated.extend(result.new_token_ids.get(request_id, ()))
+        sys.stdout.write(decoder.update(generated))
+        sys.stdout.flush()
+        for output in result.finished:
+            sys.stdout.write("\n")
+            print(_summary(output), file=sys.stderr)
+
+
+def _summary(output: RequestOutput) -> str:
+    metrics = output.metrics
+    spec = ""
+    if metrics.num_draft_tokens:
+        spec = (f", drafts accepted {metrics.num_accepted_tokens}/{metrics.num_draft_tokens}, "
+                f"{output.mean_tokens_per_step:.2f} tokens per target step")
+    return (f"[{len(output.token_ids)} tokens, finish_reason={output.finish_reason}, "
+            f"ttft={metrics.ttft * 1000:.1f} ms, e2e={metrics.e2e_latency * 1000:.1f} ms{spec}]")
