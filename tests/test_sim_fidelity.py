@@ -10,9 +10,10 @@ from servelab.bench.sim.fidelity import compare, references
 TOLERANCE = 0.20  # every row of both tables is within this, throughput and latency alike
 
 REFERENCES = list(references())
+NAMES = [f"{r.accelerator}-{r.label}".replace(" ", "-") for r in REFERENCES]
 
 
-@pytest.mark.parametrize("reference", REFERENCES, ids=[f"{r.accelerator}-{r.label}".replace(" ", "-") for r in REFERENCES])
+@pytest.mark.parametrize("reference", REFERENCES, ids=NAMES)
 def test_simulated_row_matches_published(reference):
     for row in compare([reference]):
         assert 1 - TOLERANCE <= row["ratio"] <= 1 + TOLERANCE, row

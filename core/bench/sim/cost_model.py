@@ -95,11 +95,12 @@ class CostModel:
         bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
         attention = hw.peak_flops * hw.prefill_attention_efficiency
         kv_bandwidth = hw.memory_bandwidth * hw.kv_read_efficiency
+        prefill, decode = "prefill_attention", "decode_attention"
         return {
             "gemm": max(flops["gemm"] / self._gemm_flops_per_s(num_tokens), nbytes["gemm"] / bandwidth),
             "lm_head": max(flops["lm_head"] / self._gemm_flops_per_s(num_sampled), nbytes["lm_head"] / bandwidth),
-            "prefill_attention": max(flops["prefill_attention"] / attention, nbytes["prefill_attention"] / kv_bandwidth),
-            "decode_attention": max(flops["decode_attention"] / attention, nbytes["decode_attention"] / kv_bandwidth),
+            prefill: max(flops[prefill] / attention, nbytes[prefill] / kv_bandwidth),
+            decode: max(flops[decode] / attention, nbytes[decode] / kv_bandwidth),
             "elementwise": nbytes["elementwise"] / bandwidth,
             "sampling": nbytes["sampling"] / bandwidth,
         }

@@ -1,8 +1,8 @@
 """The simulator against published GPU measurements: TensorRT-LLM's performance
 overview for Llama-3.1-8B on one GPU (offline throughput from v0.15's `trtllm-bench`,
 FP16, fixed lengths, every request at once; online serving from v0.14, BF16, 500
-requests of 467 prompt and 256 output tokens, Poisson arrivals). Each row is run
-through `servelab bench --sim` with a TensorRT-LLM-like engine config and compared."""
+requests of 467 prompt and 256 output tokens, Poisson arrivals). Each row runs through
+the engine `servelab bench --sim` builds, with a TensorRT-LLM-like config, and is compared."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ ONLINE = {
 
 
 def references() -> Iterator[Reference]:
+    """Every published row: the offline table on H100 and A100, then the online one."""
     for (prompt, output), (h100, a100, num_requests) in OFFLINE.items():
         spec = f"fixed:num_requests={num_requests},prompt_len={prompt},output_len={output}"
         for accelerator, value in (("h100", h100), ("a100", a100)):
