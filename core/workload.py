@@ -2,8 +2,8 @@
 
 A workload is a list of requests (prompt token ids, output length, arrival offset in
 seconds). Generators cover length-skewed traffic, shared-prefix traffic, multi-turn
-conversations, repetitive traffic, long-prompt bursts and fixed lengths; arrivals are offline (all at
-t=0, but for the turns of a conversation), Poisson or bursty.
+conversations, repetitive traffic, long-prompt bursts and fixed lengths; arrivals are
+offline (all at t=0, but for the turns of a conversation), Poisson or bursty.
 Workloads save to and replay from JSONL exactly.
 
 Spec strings (`servelab bench --workload SPEC`):

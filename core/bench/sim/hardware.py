@@ -1,10 +1,10 @@
 """Accelerator profiles for the simulator: peak dense FLOP/s, memory bandwidth, memory,
 and the efficiencies and overheads a serving engine reaches on them.
 
-Peaks are public spec-sheet numbers (bf16 dense, no sparsity); memory is the GiB the
-device reports. The efficiencies and overheads of the GPU profiles were fitted to
-TensorRT-LLM's published Llama-3/3.1-8B measurements (offline throughput, v0.15, and
-online serving latency under Poisson load, v0.14; see docs/bench.md, "Simulator
+Peaks are public spec-sheet numbers (bf16 dense, no sparsity); memory is the device's
+nominal GiB. The efficiencies and overheads of the H100, H200 and A100 profiles were
+fitted to TensorRT-LLM's published Llama-3.1-8B measurements (offline throughput, v0.15,
+and online serving latency under Poisson load, v0.14; see docs/bench.md, "Simulator
 fidelity"), so each GPU profile stands for a TensorRT-LLM-like engine: fused kernels,
 decode steps replayed from CUDA graphs, in-flight batching of prefills with decodes.
 `NAME-eager` is the same device under an engine without CUDA graphs, launching every
