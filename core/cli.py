@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--plots", dest="plots_dir", help="write PNG plots into this directory")
     bench.add_argument("--save-workload", help="write the generated workload as JSONL (replay with file:PATH)")
     bench.add_argument("--sim", metavar="ACCELERATOR", help="simulate instead of running the model: "
-                       "h100, h200, a100, l4 or cpu-here (policies run unchanged against a roofline cost model)")
+                       "h100, h200, a100, l4 (TensorRT-LLM-like, CUDA graphs; NAME-eager without) or cpu-here "
+                       "(policies run unchanged against a per-kernel roofline cost model)")
     bench.add_argument("--calibrate", action="store_true",
                        help="fit the cpu-here simulator profile to real runs of the model and report its error")
     bench.add_argument("--sim-model", default="llama-3-8b",

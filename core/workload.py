@@ -2,8 +2,8 @@
 
 A workload is a list of requests (prompt token ids, output length, arrival offset in
 seconds). Generators cover length-skewed traffic, shared-prefix traffic, multi-turn
-conversations, repetitive traffic and long-prompt bursts; arrivals are offline (all at
-t=0, but for the turns of a conversation), Poisson or bursty.
+conversations, repetitive traffic, long-prompt bursts and fixed lengths; arrivals are
+offline (all at t=0, but for the turns of a conversation), Poisson or bursty.
 Workloads save to and replay from JSONL exactly.
 
 Spec strings (`servelab bench --workload SPEC`):
@@ -13,6 +13,7 @@ Spec strings (`servelab bench --workload SPEC`):
     multi-turn:num_conversations=8,num_turns=4,turn_gap_s=0.5
     repetitive:passage_len=200,num_requests=16
     long-burst:num_long=4,long_len=2000,num_short=32
+    fixed:num_requests=500,prompt_len=467,output_len=256,arrival=poisson,rate=16
     skewed:num_requests=200,arrival=poisson,rate=4
     file:requests.jsonl
 """
@@ -118,6 +119,12 @@ def skewed(rng: random.Random, vocab_size: int, num_requests: int = 64, mean_pro
     return out
 
 
+def fixed(rng: random.Random, vocab_size: int, num_requests: int = 64, prompt_len: int = 128,
+          output_len: int = 128) -> list[BenchRequest]:
+    """Every request the same length, as in fixed input/output-length benchmark tables."""
+    return [BenchRequest(_tokens(rng, vocab_size, prompt_len), output_len) for _ in range(num_requests)]
+
+
 def shared_prefix(rng: random.Random, vocab_size: int, num_groups: int = 2, prefix_len: int = 1000,
                   num_requests: int = 32, tail_len: int = 32, output_len: int = 32) -> list[BenchRequest]:
     """A long common prefix per group (a system prompt) plus short distinct tails."""
@@ -166,6 +173,7 @@ def long_burst(rng: random.Random, vocab_size: int, num_long: int = 4, long_len:
 
 GENERATORS: dict[str, Callable[..., list[BenchRequest]]] = {
     "skewed": skewed,
+    "fixed": fixed,
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "repetitive": repetitive,

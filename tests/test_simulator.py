@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from servelab.bench.metrics import distribution, percentiles
+from servelab.bench.report import format_table
 from servelab.bench.session import BenchOptions, run_bench
 from servelab.bench.sim.calibrate import StepSample, _predict, fit
 from servelab.bench.sim.cost_model import CostModel
@@ -19,17 +21,68 @@ def test_llama_3_8b_has_8b_parameters():
     assert head == 4096 * 128256
 
 
+def _unit_hardware(**overrides) -> Accelerator:
+    return Accelerator("unit", **{"peak_flops": 1e15, "memory_bandwidth": 1e12, "memory_bytes": 80 * 2**30,
+                                  "step_overhead_s": 0.0, "compute_efficiency": 1.0, "bandwidth_efficiency": 1.0,
+                                  **overrides})
+
+
 def test_decode_step_is_memory_bound_and_prefill_compute_bound():
-    hw = Accelerator("unit", peak_flops=1e15, memory_bandwidth=1e12, memory_bytes=80e9, step_overhead_s=0.0,
-                     compute_efficiency=1.0, bandwidth_efficiency=1.0)
-    model = CostModel(model_shape("llama-3-8b"), hw, dtype_bytes=2)
+    model = CostModel(model_shape("llama-3-8b"), _unit_hardware(), dtype_bytes=2)
     decode = model.step([1] * 8, [1000] * 8, 8)
-    assert decode.seconds == pytest.approx(decode.bytes / 1e12)
+    assert decode.seconds == pytest.approx(decode.bytes / 1e12)  # every kernel class streams
     kv_bytes = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, head_dim 128, bf16
-    assert decode.bytes == pytest.approx(model.weight_bytes + kv_bytes * 8 * 1001)
+    logits = 3 * 4 * 128256 * 8  # fp32 logits written, read by softmax and by the sampler
+    assert decode.bytes == pytest.approx(model.weight_bytes + kv_bytes * 8 * 1001
+                                         + model.elementwise_bytes_per_token * 8 + logits)
     prefill = model.step([4096], [4096], 1)
-    assert prefill.seconds == pytest.approx(prefill.flops / 1e15)
-    assert prefill.flops > 2 * model.layer_params * 4096
+    assert prefill.kernel_seconds["gemm"] == pytest.approx(2 * model.layer_params * 4096 / 1e15)
+    assert prefill.kernel_seconds["prefill_attention"] == pytest.approx(
+        4 * model.attention_width * 4096 * (4096 + 1) / 2 / 1e15)
+    assert prefill.seconds == pytest.approx(sum(prefill.kernel_seconds.values()))
+
+
+def test_kernel_classes_add_up_so_a_prefill_slows_the_decodes_mixed_with_it():
+    model = CostModel(model_shape("llama-3-8b"), accelerator("h100"))
+    decodes = model.step([1] * 64, [800] * 64, 64)
+    prefill = model.step([2000], [2000], 1)
+    mixed = model.step([2000] + [1] * 64, [2000] + [800] * 64, 65)
+    assert mixed.seconds > 3 * decodes.seconds  # every decode in the step waits for the prefill
+    assert mixed.seconds > prefill.seconds
+    assert mixed.kernel_seconds["decode_attention"] == pytest.approx(decodes.kernel_seconds["decode_attention"])
+
+
+def test_small_gemms_run_below_peak_efficiency():
+    model = CostModel(model_shape("llama-3-8b"), _unit_hardware(gemm_half_tokens=200, memory_bandwidth=1e15))
+    per_token = [model.step([n], [n], 1).kernel_seconds["gemm"] / n for n in (100, 1000, 8000)]
+    assert per_token[0] > per_token[1] > per_token[2]
+    assert per_token[0] == pytest.approx(3 * per_token[2], rel=0.05)  # 100 rows: a third of 8000 rows' efficiency
+
+
+def test_cuda_graphs_hide_launches_of_decode_steps_only():
+    graphs, eager = accelerator("h100"), accelerator("h100-eager")
+    assert graphs.cuda_graphs and not eager.cuda_graphs and "no CUDA graphs" in eager.behaves_like
+    shape = model_shape("llama-3-8b")
+    small_decode = ([1] * 4, [500] * 4, 4)
+    eager_decode, graphed_decode = (CostModel(shape, a).step(*small_decode).seconds for a in (eager, graphs))
+    assert eager_decode > 1.3 * graphed_decode
+    big_prefill = ([8000], [8000], 1)  # device work far longer than the launches: they hide behind it
+    assert CostModel(shape, eager).step(*big_prefill).seconds == CostModel(shape, graphs).step(*big_prefill).seconds
+
+
+def test_kv_pool_is_ninety_percent_of_the_memory_weights_and_runtime_leave():
+    model = CostModel(model_shape("llama-3-8b"), accelerator("h100"))
+    free = 80 * 2**30 - 2 * 2**30 - 8.03e9 * 2  # 80 GiB, 2 GiB for the runtime, weights with the embedding
+    assert model.kv_pool_bytes() == pytest.approx(0.9 * free, rel=0.002)
+    assert model.kv_blocks(16) == int(model.kv_pool_bytes() // (131072 * 16))
+
+
+def test_a_model_too_big_for_the_device_says_so_and_suggests_tensor_parallelism():
+    with pytest.raises(ConfigError, match="tensor parallelism over 2 or more devices"):
+        CostModel(model_shape("llama-3-70b"), accelerator("h100")).kv_blocks(16)
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        _sim("a100", sim_model="llama-3-70b")
+    assert CostModel(model_shape("llama-3-70b"), accelerator("h200")).kv_blocks(16) > 0  # 131 GiB of 140
 
 
 def test_unknown_names_are_config_errors():
@@ -39,10 +92,10 @@ def test_unknown_names_are_config_errors():
         model_shape("gpt-5")
 
 
-def _sim(accel: str, **engine) -> dict:
+def _sim(accel: str, sim_model: str = "llama-3-8b", **engine) -> dict:
     config = EngineConfig().with_overrides({f"engine.{k}": v for k, v in {"max_num_seqs": 64, **engine}.items()})
     options = BenchOptions(workload="skewed:num_requests=300,mean_prompt_len=256,mean_output_len=64,max_len=2048",
-                           sim_accelerator=accel, sim_model="llama-3-8b", repeats=1)
+                           sim_accelerator=accel, sim_model=sim_model, repeats=1)
     return run_bench([("sim", config)], options)["runs"][0]["metrics"]
 
 
@@ -69,3 +122,19 @@ def test_fit_recovers_a_known_profile():
     fitted = fit(samples)
     for sample in samples:
         assert _predict(fitted, sample) == pytest.approx(sample.seconds, rel=0.03)
+
+
+def test_means_are_reported_beside_percentiles():
+    assert distribution([1.0, 2.0, 3.0, 10.0]) == {"mean": 4.0, **percentiles([1.0, 2.0, 3.0, 10.0])}
+    config = EngineConfig().with_overrides({"engine.max_num_seqs": 64})
+    workload = "fixed:num_requests=200,prompt_len=300,output_len=40,arrival=poisson,rate=50"
+    result = run_bench([("sim", config)], BenchOptions(workload=workload, sim_accelerator="h100", repeats=1))
+    metrics = result["runs"][0]["metrics"]
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert metrics[key]["p50"] is not None and metrics[key]["mean"] > 0
+    # Equal output lengths: the mean over all gaps is the mean over requests' TPOT.
+    assert metrics["itl_ms"]["mean"] == pytest.approx(metrics["tpot_ms"]["mean"])
+    skewed = _sim("h100")  # unequal lengths: long requests weigh more in the ITL mean
+    assert skewed["itl_ms"]["mean"] != pytest.approx(skewed["tpot_ms"]["mean"])
+    row = next(line for line in format_table(result).splitlines() if line.startswith("TTFT / TPOT / ITL mean ms"))
+    assert f"{metrics['ttft_ms']['mean']:.1f}/{metrics['tpot_ms']['mean']:.1f}/{metrics['itl_ms']['mean']:.1f}" in row

@@ -33,6 +33,24 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99)}
 
 
+def distribution(values: list[float]) -> dict[str, float | None]:
+    """Mean and p50/p90/p99 (published serving tables report means)."""
+    return {"mean": sum(values) / len(values) if values else None, **percentiles(values)}
+
+
+def mean_itl_ms(record: RunRecord) -> float | None:
+    """Mean inter-token latency over every gap between consecutive tokens of a request:
+    the gaps of a request sum to its finish minus its first token, so this is the
+    token-weighted mean of TPOT."""
+    gaps = seconds = 0.0
+    for output in record.outputs:
+        num_tokens = len(output.token_ids)
+        if num_tokens > 1:
+            gaps += num_tokens - 1
+            seconds += output.metrics.finish_time - output.metrics.first_token_time
+    return 1000 * seconds / gaps if gaps else None
+
+
 def request_latencies(record: RunRecord) -> dict[str, list[float]]:
     """TTFT, TPOT and end-to-end latency per request, in milliseconds."""
     ttft, tpot, e2e = [], [], []
@@ -67,7 +85,8 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
         "output_tokens": num_output,
         "output_tokens_per_s": num_output / seconds,
         "requests_per_s": len(record.outputs) / seconds,
-        **{name: percentiles(values) for name, values in latencies.items()},
+        **{name: distribution(values) for name, values in latencies.items()},
+        "itl_ms": {"mean": mean_itl_ms(record)},
         "goodput_rps": good / seconds,
         "kv_utilization": _mean(_kv_used_fraction(r) for r in reports),
         "kv_waste_fraction": _mean(_kv_waste_fraction(r, record.block_size) for r in reports),

@@ -21,6 +21,8 @@ ROWS = [
     ("TTFT p50/p90/p99 ms", lambda m: _trio(m.get("ttft_ms"))),
     ("TPOT p50/p90/p99 ms", lambda m: _trio(m.get("tpot_ms"))),
     ("e2e p50/p90/p99 ms", lambda m: _trio(m.get("e2e_ms"))),
+    ("TTFT / TPOT / ITL mean ms", lambda m: "/".join(_fmt((m.get(k) or {}).get("mean"))
+                                                     for k in ("ttft_ms", "tpot_ms", "itl_ms"))),
     ("goodput req/s", lambda m: _fmt(m.get("goodput_rps"), 2)),
     ("KV utilisation", lambda m: _pct(m.get("kv_utilization"))),
     ("KV waste", lambda m: _pct(m.get("kv_waste_fraction"))),

@@ -62,7 +62,7 @@ def measure(config: EngineConfig, workload: Workload) -> tuple[list[StepSample],
     run_workload(engine, recorder, Workload("warm-up", workload.requests[:4]), "warm-up")
     engine.runner = _RecordingRunner(engine.runner)
     record = run_workload(engine, recorder, workload, "calibration")
-    cost = CostModel(engine.model_config, Accelerator("probe", 1.0, 1.0, 1.0, 0.0, 1.0, 1.0),
+    cost = CostModel(engine.model_config, Accelerator("probe", 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, per_kernel=False),
                      dtype_bytes=4 if config.engine.dtype == "float32" else 2)
     samples = []
     for shape, (_, report) in zip(engine.runner.shapes, record.steps):
@@ -96,7 +96,7 @@ def fit(samples: list[StepSample]) -> Accelerator:
         grids = (np.geomspace(peak / 1.3, peak * 1.3, 21), np.geomspace(bandwidth / 1.3, bandwidth * 1.3, 21),
                  np.linspace(max(0.0, overhead - 0.002), overhead + 0.002, 21))
     peak, bandwidth, overhead = best[1]
-    return Accelerator("cpu-here (fitted)", peak, bandwidth, 24e9, overhead, 1.0, 1.0)
+    return Accelerator("cpu-here (fitted)", peak, bandwidth, 24e9, overhead, 1.0, 1.0, per_kernel=False)
 
 
 def simulate(config: EngineConfig, workload: Workload, profile: Accelerator) -> dict[str, float]:

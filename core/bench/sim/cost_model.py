@@ -1,15 +1,33 @@
-"""The roofline: a step costs the larger of its compute time and its memory time, plus a
-fixed overhead. Compute counts the GEMMs for every scheduled token, attention over each
-sequence's context and the LM head for sampled rows; memory counts the weights once per
-step and the KV bytes each sequence reads and writes."""
+"""What one engine step costs on a simulated accelerator, kernel class by kernel class.
+
+A step runs, in order, the decoder's GEMMs over every scheduled token, attention
+(prefill attention over each new chunk's causal context, decode attention over each
+decoding sequence's whole KV), the fused elementwise kernels (norms, rotary, SiLU, the
+KV-cache write), the LM head over the sampled rows and sampling over the vocabulary.
+Kernels run one after another, so their times add; each kernel class is its own
+roofline, max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth), where GEMMs lose
+efficiency at small row counts (tile and wave quantisation). A prefill mixed into a
+decode step therefore lengthens the step every decode in it waits for: that is the
+interference of mixed batches. On top, the host pays a fixed overhead every step and,
+unless a decode-only step replays a CUDA graph, the launch of every kernel, which the
+device's work hides once it is longer.
+
+Profiles with `per_kernel=False` (the calibrated CPU) take one roofline over the whole
+step's FLOPs and bytes instead, the form `servelab bench --calibrate` fits."""
 
 from __future__ import annotations
 
 import attrs
 
-from servelab.bench.sim.hardware import Accelerator
+from servelab.bench.sim.hardware import GIB, Accelerator
 from servelab.bench.sim.shapes import num_parameters
+from servelab.errors import ConfigError
 from servelab.model.model_config import ModelConfig
+
+KV_MEMORY_FRACTION = 0.9  # of the memory left after weights and runtime: TensorRT-LLM's and vLLM's default
+KERNELS_PER_LAYER = 12  # norms, QKV, rotary, cache write, attention, O, add+norm, gate/up, SiLU, down, ...
+KERNELS_PER_STEP = 8  # embedding, final norm, LM head, sampling
+LOGIT_PASSES = 3  # fp32 logits written by the LM head, read by the softmax/argmax and by the sampler
 
 
 @attrs.frozen
@@ -17,34 +35,106 @@ class StepCost:
     flops: float
     bytes: float
     seconds: float
+    kernel_seconds: dict[str, float] = attrs.field(factory=dict, eq=False)  # device time per kernel class
 
 
 class CostModel:
+    """Step costs of one model shape on one accelerator, and the KV pool it leaves."""
+
     def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = 2) -> None:
+        self.shape = shape
         self.hardware = hardware
         self.dtype_bytes = dtype_bytes
         self.layer_params, self.head_params = num_parameters(shape)
-        self.weight_bytes = (self.layer_params + self.head_params) * dtype_bytes  # embedding rows are negligible
+        self.weight_bytes = (self.layer_params + self.head_params) * dtype_bytes  # read every step
+        embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+        self.resident_weight_bytes = self.weight_bytes + embedding * dtype_bytes  # held in memory
         self.kv_bytes_per_token = shape.kv_bytes_per_token(dtype_bytes)
         self.attention_width = shape.num_layers * shape.num_heads * shape.head_dim  # q.k and p.v per layer
+        self.elementwise_bytes_per_token = _elementwise_bytes_per_token(shape, dtype_bytes)
+        self.num_kernels = shape.num_layers * KERNELS_PER_LAYER + KERNELS_PER_STEP
 
     def step(self, query_lens: list[int], context_lens: list[int], num_sampled: int) -> StepCost:
+        """The cost of one step: `query_lens[i]` new tokens of a sequence whose context
+        (those tokens included) is `context_lens[i]`; `num_sampled` rows are sampled."""
         num_tokens = sum(query_lens)
-        if num_tokens == len(query_lens):  # decodes only: every query token attends to its whole context
-            attended = float(sum(context_lens))
-        else:
-            # Each query token attends to the context up to itself: q_len * (ctx - (q_len - 1) / 2) keys.
-            attended = sum(q * (c - (q - 1) / 2) for q, c in zip(query_lens, context_lens))
-        flops = 2 * self.layer_params * num_tokens + 2 * self.head_params * num_sampled
-        flops += 4 * self.attention_width * attended
-        kv_bytes = self.kv_bytes_per_token * (sum(context_lens) + num_tokens)
-        memory = self.weight_bytes + kv_bytes
+        flops, nbytes = self._work(query_lens, context_lens, num_tokens, num_sampled)
+        total_flops, total_bytes = sum(flops.values()), sum(nbytes.values())
         hw = self.hardware
-        seconds = max(flops / (hw.peak_flops * hw.compute_efficiency),
-                      memory / (hw.memory_bandwidth * hw.bandwidth_efficiency)) + hw.step_overhead_s
-        return StepCost(flops, memory, seconds)
+        if not hw.per_kernel:
+            seconds = max(total_flops / (hw.peak_flops * hw.compute_efficiency),
+                          total_bytes / (hw.memory_bandwidth * hw.bandwidth_efficiency)) + hw.step_overhead_s
+            return StepCost(total_flops, total_bytes, seconds)
+        kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
+        decode_only = num_tokens == len(query_lens)
+        launches = 0.0 if hw.cuda_graphs and decode_only else self.num_kernels * hw.kernel_launch_s
+        seconds = hw.step_overhead_s + max(sum(kernels.values()), launches)  # device work hides async launches
+        return StepCost(total_flops, total_bytes, seconds, kernels)
 
-    def kv_blocks(self, block_size: int, memory_fraction: float = 0.9) -> int:
-        """Blocks that fit in the accelerator's memory after the weights."""
-        free = self.hardware.memory_bytes * memory_fraction - self.weight_bytes
-        return max(0, int(free // (self.kv_bytes_per_token * block_size)))
+    def _work(self, query_lens: list[int], context_lens: list[int], num_tokens: int,
+              num_sampled: int) -> tuple[dict[str, float], dict[str, float]]:
+        """FLOPs and bytes of each kernel class."""
+        decode_context = sum(c for q, c in zip(query_lens, context_lens) if q == 1)
+        # Each prefill token attends to the context up to itself: q_len * (ctx - (q_len - 1) / 2) keys.
+        prefill_attended = sum(q * (c - (q - 1) / 2) for q, c in zip(query_lens, context_lens) if q > 1)
+        prefill_context = sum(c for q, c in zip(query_lens, context_lens) if q > 1)
+        kv = self.kv_bytes_per_token
+        flops = {"gemm": 2.0 * self.layer_params * num_tokens, "lm_head": 2.0 * self.head_params * num_sampled,
+                 "prefill_attention": 4.0 * self.attention_width * prefill_attended,
+                 "decode_attention": 4.0 * self.attention_width * decode_context}
+        nbytes = {"gemm": self.layer_params * self.dtype_bytes if num_tokens else 0.0,
+                  "lm_head": self.head_params * self.dtype_bytes if num_sampled else 0.0,
+                  "prefill_attention": kv * prefill_context, "decode_attention": kv * decode_context,
+                  "elementwise": (self.elementwise_bytes_per_token + kv) * num_tokens,
+                  "sampling": LOGIT_PASSES * 4.0 * self.shape.vocab_size * num_sampled}
+        return flops, nbytes
+
+    def _kernel_seconds(self, flops: dict[str, float], nbytes: dict[str, float], num_tokens: int,
+                        num_sampled: int) -> dict[str, float]:
+        hw = self.hardware
+        bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
+        attention = hw.peak_flops * hw.prefill_attention_efficiency
+        kv_bandwidth = hw.memory_bandwidth * hw.kv_read_efficiency
+        prefill, decode = "prefill_attention", "decode_attention"
+        return {
+            "gemm": max(flops["gemm"] / self._gemm_flops_per_s(num_tokens), nbytes["gemm"] / bandwidth),
+            "lm_head": max(flops["lm_head"] / self._gemm_flops_per_s(num_sampled), nbytes["lm_head"] / bandwidth),
+            prefill: max(flops[prefill] / attention, nbytes[prefill] / kv_bandwidth),
+            decode: max(flops[decode] / attention, nbytes[decode] / kv_bandwidth),
+            "elementwise": nbytes["elementwise"] / bandwidth,
+            "sampling": nbytes["sampling"] / bandwidth,
+        }
+
+    def _gemm_flops_per_s(self, rows: int) -> float:
+        """Achieved GEMM FLOP/s with `rows` rows: the large-M efficiency, halved at gemm_half_tokens."""
+        hw = self.hardware
+        return hw.peak_flops * hw.compute_efficiency * rows / (rows + hw.gemm_half_tokens) if rows else 1.0
+
+    def kv_pool_bytes(self) -> float:
+        """KV memory as engines size it: a fraction of what weights and the runtime leave."""
+        free = self.hardware.memory_bytes - self.hardware.reserved_bytes - self.resident_weight_bytes
+        return KV_MEMORY_FRACTION * free
+
+    def kv_blocks(self, block_size: int) -> int:
+        """Blocks of `block_size` tokens the KV pool holds; a ConfigError when none fit."""
+        blocks = int(max(0.0, self.kv_pool_bytes()) // (self.kv_bytes_per_token * block_size))
+        if blocks < 1:
+            hw, weights = self.hardware, self.resident_weight_bytes
+            devices = weights // (hw.memory_bytes - hw.reserved_bytes) + 1  # the fewest that leave room for KV
+            raise ConfigError(
+                f"the model's weights ({weights / GIB:.1f} GiB at {self.dtype_bytes} bytes a parameter) leave no "
+                f"room for a KV cache on one {hw.name} ({hw.memory_bytes / GIB:.0f} GiB, "
+                f"{hw.reserved_bytes / GIB:.0f} GiB of it for the runtime); serving it takes tensor parallelism "
+                f"over {devices:.0f} or more devices, which the simulator does not model: choose a smaller model "
+                f"shape or an accelerator with more memory")
+        return blocks
+
+
+def _elementwise_bytes_per_token(shape: ModelConfig, dtype_bytes: int) -> float:
+    """Activation bytes the fused elementwise kernels move per token over all layers:
+    add+RMSNorm twice (read input and residual, write both), rotary on q and k (read and
+    write), SiLU-and-multiply (read gate and up, write their product)."""
+    q = shape.num_heads * shape.head_dim
+    k = shape.num_kv_heads * shape.head_dim
+    per_layer = 2 * 4 * shape.hidden_size + 2 * (q + k) + 3 * shape.intermediate_size
+    return shape.num_layers * per_layer * dtype_bytes

@@ -1,10 +1,22 @@
-"""Accelerator profiles for the simulator: peak dense FLOP/s, memory bandwidth, memory."""
+"""Accelerator profiles for the simulator: peak dense FLOP/s, memory bandwidth, memory,
+and the efficiencies and overheads a serving engine reaches on them.
+
+Peaks are public spec-sheet numbers (bf16 dense, no sparsity); memory is the device's
+nominal GiB. The efficiencies and overheads of the H100, H200 and A100 profiles were
+fitted to TensorRT-LLM's published Llama-3.1-8B measurements (offline throughput, v0.15,
+and online serving latency under Poisson load, v0.14; see docs/bench.md, "Simulator
+fidelity"), so each GPU profile stands for a TensorRT-LLM-like engine: fused kernels,
+decode steps replayed from CUDA graphs, in-flight batching of prefills with decodes.
+`NAME-eager` is the same device under an engine without CUDA graphs, launching every
+kernel from PyTorch each step."""
 
 from __future__ import annotations
 
 import attrs
 
 from servelab.errors import ConfigError
+
+GIB = 2**30
 
 
 @attrs.frozen
@@ -13,27 +25,75 @@ class Accelerator:
     peak_flops: float  # dense FLOP/s at the simulated dtype
     memory_bandwidth: float  # bytes/s
     memory_bytes: float
-    step_overhead_s: float  # fixed cost per engine step (launches, host work)
-    compute_efficiency: float = 0.7  # fraction of peak that GEMMs of serving sizes reach
-    bandwidth_efficiency: float = 0.8
+    step_overhead_s: float  # host work every step pays (scheduling, sampling sync, bookkeeping)
+    compute_efficiency: float = 0.7  # fraction of peak large GEMMs reach
+    bandwidth_efficiency: float = 0.8  # fraction of peak bandwidth streaming kernels reach
+    attention_efficiency: float | None = None  # fraction of peak prefill attention reaches (None: as GEMMs)
+    kv_bandwidth_efficiency: float | None = None  # fraction of peak bandwidth decode attention reads KV at
+    gemm_half_tokens: float = 0.0  # rows at which a GEMM reaches half its large-M efficiency (0: flat)
+    kernel_launch_s: float = 0.0  # host time to launch one kernel when not replaying a CUDA graph
+    cuda_graphs: bool = False  # decode-only steps replay a captured graph: no per-kernel launches
+    per_kernel: bool = True  # False: one roofline over the whole step, the form `--calibrate` fits
+    reserved_bytes: float = 0.0  # device memory neither weights nor KV (runtime context, activations)
+    behaves_like: str = ""  # which engine's behaviour the profile represents
+
+    @property
+    def kv_read_efficiency(self) -> float:
+        return self.bandwidth_efficiency if self.kv_bandwidth_efficiency is None else self.kv_bandwidth_efficiency
+
+    @property
+    def prefill_attention_efficiency(self) -> float:
+        return self.compute_efficiency if self.attention_efficiency is None else self.attention_efficiency
 
 
-# Public spec-sheet numbers (bf16 dense, no sparsity); efficiencies are the usual
-# fractions serving engines reach. "cpu-here" is this project's 2-core machine in
-# float32 as fitted by `servelab bench --calibrate` on the embedded model: its
-# "bandwidth" is an effective figure that absorbs MKL's poor small-batch GEMM
-# efficiency, not the ~25 GB/s a large reduction reads at.
+_TRTLLM_LIKE = "TensorRT-LLM-like: fused kernels, CUDA graphs on decode steps, in-flight batching"
+_EAGER_LIKE = "vLLM-like with enforce_eager: the same kernels launched from PyTorch every step, no CUDA graphs"
+
+# Fitted by hand (examples/sim_fidelity.py prints every row) to TensorRT-LLM's published
+# Llama-3.1-8B tables. Hopper: bandwidth efficiency and per-step host overhead from the
+# light-load ITL on H100 (8 ms) and H200 (6 ms), whose two bandwidths separate the fixed
+# part from the streamed weights; large-M GEMM efficiency from the offline 128/128 and
+# 2048/128 rows and its fall-off at a few hundred rows from the light-load TTFT (one
+# 467-token prompt a step); KV read efficiency from the decode-heavy offline rows
+# (128/2048, 2048/2048, 1000/1000); prefill attention from 2048/128 and 5000/500.
+# H200 shares the H100 fit (same compute; the online H200 rows check it). Ampere: the
+# offline A100 rows alone, so its host overhead and bandwidth efficiency are Hopper's.
+_HOPPER = dict(compute_efficiency=0.65, gemm_half_tokens=200, bandwidth_efficiency=0.78,
+               kv_bandwidth_efficiency=0.9, attention_efficiency=0.5, step_overhead_s=1.5e-3)
+_AMPERE = dict(compute_efficiency=0.78, gemm_half_tokens=64, bandwidth_efficiency=0.78,
+               kv_bandwidth_efficiency=0.88, attention_efficiency=0.55, step_overhead_s=1.5e-3)
+# Not fitted (no published L4 table here): Ampere's efficiencies.
+_ADA = _AMPERE
+# Estimates, not fits: a C++ runtime enqueues a kernel in a few microseconds, PyTorch
+# eager spends some 20-30 us of Python and dispatch on each op (12 a decoder layer, so an
+# 8B decode step needs ~10 ms of host time to launch); the CUDA context plus activation
+# workspace hold about 2 GiB besides weights and KV.
+_RUNTIME_LAUNCH_S, _EAGER_LAUNCH_S = 5e-6, 25e-6
+_GPU = dict(kernel_launch_s=_RUNTIME_LAUNCH_S, cuda_graphs=True, reserved_bytes=2 * GIB, behaves_like=_TRTLLM_LIKE)
+
 ACCELERATORS = {
-    "h100": Accelerator("H100 SXM", 989e12, 3.35e12, 80e9, 4e-3),
-    "h200": Accelerator("H200", 989e12, 4.8e12, 141e9, 4e-3),
-    "a100": Accelerator("A100 80GB", 312e12, 2.04e12, 80e9, 5e-3),
-    "l4": Accelerator("L4", 121e12, 0.3e12, 24e9, 5e-3),
-    "cpu-here": Accelerator("2-core CPU (fp32, fitted)", 105e9, 3.2e9, 24e9, 0.0, 1.0, 1.0),
+    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU),
+    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU),
+    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU),
+    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU),
+    # This project's 2-core machine in float32 as fitted by `servelab bench --calibrate` on
+    # the embedded model: its "bandwidth" is an effective figure that absorbs MKL's poor
+    # small-batch GEMM efficiency, not the ~25 GB/s a large reduction reads at.
+    "cpu-here": Accelerator("2-core CPU (fp32, fitted)", 105e9, 3.2e9, 24e9, 0.0, 1.0, 1.0, per_kernel=False,
+                            behaves_like="servelab on this CPU, one roofline per step"),
 }
+EAGER_SUFFIX = "-eager"
 
 
 def accelerator(name: str) -> Accelerator:
-    try:
-        return ACCELERATORS[name.lower()]
-    except KeyError:
-        raise ConfigError(f"unknown accelerator {name!r}; choose {', '.join(ACCELERATORS)}") from None
+    """The named profile; `NAME-eager` turns CUDA graphs off (kernels launched every step)."""
+    key = name.lower()
+    eager = key.endswith(EAGER_SUFFIX) and key[: -len(EAGER_SUFFIX)] in ACCELERATORS
+    base = ACCELERATORS.get(key[: -len(EAGER_SUFFIX)] if eager else key)
+    if base is None or (eager and not base.per_kernel):
+        choices = ", ".join([*ACCELERATORS, *(n + EAGER_SUFFIX for n, a in ACCELERATORS.items() if a.per_kernel)])
+        raise ConfigError(f"unknown accelerator {name!r}; choose {choices}")
+    if eager:
+        return attrs.evolve(base, name=f"{base.name} (eager)", cuda_graphs=False, kernel_launch_s=_EAGER_LAUNCH_S,
+                            behaves_like=_EAGER_LIKE)
+    return base
