@@ -11,6 +11,7 @@ Importing `servelab` stays light (no torch) so plugin discovery is cheap; `LLM` 
 from servelab.config import EngineConfig
 from servelab.errors import CheckpointError, ConfigError, PluginError, RequestError, ServelabError
 from servelab.hookspecs import hookimpl
+from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepReport
 from servelab.plugin_types import AllocatorPlugin, AttentionPlugin, DrafterPlugin, SchedulerPlugin
 from servelab.registry import PluginRegistry
@@ -37,6 +38,7 @@ __all__ = [
     "SchedulerPlugin",
     "ServelabError",
     "StepReport",
+    "get_logger",
     "hookimpl",
 ]
 

@@ -13,11 +13,12 @@ since drafters and tied embeddings read it as a plain tensor.
 
 from __future__ import annotations
 
-import structlog
 import torch
 from torch import nn
 
-logger = structlog.get_logger(__name__)
+from servelab.logging_setup import get_logger
+
+logger = get_logger(__name__)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -55,7 +56,8 @@ def prepack_linears(root: nn.Module, keep_weights: tuple[str, ...] = ()) -> int:
     try:
         packed = [(parent, name, PackedLinear(child, keep_weight=name in keep_weights))
                   for parent, name, child in targets]
-        _check_probe(targets[0][2], packed[0][2]) if targets else None
+        if targets:
+            _check_probe(targets[0][2], packed[0][2])
     except (RuntimeError, AttributeError) as exc:
         logger.warning("packed_linear.unavailable", reason=str(exc).splitlines()[0][:200])
         return 0

@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import structlog
 import torch
 
-logger = structlog.get_logger(__name__)
+import servelab
+
+logger = servelab.get_logger(__name__)  # silent below WARNING until the application configures logging
 SOURCE = Path(__file__).with_name("cpu_paged.cpp")
 STALE_LOCK_SECONDS = 600
 

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import attrs
 import numpy as np
-import structlog
 import torch
 from torch.profiler import record_function
 
+import servelab
 from servelab.interfaces import AttentionContext, AttentionMetadata
 from servelab.plugins.kernels.cpu_build import kernel_build
 from servelab.plugins.kernels.options import CpuPagedOptions, TorchPagedOptions
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention, _Host, _PrefillGroup, prefill_groups
 
-logger = structlog.get_logger(__name__)
+logger = servelab.get_logger(__name__)  # silent below WARNING until the application configures logging
 
 
 @attrs.frozen
