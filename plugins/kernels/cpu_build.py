@@ -31,7 +31,8 @@ def _flags() -> tuple[str, list[str]]:
     """A library name and compiler flags for this CPU's vector unit. The name carries the
     capability so that a cache shared by different machines never loads a wrong build."""
     capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
-    flags = ["-O3", "-fopenmp-simd"]
+    # -fopenmp: at::parallel_for is a header template; without it the kernel runs on one thread.
+    flags = ["-O3", "-fopenmp"]
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if capability == "AVX512":
@@ -91,7 +92,8 @@ def load_library() -> ModuleType:
 
     name, flags = _flags()
     _clear_stale_lock(cpp_extension, name)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              verbose=False)
 
 
 def _clear_stale_lock(cpp_extension: ModuleType, name: str) -> None:
