@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import torch
 
 from servelab import LLM, SamplingParams
 from servelab.bench.hf_baseline import HfStaticBaseline
+from servelab.bench.sim.shapes import num_parameters
 from servelab.logging_setup import configure_logging
 from servelab.workload import Workload, build_workload
 
@@ -46,12 +46,10 @@ def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 7) -> float:
 
 
 def weight_bytes_per_token(llm: LLM, dtype: torch.dtype) -> int:
-    """Bytes of weights one decode step reads: every decoder and LM head weight, not the
-    embedding table (one row)."""
-    config = llm.engine.model_config
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    per_layer = h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h + 3 * h * i + 2 * h
-    return (config.num_layers * per_layer + config.vocab_size * h + h) * torch.finfo(dtype).bits // 8
+    """Bytes of weights one decode step reads: the decoder layers and the LM head (the
+    embedding table contributes one row)."""
+    layer_params, head_params = num_parameters(llm.engine.model_config)
+    return (layer_params + head_params) * torch.finfo(dtype).bits // 8
 
 
 def servelab_latency(llm: LLM, repeats: int) -> dict[str, list[float]]:

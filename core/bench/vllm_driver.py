@@ -38,7 +38,7 @@ def _load_workload(path: str) -> list[tuple[list[int], int]]:
     return requests
 
 
-def _prompts(llm_module, requests):
+def _prompts(requests):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -49,7 +49,7 @@ def _prompts(llm_module, requests):
 
 def run_workload(llm, path: str) -> dict:
     requests = _load_workload(path)
-    prompts, params = _prompts(None, requests)
+    prompts, params = _prompts(requests)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -63,11 +63,11 @@ def latency(llm, prompt_len: int, max_tokens: int, repeats: int) -> dict:
     prompt = [(7 * i) % 8000 + 3 for i in range(prompt_len)]
     ttfts, tpots = [], []
     for _ in range(repeats):
-        prompts, params = _prompts(None, [(prompt, 1)])
+        prompts, params = _prompts([(prompt, 1)])
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         ttft = time.perf_counter() - start
-        prompts, params = _prompts(None, [(prompt, max_tokens)])
+        prompts, params = _prompts([(prompt, max_tokens)])
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         e2e = time.perf_counter() - start

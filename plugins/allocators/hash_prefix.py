@@ -28,9 +28,9 @@ from typing import Any
 
 import attrs
 
-from servelab.interfaces import AllocatorContext, AllocatorStats, Sequence
-from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
-from servelab.plugins.allocators.prefix_lookups import PrefixLookups
+from servelab.interfaces import AllocatorContext, Sequence
+from servelab.plugins.allocators.paged import SeqBlocks
+from servelab.plugins.allocators.prefix_lookups import PrefixCachingPagedAllocator
 
 ROOT_HASH = 0x5E4E1AB  # the parent hash of block 0 (a constant: str hashes vary per process)
 
@@ -49,13 +49,12 @@ def chained_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
 
 
-class HashAllocator(PagedAllocator):
+class HashAllocator(PrefixCachingPagedAllocator):
     def __init__(self, options: Any, context: AllocatorContext) -> None:
         super().__init__(options, context)
         self._block_of: dict[int, int] = {}  # block hash -> the cached block holding that prefix
         self._cached: dict[int, CachedBlock] = {}  # block id -> what it caches
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unheld cached blocks, LRU first
-        self.lookups = PrefixLookups()
 
     # ------------------------------------------------------------ PrefixCachingAllocator
 
@@ -98,12 +97,7 @@ class HashAllocator(PagedAllocator):
                 self._cached[table[index]] = CachedBlock(block_hash, parent_hash, tokens)
                 self._block_of[block_hash] = table[index]
             elif cached != table[index]:
-                # Another sequence cached the same prefix first (both computed it in one
-                # step): share its block and free ours, so the cached blocks this sequence
-                # holds stay the first num_cached_blocks of its table.
-                self._hold(cached)
-                self._release(table[index])
-                table[index] = cached
+                self._share_cached(table, index, cached)
             state.num_cached_blocks = index + 1
 
     def reset_prefix_cache(self) -> None:
@@ -112,23 +106,12 @@ class HashAllocator(PagedAllocator):
 
     # ------------------------------------------------------------ KVAllocator
 
-    def allocate(self, seq_id: str, num_tokens: int) -> bool:
-        if not super().allocate(seq_id, num_tokens):
-            return False
-        self.lookups.admitted(seq_id)
-        return True
-
     def free(self, seq_id: str) -> None:
         self.lookups.forget(seq_id)
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             for block in reversed(seq.table):  # the tail enters the LRU queue first: evicted first
                 self._release(block)
-
-    def stats(self) -> AllocatorStats:
-        lookups = self.lookups
-        return attrs.evolve(super().stats(), prefix_hit_tokens=lookups.hit_tokens,
-                            prefix_lookup_tokens=lookups.lookup_tokens, num_prefix_lookups=lookups.num_lookups)
 
     # ------------------------------------------------------------ paged hooks
 

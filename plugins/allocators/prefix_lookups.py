@@ -1,4 +1,4 @@
-"""Prefix-cache lookup statistics shared by the prefix-caching allocators.
+"""Prefix-cache lookup statistics, and the base the prefix-caching allocators share.
 
 A lookup counts once, when the sequence it was made for is admitted (its first
 `allocate` succeeds): a refused admission's lookup is forgotten with `free`, so hits
@@ -6,6 +6,13 @@ and lookups describe the sequences that actually ran.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from servelab.interfaces import AllocatorContext, AllocatorStats
+from servelab.plugins.allocators.paged import PagedAllocator
 
 
 class PrefixLookups:
@@ -32,3 +39,30 @@ class PrefixLookups:
     def forget(self, seq_id: str) -> None:
         """`seq_id` was freed: a lookup not yet admitted never counts."""
         self._pending.pop(seq_id, None)
+
+
+class PrefixCachingPagedAllocator(PagedAllocator):
+    """Paged blocks plus what `radix` and `hash` do alike: count lookups at admission,
+    report them in `stats()`, and share a block another sequence cached first."""
+
+    def __init__(self, options: Any, context: AllocatorContext) -> None:
+        super().__init__(options, context)
+        self.lookups = PrefixLookups()
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        if not super().allocate(seq_id, num_tokens):
+            return False
+        self.lookups.admitted(seq_id)
+        return True
+
+    def stats(self) -> AllocatorStats:
+        lookups = self.lookups
+        return attrs.evolve(super().stats(), prefix_hit_tokens=lookups.hit_tokens,
+                            prefix_lookup_tokens=lookups.lookup_tokens, num_prefix_lookups=lookups.num_lookups)
+
+    def _share_cached(self, table: list[int], index: int, cached: int) -> None:
+        """Another sequence computed and cached this block's prefix first (both ran in one
+        step): hold its block and free ours, so the table runs through cached blocks."""
+        self._hold(cached)
+        self._release(table[index])
+        table[index] = cached

@@ -19,20 +19,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
-
-from servelab.interfaces import AllocatorContext, AllocatorStats, Sequence
-from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
-from servelab.plugins.allocators.prefix_lookups import PrefixLookups
+from servelab.interfaces import AllocatorContext, Sequence
+from servelab.plugins.allocators.paged import SeqBlocks
+from servelab.plugins.allocators.prefix_lookups import PrefixCachingPagedAllocator
 from servelab.plugins.allocators.radix_tree import RadixTree
 
 
-class RadixAllocator(PagedAllocator):
+class RadixAllocator(PrefixCachingPagedAllocator):
     def __init__(self, options: Any, context: AllocatorContext) -> None:
         super().__init__(options, context)
         self.tree = RadixTree()
         self._num_cached = 0  # blocks in the tree that no sequence holds
-        self.lookups = PrefixLookups()
 
     # ------------------------------------------------------------ PrefixCachingAllocator
 
@@ -65,12 +62,7 @@ class RadixAllocator(PagedAllocator):
             chunk = tuple(seq.token_slice(index * block_size, (index + 1) * block_size))
             cached = self.tree.insert(parent, chunk, table[index])
             if cached != table[index]:
-                # Another sequence computed and cached the same prefix first (both ran in
-                # one step): share its block and free ours, so the tree path runs through
-                # blocks this sequence holds and its later blocks can be cached too.
-                self._hold(cached)
-                self._release(table[index])
-                table[index] = cached
+                self._share_cached(table, index, cached)
             state.num_cached_blocks = index + 1
 
     def reset_prefix_cache(self) -> None:
@@ -79,23 +71,12 @@ class RadixAllocator(PagedAllocator):
 
     # ------------------------------------------------------------ KVAllocator
 
-    def allocate(self, seq_id: str, num_tokens: int) -> bool:
-        if not super().allocate(seq_id, num_tokens):
-            return False
-        self.lookups.admitted(seq_id)
-        return True
-
     def free(self, seq_id: str) -> None:
         self.lookups.forget(seq_id)
         seq = self._seqs.get(seq_id)
         if seq is not None and seq.num_cached_blocks:
             self.tree.touch(seq.table[seq.num_cached_blocks - 1])  # its prefix was just in use
         super().free(seq_id)
-
-    def stats(self) -> AllocatorStats:
-        lookups = self.lookups
-        return attrs.evolve(super().stats(), prefix_hit_tokens=lookups.hit_tokens,
-                            prefix_lookup_tokens=lookups.lookup_tokens, num_prefix_lookups=lookups.num_lookups)
 
     # ------------------------------------------------------------ paged hooks
 

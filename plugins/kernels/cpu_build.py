@@ -56,18 +56,14 @@ class KernelBuild:
                 self._thread = threading.Thread(target=self._build, name="servelab-cpu-paged-build", daemon=True)
                 self._thread.start()
 
-    def wait(self, timeout: float | None = None) -> ModuleType | None:
+    def wait(self) -> ModuleType | None:
         """Start the build if needed and block until it ends; the module, or None on failure."""
         self.start()
-        self._done.wait(timeout)
+        self._done.wait()
         return self._module
 
     def module(self) -> ModuleType | None:
         return self._module
-
-    @property
-    def finished(self) -> bool:
-        return self._done.is_set()
 
     def _build(self) -> None:
         try:

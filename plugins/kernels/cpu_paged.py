@@ -29,10 +29,7 @@ logger = servelab.get_logger(__name__)  # silent below WARNING until the applica
 
 @attrs.frozen
 class _KernelPrepared:
-    slot_mapping: torch.Tensor  # [T]
-    block_tables: torch.Tensor  # [B, M]
-    query_start: torch.Tensor  # [B + 1]
-    context_lens: torch.Tensor  # [B]
+    metadata: AttentionMetadata  # the step's slot mapping, block tables, query starts, context lengths
     kernel_seqs: torch.Tensor  # [K] sequences the kernel attends
     prefill_groups: tuple[_PrefillGroup, ...]  # the rest, as torch-paged attends them
 
@@ -75,21 +72,20 @@ class CpuPagedAttention(TorchPagedAttention):
                 for group in prefill_groups([query_lens[i] for i in long], [context_lens[i] for i in long],
                                             options.prefill_group_size, options.prefill_padding,
                                             options.prefill_group_area))
-        return _KernelPrepared(metadata.slot_mapping, metadata.block_tables, metadata.query_start_loc,
-                               metadata.context_lens, torch.from_numpy(np.asarray(short, dtype=np.int64)), groups)
+        return _KernelPrepared(metadata, torch.from_numpy(np.asarray(short, dtype=np.int64)), groups)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, prepared, scale: float) -> torch.Tensor:
         if not isinstance(prepared, _KernelPrepared):
             return super().forward(query, key, value, key_cache, value_cache, prepared, scale)
-        kernels = self._kernels
+        kernels, metadata = self._kernels, prepared.metadata
         with record_function("cpu_paged::attend"):  # the C++ calls are invisible to the profiler otherwise
-            kernels.write_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, prepared.slot_mapping)
+            kernels.write_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, metadata.slot_mapping)
             query = query.contiguous()
             output = torch.empty_like(query)
             if prepared.kernel_seqs.numel():
-                kernels.attend(query, key_cache, value_cache, prepared.block_tables, prepared.query_start,
-                               prepared.context_lens, prepared.kernel_seqs, scale, output)
+                kernels.attend(query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
+                               metadata.context_lens, prepared.kernel_seqs, scale, output)
         for group in prepared.prefill_groups:
             output.index_copy_(0, group.output_rows, self._prefill(query, key_cache, value_cache, group, scale))
         return output
