@@ -17,9 +17,7 @@
 #include <limits>
 #include <vector>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -126,24 +124,6 @@ inline void prefetch_tile(const scalar_t* tile, int64_t elements) {
 // across a block's values. Half-precision rows are widened in registers, never copied.
 constexpr bool kHasFastPath = true;
 
-template <typename scalar_t>
-inline __m512 load16(const scalar_t* p) {  // float64 (not on the fast path's hot loops)
-  alignas(64) float widened[16];
-  for (int i = 0; i < 16; ++i) widened[i] = static_cast<float>(p[i]);
-  return _mm512_load_ps(widened);
-}
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-template <>
-inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // Lane j of the result is the sum of the lanes of v[j].
 inline __m512 sum_each(const __m512 v[16]) {
   __m512 pairs[8], quads[4];
@@ -158,25 +138,6 @@ inline __m512 sum_each(const __m512 v[16]) {
                                     _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// e^x for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln 2, |r| <= ln2 / 2,
-// with p the degree-7 Taylor polynomial (relative error below 1e-7).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is below float's smallest subnormal
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // scores[r * stride + j] = q_rows[r] . keys[j] for the `count` keys of one block.
@@ -212,13 +173,13 @@ inline float softmax_numerators(float* s, int64_t visible, int64_t length) {
   const __m512 top16 = _mm512_set1_ps(top);
   __m512 total16 = _mm512_setzero_ps();
   for (i = 0; i + 16 <= visible; i += 16) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), top16));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), top16));
     _mm512_storeu_ps(s + i, e);
     total16 = _mm512_add_ps(total16, e);
   }
   if (i < visible) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (visible - i)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), top16));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), top16));
     _mm512_mask_storeu_ps(s + i, mask, e);
     total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(mask, e));
   }
@@ -424,7 +385,10 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   });
 }
 
+void register_layer_ops(pybind11::module& m);  // cpu_layer_ops.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_layer_ops(m);
   m.def("write_cache", &write_cache, "store new K/V rows at their cache slots");
   m.def("attend", &attend, "paged attention for the given sequences' query rows");
 }
