@@ -7,12 +7,17 @@ completions (ignore_eos, greedy) `--repeats` times, and after each server run th
 `LLM.generate` in this process (interleaved, so both see the same machine load). Prints
 output tokens per second of every run, the median and range of each, and the ratio of
 each pair (server / offline). Both sides use the same engine settings (--set).
+
+The load generator shares the machine with the server, so its CPU time is reported too:
+client CPU seconds per wall second of a server run (1.0 = one core busy), and the
+server's (its front-end process and the engine process together).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -36,11 +41,15 @@ def main() -> int:
     args.max_waiting, args.api_key = max(256, args.streams), None
 
     process, url, _ = start_server(args)
-    server, offline = [], []
+    server, offline, client_cpu, server_cpu = [], [], [], []
     try:  # interleaved, so that both sides see the same machine load
         _server_run(url, args)  # warm-up
         for _ in range(args.repeats):
+            client_started, server_started, wall_started = time.process_time(), _tree_cpu(process.pid), time.perf_counter()
             server.append(_server_run(url, args))
+            wall = time.perf_counter() - wall_started
+            client_cpu.append((time.process_time() - client_started) / wall)
+            server_cpu.append((_tree_cpu(process.pid) - server_started) / wall)
             offline.append(_offline_run(args))  # the server is idle meanwhile
     finally:
         code = stop_server(process)
@@ -48,6 +57,8 @@ def main() -> int:
     print(f"{args.streams} streams x {args.max_tokens} tokens, model {args.model}, settings {args.assignments}")
     print(f"server  tok/s: {_spread(server)}  (exit code after SIGTERM: {code})")
     print(f"offline tok/s: {_spread(offline)}")
+    print(f"CPU cores busy during the server runs: client {_spread(client_cpu, 2)}; "
+          f"server {_spread(server_cpu, 2)}")
     print(f"server / offline, run by run: median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, "
           f"max {max(ratios):.2f}; runs {', '.join(f'{r:.2f}' for r in ratios)})")
     return 0
@@ -82,9 +93,29 @@ def _value(text: str) -> object:
     return int(text) if text.isdigit() else text
 
 
-def _spread(values: list[float]) -> str:
-    runs = ", ".join(f"{v:.0f}" for v in values)
-    return f"median {statistics.median(values):.0f} (min {min(values):.0f}, max {max(values):.0f}; runs {runs})"
+def _spread(values: list[float], digits: int = 0) -> str:
+    runs = ", ".join(f"{v:.{digits}f}" for v in values)
+    return (f"median {statistics.median(values):.{digits}f} (min {min(values):.{digits}f}, "
+            f"max {max(values):.{digits}f}; runs {runs})")
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its live descendants, from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    total, frontier = 0.0, [pid]
+    while frontier:
+        current = frontier.pop()
+        total += stats.get(current, (0, 0.0))[1]
+        frontier.extend(child for child, (parent, _) in stats.items() if parent == current)
+    return total
 
 
 if __name__ == "__main__":

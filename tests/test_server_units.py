@@ -15,7 +15,7 @@ from servelab.interfaces import AllocatorStats, SchedulerStats
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from servelab.sampling_params import SamplingParams
 from servelab.server.chat import ChatTemplate
-from servelab.server.engine_loop import AsyncEngine, EngineUnavailable, NewRequest
+from servelab.server.engine_loop import AsyncEngine, EngineUnavailable, NewRequest, ThreadConnection
 from servelab.server.generation import TextStreamer
 from servelab.server.limits import RequestLimits, parse_body
 from servelab.server.protocol import ApiError, PromptBounds, brief, parse_chat, parse_completion
@@ -200,14 +200,14 @@ async def drain(events, count):
 
 def test_engine_loop_streams_events_and_idles():
     async def scenario():
-        loop = AsyncEngine(FakeEngine())
+        loop = AsyncEngine(ThreadConnection(FakeEngine()))
         loop.start()
         events = await loop.add([NewRequest("a", "p", SamplingParams(max_tokens=3), 0.0)])
         got = await drain(events, 3)
         assert [e.new_token_ids for _, e in got] == [(1,), (2,), (3,)] and got[-1][1].output is not None
         with pytest.raises(RequestError):  # all or none
             await loop.add([NewRequest("b", "p", SamplingParams(), 0.0), NewRequest("c", "bad", SamplingParams(), 0.0)])
-        assert loop.engine.requests == {} and loop.num_waiting == 0
+        assert loop.connection.engine.requests == {} and loop.num_waiting == 0
         await loop.shutdown()
         with pytest.raises(EngineUnavailable):
             await loop.add([NewRequest("d", "p", SamplingParams(), 0.0)])
@@ -217,7 +217,7 @@ def test_engine_loop_streams_events_and_idles():
 
 def test_abort_and_shutdown_end_requests_with_an_abort_output():
     async def scenario():
-        loop = AsyncEngine(FakeEngine())
+        loop = AsyncEngine(ThreadConnection(FakeEngine()))
         loop.start()
         events = await loop.add([NewRequest(r, "p", SamplingParams(max_tokens=10**6), 0.0) for r in "ab"])
         loop.abort(["a"])
@@ -234,7 +234,7 @@ def test_abort_and_shutdown_end_requests_with_an_abort_output():
 
 def test_a_failing_engine_fails_its_requests_and_refuses_new_ones():
     async def scenario():
-        loop = AsyncEngine(FakeEngine(fail_at=2))
+        loop = AsyncEngine(ThreadConnection(FakeEngine(fail_at=2)))
         loop.start()
         events = await loop.add([NewRequest("a", "p", SamplingParams(max_tokens=5), 0.0)])
         first, second = await drain(events, 2)
@@ -310,7 +310,7 @@ def test_a_failing_decode_fails_its_request_alone():
         return [sum(len(t) for t in tokens.values())]
 
     async def scenario():
-        loop = AsyncEngine(FakeEngine())
+        loop = AsyncEngine(ThreadConnection(FakeEngine()))
         loop.start()
         bad = await loop.add([NewRequest("bad", "p", SamplingParams(max_tokens=2), 0.0)], decode=broken)
         good = await loop.add([NewRequest("good", "p", SamplingParams(max_tokens=2), 0.0)], decode=working)
@@ -333,8 +333,9 @@ def test_a_failed_engine_answers_500_naming_the_cause_and_health_503():
     failures = []
     engine = FakeEngine(fail_at=1)
     engine.model_config = SimpleNamespace(vocab_size=100)
+    engine.limits = SimpleNamespace(max_model_len=64)
     engine.clock = lambda: 0.0
-    state = ServerState(engine=AsyncEngine(engine, on_failure=failures.append), metrics=ServerMetrics(),
+    state = ServerState(engine=AsyncEngine(ThreadConnection(engine), on_failure=failures.append), metrics=ServerMetrics(),
                         codec=TextCodec(None, ChatTemplate(None)), model_name="fake", max_model_len=64, max_waiting=8)
 
     async def scenario():

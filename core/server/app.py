@@ -60,7 +60,7 @@ class ServerState:
     @property
     def bounds(self) -> PromptBounds:
         return PromptBounds(self.max_model_len, self.limits.prompt_chars(self.max_model_len),
-                            self.engine.engine.model_config.vocab_size)
+                            self.engine.info.vocab_size)
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -181,7 +181,7 @@ def _check_context(prompts: list[list[int]], parsed: GenerationRequest, state: S
 
 
 async def _completions(request: Request, state: ServerState) -> Response:
-    arrival_time = state.engine.engine.clock()  # TTFT counts the tokenization too
+    arrival_time = state.engine.clock()  # TTFT counts the tokenization too
     parsed = parse_completion(await _body(request, state), state.bounds)
     prompts = await _encoded(state.codec.encode_prompts(parsed.prompts), "prompt")
     _check_context(prompts, parsed, state, "prompt")
@@ -193,7 +193,7 @@ async def _completions(request: Request, state: ServerState) -> Response:
 
 
 async def _chat_completions(request: Request, state: ServerState) -> Response:
-    arrival_time = state.engine.engine.clock()
+    arrival_time = state.engine.clock()
     parsed = parse_chat(await _body(request, state), state.bounds)
     prompt = await _encoded(state.codec.encode_chat(list(parsed.messages)), "messages")
     _check_context([prompt], parsed, state, "messages")

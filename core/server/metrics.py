@@ -1,8 +1,9 @@
 """Prometheus metrics for `GET /metrics`.
 
 Gauges come from the engine loop's latest snapshot (read at scrape time); histograms and
-counters are fed by the requests' events on the event loop, and by an engine observer
-(`servelab_step_finished`) for per-step numbers such as speculative acceptance. Each
+counters are fed by the requests' events on the event loop, step and draft totals by the
+snapshots (or, for an engine in this process, by an engine observer on
+`servelab_step_finished`), speculative acceptance among them. Each
 server owns its own `CollectorRegistry`: nothing is global.
 """
 
@@ -56,10 +57,12 @@ class ServerMetrics:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._snapshot: EngineSnapshot | None = None
+        self._totals_seen = (0, 0, 0)  # steps, draft and accepted tokens counted so far
 
     # Called on the event loop for every engine-loop iteration.
     def observe(self, events: Events, snapshot: EngineSnapshot) -> None:
         self._snapshot = snapshot
+        self._count_steps(snapshot)
         num_new = 0
         for event in events.values():
             num_new += len(event.new_token_ids)
@@ -67,6 +70,16 @@ class ServerMetrics:
                 self._observe_finished(event.output)
         if num_new:
             self.generation_tokens.inc(num_new)
+
+    def _count_steps(self, snapshot: EngineSnapshot) -> None:
+        """Step and draft totals come with each snapshot (the engine runs in another process)."""
+        steps, drafted, accepted = self._totals_seen
+        if snapshot.num_steps <= steps:
+            return
+        self.steps.inc(snapshot.num_steps - steps)
+        self.num_draft_tokens += snapshot.num_draft_tokens - drafted
+        self.num_accepted_tokens += snapshot.num_accepted_tokens - accepted
+        self._totals_seen = (snapshot.num_steps, snapshot.num_draft_tokens, snapshot.num_accepted_tokens)
 
     def _observe_finished(self, output: Any) -> None:
         metrics = output.metrics
@@ -109,9 +122,8 @@ class ServerMetrics:
 
 
 class EngineObserver:
-    """An engine plugin (observer hooks only) feeding per-step numbers into ServerMetrics.
-
-    Runs on the engine thread. Draft counts come from the step report
+    """An engine plugin (observer hooks only) feeding per-step numbers into ServerMetrics,
+    for an engine in this process (the server's engine reports them in its snapshots). Draft counts come from the step report
     (`num_draft_tokens`, `num_accepted_tokens`); without a drafter they stay 0 and the
     acceptance rate is NaN.
     """

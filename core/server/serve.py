@@ -7,6 +7,9 @@ is aborted: each open stream ends with a final chunk whose finish_reason is "abo
 its usage and [DONE]. Then the socket closes, the engine thread stops and the process
 exits 0. A second signal skips the wait.
 
+The engine runs in a process of its own (engine_process.py); this process serves HTTP,
+tokenizes and detokenizes.
+
 If the engine itself fails (an exception out of a step, or out of the loop around it),
 every request in flight ends with an error (a stream: an error event, then [DONE]),
 /health answers 503, and the process exits with EXIT_ENGINE_FAILED so that a supervisor
@@ -100,25 +103,24 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
 
 
 def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
-    """The engine (with the metrics observer registered) and everything the routes share."""
+    """The engine process (its model loaded), the front end's tokenizer, and everything the routes share."""
     from prometheus_client import disable_created_metrics
 
-    from servelab.engine import LLMEngine
-    from servelab.registry import PluginRegistry
+    from servelab.model.loader import Checkpoint
     from servelab.server.app import ServerState
     from servelab.server.codec import TextCodec
     from servelab.server.engine_loop import AsyncEngine
-    from servelab.server.metrics import EngineObserver, ServerMetrics
+    from servelab.server.engine_process import ProcessConnection
+    from servelab.server.metrics import ServerMetrics
 
     disable_created_metrics()  # process-wide: no `_created` series next to every counter
     metrics = ServerMetrics()
-    registry = PluginRegistry.from_entry_points()
-    registry.register(EngineObserver(metrics), name="servelab-server-metrics")
-    engine = LLMEngine(config, registry)
-    codec = TextCodec(engine.tokenizer, _chat_template(engine), options.tokenizer_workers)
-    return ServerState(engine=AsyncEngine(engine, metrics.observe), metrics=metrics, codec=codec,
+    connection = ProcessConnection(config)  # the engine's own errors (a bad policy name) surface here
+    checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
+    codec = TextCodec(checkpoint.tokenizer, _chat_template(checkpoint.path), options.tokenizer_workers)
+    return ServerState(engine=AsyncEngine(connection, metrics.observe), metrics=metrics, codec=codec,
                        model_name=options.served_model_name or config.engine.model,
-                       max_model_len=engine.limits.max_model_len, max_waiting=options.max_waiting,
+                       max_model_len=connection.info.max_model_len, max_waiting=options.max_waiting,
                        api_key=options.api_key, limits=options.limits)
 
 
@@ -193,10 +195,9 @@ async def _wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     return True
 
 
-def _chat_template(engine: Any) -> Any:
+def _chat_template(path: Any) -> Any:
     from servelab.server.chat import ChatTemplate
 
-    path = getattr(getattr(engine, "source", None), "path", None)  # the checkpoint directory, if any
     return ChatTemplate.from_directory(path) if path is not None else ChatTemplate(None)
 
 
