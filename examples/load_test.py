@@ -74,6 +74,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]
     command = [sys.executable, "-m", "servelab.cli", "-v", "serve", "--model", args.model, "--port", "0",
                "--max-waiting", str(args.max_waiting),
                "--shutdown-timeout", str(getattr(args, "shutdown_timeout", 10.0))]
+    if getattr(args, "engine_threads", None):
+        command += ["--engine-threads", str(args.engine_threads)]
     for assignment in args.assignments:
         command += ["--set", assignment]
     if args.api_key:

@@ -6,7 +6,9 @@ Starts `servelab serve --port 0` on 127.0.0.1, sends `--streams` concurrent stre
 completions (ignore_eos, greedy) `--repeats` times, and after each server run the same prompts and parameters through
 `LLM.generate` in this process (interleaved, so both see the same machine load). Prints
 output tokens per second of every run, the median and range of each, and the ratio of
-each pair (server / offline). Both sides use the same engine settings (--set).
+each pair (server / offline). Both sides use the same engine settings (--set) and the
+same number of torch threads (--engine-threads); offline with torch's default thread
+count is run and reported beside it.
 
 The load generator shares the machine with the server, so its CPU time is reported too:
 client CPU seconds per wall second of a server run (1.0 = one core busy), and the
@@ -27,7 +29,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from load_test import start_server, stop_server  # noqa: E402
 
+import torch  # noqa: E402
+
 from servelab.server.loadgen import make_prompts, run_load  # noqa: E402
+from servelab.server.serve import default_engine_threads  # noqa: E402
 
 
 def main() -> int:
@@ -37,11 +42,15 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine-threads", type=int, default=default_engine_threads(),
+                        help="torch threads of the server's engine process and of the offline engine "
+                             "(default: as `servelab serve`, the cores less one)")
     args = parser.parse_args()
     args.max_waiting, args.api_key = max(256, args.streams), None
 
     process, url, _ = start_server(args)
-    server, offline, client_cpu, server_cpu = [], [], [], []
+    server, offline, offline_default, client_cpu, server_cpu = [], [], [], [], []
+    default_threads = torch.get_num_threads()
     try:  # interleaved, so that both sides see the same machine load
         _server_run(url, args)  # warm-up
         for _ in range(args.repeats):
@@ -50,13 +59,17 @@ def main() -> int:
             wall = time.perf_counter() - wall_started
             client_cpu.append((time.process_time() - client_started) / wall)
             server_cpu.append((_tree_cpu(process.pid) - server_started) / wall)
+            torch.set_num_threads(args.engine_threads)
             offline.append(_offline_run(args))  # the server is idle meanwhile
+            torch.set_num_threads(default_threads)
+            offline_default.append(_offline_run(args))
     finally:
         code = stop_server(process)
     ratios = [s / o for s, o in zip(server, offline)]
     print(f"{args.streams} streams x {args.max_tokens} tokens, model {args.model}, settings {args.assignments}")
     print(f"server  tok/s: {_spread(server)}  (exit code after SIGTERM: {code})")
-    print(f"offline tok/s: {_spread(offline)}")
+    print(f"offline tok/s: {_spread(offline)}  ({args.engine_threads} torch threads, as the server's engine)")
+    print(f"offline tok/s: {_spread(offline_default)}  ({default_threads} torch threads, torch's default)")
     print(f"CPU cores busy during the server runs: client {_spread(client_cpu, 2)}; "
           f"server {_spread(server_cpu, 2)}")
     print(f"server / offline, run by run: median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, "

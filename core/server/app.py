@@ -265,17 +265,33 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+                yield b"data: " + dump_json(chunk) + b"\n\n"
         except (EngineFailure, CodecFailure) as exc:
             error = ApiError(500, str(exc), type="server_error").body()
-            yield f"data: {json.dumps(error)}\n\n"
+            yield b"data: " + dump_json(error) + b"\n\n"
         except Exception as exc:  # the stream has begun: the error can only be an event
             logger.exception("stream.failed")
             error = ApiError(500, f"internal server error: {type(exc).__name__}", type="server_error").body()
-            yield f"data: {json.dumps(error)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield b"data: " + dump_json(error) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+def _dump_json_stdlib(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+try:  # a stream's chunks are encoded once per token and stream: orjson is several times faster
+    import orjson
+
+    def dump_json(value: Any) -> bytes:
+        try:
+            return orjson.dumps(value)
+        except orjson.JSONEncodeError:  # what orjson refuses (a lone surrogate) the stdlib escapes
+            return _dump_json_stdlib(value)
+except ImportError:
+    dump_json = _dump_json_stdlib

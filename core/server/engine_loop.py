@@ -82,8 +82,10 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # An engine on a thread of this process would decode on its own time: give the decoding
+        # a thread. Other connections deliver on a reader thread that has nothing else to do.
         self._detokenizer = Detokenizer(lambda events, *extra: self._call_soon(self._deliver, events, *extra),
-                                        RequestEvent)
+                                        RequestEvent, threaded=isinstance(self.connection, ThreadConnection))
         self.connection.start(self._on_output, self._on_exit)
         self._started_connection = True
 

@@ -35,14 +35,14 @@ class ProcessConnection:
     """Starts an engine process for `config` and waits until its model is loaded (ServelabError
     when it cannot start: the engine's own error, e.g. a bad policy name)."""
 
-    def __init__(self, config: Any, name: str = "servelab-engine") -> None:
+    def __init__(self, config: Any, threads: int | None = None, name: str = "servelab-engine") -> None:
         from servelab.logging_setup import configured_verbosity
 
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked locks or torch threads
         commands_out, self._commands = context.Pipe(duplex=False)
         self._outputs, outputs_in = context.Pipe(duplex=False)
         self.process = context.Process(target=_engine_main, name=name, daemon=True,
-                                       args=(config, commands_out, outputs_in, configured_verbosity()))
+                                       args=(config, commands_out, outputs_in, configured_verbosity(), threads))
         self.process.start()
         commands_out.close()  # the child's ends: only the child may hold them, so that
         outputs_in.close()  # either side sees EOF when the other one goes away
@@ -119,10 +119,14 @@ def exit_status(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _engine_main(config: Any, commands: Any, outputs: Any, verbosity: int | None) -> None:
+def _engine_main(config: Any, commands: Any, outputs: Any, verbosity: int | None, threads: int | None) -> None:
     """The engine process: load the model, say so, run the core until "stop" or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     if verbosity is not None:
         from servelab.logging_setup import configure_logging
 

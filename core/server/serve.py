@@ -51,11 +51,14 @@ class ServerOptions:
     header_timeout: float = 10.0  # seconds a connection gets to send a request's headers
     limits: RequestLimits = attrs.field(factory=RequestLimits)  # body size and time, JSON depth, prompt size
     tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
+    engine_threads: int | None = None  # torch threads of the engine process; None: one core left to this one
 
     def __attrs_post_init__(self) -> None:
         positive = {"--max-waiting": self.max_waiting, "--header-timeout": self.header_timeout,
                     "--body-timeout": self.limits.body_timeout, "--max-body-bytes": self.limits.max_body_bytes,
                     "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers}
+        if self.engine_threads is not None:
+            positive["--engine-threads"] = self.engine_threads
         if self.limits.max_prompt_chars is not None:
             positive["--max-prompt-chars"] = self.limits.max_prompt_chars
         for flag, value in positive.items():
@@ -115,13 +118,23 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
 
     disable_created_metrics()  # process-wide: no `_created` series next to every counter
     metrics = ServerMetrics()
-    connection = ProcessConnection(config)  # the engine's own errors (a bad policy name) surface here
+    connection = ProcessConnection(config, threads=options.engine_threads or default_engine_threads())  # the engine's own errors (a bad policy name) surface here
     checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
     codec = TextCodec(checkpoint.tokenizer, _chat_template(checkpoint.path), options.tokenizer_workers)
     return ServerState(engine=AsyncEngine(connection, metrics.observe), metrics=metrics, codec=codec,
                        model_name=options.served_model_name or config.engine.model,
                        max_model_len=connection.info.max_model_len, max_waiting=options.max_waiting,
                        api_key=options.api_key, limits=options.limits)
+
+
+def default_engine_threads() -> int:
+    """Every core but one, which the HTTP front end (and its detokenizer) needs: torch's
+    intra-op threads wait for each other at every operation, so one preempted by the
+    front end stalls them all (on 2 cores, 2 engine threads ran several times slower than 1)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 def _graceful_server(config: Any, state: Any, shutdown_timeout: float, on_ready: Callable[[], None]) -> Any:
