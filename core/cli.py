@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="fit the cpu-here simulator profile to real runs of the model and report its error")
     bench.add_argument("--sim-model", default="llama-3-8b",
                        help="model shape to simulate: llama-3-8b, llama-3-70b, qwen2-7b, tiny-random")
+    bench.add_argument("--replicas", type=int, default=1, help="with --sim: run each config as a fleet of N "
+                       "replicas behind its [router] (default round-robin) and compare routers")
     bench.set_defaults(handler=_cmd_bench)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
@@ -161,7 +163,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
         save_workload=Path(args.save_workload) if args.save_workload else None,
-        sim_accelerator=args.sim, sim_model=args.sim_model, warm_cache=args.warm_cache,
+        sim_accelerator=args.sim, sim_model=args.sim_model, warm_cache=args.warm_cache, replicas=args.replicas,
     )
     if args.calibrate:
         result = _calibrate(configs[0][1], args.workload)

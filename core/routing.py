@@ -3,11 +3,11 @@ snapshot a replica reports to it. Shared by the simulated fleet and live replica
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from servelab.config import DEFAULT_ROUTER, EngineConfig, PolicySection, build_options
 from servelab.errors import ConfigError, PluginError
-from servelab.interfaces import PrefixSummary, ReplicaSnapshot, Router, RouterContext, SequenceStatus
+from servelab.interfaces import PrefixSummary, ReplicaSnapshot, RouteRequest, Router, RouterContext, SequenceStatus
 from servelab.registry import PluginRegistry, build_policy
 
 
@@ -28,6 +28,29 @@ def build_router(config: EngineConfig, registry: PluginRegistry, context: Router
         raise PluginError(f"router {section.name!r} from distribution {registered.distribution!r} "
                           f"built {type(router).__name__}, which has no route(request, replicas) method")
     return router
+
+
+def route_problem(choice: Any, replicas: Sequence[ReplicaSnapshot]) -> tuple[str, str] | None:
+    """(invariant, detail) when `choice` is not one replica id of `replicas`, else None."""
+    live = sorted(r.replica_id for r in replicas)
+    if choice is None:
+        return "request lost", "route() returned None"
+    if isinstance(choice, (list, tuple, set, frozenset)):
+        return "request duplicated", f"route() returned several replicas {choice!r}; a choice is one replica id"
+    if not isinstance(choice, int) or isinstance(choice, bool) or choice not in live:
+        return "routed to a live replica", f"route() chose {choice!r}; the replicas that can take work are {live}"
+    return None
+
+
+def checked_route(router: Router, name: str, request: RouteRequest, replicas: Sequence[ReplicaSnapshot]) -> int:
+    """The router's choice for `request`; a PluginError naming the router when it is not
+    one of `replicas`."""
+    choice = router.route(request, replicas)
+    problem = route_problem(choice, replicas)
+    if problem is not None:
+        raise PluginError(f"router {name!r} broke its contract ({problem[0]}) on request "
+                          f"{request.request_id!r}: {problem[1]}")
+    return choice
 
 
 def replica_snapshot(engine: Any, replica_id: int, prefix_summary: PrefixSummary | None = None) -> ReplicaSnapshot:

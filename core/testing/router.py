@@ -14,12 +14,13 @@ instead of reading ids, fails.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 
 from servelab.interfaces import (PrefixSummary, ReplicaSnapshot, RouteRequest, Router, RouterContext,
                                  prefix_block_hashes)
+from servelab.routing import route_problem
 from servelab.testing.contract import PolicyContract, check, exercising
 
 BLOCK_SIZE = 4
@@ -114,13 +115,9 @@ class ToyFleet:
 
 def check_choice(choice: Any, request: RouteRequest, replicas: list[ReplicaSnapshot]) -> None:
     """One replica id, of a replica in `replicas`."""
-    live = sorted(r.replica_id for r in replicas)
-    check(choice is not None, "request lost", f"route() returned None for {request.request_id}")
-    check(not isinstance(choice, (list, tuple, set, frozenset)), "request duplicated",
-          f"route() returned several replicas {choice!r} for {request.request_id}; a choice is one replica id")
-    check(isinstance(choice, int) and not isinstance(choice, bool) and choice in live,
-          "routed to a live replica", f"route() chose {choice!r} for {request.request_id}; the replicas that "
-          f"can take work are {live}")
+    problem = route_problem(choice, replicas)
+    if problem is not None:
+        check(False, problem[0], f"{problem[1]} (request {request.request_id})")
 
 
 def prompts_with_shared_prefixes(num_requests: int, num_prefixes: int = 3, prefix_len: int = 12,

@@ -27,7 +27,7 @@ def _non_negative(instance, attribute, value) -> None:
 class PrefixAffinityOptions:
     # Go to the best-cached replica only while its queued + running tokens exceed the
     # least-loaded replica's by at most this many (SGLang: balance_abs_threshold).
-    load_margin_tokens: int = attrs.field(default=4096, validator=_non_negative)
+    load_margin_tokens: int = attrs.field(default=16384, validator=_non_negative)
     # Below this many cached tokens a match does not count: route by load.
     min_match_tokens: int = attrs.field(default=1, validator=_non_negative)
     # Blocks the approximate view keeps per replica (0: the replica's KV pool size, else 65536).
