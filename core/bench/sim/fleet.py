@@ -32,12 +32,13 @@ from servelab.workload import Workload
 class SimReplica:
     """One simulated engine with its own clock and step recorder."""
 
-    def __init__(self, replica_id: int, config: EngineConfig, accelerator_name: str, sim_model: str) -> None:
+    def __init__(self, replica_id: int, config: EngineConfig, accelerator_name: str, sim_model: str,
+                 tp: int = 1) -> None:
         from servelab.engine import LLMEngine
 
         self.replica_id = replica_id
         self.clock = VirtualClock()
-        source = SimSource(model_shape(sim_model), accelerator(accelerator_name), self.clock)
+        source = SimSource(model_shape(sim_model), accelerator(accelerator_name), self.clock, tp=tp)
         self.config = source.fit_config(config)
         registry = PluginRegistry.from_entry_points()
         self.recorder = StepRecorder(self.clock)
@@ -49,11 +50,11 @@ class SimFleet:
     """`num_replicas` simulated replicas of `config` behind the router it selects."""
 
     def __init__(self, name: str, config: EngineConfig, num_replicas: int, accelerator_name: str,
-                 sim_model: str) -> None:
+                 sim_model: str, tp: int = 1) -> None:
         if num_replicas < 1:
             raise ConfigError(f"--replicas must be at least 1, got {num_replicas}")
         self.name = name
-        self.replicas = [SimReplica(i, config, accelerator_name, sim_model) for i in range(num_replicas)]
+        self.replicas = [SimReplica(i, config, accelerator_name, sim_model, tp) for i in range(num_replicas)]
         first = self.replicas[0]
         self.config = first.config
         self.router_name = router_section(config).name
@@ -167,7 +168,7 @@ def run_fleet_bench(configs: list[tuple[str, EngineConfig]], options: Any) -> di
                           "(live replicas are served by `servelab serve --replicas`)")
     if options.baseline or options.rates:
         raise ConfigError("--replicas compares routers on one workload: drop --baseline and --rates")
-    fleets = [SimFleet(name, config, options.replicas, options.sim_accelerator, options.sim_model)
+    fleets = [SimFleet(name, config, options.replicas, options.sim_accelerator, options.sim_model, options.sim_tp)
               for name, config in configs]
     workload = build_workload(options.workload, fleets[0].engine.model_config.vocab_size)
     if options.save_workload:
