@@ -89,7 +89,44 @@ def _parser() -> argparse.ArgumentParser:
                        help="fit the cpu-here simulator profile to real runs of the model and report its error")
     bench.add_argument("--sim-model", default="llama-3-8b",
                        help="model shape to simulate: llama-3-8b, llama-3-70b, qwen2-7b, tiny-random")
+    bench.add_argument("--tp", type=int, default=1, help="with --sim: tensor parallelism, devices each "
+                       "simulated engine spreads the model over (default 1)")
+    bench.add_argument("--replicas", type=int, default=1, help="with --sim: run each config as a fleet of N "
+                       "replicas behind its [router] (default round-robin) and compare routers")
     bench.set_defaults(handler=_cmd_bench)
+
+    size = commands.add_parser("size", help="capacity plan on the simulator: KV blocks, concurrent sequences, "
+                               "the rate one replica sustains under an SLO, replicas for a target rate, "
+                               "speculative-decoding breakeven")
+    size.add_argument("--sim", required=True, metavar="ACCELERATOR", help="h100, h200, a100, l4 (or NAME-eager)")
+    size.add_argument("--sim-model", default="llama-3-8b", help="model shape: llama-3-8b, llama-3-70b, qwen2-7b, "
+                      "tiny-random")
+    size.add_argument("--tp", type=int, default=1, help="tensor parallelism: devices one replica spreads over")
+    size.add_argument("--context-len", type=int, default=4096, help="tokens a sequence may reach (max_model_len)")
+    size.add_argument("--memory-utilization", type=float, default=0.9,
+                      help="share of the memory weights and runtime leave that the KV pool takes (default 0.9)")
+    size.add_argument("--config", help="TOML config for the scheduler and allocator (default: continuous, "
+                      "paged, max_num_seqs 256)")
+    size.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one config value (repeatable)")
+    size.add_argument("--workload", default="fixed:num_requests=200,prompt_len=1024,output_len=256",
+                      help="the traffic of the rate sweep (its arrival options are replaced by Poisson arrivals)")
+    size.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    size.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    size.add_argument("--slo-attainment", type=float, default=0.9,
+                      help="share of requests that must meet both bounds at a sustained rate (default 0.9)")
+    size.add_argument("--target-rate", type=float, help="requests/s the fleet must sustain: prints replicas needed")
+    size.add_argument("--no-sweep", action="store_true", help="memory and speculation only (no rate sweep)")
+    size.add_argument("--sweep-seconds", type=float, default=60.0, help="each sweep point's requests arrive "
+                      "over at least this long (default 60), so an unsustainable rate shows as a growing queue")
+    size.add_argument("--acceptance-rate", type=float, default=0.7, help="draft token acceptance rate")
+    size.add_argument("--draft-cost", type=float, help="one draft forward's time over one target decode step's "
+                      "(default: measured on the cost model for --draft-model)")
+    size.add_argument("--draft-model", default="tiny-random", help="draft model shape whose cost is measured")
+    size.add_argument("--spec-batch", type=int, default=1, help="decode batch size of the speculation table")
+    size.add_argument("--max-draft-tokens", type=int, default=6)
+    size.add_argument("--json", dest="json_out", help="write the plan as JSON to this file")
+    size.set_defaults(handler=_cmd_size)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     _add_engine_arguments(serve)
@@ -161,7 +198,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
         save_workload=Path(args.save_workload) if args.save_workload else None,
-        sim_accelerator=args.sim, sim_model=args.sim_model, warm_cache=args.warm_cache,
+        sim_accelerator=args.sim, sim_model=args.sim_model, warm_cache=args.warm_cache, replicas=args.replicas,
+        sim_tp=args.tp,
     )
     if args.calibrate:
         result = _calibrate(configs[0][1], args.workload)
@@ -178,6 +216,16 @@ def _repeats(args: argparse.Namespace) -> int:
     if args.repeats is not None:
         return args.repeats
     return 1 if args.sim else DEFAULT_REPEATS  # a simulated clock gives the same figures every time
+
+
+def _cmd_size(args: argparse.Namespace) -> int:
+    from servelab.bench.sim.size_command import size
+
+    result = size(args)
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -35,6 +35,8 @@ class Accelerator:
     cuda_graphs: bool = False  # decode-only steps replay a captured graph: no per-kernel launches
     per_kernel: bool = True  # False: one roofline over the whole step, the form `--calibrate` fits
     reserved_bytes: float = 0.0  # device memory neither weights nor KV (runtime context, activations)
+    interconnect_bandwidth: float = 0.0  # bytes/s an all-reduce moves per device (bus bandwidth; 0: none)
+    allreduce_latency_s: float = 10e-6  # fixed cost of one small all-reduce
     behaves_like: str = ""  # which engine's behaviour the profile represents
 
     @property
@@ -71,11 +73,15 @@ _ADA = _AMPERE
 _RUNTIME_LAUNCH_S, _EAGER_LAUNCH_S = 5e-6, 25e-6
 _GPU = dict(kernel_launch_s=_RUNTIME_LAUNCH_S, cuda_graphs=True, reserved_bytes=2 * GIB, behaves_like=_TRTLLM_LIKE)
 
+# Interconnects (estimates, not fits): NCCL's all-reduce bus bandwidth reaches ~360 GB/s
+# over NVLink 4 (450 GB/s a direction), ~230 GB/s over NVLink 3 (300), ~20 GB/s over
+# PCIe 4 (L4 has no NVLink).
 ACCELERATORS = {
-    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU),
-    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU),
-    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU),
-    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU),
+    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU, interconnect_bandwidth=360e9),
+    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU, interconnect_bandwidth=360e9),
+    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU, interconnect_bandwidth=230e9),
+    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU, interconnect_bandwidth=20e9,
+                      allreduce_latency_s=20e-6),
     # This project's 2-core machine in float32 as fitted by `servelab bench --calibrate` on
     # the embedded model: its "bandwidth" is an effective figure that absorbs MKL's poor
     # small-batch GEMM efficiency, not the ~25 GB/s a large reduction reads at.
