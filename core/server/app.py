@@ -47,7 +47,7 @@ _REJECT_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 408: "
 class ServerState:
     """Everything the routes share."""
 
-    engine: AsyncEngine
+    engine: AsyncEngine  # or a ReplicaSet (replicas.py), which has the same interface
     metrics: ServerMetrics
     codec: TextCodec
     model_name: str
@@ -56,6 +56,7 @@ class ServerState:
     api_key: str | None = None
     limits: RequestLimits = attrs.field(factory=RequestLimits)
     draining: bool = False  # set on SIGTERM: admission stops, in-flight requests finish
+    stop_ray: bool = False  # the replicas run on a local Ray started by this server
 
     @property
     def bounds(self) -> PromptBounds:

@@ -26,7 +26,7 @@ import structlog
 
 import servelab
 from servelab.errors import RequestError, ServelabError
-from servelab.interfaces import AllocatorStats, SchedulerStats
+from servelab.interfaces import AllocatorStats, SchedulerStats, SequenceStatus
 from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
 
@@ -61,6 +61,7 @@ class EngineSnapshot:
     num_steps: int = 0  # totals since the engine started
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_running_tokens: int = 0  # context tokens of running sequences (for routers; 0 unless asked for)
 
 
 @attrs.frozen
@@ -104,8 +105,9 @@ class EngineCore:
     one when `block`), `send(output)` takes each iteration's CoreOutput."""
 
     def __init__(self, engine: Any, receive: Callable[[bool], list[Command]],
-                 send: Callable[[CoreOutput], None]) -> None:
+                 send: Callable[[CoreOutput], None], count_running_tokens: bool = False) -> None:
         self.engine = engine
+        self._count_running_tokens = count_running_tokens
         self._receive = receive
         self._send = send
         self._counter = StepCounter()
@@ -124,8 +126,13 @@ class EngineCore:
 
     def snapshot(self) -> EngineSnapshot:
         counter = self._counter
+        running_tokens = 0
+        if self._count_running_tokens:
+            running_tokens = sum(seq.num_tokens for seq in self.engine.unfinished_sequences()
+                                 if seq.status is SequenceStatus.RUNNING)
         self._last_snapshot = EngineSnapshot(self.engine.scheduler.stats(), self.engine.allocator.stats(),
-                                             counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens)
+                                             counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens,
+                                             running_tokens)
         return self._last_snapshot
 
     def _serve(self, in_flight: set[str]) -> None:

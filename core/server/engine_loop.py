@@ -59,13 +59,14 @@ class AsyncEngine:
                  on_failure: Callable[[str], None] | None = None, name: str = "engine") -> None:
         self.connection = connection
         self.name = name  # which replica, in logs and errors
-        self._listener = listener
+        self.listener = listener  # called on the event loop with each step's events and snapshot
         self.on_failure = on_failure  # called on the event loop once the engine has failed
         self._queues: dict[str, asyncio.Queue] = {}
-        self._unstarted: dict[str, int] = {}  # request id -> sequences, until its first token
+        self._unstarted: dict[str, tuple[int, int]] = {}  # request id -> (sequences, their prompt tokens)
         self._pending: dict[int, asyncio.Future] = {}  # add commands the core has not answered
         self._command_ids = itertools.count()
         self.num_waiting = 0  # sequences of requests added here that have no token yet
+        self.num_waiting_tokens = 0  # and their prompt tokens (as far as known: token-id prompts)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._detokenizer: Detokenizer | None = None
         self.snapshot = EMPTY_SNAPSHOT
@@ -105,8 +106,10 @@ class AsyncEngine:
         events: asyncio.Queue = asyncio.Queue()
         for request in requests:
             self._queues[request.request_id] = events
-            self._unstarted[request.request_id] = request.params.n
+            tokens = request.params.n * (len(request.prompt) if isinstance(request.prompt, list) else 0)
+            self._unstarted[request.request_id] = (request.params.n, tokens)
             self.num_waiting += request.params.n
+            self.num_waiting_tokens += tokens
         command_id = next(self._command_ids)
         accepted = self._pending[command_id] = self._loop.create_future()
         self.connection.send(("add", command_id, list(requests)))
@@ -177,8 +180,8 @@ class AsyncEngine:
             if event.is_last:
                 self._queues.pop(key, None)
                 self._detokenizer.unregister([key])
-        if self._listener is not None:
-            self._listener(events, snapshot)
+        if self.listener is not None:
+            self.listener(events, snapshot)
         if failure is not None and self.error is None:
             self._fail(failure)
 
@@ -208,7 +211,9 @@ class AsyncEngine:
             future.set_exception(error)
 
     def _started(self, request_id: str) -> None:
-        self.num_waiting -= self._unstarted.pop(request_id, 0)
+        sequences, tokens = self._unstarted.pop(request_id, (0, 0))
+        self.num_waiting -= sequences
+        self.num_waiting_tokens -= tokens
 
     def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
         try:

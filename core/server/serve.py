@@ -52,6 +52,8 @@ class ServerOptions:
     limits: RequestLimits = attrs.field(factory=RequestLimits)  # body size and time, JSON depth, prompt size
     tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
     engine_threads: int | None = None  # torch threads of the engine process; None: one core left to this one
+    replicas: int | None = None  # run this many engine replicas as Ray actors (None: one engine process)
+    ray_address: str | None = None  # the Ray cluster to join; None: start a local Ray for the replicas
 
     def __attrs_post_init__(self) -> None:
         positive = {"--max-waiting": self.max_waiting, "--header-timeout": self.header_timeout,
@@ -59,6 +61,10 @@ class ServerOptions:
                     "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers}
         if self.engine_threads is not None:
             positive["--engine-threads"] = self.engine_threads
+        if self.replicas is not None:
+            positive["--replicas"] = self.replicas
+        elif self.ray_address is not None:
+            raise ServelabError("--ray-address is for replicas: give --replicas N too")
         if self.limits.max_prompt_chars is not None:
             positive["--max-prompt-chars"] = self.limits.max_prompt_chars
         for flag, value in positive.items():
@@ -99,7 +105,11 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
 
     server = _graceful_server(uvicorn_config, state, options.shutdown_timeout, ready)
     state.engine.on_failure = server.engine_failed
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if state.stop_ray:
+            import_ray().shutdown()
     logger.info("server.stopped", model=state.model_name, exit_code=server.exit_code,
                 kv_blocks_used=state.engine.snapshot.allocator.num_used_blocks)
     return server.exit_code
@@ -118,13 +128,32 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
 
     disable_created_metrics()  # process-wide: no `_created` series next to every counter
     metrics = ServerMetrics()
-    connection = ProcessConnection(config, threads=options.engine_threads or default_engine_threads())  # the engine's own errors (a bad policy name) surface here
     checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
     codec = TextCodec(checkpoint.tokenizer, _chat_template(checkpoint.path), options.tokenizer_workers)
-    return ServerState(engine=AsyncEngine(connection, metrics.observe), metrics=metrics, codec=codec,
-                       model_name=options.served_model_name or config.engine.model,
-                       max_model_len=connection.info.max_model_len, max_waiting=options.max_waiting,
-                       api_key=options.api_key, limits=options.limits)
+    stop_ray = False
+    if options.replicas is not None:
+        from servelab.server.replicas import launch_replicas
+
+        threads = options.engine_threads
+        if threads is None and options.ray_address is None:  # a local Ray: the cores shared out
+            threads = max(1, default_engine_threads() // options.replicas)
+        engine, stop_ray = launch_replicas([config] * options.replicas, options.ray_address, threads=threads,
+                                           metrics=metrics)
+    else:  # the engine's own errors (a bad policy name) surface here, as ServelabError
+        engine = AsyncEngine(ProcessConnection(config, threads=options.engine_threads or default_engine_threads()),
+                             metrics.observe)
+    state = ServerState(engine=engine, metrics=metrics, codec=codec,
+                        model_name=options.served_model_name or config.engine.model,
+                        max_model_len=engine.info.max_model_len, max_waiting=options.max_waiting,
+                        api_key=options.api_key, limits=options.limits)
+    state.stop_ray = stop_ray
+    return state
+
+
+def import_ray() -> Any:
+    from servelab.server.replicas import import_ray as ray
+
+    return ray()
 
 
 def default_engine_threads() -> int:
