@@ -360,9 +360,11 @@ def launch_replicas(configs: Seq[Any], ray_address: str | None = None, threads: 
     started_here = False
     if not ray.is_initialized():
         options: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING"}
-        if ray_address is None:
+        if ray_address is None:  # a new local instance, never one that happens to run on this machine
             started_here = True
+            ray_address = "local"
             options["object_store_memory"] = 128 * 1024 * 1024  # outputs are small messages, not objects
+            options["num_cpus"] = max(os.cpu_count() or 1, int(len(configs) * num_cpus_per_replica + 0.999))
         ray.init(address=ray_address, **options)
     remote = ray.remote(num_cpus=num_cpus_per_replica, max_concurrency=4)(EngineActor)
     verbosity = configured_verbosity()
