@@ -49,6 +49,7 @@ class ProcessConnection:
         self._reader: threading.Thread | None = None
         self._stopping = False
         self.info = self._wait_ready()
+        logger.info("engine.process_started", pid=self.process.pid, max_model_len=self.info.max_model_len)
 
     def _wait_ready(self) -> EngineInfo:
         if not self._outputs.poll(_START_TIMEOUT):
