@@ -7,8 +7,8 @@ completions (ignore_eos, greedy) `--repeats` times, and after each server run th
 `LLM.generate` in this process (interleaved, so both see the same machine load). Prints
 output tokens per second of every run, the median and range of each, and the ratio of
 each pair (server / offline). Both sides use the same engine settings (--set) and the
-same number of torch threads (--engine-threads); offline with torch's default thread
-count is run and reported beside it.
+same number of torch threads (--engine-threads); `--default-threads-too` also runs
+offline with torch's default thread count and reports it beside.
 
 The load generator shares the machine with the server, so its CPU time is reported too:
 client CPU seconds per wall second of a server run (1.0 = one core busy), and the
@@ -45,6 +45,9 @@ def main() -> int:
     parser.add_argument("--engine-threads", type=int, default=default_engine_threads(),
                         help="torch threads of the server's engine process and of the offline engine "
                              "(default: as `servelab serve`, the cores less one)")
+    parser.add_argument("--default-threads-too", action="store_true",
+                        help="also run offline with torch's default thread count each repeat (slow where the "
+                             "cores are shared: torch's threads then wait for each other)")
     args = parser.parse_args()
     args.max_waiting, args.api_key = max(256, args.streams), None
 
@@ -62,14 +65,16 @@ def main() -> int:
             torch.set_num_threads(args.engine_threads)
             offline.append(_offline_run(args))  # the server is idle meanwhile
             torch.set_num_threads(default_threads)
-            offline_default.append(_offline_run(args))
+            if args.default_threads_too:
+                offline_default.append(_offline_run(args))
     finally:
         code = stop_server(process)
     ratios = [s / o for s, o in zip(server, offline)]
     print(f"{args.streams} streams x {args.max_tokens} tokens, model {args.model}, settings {args.assignments}")
     print(f"server  tok/s: {_spread(server)}  (exit code after SIGTERM: {code})")
     print(f"offline tok/s: {_spread(offline)}  ({args.engine_threads} torch threads, as the server's engine)")
-    print(f"offline tok/s: {_spread(offline_default)}  ({default_threads} torch threads, torch's default)")
+    if offline_default:
+        print(f"offline tok/s: {_spread(offline_default)}  ({default_threads} torch threads, torch's default)")
     print(f"CPU cores busy during the server runs: client {_spread(client_cpu, 2)}; "
           f"server {_spread(server_cpu, 2)}")
     print(f"server / offline, run by run: median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, "
