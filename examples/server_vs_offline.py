@@ -57,7 +57,8 @@ def main() -> int:
     try:  # interleaved, so that both sides see the same machine load
         _server_run(url, args)  # warm-up
         for _ in range(args.repeats):
-            client_started, server_started, wall_started = time.process_time(), _tree_cpu(process.pid), time.perf_counter()
+            client_started, server_started = time.process_time(), _tree_cpu(process.pid)
+            wall_started = time.perf_counter()
             server.append(_server_run(url, args))
             wall = time.perf_counter() - wall_started
             client_cpu.append((time.process_time() - client_started) / wall)

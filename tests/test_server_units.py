@@ -377,7 +377,7 @@ class RecordingRouter:
 
 def test_a_replica_set_routes_and_a_failed_replica_fails_only_its_requests():
     from servelab.server.metrics import ServerMetrics
-    from servelab.server.replicas import ReplicaSet
+    from servelab.server.replica_set import ReplicaSet
 
     router, failures, metrics = RecordingRouter(), [], ServerMetrics()
     engines = [FakeEngine(), FakeEngine(fail_at=3)]
@@ -407,11 +407,12 @@ def test_a_replica_set_routes_and_a_failed_replica_fails_only_its_requests():
 
     run(scenario())
     text = metrics.render().decode()
-    assert 'servelab_replica_up{replica="1"} 0.0' in text and 'servelab_replica_requests_routed_total{replica="0"} 2.0' in text
+    assert 'servelab_replica_up{replica="1"} 0.0' in text
+    assert 'servelab_replica_requests_routed_total{replica="0"} 2.0' in text
 
 
 def test_a_replica_set_fails_once_every_replica_has():
-    from servelab.server.replicas import ReplicaSet
+    from servelab.server.replica_set import ReplicaSet
 
     engine = FakeEngine(fail_at=1)
     engine.model_config, engine.limits = SimpleNamespace(vocab_size=100), SimpleNamespace(max_model_len=64)

@@ -162,7 +162,8 @@ class ServerMetrics:
 
 class EngineObserver:
     """An engine plugin (observer hooks only) feeding per-step numbers into ServerMetrics,
-    for an engine in this process (the server's engine reports them in its snapshots). Draft counts come from the step report
+    for an engine in this process (the server's engine reports them in its snapshots).
+    Draft counts come from the step report
     (`num_draft_tokens`, `num_accepted_tokens`); without a drafter they stay 0 and the
     acceptance rate is NaN.
     """
