@@ -7,6 +7,10 @@ on torch's thread pool: nothing is gathered or copied. Longer rows (prompts) go 
 torch-paged's grouped scaled_dot_product_attention, which is compute-bound and already
 runs at matmul speed there. The cache layout is torch-paged's.
 
+The same library offers the model fused layer ops (`layer_ops`: RMSNorm with the residual
+add, rotary in place, SiLU-and-multiply), which cut a decoder layer's small ops and their
+Python dispatch (`layer_ops = false` keeps torch's).
+
 The kernels compile on first use (see cpu_build); until they are ready, or when they
 cannot be built, every row takes the torch-paged path, which computes the same attention.
 """
@@ -53,6 +57,13 @@ class CpuPagedAttention(TorchPagedAttention):
     @property
     def kernels_ready(self) -> bool:
         return self._kernels is not None
+
+    @property
+    def layer_ops(self):
+        """The library's fused layer ops (RMSNorm, residual add + RMSNorm, rotary, SiLU-and-
+        multiply) for the model, once the kernels are ready; see servelab.model.llama.LayerOps.
+        Set when a step is prepared, so a step never mixes the two paths."""
+        return self._kernels if self.cpu_options.layer_ops else None
 
     def prepare(self, metadata: AttentionMetadata):
         if self._kernels is None:
