@@ -12,8 +12,10 @@ interference of mixed batches. On top, the host pays a fixed overhead every step
 unless a decode-only step replays a CUDA graph, the launch of every kernel, which the
 device's work hides once it is longer.
 
-Profiles with `per_kernel=False` (the calibrated CPU) take one roofline over the whole
-step's FLOPs and bytes instead, the form `servelab bench --calibrate` fits."""
+Profiles with fitted `terms` (the calibrated CPU) add up per-step, per-sequence,
+per-FLOP and per-byte terms instead (see hardware.StepTerms), the form `servelab bench
+--calibrate` fits: on a CPU the engine's own work per sequence is a large part of a
+step, and nothing overlaps."""
 
 from __future__ import annotations
 
@@ -73,10 +75,9 @@ class CostModel:
         flops, nbytes = self._work(query_lens, context_lens, num_tokens, num_sampled)
         total_flops, total_bytes = sum(flops.values()), sum(nbytes.values())
         hw = self.hardware
-        if not hw.per_kernel:
-            seconds = max(total_flops / (hw.peak_flops * hw.compute_efficiency),
-                          total_bytes / (hw.memory_bandwidth * hw.bandwidth_efficiency)) + hw.step_overhead_s
-            return StepCost(total_flops, total_bytes, seconds)
+        if hw.terms is not None:
+            features = self.features(query_lens, context_lens, num_sampled, (flops, nbytes))
+            return StepCost(total_flops, total_bytes, hw.terms.seconds(features))
         kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
         if self.tp > 1:
             kernels["allreduce"] = self._allreduce_seconds(num_tokens)
@@ -84,6 +85,18 @@ class CostModel:
         launches = 0.0 if hw.cuda_graphs and decode_only else self.num_kernels * hw.kernel_launch_s
         seconds = hw.step_overhead_s + max(sum(kernels.values()), launches)  # device work hides async launches
         return StepCost(total_flops, total_bytes, seconds, kernels)
+
+    def features(self, query_lens: list[int], context_lens: list[int], num_sampled: int,
+                 work: tuple[dict[str, float], dict[str, float]] | None = None) -> dict[str, float]:
+        """The quantities hardware.StepTerms prices (STEP_FEATURES), for one step."""
+        num_decode = sum(1 for q in query_lens if q == 1)
+        num_tokens = sum(query_lens)
+        flops, nbytes = work or self._work(query_lens, context_lens, num_tokens, num_sampled)
+        per_token = 2.0 * self.layer_params
+        return {"step": 1.0, "sequence": float(len(query_lens)),
+                "prefill_gemm_flop": per_token * (num_tokens - num_decode), "decode_gemm_flop": per_token * num_decode,
+                "prefill_attention_flop": flops["prefill_attention"], "decode_kv_byte": nbytes["decode_attention"],
+                "lm_head_flop": flops["lm_head"]}
 
     def _work(self, query_lens: list[int], context_lens: list[int], num_tokens: int,
               num_sampled: int) -> tuple[dict[str, float], dict[str, float]]:
