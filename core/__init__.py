@@ -13,7 +13,7 @@ from servelab.errors import CheckpointError, ConfigError, PluginError, RequestEr
 from servelab.hookspecs import hookimpl
 from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepReport
-from servelab.plugin_types import AllocatorPlugin, AttentionPlugin, DrafterPlugin, SchedulerPlugin
+from servelab.plugin_types import AllocatorPlugin, AttentionPlugin, DrafterPlugin, RouterPlugin, SchedulerPlugin
 from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
 
@@ -33,6 +33,7 @@ __all__ = [
     "PluginRegistry",
     "RequestError",
     "RequestMetrics",
+    "RouterPlugin",
     "RequestOutput",
     "SamplingParams",
     "SchedulerPlugin",

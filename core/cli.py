@@ -65,8 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", help="model for every config (checkpoint directory or builtin:<name>)")
     bench.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a value in every config (repeatable)")
-    bench.add_argument("--workload", default="skewed", help="workload spec, e.g. 'skewed:num_requests=64', "
-                       "'shared-prefix:prefix_len=1000', 'skewed:arrival=poisson,rate=4', 'file:reqs.jsonl'")
+    bench.add_argument("--workload", help="workload spec, e.g. 'skewed:num_requests=64' (the default: 'skewed'), "
+                       "'shared-prefix:prefix_len=1000', 'skewed:arrival=poisson,rate=4', 'file:reqs.jsonl'; "
+                       "with --calibrate, the one workload to fit and check (default: skewed, shared-prefix "
+                       "and long-burst)")
     bench.add_argument("--repeats", type=int, help=f"interleaved timed repetitions; the median and min-max "
                        f"are reported (default {DEFAULT_REPEATS}; 1 with --sim, whose clock is deterministic)")
     bench.add_argument("--warm-cache", action="store_true", help="keep prefix caches between the warm-up "
@@ -86,10 +88,48 @@ def _parser() -> argparse.ArgumentParser:
                        "h100, h200, a100, l4 (TensorRT-LLM-like, CUDA graphs; NAME-eager without) or cpu-here "
                        "(policies run unchanged against a per-kernel roofline cost model)")
     bench.add_argument("--calibrate", action="store_true",
-                       help="fit the cpu-here simulator profile to real runs of the model and report its error")
+                       help="fit the cpu-here simulator profile to real runs of the model (one thread, CPU time) "
+                            "and report its error on held-out workloads, per kind")
     bench.add_argument("--sim-model", default="llama-3-8b",
                        help="model shape to simulate: llama-3-8b, llama-3-70b, qwen2-7b, tiny-random")
+    bench.add_argument("--tp", type=int, default=1, help="with --sim: tensor parallelism, devices each "
+                       "simulated engine spreads the model over (default 1)")
+    bench.add_argument("--replicas", type=int, default=1, help="with --sim: run each config as a fleet of N "
+                       "replicas behind its [router] (default round-robin) and compare routers")
     bench.set_defaults(handler=_cmd_bench)
+
+    size = commands.add_parser("size", help="capacity plan on the simulator: KV blocks, concurrent sequences, "
+                               "the rate one replica sustains under an SLO, replicas for a target rate, "
+                               "speculative-decoding breakeven")
+    size.add_argument("--sim", required=True, metavar="ACCELERATOR", help="h100, h200, a100, l4 (or NAME-eager)")
+    size.add_argument("--sim-model", default="llama-3-8b", help="model shape: llama-3-8b, llama-3-70b, qwen2-7b, "
+                      "tiny-random")
+    size.add_argument("--tp", type=int, default=1, help="tensor parallelism: devices one replica spreads over")
+    size.add_argument("--context-len", type=int, default=4096, help="tokens a sequence may reach (max_model_len)")
+    size.add_argument("--memory-utilization", type=float, default=0.9,
+                      help="share of the memory weights and runtime leave that the KV pool takes (default 0.9)")
+    size.add_argument("--config", help="TOML config for the scheduler and allocator (default: continuous, "
+                      "paged, max_num_seqs 256)")
+    size.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one config value (repeatable)")
+    size.add_argument("--workload", default="fixed:num_requests=200,prompt_len=1024,output_len=256",
+                      help="the traffic of the rate sweep (its arrival options are replaced by Poisson arrivals)")
+    size.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    size.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    size.add_argument("--slo-attainment", type=float, default=0.9,
+                      help="share of requests that must meet both bounds at a sustained rate (default 0.9)")
+    size.add_argument("--target-rate", type=float, help="requests/s the fleet must sustain: prints replicas needed")
+    size.add_argument("--no-sweep", action="store_true", help="memory and speculation only (no rate sweep)")
+    size.add_argument("--sweep-seconds", type=float, default=60.0, help="each sweep point's requests arrive "
+                      "over at least this long (default 60), so an unsustainable rate shows as a growing queue")
+    size.add_argument("--acceptance-rate", type=float, default=0.7, help="draft token acceptance rate")
+    size.add_argument("--draft-cost", type=float, help="one draft forward's time over one target decode step's "
+                      "(default: measured on the cost model for --draft-model)")
+    size.add_argument("--draft-model", default="tiny-random", help="draft model shape whose cost is measured")
+    size.add_argument("--spec-batch", type=int, default=1, help="decode batch size of the speculation table")
+    size.add_argument("--max-draft-tokens", type=int, default=6)
+    size.add_argument("--json", dest="json_out", help="write the plan as JSON to this file")
+    size.set_defaults(handler=_cmd_size)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     _add_engine_arguments(serve)
@@ -156,12 +196,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if len(set(names)) != len(names):
         raise ServelabError(f"config names must differ (they come from file names): {names}")
     options = BenchOptions(
-        workload=args.workload, repeats=_repeats(args), slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+        workload=args.workload or "skewed", repeats=_repeats(args), slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
         baseline=args.baseline, hf_batch_size=args.hf_batch_size, baseline_python=args.baseline_python,
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
         save_workload=Path(args.save_workload) if args.save_workload else None,
-        sim_accelerator=args.sim, sim_model=args.sim_model, warm_cache=args.warm_cache,
+        sim_accelerator=args.sim, sim_model=args.sim_model, warm_cache=args.warm_cache, replicas=args.replicas,
+        sim_tp=args.tp,
     )
     if args.calibrate:
         result = _calibrate(configs[0][1], args.workload)
@@ -180,6 +221,16 @@ def _repeats(args: argparse.Namespace) -> int:
     return 1 if args.sim else DEFAULT_REPEATS  # a simulated clock gives the same figures every time
 
 
+def _cmd_size(args: argparse.Namespace) -> int:
+    from servelab.bench.sim.size_command import size
+
+    result = size(args)
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from servelab.server.serve import run_server
 
@@ -187,27 +238,45 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(load_config(args), options)
 
 
-def _calibrate(config: EngineConfig, spec: str) -> dict:
-    from servelab.bench.sim.calibrate import calibrate
+def _calibrate(config: EngineConfig, spec: str | None) -> dict:
+    from servelab.bench.sim.calibrate import KINDS, calibrate
     from servelab.model.source import CheckpointSource
     from servelab.workload import build_workload, parse_spec
 
     vocab_size = CheckpointSource(config.engine.model).model_config.vocab_size
-    name, options = parse_spec(spec)
-    options["seed"] = int(options.get("seed", 0)) + 1
-    check_spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in options.items())
-    result = calibrate(config, build_workload(spec, vocab_size), build_workload(check_spec, vocab_size))
-    profile = result["profile"]
-    print(f"fitted cpu profile: {profile['peak_flops'] / 1e9:.1f} GFLOP/s, "
-          f"{profile['memory_bandwidth'] / 1e9:.1f} GB/s, {1000 * profile['step_overhead_s']:.2f} ms per step "
-          f"({result['fit_steps']} steps of {spec})")
-    step, throughput = result["median_step_ms"], result["throughput"]
-    print(f"held-out workload {check_spec}: median step {step['measured']:.1f} ms measured, "
-          f"{step['predicted']:.1f} ms predicted ({100 * step['error']:.1f}% error); per-step error "
-          f"p50 {100 * result['per_step_abs_error']['p50']:.1f}%, p90 {100 * result['per_step_abs_error']['p90']:.1f}%")
-    print(f"throughput {throughput['measured']:.1f} tok/s measured, {throughput['simulated']:.1f} simulated "
-          f"({100 * throughput['error']:.1f}% error)")
+    kinds = {parse_spec(spec)[0]: spec} if spec else KINDS
+    fit_workloads, checks = [], {}
+    for kind, kind_spec in kinds.items():
+        name, options = parse_spec(kind_spec)
+        seed = int(options.pop("seed", 0))
+        fit_workloads.append(build_workload(_spec(name, {**options, "seed": seed}), vocab_size))
+        checks[kind] = build_workload(_spec(name, {**options, "seed": seed + 1}), vocab_size)
+    result = calibrate(config, fit_workloads, checks, progress=lambda text: print(text, file=sys.stderr))
+    terms = result["terms"]
+    print(f"fitted cpu terms ({result['fit_steps']} steps, one thread, CPU time): "
+          f"{1000 * terms['step_s']:.2f} ms a step + {1000 * terms['sequence_s']:.3f} ms a sequence; "
+          f"GEMMs {_rate(terms['prefill_gemm_flop_s'])} GFLOP/s on prompt tokens, "
+          f"{_rate(terms['decode_gemm_flop_s'])} on decode tokens; prefill attention "
+          f"{_rate(terms['prefill_attention_flop_s'])} GFLOP/s; decode attention "
+          f"{_rate(terms['decode_kv_byte_s'])} GB/s of KV; LM head {_rate(terms['lm_head_flop_s'])} GFLOP/s")
+    print(f"held out (seed + 1), CPU time: measured = fastest of {result['repeats']} interleaved repetitions per step")
+    print(f"{'workload':<14} {'median step ms (meas/pred)':>27} {'err':>6} {'output tok/s (meas/sim)':>24} {'err':>6} "
+          f"{'repetitions tok/s':>18} {'wall tok/s':>10}")
+    for kind, row in result["kinds"].items():
+        step, throughput = row["median_step_ms"], row["throughput"]
+        repeats = throughput["measured_repeats"]
+        print(f"{kind:<14} {step['measured']:>13.2f} / {step['predicted']:<11.2f} {100 * step['error']:>5.1f}% "
+              f"{throughput['measured']:>11.1f} / {throughput['simulated']:<10.1f} {100 * throughput['error']:>5.1f}% "
+              f"{min(repeats):>8.0f}-{max(repeats):<9.0f} {throughput['measured_wall_clock']:>10.1f}")
     return result
+
+
+def _spec(name: str, options: dict) -> str:
+    return f"{name}:" + ",".join(f"{k}={v}" for k, v in options.items())
+
+
+def _rate(seconds_per_unit: float) -> str:
+    return "-" if seconds_per_unit <= 0 else f"{1e-9 / seconds_per_unit:.1f}"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ policy of each kind by name, with `section.key=value` overrides.
 
     [attention]
     name = "torch-paged"
+
+    [router]                  # used by fleets of replicas (servelab bench --replicas)
+    name = "prefix-affinity"
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ else:  # pragma: no cover
 
 DEFAULT_MODEL = "builtin:tiny"
 DTYPES = ("float32", "bfloat16", "float16")
-POLICY_SECTIONS = ("allocator", "scheduler", "drafter", "attention")
+POLICY_SECTIONS = ("allocator", "scheduler", "drafter", "attention", "router")
 DEFAULT_POLICIES = {"allocator": "paged", "scheduler": "continuous", "attention": "torch-paged"}
+DEFAULT_ROUTER = "round-robin"
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -99,6 +103,7 @@ class EngineConfig:
     scheduler: PolicySection = attrs.field(factory=lambda: PolicySection(DEFAULT_POLICIES["scheduler"]))
     attention: PolicySection = attrs.field(factory=lambda: PolicySection(DEFAULT_POLICIES["attention"]))
     drafter: PolicySection | None = None
+    router: PolicySection | None = None  # how a fleet of replicas of this engine routes requests
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":

@@ -239,6 +239,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def unfinished_sequences(self) -> list[Sequence]:
+        """Every sequence in flight (waiting or running), children of n > 1 requests included."""
+        return [seq for seq in self._sequences.values() if not seq.is_finished]
+
     def speculation_stats(self) -> SpeculationStats | None:
         """Drafted/accepted totals of the configured drafter; None without one."""
         return self.speculator.stats if self.speculator is not None else None

@@ -78,6 +78,18 @@ def servelab_register_attention() -> list[Any]:
 
 
 @hookspec
+def servelab_register_routers() -> list[Any]:
+    """Return RouterPlugin records.
+
+    Example::
+
+        @servelab.hookimpl
+        def servelab_register_routers():
+            return [RouterPlugin(name="mine", factory="pkg.mod:MyRouter")]
+    """
+
+
+@hookspec
 def servelab_engine_started(engine: Any) -> None:
     """Called once the engine has built its model, cache and policies.
 

@@ -58,8 +58,19 @@ def get_logger(name: str) -> LibraryLogger:
     return LibraryLogger(name)
 
 
+_configured_verbosity: int | None = None
+
+
+def configured_verbosity() -> int | None:
+    """The verbosity configure_logging was last given (None before it ran): a process the
+    engine starts configures its own logging the same way."""
+    return _configured_verbosity
+
+
 def configure_logging(verbosity: int = 0) -> None:
     """Human-readable events on stderr: warnings by default, info with -v, debug with -vv."""
+    global _configured_verbosity
+    _configured_verbosity = verbosity
     level = {0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
     structlog.configure(
         processors=[

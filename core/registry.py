@@ -26,8 +26,10 @@ _REGISTER_HOOKS = {
     "schedulers": "servelab_register_schedulers",
     "drafters": "servelab_register_drafters",
     "attention": "servelab_register_attention",
+    "routers": "servelab_register_routers",
 }
-_SINGULAR = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention backend"}
+_SINGULAR = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention backend",
+             "routers": "router"}
 
 
 @attrs.frozen

@@ -2,7 +2,8 @@
 
 A workload is a list of requests (prompt token ids, output length, arrival offset in
 seconds). Generators cover length-skewed traffic, shared-prefix traffic, multi-turn
-conversations, repetitive traffic, long-prompt bursts and fixed lengths; arrivals are
+conversations (one system prompt, or many of them with their own popularity and
+arrivals), repetitive traffic, long-prompt bursts and fixed lengths; arrivals are
 offline (all at t=0, but for the turns of a conversation), Poisson or bursty.
 Workloads save to and replay from JSONL exactly.
 
@@ -11,6 +12,7 @@ Spec strings (`servelab bench --workload SPEC`):
     skewed:num_requests=64,mean_prompt_len=128,mean_output_len=128
     shared-prefix:num_groups=2,prefix_len=1000,num_requests=32
     multi-turn:num_conversations=8,num_turns=4,turn_gap_s=0.5
+    conversations:num_system_prompts=64,num_conversations=256,num_turns=4,conversation_rate=4
     repetitive:passage_len=200,num_requests=16
     long-burst:num_long=4,long_len=2000,num_short=32
     fixed:num_requests=500,prompt_len=467,output_len=256,arrival=poisson,rate=16
@@ -126,11 +128,13 @@ def fixed(rng: random.Random, vocab_size: int, num_requests: int = 64, prompt_le
 
 
 def shared_prefix(rng: random.Random, vocab_size: int, num_groups: int = 2, prefix_len: int = 1000,
-                  num_requests: int = 32, tail_len: int = 32, output_len: int = 32) -> list[BenchRequest]:
-    """A long common prefix per group (a system prompt) plus short distinct tails."""
+                  num_requests: int = 32, tail_len: int = 32, output_len: int = 32, shuffle: int = 0) -> list[BenchRequest]:
+    """A long common prefix per group (a system prompt) plus short distinct tails. Request
+    i belongs to group i mod num_groups, or, with shuffle=1, to a group drawn at random
+    (a fixed cycle lines groups up with a round-robin router's replicas)."""
     prefixes = [_tokens(rng, vocab_size, prefix_len) for _ in range(num_groups)]
-    return [BenchRequest(prefixes[i % num_groups] + _tokens(rng, vocab_size, tail_len), output_len)
-            for i in range(num_requests)]
+    groups = [rng.randrange(num_groups) if shuffle else i % num_groups for i in range(num_requests)]
+    return [BenchRequest(prefixes[group] + _tokens(rng, vocab_size, tail_len), output_len) for group in groups]
 
 
 def multi_turn(rng: random.Random, vocab_size: int, num_conversations: int = 8, num_turns: int = 4,
@@ -149,6 +153,39 @@ def multi_turn(rng: random.Random, vocab_size: int, num_conversations: int = 8, 
                                     + _tokens(rng, vocab_size, user_len))
             out.append(BenchRequest(list(histories[index]), output_len, arrival_time=round(turn * turn_gap_s, 6)))
     return out
+
+
+def conversations(rng: random.Random, vocab_size: int, num_system_prompts: int = 64, system_len: int = 1024,
+                  num_conversations: int = 256, num_turns: int = 4, user_len: int = 64, answer_len: int = 128,
+                  output_len: int = 128, conversation_rate: float = 4.0, turn_gap_s: float = 10.0,
+                  popularity: float = 1.0) -> list[BenchRequest]:
+    """Many system prompts, many multi-turn conversations: the traffic where routing by
+    cached prefix pays. Conversations start as a Poisson process at `conversation_rate`
+    per second; each picks a system prompt, the k-th most popular with probability
+    proportional to 1 / k**popularity (0: uniform); turn t's prompt is turn t-1's plus an
+    answer and a new user message, arriving an exponential gap of mean `turn_gap_s` later
+    (the user reading and typing). A replica that served turn t-1 holds its prompt's K/V;
+    any replica that served the system prompt holds that much."""
+    if num_system_prompts < 1 or num_conversations < 0 or num_turns < 1:
+        raise ConfigError("conversations needs num_system_prompts >= 1, num_conversations >= 0, num_turns >= 1")
+    if conversation_rate <= 0 or turn_gap_s < 0:
+        raise ConfigError(f"conversations needs conversation_rate > 0 and turn_gap_s >= 0, "
+                          f"got {conversation_rate} and {turn_gap_s}")
+    systems = [_tokens(rng, vocab_size, system_len) for _ in range(num_system_prompts)]
+    weights = [1.0 / (rank + 1) ** popularity for rank in range(num_system_prompts)]
+    out = []
+    start = 0.0
+    for _ in range(num_conversations):
+        start += rng.expovariate(conversation_rate)
+        history = list(rng.choices(systems, weights)[0])
+        when = start
+        for turn in range(num_turns):
+            if turn:
+                history += _tokens(rng, vocab_size, answer_len)
+                when += rng.expovariate(1.0 / turn_gap_s) if turn_gap_s else 0.0
+            history += _tokens(rng, vocab_size, user_len)
+            out.append(BenchRequest(list(history), output_len, arrival_time=round(when, 6)))
+    return sorted(out, key=lambda r: r.arrival_time)
 
 
 def repetitive(rng: random.Random, vocab_size: int, passage_len: int = 200, num_requests: int = 16,
@@ -176,6 +213,7 @@ GENERATORS: dict[str, Callable[..., list[BenchRequest]]] = {
     "fixed": fixed,
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
+    "conversations": conversations,
     "repetitive": repetitive,
     "long-burst": long_burst,
 }

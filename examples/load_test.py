@@ -45,6 +45,7 @@ def main() -> int:
     parser.add_argument("--disconnect", type=int, default=0, help="this many clients hang up halfway")
     parser.add_argument("--sigterm-after", type=float, help="SIGTERM the started server this many seconds in")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0, help="the started server's drain deadline")
+    parser.add_argument("--replicas", type=int, help="the started server runs this many engine replicas on Ray")
     args = parser.parse_args()
 
     server = None if args.url else start_server(args)
@@ -74,6 +75,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]
     command = [sys.executable, "-m", "servelab.cli", "-v", "serve", "--model", args.model, "--port", "0",
                "--max-waiting", str(args.max_waiting),
                "--shutdown-timeout", str(getattr(args, "shutdown_timeout", 10.0))]
+    if getattr(args, "replicas", None):
+        command += ["--replicas", str(args.replicas)]
+    if getattr(args, "engine_threads", None):
+        command += ["--engine-threads", str(args.engine_threads)]
     for assignment in args.assignments:
         command += ["--set", assignment]
     if args.api_key:

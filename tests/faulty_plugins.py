@@ -9,11 +9,13 @@ from typing import Any
 
 import attrs
 
-from servelab.interfaces import DrafterContext, SchedulerContext
+from servelab.interfaces import DrafterContext, RouterContext, SchedulerContext
 from servelab.plugins.allocators.hash_prefix import CachedBlock, HashAllocator
 from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
 from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention
+from servelab.plugins.routers.least_loaded import LeastLoadedRouter, least_loaded
+from servelab.plugins.routers.prefix_affinity import PrefixAffinityRouter
 from servelab.plugins.schedulers.continuous import ContinuousScheduler
 from servelab.plugins.schedulers.queues import PlanBuilder
 
@@ -239,3 +241,55 @@ class WrongScaleAttention(TorchPagedAttention):
 
     def forward(self, query, key, value, key_cache, value_cache, prepared, scale):
         return super().forward(query, key, value, key_cache, value_cache, prepared, 1.0 / query.shape[-1])
+
+
+class FixedCycleRouter:
+    """Round robin over the replica ids the fleet started with, whether or not they are
+    still there."""
+
+    def __init__(self, options: Any, context: RouterContext) -> None:
+        self.num_replicas = context.num_replicas
+        self.count = -1
+
+    def route(self, request, replicas):
+        self.count += 1
+        return self.count % self.num_replicas
+
+
+class ListPositionRouter(LeastLoadedRouter):
+    """Least loaded, but returns the replica's position in the list instead of its id
+    (the same thing until a replica leaves)."""
+
+    def route(self, request, replicas):
+        return list(replicas).index(least_loaded(replicas))
+
+
+class SheddingRouter(LeastLoadedRouter):
+    """Sheds load by returning None when even the least-loaded replica is busy with two
+    or more requests."""
+
+    def route(self, request, replicas):
+        lightest = least_loaded(replicas)
+        return None if lightest.num_running + lightest.num_waiting >= 2 else lightest.replica_id
+
+
+class HedgingRouter(PrefixAffinityRouter):
+    """Hedges long prompts: sends them to the best-cached replica and to the least-loaded one."""
+
+    def route(self, request, replicas):
+        chosen = super().route(request, replicas)
+        lightest = least_loaded(replicas).replica_id
+        return (chosen, lightest) if len(request.prompt_token_ids) > 12 and chosen != lightest else chosen
+
+
+class UnseededTwoChoicesRouter:
+    """Power of two choices: the lighter of two random replicas, from an unseeded generator."""
+
+    def __init__(self, options: Any, context: RouterContext) -> None:
+        import random
+
+        self.rng = random.Random()
+
+    def route(self, request, replicas):
+        first, second = self.rng.choice(replicas), self.rng.choice(replicas)
+        return min(first, second, key=lambda r: (r.load_tokens, r.replica_id)).replica_id

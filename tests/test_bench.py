@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -165,3 +166,38 @@ def test_vllm_baseline_runs_the_same_workload(tmp_path):
         assert len(vllm.latency(16, 8, 2)["tpot_ms"]) == 2
     finally:
         vllm.close()
+
+
+def test_conversations_extend_their_own_history_over_many_system_prompts():
+    spec = ("conversations:num_system_prompts=5,system_len=16,num_conversations=40,num_turns=3,user_len=4,"
+            "answer_len=6,output_len=2,conversation_rate=2,turn_gap_s=5,popularity=1.5")
+    workload = build_workload(spec, 300)
+    assert workload == build_workload(spec, 300)
+    requests = workload.requests
+    assert len(requests) == 120
+    assert [r.arrival_time for r in requests] == sorted(r.arrival_time for r in requests)
+    # Turn t of a conversation is turn t-1's prompt plus an answer and a user message, later.
+    by_prefix = {}
+    for r in requests:
+        by_prefix.setdefault(tuple(r.prompt_token_ids[:20]), []).append(r)
+    assert len(by_prefix) == 40
+    for turns in by_prefix.values():
+        assert [len(t.prompt_token_ids) for t in turns] == [20, 30, 40]
+        assert turns[1].prompt_token_ids[:20] == turns[0].prompt_token_ids
+        assert turns[2].prompt_token_ids[:30] == turns[1].prompt_token_ids
+        assert turns[0].arrival_time < turns[1].arrival_time < turns[2].arrival_time
+    # Five system prompts, the most popular first: weights 1, 1/2**1.5, ...
+    systems = Counter(tuple(t[0].prompt_token_ids[:16]) for t in by_prefix.values())
+    assert len(systems) <= 5 and systems.most_common(1)[0][1] >= 40 * 0.3
+    starts = sorted(t[0].arrival_time for t in by_prefix.values())
+    assert 40 / starts[-1] == pytest.approx(2, rel=0.4)
+
+
+def test_shared_prefix_shuffle_draws_groups_at_random():
+    cycled = build_workload("shared-prefix:num_groups=4,prefix_len=8,num_requests=40,tail_len=2", 300)
+    shuffled = build_workload("shared-prefix:num_groups=4,prefix_len=8,num_requests=40,tail_len=2,shuffle=1", 300)
+    group = lambda r: tuple(r.prompt_token_ids[:8])  # noqa: E731
+    cycle = [group(r) for r in cycled.requests]
+    assert cycle[:4] * 10 == cycle
+    drawn = [group(r) for r in shuffled.requests]
+    assert drawn != drawn[:4] * 10 and len(set(drawn)) == 4

@@ -377,3 +377,27 @@ def test_a_scheduler_exception_names_the_invariant_in_the_harness_and_end_to_end
         text = failed[f"TestCrashing::{test}"]
         assert f"invariant violated: {invariant}: the policy raised IndexError" in text
         assert "in schedule" in text and "faulty_plugins.py" in text, "the scheduler's traceback is in the report"
+
+
+@pytest.mark.parametrize("router, options, invariant, tests", [
+    ("FixedCycleRouter", None, "routed to a live replica", ("test_replicas_leaving_and_joining", "test_random_fleets")),
+    ("ListPositionRouter", None, "routed to a live replica", ("test_replicas_leaving_and_joining", "test_random_fleets")),
+    ("SheddingRouter", None, "request lost", ("test_one_replica_gets_every_request",)),
+    ("HedgingRouter", "PrefixAffinityOptions()", "request duplicated",
+     ("test_replicas_leaving_and_joining", "test_random_fleets")),
+    ("UnseededTwoChoicesRouter", None, "deterministic", ("test_same_calls_same_choices", "test_random_fleets")),
+])
+def test_faulty_router_fails_its_invariant(pytester, router, options, invariant, tests):
+    results = run_contract(pytester, f"""
+        from faulty_plugins import {router}
+        from servelab.plugins.routers.prefix_affinity import PrefixAffinityOptions
+        from servelab.testing import RouterContract
+
+        class TestFaulty(RouterContract):
+            factory = {router}
+            options = {options}
+    """)
+    failed = failures(results)
+    for test in tests:
+        assert f"invariant violated: {invariant}" in failed[f"TestFaulty::{test}"]
+    assert "TestFaulty::test_implements_router" not in failed

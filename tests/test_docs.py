@@ -147,7 +147,7 @@ def test_servelab_command_parses_and_names_what_exists(where, argv):
     if model and not _is_placeholder(model):
         assert model in BUILTIN_MODELS, f"{where}: unknown model {model}"
     EngineConfig().with_set_options(getattr(args, "assignments", []))
-    if args.command == "bench":
+    if args.command in ("bench", "size") and args.workload:
         build_workload(args.workload, vocab_size=4096)
 
 

@@ -38,14 +38,15 @@ def policy_plugin(hook: str, *records):
 
 def test_builtins_are_discovered_through_entry_points():
     registry = PluginRegistry.from_entry_points()
-    expected = {"allocators": "paged", "schedulers": "continuous", "attention": "torch-paged"}
+    expected = {"allocators": "paged", "schedulers": "continuous", "attention": "torch-paged",
+                "routers": "prefix-affinity"}
     for kind, name in expected.items():
         found = registry.policies(kind)
         assert name in found, (kind, sorted(found))
         assert found[name].distribution == "servelab"
         assert found[name].kind == kind
     listing = registry.describe()
-    assert set(listing) == {"allocators", "schedulers", "drafters", "attention"}
+    assert set(listing) == {"allocators", "schedulers", "drafters", "attention", "routers"}
     paged = next(entry for entry in listing["allocators"] if entry["name"] == "paged")
     assert paged["distribution"] == "servelab" and paged["description"]
 

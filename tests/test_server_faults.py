@@ -102,3 +102,27 @@ def test_an_engine_fault_fails_the_requests_in_flight_and_exits_1(served_checkpo
     finally:
         server.terminate()
 
+
+
+def test_a_killed_engine_process_fails_the_requests_in_flight_and_exits_1(served_checkpoint, tmp_path):
+    """The engine runs in a process of its own: when that process dies (killed, out of
+    memory, a crash in native code) the server says so instead of hanging."""
+    import re
+    import signal
+
+    server = ServerProcess(served_checkpoint, "--set", "engine.max_model_len=256", log_path=tmp_path / "server.log")
+    try:
+        engine_pid = int(re.search(r"engine\.process_started\s.*?pid=(\d+)", server.log()).group(1))
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            stream = {"prompt": "w5 w6", "max_tokens": 240, "ignore_eos": True, "stream": True}
+            with client.stream("POST", "/v1/completions", json=stream) as in_flight:
+                events = sse_events(in_flight)
+                next(events)  # it runs
+                os.kill(engine_pid, signal.SIGKILL)
+                rest = list(events)
+            assert rest[-1] == "[DONE]" and "engine process exited unexpectedly" in rest[-2]["error"]["message"]
+            assert "SIGKILL" in rest[-2]["error"]["message"]
+        assert server.process.wait(30) == EXIT_ENGINE_FAILED, server.log()
+        assert "server.engine_failed" in server.log()
+    finally:
+        server.terminate()

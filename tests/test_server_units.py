@@ -15,7 +15,7 @@ from servelab.interfaces import AllocatorStats, SchedulerStats
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from servelab.sampling_params import SamplingParams
 from servelab.server.chat import ChatTemplate
-from servelab.server.engine_loop import AsyncEngine, EngineUnavailable, NewRequest
+from servelab.server.engine_loop import AsyncEngine, EngineUnavailable, NewRequest, ThreadConnection
 from servelab.server.generation import TextStreamer
 from servelab.server.limits import RequestLimits, parse_body
 from servelab.server.protocol import ApiError, PromptBounds, brief, parse_chat, parse_completion
@@ -200,14 +200,14 @@ async def drain(events, count):
 
 def test_engine_loop_streams_events_and_idles():
     async def scenario():
-        loop = AsyncEngine(FakeEngine())
+        loop = AsyncEngine(ThreadConnection(FakeEngine()))
         loop.start()
         events = await loop.add([NewRequest("a", "p", SamplingParams(max_tokens=3), 0.0)])
         got = await drain(events, 3)
         assert [e.new_token_ids for _, e in got] == [(1,), (2,), (3,)] and got[-1][1].output is not None
         with pytest.raises(RequestError):  # all or none
             await loop.add([NewRequest("b", "p", SamplingParams(), 0.0), NewRequest("c", "bad", SamplingParams(), 0.0)])
-        assert loop.engine.requests == {} and loop.num_waiting == 0
+        assert loop.connection.engine.requests == {} and loop.num_waiting == 0
         await loop.shutdown()
         with pytest.raises(EngineUnavailable):
             await loop.add([NewRequest("d", "p", SamplingParams(), 0.0)])
@@ -217,7 +217,7 @@ def test_engine_loop_streams_events_and_idles():
 
 def test_abort_and_shutdown_end_requests_with_an_abort_output():
     async def scenario():
-        loop = AsyncEngine(FakeEngine())
+        loop = AsyncEngine(ThreadConnection(FakeEngine()))
         loop.start()
         events = await loop.add([NewRequest(r, "p", SamplingParams(max_tokens=10**6), 0.0) for r in "ab"])
         loop.abort(["a"])
@@ -234,7 +234,7 @@ def test_abort_and_shutdown_end_requests_with_an_abort_output():
 
 def test_a_failing_engine_fails_its_requests_and_refuses_new_ones():
     async def scenario():
-        loop = AsyncEngine(FakeEngine(fail_at=2))
+        loop = AsyncEngine(ThreadConnection(FakeEngine(fail_at=2)))
         loop.start()
         events = await loop.add([NewRequest("a", "p", SamplingParams(max_tokens=5), 0.0)])
         first, second = await drain(events, 2)
@@ -310,7 +310,7 @@ def test_a_failing_decode_fails_its_request_alone():
         return [sum(len(t) for t in tokens.values())]
 
     async def scenario():
-        loop = AsyncEngine(FakeEngine())
+        loop = AsyncEngine(ThreadConnection(FakeEngine()))
         loop.start()
         bad = await loop.add([NewRequest("bad", "p", SamplingParams(max_tokens=2), 0.0)], decode=broken)
         good = await loop.add([NewRequest("good", "p", SamplingParams(max_tokens=2), 0.0)], decode=working)
@@ -333,8 +333,9 @@ def test_a_failed_engine_answers_500_naming_the_cause_and_health_503():
     failures = []
     engine = FakeEngine(fail_at=1)
     engine.model_config = SimpleNamespace(vocab_size=100)
+    engine.limits = SimpleNamespace(max_model_len=64)
     engine.clock = lambda: 0.0
-    state = ServerState(engine=AsyncEngine(engine, on_failure=failures.append), metrics=ServerMetrics(),
+    state = ServerState(engine=AsyncEngine(ThreadConnection(engine), on_failure=failures.append), metrics=ServerMetrics(),
                         codec=TextCodec(None, ChatTemplate(None)), model_name="fake", max_model_len=64, max_waiting=8)
 
     async def scenario():
@@ -352,3 +353,81 @@ def test_a_failed_engine_answers_500_naming_the_cause_and_health_503():
     assert health.status_code == 503 and "boom" in health.json()["error"]
     assert refused.status_code == 503 and refused.headers["retry-after"]
     assert failures and "boom" in failures[0]
+
+
+# ---------------------------------------------------------------- replica sets (engines on threads)
+
+
+class RecordingRouter:
+    """The built-in round-robin, also noting which requests it was told finished."""
+
+    def __init__(self):
+        from servelab.interfaces import RouterContext
+        from servelab.plugins.routers.round_robin import RoundRobinRouter
+
+        self.inner = RoundRobinRouter(None, RouterContext(num_replicas=2))
+        self.finished = []
+
+    def route(self, request, replicas):
+        return self.inner.route(request, replicas)
+
+    def request_finished(self, request_id, replica_id):
+        self.finished.append((request_id, replica_id))
+
+
+def test_a_replica_set_routes_and_a_failed_replica_fails_only_its_requests():
+    from servelab.server.metrics import ServerMetrics
+    from servelab.server.replica_set import ReplicaSet
+
+    router, failures, metrics = RecordingRouter(), [], ServerMetrics()
+    engines = [FakeEngine(), FakeEngine(fail_at=3)]
+    for engine in engines:
+        engine.model_config, engine.limits = SimpleNamespace(vocab_size=100), SimpleNamespace(max_model_len=64)
+    replicas = ReplicaSet([AsyncEngine(ThreadConnection(e), name=f"replica {i}") for i, e in enumerate(engines)],
+                          router, "recording", block_size=16, metrics=metrics)
+    replicas.on_failure = failures.append
+
+    async def finish(events):
+        while True:
+            _, event = await events.get()
+            if event.is_last:
+                return event
+
+    async def scenario():
+        replicas.start()
+        first = await replicas.add([NewRequest("a", [1, 2], SamplingParams(max_tokens=10), 0.0)])
+        second = await replicas.add([NewRequest("b", [1, 2], SamplingParams(max_tokens=10), 0.0)])
+        ended = await asyncio.gather(finish(first), finish(second))
+        assert ended[0].output.finish_reason == "length" and "boom" in ended[1].error  # replica 1 failed at step 3
+        assert replicas.dead == {1} and replicas.error is None and not failures
+        later = await replicas.add([NewRequest("c", [1], SamplingParams(max_tokens=2), 0.0)])  # replica 0 only
+        assert (await finish(later)).output is not None
+        assert sorted(router.finished) == [("a", 0), ("b", 1), ("c", 0)]
+        await replicas.shutdown()
+
+    run(scenario())
+    text = metrics.render().decode()
+    assert 'servelab_replica_up{replica="1"} 0.0' in text
+    assert 'servelab_replica_requests_routed_total{replica="0"} 2.0' in text
+
+
+def test_a_replica_set_fails_once_every_replica_has():
+    from servelab.server.replica_set import ReplicaSet
+
+    engine = FakeEngine(fail_at=1)
+    engine.model_config, engine.limits = SimpleNamespace(vocab_size=100), SimpleNamespace(max_model_len=64)
+    failures = []
+    replicas = ReplicaSet([AsyncEngine(ThreadConnection(engine))], RecordingRouter(), "recording", block_size=16)
+    replicas.on_failure = failures.append
+
+    async def scenario():
+        replicas.start()
+        events = await replicas.add([NewRequest("a", [1], SamplingParams(max_tokens=5), 0.0)])
+        assert "boom" in (await events.get())[1].error
+        await asyncio.sleep(0)
+        with pytest.raises(EngineUnavailable, match="every engine replica has failed"):
+            await replicas.add([NewRequest("b", [1], SamplingParams(), 0.0)])
+        await replicas.shutdown()
+
+    run(scenario())
+    assert failures and "every engine replica has failed" in failures[0]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from servelab.bench.metrics import distribution, percentiles
 from servelab.bench.report import format_table
 from servelab.bench.session import BenchOptions, run_bench
-from servelab.bench.sim.calibrate import StepSample, _predict, fit
+from servelab.bench.sim.calibrate import StepSample, fit
 from servelab.bench.sim.cost_model import CostModel
-from servelab.bench.sim.hardware import Accelerator, accelerator
+from servelab.bench.sim.hardware import Accelerator, StepTerms, accelerator
 from servelab.bench.sim.shapes import model_shape, num_parameters
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
@@ -111,17 +112,34 @@ def test_small_simulated_pool_makes_the_real_scheduler_preempt():
     assert squeezed["num_requests"] == 300
 
 
-def test_fit_recovers_a_known_profile():
-    truth = Accelerator("truth", 80e9, 20e9, 24e9, 0.004, 1.0, 1.0)
+def test_fit_recovers_known_step_terms_from_steps_of_every_shape():
+    truth = StepTerms(step_s=3e-3, sequence_s=2e-4, prefill_gemm_flop_s=1 / 80e9, decode_gemm_flop_s=1 / 15e9,
+                      prefill_attention_flop_s=1 / 10e9, decode_kv_byte_s=1 / 5e9, lm_head_flop_s=1 / 30e9)
+    cost = CostModel(model_shape("tiny-random"), Accelerator("truth", 1.0, 1.0, 1.0, 0.0, terms=truth), 4)
     samples = []
-    for tokens in (1, 4, 16, 64, 256, 1024, 2048):
-        for context in (0, 100, 400):
-            flops = 5.6e7 * tokens
-            nbytes = 1.3e8 + 16_384 * tokens * context
-            samples.append(StepSample(flops, nbytes, _predict(truth, StepSample(flops, nbytes, 0))))
+    # prompts (a 150-token one is a chunk of a longer prompt: not sampled), mixed with decodes
+    for prompts in ([], [64], [300, 300], [150, 150, 150], [64, 300], [150, 64, 64], [100, 100]):
+        for num_decode in (0, 1, 8, 40):
+            for context in (20, 400):
+                queries = prompts + [1] * num_decode
+                if not queries:
+                    continue
+                contexts = prompts + [context] * num_decode
+                sampled = num_decode + sum(1 for p in prompts if p != 150)
+                features = cost.features(queries, contexts, sampled)
+                samples.append(StepSample(features, cost.step(queries, contexts, sampled).seconds))
     fitted = fit(samples)
-    for sample in samples:
-        assert _predict(fitted, sample) == pytest.approx(sample.seconds, rel=0.03)
+    for name, value in attrs.asdict(truth).items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-6), name
+
+
+def test_fit_drops_terms_that_would_come_out_negative():
+    cost = CostModel(model_shape("tiny-random"), accelerator("cpu-here"), 4)
+    samples = [StepSample(cost.features([1] * n, [50] * n, n), 0.002 + 1e-4 * n) for n in (1, 2, 4, 8, 16, 32)]
+    samples[0] = attrs.evolve(samples[0], seconds=0.0025)  # noise that would pull some term below zero
+    fitted = fit(samples)
+    assert all(value >= 0 for value in attrs.asdict(fitted).values())
+    assert fitted.seconds(samples[3].features) == pytest.approx(0.0028, rel=0.1)
 
 
 def test_means_are_reported_beside_percentiles():
@@ -138,3 +156,22 @@ def test_means_are_reported_beside_percentiles():
     assert skewed["itl_ms"]["mean"] != pytest.approx(skewed["tpot_ms"]["mean"])
     row = next(line for line in format_table(result).splitlines() if line.startswith("TTFT / TPOT / ITL mean ms"))
     assert f"{metrics['ttft_ms']['mean']:.1f}/{metrics['tpot_ms']['mean']:.1f}/{metrics['itl_ms']['mean']:.1f}" in row
+
+
+def test_calibration_measures_the_steps_the_simulator_plans():
+    from servelab.bench.sim.calibrate import check, measure, profile_of
+    from servelab.workload import build_workload
+
+    config = EngineConfig().with_overrides({"engine.max_model_len": 256})
+    workload = build_workload("long-burst:num_long=1,long_len=100,num_short=5,short_len=12,output_len=6", 4096)
+    [measured] = measure(config, [workload], repeats=2)
+    assert len(measured.repeat_cpu_seconds) == 2 and all(s.seconds > 0 for s in measured.samples)
+    assert sum(s.features["prefill_gemm_flop"] > 0 for s in measured.samples) >= 1
+    assert measured.output_tokens == 6 * 6
+    terms = fit(measured.samples)
+    result = check(config, workload, measured, terms)
+    # The simulator runs the same policies on the same workload: the very steps measured,
+    # so its time is the fitted terms summed over them.
+    predicted = sum(terms.seconds(s.features) for s in measured.samples)
+    assert result["throughput"]["simulated"] == pytest.approx(measured.output_tokens / predicted, rel=1e-9)
+    assert result["steps"] == len(measured.samples)

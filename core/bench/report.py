@@ -72,6 +72,13 @@ def format_table(result: dict[str, Any]) -> str:
         for name, metrics in columns[:-1]:
             lines.append(f"{name} / {result['baseline']['config']} output tokens/s: {metrics['output_tokens_per_s'] / base:.2f}x")
     for name, metrics in columns:
+        if "fleet" in metrics:
+            fleet = metrics["fleet"]
+            counts = fleet["requests_per_replica"]
+            lines.append(f"{name}: router {fleet['router']} over {fleet['replicas']} replicas, "
+                         f"requests per replica {min(counts)}-{max(counts)}, prefix hit rate per replica "
+                         + " ".join(_pct(rate) for rate in fleet["prefix_hit_rate_per_replica"]))
+    for name, metrics in columns:
         lines.extend(format_stage_profile(name, metrics.get("stage_profile", [])))
     for name, points in result.get("rate_sweep", {}).items():
         lines.append(f"rate sweep, {name}:")

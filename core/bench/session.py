@@ -35,7 +35,9 @@ class BenchOptions:
     save_workload: Path | None = None
     sim_accelerator: str | None = None  # simulate on this accelerator instead of running the model
     sim_model: str = "llama-3-8b"  # model shape to simulate
+    sim_tp: int = 1  # devices one simulated engine spreads the model over (tensor parallelism)
     warm_cache: bool = False  # keep prefix caches across the warm-up and repetitions
+    replicas: int = 1  # > 1: each config is a simulated fleet of this many replicas behind its [router]
 
 
 class _Engine:
@@ -55,7 +57,8 @@ class _Engine:
             from servelab.bench.sim.source import SimSource
 
             clock = VirtualClock()
-            source = SimSource(model_shape(options.sim_model), accelerator(options.sim_accelerator), clock)
+            source = SimSource(model_shape(options.sim_model), accelerator(options.sim_accelerator), clock,
+                               tp=options.sim_tp)
             config = source.fit_config(config)
             self.engine = LLMEngine(config, registry, clock=clock, source=source)
         else:
@@ -66,6 +69,10 @@ class _Engine:
 
 def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) -> dict[str, Any]:
     _check_same_model(configs)
+    if options.replicas != 1:
+        from servelab.bench.sim.fleet import run_fleet_bench
+
+        return run_fleet_bench(configs, options)
     engines = [_Engine(name, config, options) for name, config in configs]
     vocab_size = min(e.engine.model_config.vocab_size for e in engines)
     workload = build_workload(options.workload, vocab_size)

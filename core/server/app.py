@@ -47,7 +47,7 @@ _REJECT_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 408: "
 class ServerState:
     """Everything the routes share."""
 
-    engine: AsyncEngine
+    engine: AsyncEngine  # or a ReplicaSet (replicas.py), which has the same interface
     metrics: ServerMetrics
     codec: TextCodec
     model_name: str
@@ -56,11 +56,12 @@ class ServerState:
     api_key: str | None = None
     limits: RequestLimits = attrs.field(factory=RequestLimits)
     draining: bool = False  # set on SIGTERM: admission stops, in-flight requests finish
+    stop_ray: bool = False  # the replicas run on a local Ray started by this server
 
     @property
     def bounds(self) -> PromptBounds:
         return PromptBounds(self.max_model_len, self.limits.prompt_chars(self.max_model_len),
-                            self.engine.engine.model_config.vocab_size)
+                            self.engine.info.vocab_size)
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -181,7 +182,7 @@ def _check_context(prompts: list[list[int]], parsed: GenerationRequest, state: S
 
 
 async def _completions(request: Request, state: ServerState) -> Response:
-    arrival_time = state.engine.engine.clock()  # TTFT counts the tokenization too
+    arrival_time = state.engine.clock()  # TTFT counts the tokenization too
     parsed = parse_completion(await _body(request, state), state.bounds)
     prompts = await _encoded(state.codec.encode_prompts(parsed.prompts), "prompt")
     _check_context(prompts, parsed, state, "prompt")
@@ -193,7 +194,7 @@ async def _completions(request: Request, state: ServerState) -> Response:
 
 
 async def _chat_completions(request: Request, state: ServerState) -> Response:
-    arrival_time = state.engine.engine.clock()
+    arrival_time = state.engine.clock()
     parsed = parse_chat(await _body(request, state), state.bounds)
     prompt = await _encoded(state.codec.encode_chat(list(parsed.messages)), "messages")
     _check_context([prompt], parsed, state, "messages")
@@ -265,17 +266,33 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+                yield b"data: " + dump_json(chunk) + b"\n\n"
         except (EngineFailure, CodecFailure) as exc:
             error = ApiError(500, str(exc), type="server_error").body()
-            yield f"data: {json.dumps(error)}\n\n"
+            yield b"data: " + dump_json(error) + b"\n\n"
         except Exception as exc:  # the stream has begun: the error can only be an event
             logger.exception("stream.failed")
             error = ApiError(500, f"internal server error: {type(exc).__name__}", type="server_error").body()
-            yield f"data: {json.dumps(error)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield b"data: " + dump_json(error) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+def _dump_json_stdlib(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+try:  # a stream's chunks are encoded once per token and stream: orjson is several times faster
+    import orjson
+
+    def dump_json(value: Any) -> bytes:
+        try:
+            return orjson.dumps(value)
+        except orjson.JSONEncodeError:  # what orjson refuses (a lone surrogate) the stdlib escapes
+            return _dump_json_stdlib(value)
+except ImportError:
+    dump_json = _dump_json_stdlib

@@ -1,9 +1,11 @@
-"""Detokenization on a thread of its own, between the engine thread and the event loop.
+"""Detokenization off the engine's step loop and off the event loop.
 
 Each engine-loop iteration's events pass through here once: the requests that registered
 a decode function get their new tokens (and finished outputs) turned into text deltas,
-all in one batch on this thread, and the events go on to the event loop in one
-callback. The engine thread never decodes, the event loop never decodes, and there is
+all in one batch, and the events go on to the event loop in one callback. That batch
+runs on a thread of its own when the engine is on a thread of this process, and on the
+thread that reads the engine's outputs when the engine is elsewhere (a process of its
+own, a Ray actor). The engine never decodes, the event loop never decodes, and there is
 one thread hand-off per step, not one per request.
 
 A decode function that raises fails its own request alone: its event carries
@@ -28,14 +30,16 @@ Decode = Callable[[dict[str, list[int]], list[Any]], list[Any]]
 class Detokenizer:
     """Turns each step's events into text deltas, then hands them to `deliver`."""
 
-    def __init__(self, deliver: Callable[..., None], event_type: type) -> None:
+    def __init__(self, deliver: Callable[..., None], event_type: type, threaded: bool = True) -> None:
         self._deliver = deliver  # called with (events, *extra) from this thread: it must be thread-safe
         self._event_type = event_type  # the attrs class of events: new_token_ids, output, deltas, decode_error
         self._decoders: dict[str, Decode] = {}  # engine request id -> its decode function
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="servelab-detokenizer", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if threaded:  # else put() decodes on its caller's thread (one that only reads an engine's outputs)
+            self._thread = threading.Thread(target=self._run, name="servelab-detokenizer", daemon=True)
+            self._thread.start()
 
     def register(self, request_ids: list[str], decode: Decode) -> None:
         with self._lock:
@@ -47,12 +51,16 @@ class Detokenizer:
                 self._decoders.pop(request_id, None)
 
     def put(self, events: dict[str, Any], *extra: Any) -> None:
-        """Queue one iteration's events (called from the engine thread)."""
-        self._queue.put((events, extra))
+        """Queue one iteration's events (called from the thread that receives the engine's outputs)."""
+        if self._thread is None:
+            self._deliver(self._decode(events), *extra)
+        else:
+            self._queue.put((events, extra))
 
     def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while True:

@@ -1,42 +1,36 @@
-"""The engine on a thread of its own, driven from asyncio.
+"""The front end's view of one engine core, driven from asyncio.
 
-`LLMEngine.step()` runs the model synchronously, so one dedicated thread owns the engine
-and makes every call on it. The event loop hands it commands (add a group of requests,
-abort some, stop) through a queue; the thread hands back each step's results, the
-requests' events and a stats snapshot, in one `call_soon_threadsafe` callback per step.
-The thread steps while any request is in flight and blocks on the queue when none is.
+`AsyncEngine` hands commands (add a group of requests, abort some, stop) to an engine
+core through an `EngineConnection` (engine_connection.py: on a thread, in a process of
+its own, or in a Ray actor) and gets back one `CoreOutput` per step for every request
+at once. Each output is turned into per-request events, detokenized on a thread of its
+own (detokenizer.py), and delivered to the event loop in one callback per step, where
+every event goes to the queue its HTTP request reads.
 
 Events are keyed as the engine keys them: new tokens by sequence id (the request id, or
 "{request_id}#{i}" for completion i > 0 of an n > 1 request), the finished output by
-request id. Every event of a request goes to the queue its HTTP request reads.
+request id.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
+import itertools
 from typing import Any, Callable, Iterable, Sequence as Seq
 
 import attrs
 import structlog
 
-from servelab.errors import RequestError, ServelabError
-from servelab.interfaces import AllocatorStats, SchedulerStats
 from servelab.outputs import RequestOutput
-from servelab.sampling_params import SamplingParams
 from servelab.server.detokenizer import Decode, Detokenizer
+from servelab.server.engine_connection import EngineConnection, ThreadConnection
+from servelab.server.engine_core import (EMPTY_SNAPSHOT, AdmissionFailed, CoreOutput, EngineInfo, EngineSnapshot,
+                                         EngineUnavailable, NewRequest)
 
 logger = structlog.get_logger(__name__)
 
-
-class EngineUnavailable(ServelabError):
-    """The engine loop is stopping or has failed; no new request can start."""
-
-
-class AdmissionFailed(ServelabError):
-    """The engine raised something other than RequestError while taking this request in:
-    a fault of ours, not of the client's; the request is refused and nothing of it remains."""
+__all__ = ["AdmissionFailed", "AsyncEngine", "EngineSnapshot", "EngineUnavailable", "NewRequest", "RequestEvent",
+           "ThreadConnection"]
 
 
 @attrs.frozen
@@ -54,55 +48,47 @@ class RequestEvent:
         return self.output is not None or self.error is not None
 
 
-@attrs.frozen
-class EngineSnapshot:
-    """The engine's counters after a loop iteration (read on the event loop, never live)."""
-
-    scheduler: SchedulerStats
-    allocator: AllocatorStats
-
-
-@attrs.frozen
-class NewRequest:
-    """One engine request to add: its id, the prompt (text or ids), its params."""
-
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    arrival_time: float
-
-
 Events = dict[str, RequestEvent]
 Listener = Callable[[Events, EngineSnapshot], None]
 
 
 class AsyncEngine:
-    """Owns the engine thread. Every method is called from the event loop's thread."""
+    """One engine core behind a connection. Every method is called from the event loop's thread."""
 
-    def __init__(self, engine: Any, listener: Listener | None = None,
-                 on_failure: Callable[[str], None] | None = None) -> None:
-        self.engine = engine
-        self._listener = listener
+    def __init__(self, connection: EngineConnection, listener: Listener | None = None,
+                 on_failure: Callable[[str], None] | None = None, name: str = "engine") -> None:
+        self.connection = connection
+        self.name = name  # which replica, in logs and errors
+        self.listener = listener  # called on the event loop with each step's events and snapshot
         self.on_failure = on_failure  # called on the event loop once the engine has failed
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._unstarted: dict[str, int] = {}  # request id -> sequences, until its first token
+        self._unstarted: dict[str, tuple[int, int]] = {}  # request id -> (sequences, their prompt tokens)
+        self._pending: dict[int, asyncio.Future] = {}  # add commands the core has not answered
+        self._command_ids = itertools.count()
         self.num_waiting = 0  # sequences of requests added here that have no token yet
+        self.num_waiting_tokens = 0  # and their prompt tokens (as far as known: token-id prompts)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._detokenizer: Detokenizer | None = None
-        self.snapshot = _snapshot(engine)
+        self.snapshot = EMPTY_SNAPSHOT
         self.error: str | None = None  # set when the engine failed
         self.stopping = False
+        self._started_connection = False
 
-    # ------------------------------------------------------------ event loop side
+    @property
+    def info(self) -> EngineInfo:
+        return self.connection.info
+
+    def clock(self) -> float:
+        return self.connection.clock()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._detokenizer = Detokenizer(lambda events, snapshot: self._call_soon(self._deliver, events, snapshot),
-                                        RequestEvent)
-        self._thread = threading.Thread(target=self._run, name="servelab-engine", daemon=True)
-        self._thread.start()
+        # An engine on a thread of this process would decode on its own time: give the decoding
+        # a thread. Other connections deliver on a reader thread that has nothing else to do.
+        self._detokenizer = Detokenizer(lambda events, *extra: self._call_soon(self._deliver, events, *extra),
+                                        RequestEvent, threaded=isinstance(self.connection, ThreadConnection))
+        self.connection.start(self._on_output, self._on_exit)
+        self._started_connection = True
 
     async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> asyncio.Queue:
         """Add a group of requests, all or none (RequestError names the first bad one).
@@ -120,10 +106,13 @@ class AsyncEngine:
         events: asyncio.Queue = asyncio.Queue()
         for request in requests:
             self._queues[request.request_id] = events
-            self._unstarted[request.request_id] = request.params.n
+            tokens = request.params.n * (len(request.prompt) if isinstance(request.prompt, list) else 0)
+            self._unstarted[request.request_id] = (request.params.n, tokens)
             self.num_waiting += request.params.n
-        accepted = self._loop.create_future()
-        self._commands.put(("add", list(requests), accepted))
+            self.num_waiting_tokens += tokens
+        command_id = next(self._command_ids)
+        accepted = self._pending[command_id] = self._loop.create_future()
+        self.connection.send(("add", command_id, list(requests)))
         try:
             await accepted
         except BaseException as exc:
@@ -132,8 +121,10 @@ class AsyncEngine:
                 self._queues.pop(request.request_id, None)
                 self._started(request.request_id)
             if isinstance(exc, asyncio.CancelledError):  # the client left while the group was queued
-                self.abort([r.request_id for r in requests])
+                self.abort(request_ids)
             raise
+        finally:
+            self._pending.pop(command_id, None)
         return events
 
     @property
@@ -148,19 +139,36 @@ class AsyncEngine:
     def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests now (their KV is freed before the next step); unknown ids are ignored."""
         request_ids = list(request_ids)
-        if request_ids:
-            self._commands.put(("abort", request_ids, None))
+        if request_ids and self.error is None:
+            self.connection.send(("abort", None, request_ids))
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort whatever is still in flight and stop the thread."""
+        """Abort whatever is still in flight and stop the core."""
         self.stopping = True
-        if self._thread is None:
+        if not self._started_connection:
             return
-        self._commands.put(("stop", None, None))
-        await asyncio.to_thread(self._thread.join, timeout)
+        await asyncio.to_thread(self.connection.stop, timeout)
         await asyncio.to_thread(self._detokenizer.stop)
 
-    def _deliver(self, events: Events, snapshot: EngineSnapshot) -> None:
+    # ------------------------------------------------------------ the connection's thread
+
+    def _on_output(self, output: CoreOutput) -> None:
+        for command_id, error in output.resolved:
+            self._call_soon(self._resolve, command_id, error)
+        events: Events = {sequence_id: RequestEvent(tuple(token_ids))
+                          for sequence_id, token_ids in output.tokens.items()}
+        for finished in output.finished:
+            previous = events.get(finished.request_id)
+            events[finished.request_id] = RequestEvent(previous.new_token_ids if previous else (), finished)
+        if events or output.failure is not None or not output.resolved:
+            self._detokenizer.put(events, output.snapshot, output.failure)  # then _deliver, on the event loop
+
+    def _on_exit(self, message: str) -> None:
+        self._detokenizer.put({}, self.snapshot, message)
+
+    # ------------------------------------------------------------ event loop side
+
+    def _deliver(self, events: Events, snapshot: EngineSnapshot, failure: str | None = None) -> None:
         self.snapshot = snapshot
         for key, event in events.items():
             request_id = key.partition("#")[0]
@@ -172,136 +180,43 @@ class AsyncEngine:
             if event.is_last:
                 self._queues.pop(key, None)
                 self._detokenizer.unregister([key])
-        if self._listener is not None:
-            self._listener(events, snapshot)
+        if self.listener is not None:
+            self.listener(events, snapshot)
+        if failure is not None and self.error is None:
+            self._fail(failure)
 
-    def _started(self, request_id: str) -> None:
-        self.num_waiting -= self._unstarted.pop(request_id, 0)
-
-    # ------------------------------------------------------------ engine thread side
-
-    def _run(self) -> None:
-        in_flight: set[str] = set()  # request ids
-        try:
-            self._serve(in_flight)
-        except Exception as exc:  # a broken engine must not hang its clients
-            self._fail(exc, in_flight, {})
-            self._refuse_until_stopped()
-
-    def _serve(self, in_flight: set[str]) -> None:
-        """Take commands and step until told to stop; an exception here is the engine's death."""
-        engine = self.engine
-        while True:
-            events: Events = {}
-            stop = False
-            for kind, payload, future in self._take_commands(block=not engine.has_unfinished()):
-                if kind == "add" and not stop:
-                    self._add(payload, future, in_flight)
-                elif kind == "add":
-                    self._resolve(future, EngineUnavailable("the server is shutting down"))
-                elif kind == "abort":
-                    self._abort(payload, in_flight, events)
-                else:
-                    stop = True
-            if stop:
-                self._abort(list(in_flight), in_flight, events)
-                self._post(events, _snapshot(engine))
-                return
-            if engine.has_unfinished():
-                result = engine.step()
-                for sequence_id, token_ids in result.new_token_ids.items():
-                    events[sequence_id] = RequestEvent(tuple(token_ids))
-                for output in result.finished:
-                    _merge_output(events, output)
-                    in_flight.discard(output.request_id)
-            self._post(events, _snapshot(engine))
-
-    def _take_commands(self, block: bool) -> list[tuple[str, Any, Any]]:
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _add(self, requests: list[NewRequest], future: asyncio.Future, in_flight: set[str]) -> None:
-        try:
-            for request in requests:  # all or none
-                self.engine.validate_request(request.prompt, request.params)
-            for request in requests:
-                self.engine.add_request(request.prompt, request.params, request_id=request.request_id,
-                                        arrival_time=request.arrival_time)
-                in_flight.add(request.request_id)
-        except RequestError as exc:
-            self._resolve(future, exc)
-        except Exception as exc:  # a fault while taking this group in fails this group alone
-            logger.exception("request.admission_failed", request_ids=[r.request_id for r in requests])
-            for request in requests:
-                if request.request_id in in_flight:
-                    self.engine.abort(request.request_id)
-                    in_flight.discard(request.request_id)
-            self._resolve(future, AdmissionFailed(f"{type(exc).__name__}: {exc}"))
-        else:
-            self._resolve(future, None)
-
-    def _abort(self, request_ids: list[str], in_flight: set[str], events: Events) -> None:
-        for request_id in request_ids:
-            output = self.engine.abort(request_id)
-            in_flight.discard(request_id)
-            if output is not None:
-                _merge_output(events, output)
-
-    def _fail(self, exc: Exception, in_flight: set[str], events: Events) -> None:
-        logger.exception("engine.failed", error=str(exc))
-        message = f"the engine failed: {type(exc).__name__}: {exc}"
-        for request_id in in_flight:
-            events[request_id] = RequestEvent(error=message)
-        try:
-            snapshot = _snapshot(self.engine)
-        except Exception:  # the policies may be as broken as the step was
-            snapshot = self.snapshot
-        self._call_soon(self._mark_failed, message)
-        self._post(events, snapshot)
-
-    def _refuse_until_stopped(self) -> None:
-        while True:
-            kind, _, future = self._commands.get()
-            if kind == "stop":
-                return
-            if kind == "add":
-                self._resolve(future, EngineUnavailable("the engine has failed"))
-
-    def _mark_failed(self, message: str) -> None:
+    def _fail(self, message: str) -> None:
+        """The engine is gone: every request in flight ends with an error, every add waiting is refused."""
+        logger.error("engine.failed", engine=self.name, error=message)
         self.error = message
+        failed = RequestEvent(error=message)
+        for request_id, target in self._queues.items():
+            self._started(request_id)
+            target.put_nowait((request_id, failed))
+        self._detokenizer.unregister(list(self._queues))
+        self._queues.clear()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(message))
         if self.on_failure is not None:
             self.on_failure(message)
 
-    def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
-        def resolve() -> None:
-            if future.done():
-                return
-            if exc is None:
-                future.set_result(None)
-            else:
-                future.set_exception(exc)
+    def _resolve(self, command_id: int, error: BaseException | None) -> None:
+        future = self._pending.get(command_id)
+        if future is None or future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
-        self._call_soon(resolve)
-
-    def _post(self, events: Events, snapshot: EngineSnapshot) -> None:
-        self._detokenizer.put(events, snapshot)  # then on to _deliver, on the event loop
+    def _started(self, request_id: str) -> None:
+        sequences, tokens = self._unstarted.pop(request_id, (0, 0))
+        self.num_waiting -= sequences
+        self.num_waiting_tokens -= tokens
 
     def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
         try:
             self._loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-
-def _merge_output(events: Events, output: RequestOutput) -> None:
-    previous = events.get(output.request_id)
-    new_token_ids = previous.new_token_ids if previous is not None else ()
-    events[output.request_id] = RequestEvent(new_token_ids, output)
-
-
-def _snapshot(engine: Any) -> EngineSnapshot:
-    return EngineSnapshot(engine.scheduler.stats(), engine.allocator.stats())

@@ -13,7 +13,8 @@ tokens came, as a client that goes away would), "incomplete" (the stream ended w
 [DONE] or with the wrong token count), "connect_refused" (no server listening, as after
 a shutdown) and "transport" (other connection errors, timeouts). TTFT and TPOT are of
 the "ok" requests.
-Needs httpx (in the serve extra).
+Streams go through sse_client (lean: the client shares the machine with the server it
+measures); /metrics through httpx (in the serve extra).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from collections import Counter
 from typing import Any
 
 import attrs
+
+from servelab.server.sse_client import StreamClosed, post_stream
 
 
 @attrs.define
@@ -116,28 +119,30 @@ async def run_load(url: str, num_requests: int = 200, concurrency: int = 200, ma
                    seed: int = 0, timeout: float = 60.0, vocab: tuple[int, int] = (3, 211),
                    num_disconnect: int = 0) -> LoadReport:
     """Send `num_requests` streaming completions, at most `concurrency` at a time; the
-    first `num_disconnect` of them hang up halfway through their stream."""
+    first `num_disconnect` of them hang up halfway through their stream. `timeout` bounds
+    each request, from its connection to its last event."""
     import httpx
 
     prompts = make_prompts(num_requests, prompt_words, vocab, seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     report = LoadReport(num_requests, concurrency, max_tokens)
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout, connect=timeout, pool=timeout)) as client:
-        started = time.perf_counter()
+    started = time.perf_counter()
 
-        async def one(index: int, prompt: str) -> None:
-            body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-                    "temperature": 0.0}
-            if model is not None:
-                body["model"] = model
-            async with gate:
-                await _stream_one(client, body, report, hang_up=index < num_disconnect)
+    async def one(index: int, prompt: str) -> None:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0.0}
+        if model is not None:
+            body["model"] = model
+        async with gate:
+            try:
+                await asyncio.wait_for(_stream_one(url, body, headers, report, hang_up=index < num_disconnect),
+                                       timeout)
+            except asyncio.TimeoutError:
+                report.outcomes["transport"] += 1
 
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        report.seconds = time.perf_counter() - started
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    report.seconds = time.perf_counter() - started
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout) as client:
         try:
             report.server = await settled_metrics(client)
         except httpx.HTTPError:  # the server has stopped (a shutdown during the run)
@@ -145,42 +150,46 @@ async def run_load(url: str, num_requests: int = 200, concurrency: int = 200, ma
     return report
 
 
-async def _stream_one(client: Any, body: dict[str, Any], report: LoadReport, hang_up: bool = False) -> None:
-    import httpx
-
+async def _stream_one(url: str, body: dict[str, Any], headers: dict[str, str], report: LoadReport,
+                      hang_up: bool = False) -> None:
     sent = time.perf_counter()
     first = last = None
     num_tokens = num_deltas = 0
     done = aborted = False
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                report.outcomes[f"http_{response.status_code}"] += 1
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    num_tokens = chunk["usage"]["completion_tokens"]
-                elif any(c.get("text") for c in chunk.get("choices", ())):
-                    last = time.perf_counter()
-                    first = first or last
-                    num_deltas += 1
-                aborted = aborted or any(c.get("finish_reason") == "abort" for c in chunk.get("choices", ()))
-                if hang_up and num_deltas >= body["max_tokens"] // 2:
-                    report.outcomes["disconnected"] += 1
-                    return  # leaving the block closes the connection mid-stream
-    except httpx.ConnectError:  # nobody listens (any more): refused before a request was sent
+        response = await post_stream(url, "/v1/completions", json.dumps(body).encode(), headers)
+    except ConnectionRefusedError:  # nobody listens (any more): refused before a request was sent
         report.outcomes["connect_refused"] += 1
         return
-    except httpx.HTTPError:
+    except (OSError, StreamClosed, ValueError):
         report.outcomes["transport"] += 1
         return
+    try:
+        if response.status != 200:
+            await response.body()
+            report.outcomes[f"http_{response.status}"] += 1
+            return
+        async for data in response.events():
+            if data == b"[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            choices = chunk.get("choices", ())
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            elif any(c.get("text") for c in choices):
+                last = time.perf_counter()
+                first = first or last
+                num_deltas += 1
+            aborted = aborted or any(c.get("finish_reason") == "abort" for c in choices)
+            if hang_up and num_deltas >= body["max_tokens"] // 2:
+                report.outcomes["disconnected"] += 1
+                return  # closing the connection mid-stream
+    except (OSError, StreamClosed, ValueError):
+        report.outcomes["transport"] += 1
+        return
+    finally:
+        response.close()
     if done and aborted:  # cut off by a shutdown's deadline: its tokens count, its latencies do not
         report.outcomes["aborted"] += 1
         report.output_tokens += num_tokens

@@ -1,8 +1,9 @@
 """Prometheus metrics for `GET /metrics`.
 
 Gauges come from the engine loop's latest snapshot (read at scrape time); histograms and
-counters are fed by the requests' events on the event loop, and by an engine observer
-(`servelab_step_finished`) for per-step numbers such as speculative acceptance. Each
+counters are fed by the requests' events on the event loop, step and draft totals by the
+snapshots (or, for an engine in this process, by an engine observer on
+`servelab_step_finished`), speculative acceptance among them. Each
 server owns its own `CollectorRegistry`: nothing is global.
 """
 
@@ -53,13 +54,32 @@ class ServerMetrics:
         self.rejected = Counter("servelab_http_requests_rejected", "HTTP requests refused, by reason.",
                                 ["reason"], registry=r)
         self.steps = Counter("servelab_engine_steps", "Engine steps run.", registry=r)
+        # With replicas (`--replicas N`), the gauges above are sums over replicas, and these are per replica.
+        self.replica_up = Gauge("servelab_replica_up", "1 while the replica serves, 0 once it failed.",
+                                ["replica"], registry=r)
+        self.replica_running = Gauge("servelab_replica_requests_running", "Sequences in the replica's batch.",
+                                     ["replica"], registry=r)
+        self.replica_waiting = Gauge("servelab_replica_requests_waiting", "Sequences queued in the replica.",
+                                     ["replica"], registry=r)
+        self.replica_kv_used = Gauge("servelab_replica_kv_blocks_used", "KV blocks the replica holds.",
+                                     ["replica"], registry=r)
+        self.replica_prefix_hit_rate = Gauge("servelab_replica_prefix_cache_hit_rate",
+                                             "The replica's prefix-cache hit rate (NaN before any lookup).",
+                                             ["replica"], registry=r)
+        self.replica_tokens = Counter("servelab_replica_generation_tokens", "Tokens the replica generated.",
+                                      ["replica"], registry=r)
+        self.replica_routed = Counter("servelab_replica_requests_routed", "Requests the router sent to the replica.",
+                                      ["replica"], registry=r)
+        self._replicas: dict[int, EngineSnapshot] = {}
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._snapshot: EngineSnapshot | None = None
+        self._totals_seen = (0, 0, 0)  # steps, draft and accepted tokens counted so far
 
     # Called on the event loop for every engine-loop iteration.
     def observe(self, events: Events, snapshot: EngineSnapshot) -> None:
         self._snapshot = snapshot
+        self._count_steps(snapshot)
         num_new = 0
         for event in events.values():
             num_new += len(event.new_token_ids)
@@ -67,6 +87,16 @@ class ServerMetrics:
                 self._observe_finished(event.output)
         if num_new:
             self.generation_tokens.inc(num_new)
+
+    def _count_steps(self, snapshot: EngineSnapshot) -> None:
+        """Step and draft totals come with each snapshot (the engine runs in another process)."""
+        steps, drafted, accepted = self._totals_seen
+        if snapshot.num_steps <= steps:
+            return
+        self.steps.inc(snapshot.num_steps - steps)
+        self.num_draft_tokens += snapshot.num_draft_tokens - drafted
+        self.num_accepted_tokens += snapshot.num_accepted_tokens - accepted
+        self._totals_seen = (snapshot.num_steps, snapshot.num_draft_tokens, snapshot.num_accepted_tokens)
 
     def _observe_finished(self, output: Any) -> None:
         metrics = output.metrics
@@ -82,6 +112,21 @@ class ServerMetrics:
             if num_tokens > 1:
                 self.tpot.observe((metrics.finish_time - metrics.first_token_time) / (num_tokens - 1))
 
+    def observe_replica(self, index: int, events: Events, snapshot: EngineSnapshot) -> None:
+        """One replica's step (called with the aggregate's `observe`)."""
+        if index not in self._replicas:
+            self.replica_up.labels(str(index)).set(1)
+        self._replicas[index] = snapshot
+        num_new = sum(len(event.new_token_ids) for event in events.values())
+        if num_new:
+            self.replica_tokens.labels(str(index)).inc(num_new)
+
+    def routed(self, index: int) -> None:
+        self.replica_routed.labels(str(index)).inc()
+
+    def replica_down(self, index: int) -> None:
+        self.replica_up.labels(str(index)).set(0)
+
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
@@ -91,6 +136,13 @@ class ServerMetrics:
 
         if self._snapshot is not None:
             self._refresh_gauges(self._snapshot)
+        for index, snapshot in self._replicas.items():
+            label, kv = str(index), snapshot.allocator
+            self.replica_running.labels(label).set(snapshot.scheduler.num_running)
+            self.replica_waiting.labels(label).set(snapshot.scheduler.num_waiting)
+            self.replica_kv_used.labels(label).set(kv.num_used_blocks)
+            lookups = kv.prefix_lookup_tokens
+            self.replica_prefix_hit_rate.labels(label).set(kv.prefix_hit_tokens / lookups if lookups else math.nan)
         drafted, accepted = self.num_draft_tokens, self.num_accepted_tokens
         self.acceptance_rate.set(accepted / drafted if drafted else math.nan)
         return generate_latest(self.registry)
@@ -109,9 +161,9 @@ class ServerMetrics:
 
 
 class EngineObserver:
-    """An engine plugin (observer hooks only) feeding per-step numbers into ServerMetrics.
-
-    Runs on the engine thread. Draft counts come from the step report
+    """An engine plugin (observer hooks only) feeding per-step numbers into ServerMetrics,
+    for an engine in this process (the server's engine reports them in its snapshots).
+    Draft counts come from the step report
     (`num_draft_tokens`, `num_accepted_tokens`); without a drafter they stay 0 and the
     acceptance rate is NaN.
     """

@@ -45,6 +45,13 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             f"x max_model_len)")
     serve.add_argument("--tokenizer-workers", type=int, default=2,
                        help="threads that tokenize prompts and render chat templates (default 2)")
+    serve.add_argument("--engine-threads", type=int, default=None,
+                       help="torch threads of the engine process (default: the CPU cores less one, at least 1)")
+    serve.add_argument("--replicas", type=int, default=None,
+                       help="run N engine replicas as Ray actors behind this server, requests spread by the "
+                            "config's [router] (needs the ray extra)")
+    serve.add_argument("--ray-address", default=None,
+                       help="with --replicas: the Ray cluster to join (default: start a local Ray)")
 
 
 def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerOptions:
@@ -54,7 +61,8 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
     return ServerOptions(host=args.host, port=args.port, api_key=api_key(args, environ),
                          served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                          shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
-                         limits=limits, tokenizer_workers=args.tokenizer_workers)
+                         limits=limits, tokenizer_workers=args.tokenizer_workers,
+                         engine_threads=args.engine_threads, replicas=args.replicas, ray_address=args.ray_address)
 
 
 def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:

@@ -7,6 +7,9 @@ is aborted: each open stream ends with a final chunk whose finish_reason is "abo
 its usage and [DONE]. Then the socket closes, the engine thread stops and the process
 exits 0. A second signal skips the wait.
 
+The engine runs in a process of its own (engine_process.py); this process serves HTTP,
+tokenizes and detokenizes.
+
 If the engine itself fails (an exception out of a step, or out of the loop around it),
 every request in flight ends with an error (a stream: an error event, then [DONE]),
 /health answers 503, and the process exits with EXIT_ENGINE_FAILED so that a supervisor
@@ -48,11 +51,20 @@ class ServerOptions:
     header_timeout: float = 10.0  # seconds a connection gets to send a request's headers
     limits: RequestLimits = attrs.field(factory=RequestLimits)  # body size and time, JSON depth, prompt size
     tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
+    engine_threads: int | None = None  # torch threads of the engine process; None: one core left to this one
+    replicas: int | None = None  # run this many engine replicas as Ray actors (None: one engine process)
+    ray_address: str | None = None  # the Ray cluster to join; None: start a local Ray for the replicas
 
     def __attrs_post_init__(self) -> None:
         positive = {"--max-waiting": self.max_waiting, "--header-timeout": self.header_timeout,
                     "--body-timeout": self.limits.body_timeout, "--max-body-bytes": self.limits.max_body_bytes,
                     "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers}
+        if self.engine_threads is not None:
+            positive["--engine-threads"] = self.engine_threads
+        if self.replicas is not None:
+            positive["--replicas"] = self.replicas
+        elif self.ray_address is not None:
+            raise ServelabError("--ray-address is for replicas: give --replicas N too")
         if self.limits.max_prompt_chars is not None:
             positive["--max-prompt-chars"] = self.limits.max_prompt_chars
         for flag, value in positive.items():
@@ -93,33 +105,65 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
 
     server = _graceful_server(uvicorn_config, state, options.shutdown_timeout, ready)
     state.engine.on_failure = server.engine_failed
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if state.stop_ray:
+            import_ray().shutdown()
     logger.info("server.stopped", model=state.model_name, exit_code=server.exit_code,
                 kv_blocks_used=state.engine.snapshot.allocator.num_used_blocks)
     return server.exit_code
 
 
 def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
-    """The engine (with the metrics observer registered) and everything the routes share."""
+    """The engine process (its model loaded), the front end's tokenizer, and everything the routes share."""
     from prometheus_client import disable_created_metrics
 
-    from servelab.engine import LLMEngine
-    from servelab.registry import PluginRegistry
+    from servelab.model.loader import Checkpoint
     from servelab.server.app import ServerState
     from servelab.server.codec import TextCodec
     from servelab.server.engine_loop import AsyncEngine
-    from servelab.server.metrics import EngineObserver, ServerMetrics
+    from servelab.server.engine_process import ProcessConnection
+    from servelab.server.metrics import ServerMetrics
 
     disable_created_metrics()  # process-wide: no `_created` series next to every counter
     metrics = ServerMetrics()
-    registry = PluginRegistry.from_entry_points()
-    registry.register(EngineObserver(metrics), name="servelab-server-metrics")
-    engine = LLMEngine(config, registry)
-    codec = TextCodec(engine.tokenizer, _chat_template(engine), options.tokenizer_workers)
-    return ServerState(engine=AsyncEngine(engine, metrics.observe), metrics=metrics, codec=codec,
-                       model_name=options.served_model_name or config.engine.model,
-                       max_model_len=engine.limits.max_model_len, max_waiting=options.max_waiting,
-                       api_key=options.api_key, limits=options.limits)
+    checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
+    codec = TextCodec(checkpoint.tokenizer, _chat_template(checkpoint.path), options.tokenizer_workers)
+    stop_ray = False
+    if options.replicas is not None:
+        from servelab.server.replicas import launch_replicas
+
+        threads = options.engine_threads
+        if threads is None and options.ray_address is None:  # a local Ray: the cores shared out
+            threads = max(1, default_engine_threads() // options.replicas)
+        engine, stop_ray = launch_replicas([config] * options.replicas, options.ray_address, threads=threads,
+                                           metrics=metrics)
+    else:  # the engine's own errors (a bad policy name) surface here, as ServelabError
+        engine = AsyncEngine(ProcessConnection(config, threads=options.engine_threads or default_engine_threads()),
+                             metrics.observe)
+    state = ServerState(engine=engine, metrics=metrics, codec=codec,
+                        model_name=options.served_model_name or config.engine.model,
+                        max_model_len=engine.info.max_model_len, max_waiting=options.max_waiting,
+                        api_key=options.api_key, limits=options.limits)
+    state.stop_ray = stop_ray
+    return state
+
+
+def import_ray() -> Any:
+    from servelab.server.replicas import import_ray as ray
+
+    return ray()
+
+
+def default_engine_threads() -> int:
+    """Every core but one, which the HTTP front end (and its detokenizer) needs: torch's
+    intra-op threads wait for each other at every operation, so one preempted by the
+    front end stalls them all (on 2 cores, 2 engine threads ran several times slower than 1)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 def _graceful_server(config: Any, state: Any, shutdown_timeout: float, on_ready: Callable[[], None]) -> Any:
@@ -193,10 +237,9 @@ async def _wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     return True
 
 
-def _chat_template(engine: Any) -> Any:
+def _chat_template(path: Any) -> Any:
     from servelab.server.chat import ChatTemplate
 
-    path = getattr(getattr(engine, "source", None), "path", None)  # the checkpoint directory, if any
     return ChatTemplate.from_directory(path) if path is not None else ChatTemplate(None)
 
 

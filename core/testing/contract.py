@@ -82,9 +82,9 @@ def installed_factory(kind: str, name: str) -> tuple[Callable[..., Any], type]:
 
 
 class PolicyContract:
-    """Base of the four contracts; subclasses set `kind` and write the tests."""
+    """Base of the five contracts; subclasses set `kind` and write the tests."""
 
-    kind = ""  # "allocators", "schedulers", "drafters", "attention"
+    kind = ""  # "allocators", "schedulers", "drafters", "attention", "routers"
     factory: Callable[..., Any] | None = None  # factory(options, context) -> policy
     plugin_name: str | None = None  # or: the installed policy of this name
     options: Any = None  # options instance handed to the factory (default: the options class's defaults)
@@ -154,13 +154,14 @@ class PolicyContract:
 def _runtime_plugin(kind: str, factory: Callable[..., Any], options: Any) -> Any:
     """A plugin object registering `factory` (called with `options`) as UNDER_TEST."""
     import servelab
-    from servelab.plugin_types import AllocatorPlugin, AttentionPlugin, DrafterPlugin, SchedulerPlugin
+    from servelab.plugin_types import AllocatorPlugin, AttentionPlugin, DrafterPlugin, RouterPlugin, SchedulerPlugin
 
     record_type, hook = {
         "allocators": (AllocatorPlugin, "servelab_register_allocators"),
         "schedulers": (SchedulerPlugin, "servelab_register_schedulers"),
         "drafters": (DrafterPlugin, "servelab_register_drafters"),
         "attention": (AttentionPlugin, "servelab_register_attention"),
+        "routers": (RouterPlugin, "servelab_register_routers"),
     }[kind]
     record = record_type(name=UNDER_TEST, factory=lambda _options, context: factory(options, context),
                          description="the policy a conformance contract is testing")

@@ -26,7 +26,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return ("servelab conformance contracts: AllocatorContract, SchedulerContract, DrafterContract, "
-            "AttentionBackendContract (from servelab.testing)")
+            "AttentionBackendContract, RouterContract (from servelab.testing)")
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,10 @@ interference of mixed batches. On top, the host pays a fixed overhead every step
 unless a decode-only step replays a CUDA graph, the launch of every kernel, which the
 device's work hides once it is longer.
 
-Profiles with `per_kernel=False` (the calibrated CPU) take one roofline over the whole
-step's FLOPs and bytes instead, the form `servelab bench --calibrate` fits."""
+Profiles with fitted `terms` (the calibrated CPU) add up per-step, per-sequence,
+per-FLOP and per-byte terms instead (see hardware.StepTerms), the form `servelab bench
+--calibrate` fits: on a CPU the engine's own work per sequence is a large part of a
+step, and nothing overlaps."""
 
 from __future__ import annotations
 
@@ -41,18 +43,30 @@ class StepCost:
 class CostModel:
     """Step costs of one model shape on one accelerator, and the KV pool it leaves."""
 
-    def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = 2) -> None:
+    def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = 2, tp: int = 1,
+                 memory_utilization: float = KV_MEMORY_FRACTION) -> None:
+        """`tp` devices share the model (Megatron tensor parallelism: heads, FFN columns and
+        the vocabulary split; two all-reduces of the activations per layer); every figure
+        below is one device's. `memory_utilization` is the share of the memory weights and
+        runtime leave that the KV pool takes."""
+        _check_tp(shape, hardware, tp)
+        if not 0 < memory_utilization <= 1:
+            raise ConfigError(f"memory utilisation must be in (0, 1], got {memory_utilization}")
         self.shape = shape
         self.hardware = hardware
         self.dtype_bytes = dtype_bytes
-        self.layer_params, self.head_params = num_parameters(shape)
+        self.tp = tp
+        self.memory_utilization = memory_utilization
+        layer_params, head_params = num_parameters(shape)
+        self.layer_params, self.head_params = layer_params / tp, head_params / tp
         self.weight_bytes = (self.layer_params + self.head_params) * dtype_bytes  # read every step
-        embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+        embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size / tp
         self.resident_weight_bytes = self.weight_bytes + embedding * dtype_bytes  # held in memory
-        self.kv_bytes_per_token = shape.kv_bytes_per_token(dtype_bytes)
-        self.attention_width = shape.num_layers * shape.num_heads * shape.head_dim  # q.k and p.v per layer
-        self.elementwise_bytes_per_token = _elementwise_bytes_per_token(shape, dtype_bytes)
-        self.num_kernels = shape.num_layers * KERNELS_PER_LAYER + KERNELS_PER_STEP
+        kv_heads = -(-shape.num_kv_heads // tp)  # fewer KV heads than devices: each holds a copy of one
+        self.kv_bytes_per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * dtype_bytes
+        self.attention_width = shape.num_layers * shape.num_heads * shape.head_dim / tp  # q.k and p.v per layer
+        self.elementwise_bytes_per_token = _elementwise_bytes_per_token(shape, dtype_bytes, tp)
+        self.num_kernels = shape.num_layers * (KERNELS_PER_LAYER + (2 if tp > 1 else 0)) + KERNELS_PER_STEP
 
     def step(self, query_lens: list[int], context_lens: list[int], num_sampled: int) -> StepCost:
         """The cost of one step: `query_lens[i]` new tokens of a sequence whose context
@@ -61,15 +75,28 @@ class CostModel:
         flops, nbytes = self._work(query_lens, context_lens, num_tokens, num_sampled)
         total_flops, total_bytes = sum(flops.values()), sum(nbytes.values())
         hw = self.hardware
-        if not hw.per_kernel:
-            seconds = max(total_flops / (hw.peak_flops * hw.compute_efficiency),
-                          total_bytes / (hw.memory_bandwidth * hw.bandwidth_efficiency)) + hw.step_overhead_s
-            return StepCost(total_flops, total_bytes, seconds)
+        if hw.terms is not None:
+            features = self.features(query_lens, context_lens, num_sampled, (flops, nbytes))
+            return StepCost(total_flops, total_bytes, hw.terms.seconds(features))
         kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
+        if self.tp > 1:
+            kernels["allreduce"] = self._allreduce_seconds(num_tokens)
         decode_only = num_tokens == len(query_lens)
         launches = 0.0 if hw.cuda_graphs and decode_only else self.num_kernels * hw.kernel_launch_s
         seconds = hw.step_overhead_s + max(sum(kernels.values()), launches)  # device work hides async launches
         return StepCost(total_flops, total_bytes, seconds, kernels)
+
+    def features(self, query_lens: list[int], context_lens: list[int], num_sampled: int,
+                 work: tuple[dict[str, float], dict[str, float]] | None = None) -> dict[str, float]:
+        """The quantities hardware.StepTerms prices (STEP_FEATURES), for one step."""
+        num_decode = sum(1 for q in query_lens if q == 1)
+        num_tokens = sum(query_lens)
+        flops, nbytes = work or self._work(query_lens, context_lens, num_tokens, num_sampled)
+        per_token = 2.0 * self.layer_params
+        return {"step": 1.0, "sequence": float(len(query_lens)),
+                "prefill_gemm_flop": per_token * (num_tokens - num_decode), "decode_gemm_flop": per_token * num_decode,
+                "prefill_attention_flop": flops["prefill_attention"], "decode_kv_byte": nbytes["decode_attention"],
+                "lm_head_flop": flops["lm_head"]}
 
     def _work(self, query_lens: list[int], context_lens: list[int], num_tokens: int,
               num_sampled: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -105,6 +132,14 @@ class CostModel:
             "sampling": nbytes["sampling"] / bandwidth,
         }
 
+    def _allreduce_seconds(self, num_tokens: int) -> float:
+        """Two ring all-reduces of the step's activations per layer (after attention's
+        output projection and after the FFN's down projection)."""
+        hw, tp = self.hardware, self.tp
+        payload = num_tokens * self.shape.hidden_size * self.dtype_bytes
+        one = hw.allreduce_latency_s + 2 * (tp - 1) / tp * payload / hw.interconnect_bandwidth
+        return 2 * self.shape.num_layers * one
+
     def _gemm_flops_per_s(self, rows: int) -> float:
         """Achieved GEMM FLOP/s with `rows` rows: the large-M efficiency, halved at gemm_half_tokens."""
         hw = self.hardware
@@ -113,28 +148,38 @@ class CostModel:
     def kv_pool_bytes(self) -> float:
         """KV memory as engines size it: a fraction of what weights and the runtime leave."""
         free = self.hardware.memory_bytes - self.hardware.reserved_bytes - self.resident_weight_bytes
-        return KV_MEMORY_FRACTION * free
+        return self.memory_utilization * free
 
     def kv_blocks(self, block_size: int) -> int:
         """Blocks of `block_size` tokens the KV pool holds; a ConfigError when none fit."""
         blocks = int(max(0.0, self.kv_pool_bytes()) // (self.kv_bytes_per_token * block_size))
         if blocks < 1:
             hw, weights = self.hardware, self.resident_weight_bytes
-            devices = weights // (hw.memory_bytes - hw.reserved_bytes) + 1  # the fewest that leave room for KV
+            devices = weights * self.tp // (hw.memory_bytes - hw.reserved_bytes) + 1  # the fewest leaving room for KV
             raise ConfigError(
-                f"the model's weights ({weights / GIB:.1f} GiB at {self.dtype_bytes} bytes a parameter) leave no "
-                f"room for a KV cache on one {hw.name} ({hw.memory_bytes / GIB:.0f} GiB, "
-                f"{hw.reserved_bytes / GIB:.0f} GiB of it for the runtime); serving it takes tensor parallelism "
-                f"over {devices:.0f} or more devices, which the simulator does not model: choose a smaller model "
-                f"shape or an accelerator with more memory")
+                f"the model's weights ({weights / GIB:.1f} GiB a device at {self.dtype_bytes} bytes a parameter, "
+                f"tensor parallelism {self.tp}) leave no room for a KV cache on a {hw.name} "
+                f"({hw.memory_bytes / GIB:.0f} GiB, {hw.reserved_bytes / GIB:.0f} GiB of it for the runtime); "
+                f"serving it takes tensor parallelism over {devices:.0f} or more devices (`--tp N`)")
         return blocks
 
 
-def _elementwise_bytes_per_token(shape: ModelConfig, dtype_bytes: int) -> float:
-    """Activation bytes the fused elementwise kernels move per token over all layers:
-    add+RMSNorm twice (read input and residual, write both), rotary on q and k (read and
-    write), SiLU-and-multiply (read gate and up, write their product)."""
-    q = shape.num_heads * shape.head_dim
-    k = shape.num_kv_heads * shape.head_dim
-    per_layer = 2 * 4 * shape.hidden_size + 2 * (q + k) + 3 * shape.intermediate_size
+def _check_tp(shape: ModelConfig, hardware: Accelerator, tp: int) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tensor parallelism must be a positive integer, got {tp!r}")
+    if shape.num_heads % tp or shape.intermediate_size % tp:
+        raise ConfigError(f"tensor parallelism {tp} does not divide the model's {shape.num_heads} attention heads "
+                          f"and {shape.intermediate_size} FFN columns")
+    if tp > 1 and (not hardware.per_kernel or hardware.interconnect_bandwidth <= 0):
+        raise ConfigError(f"{hardware.name} has no interconnect profile: tensor parallelism needs a GPU profile")
+
+
+def _elementwise_bytes_per_token(shape: ModelConfig, dtype_bytes: int, tp: int = 1) -> float:
+    """Activation bytes the fused elementwise kernels move per token over all layers, on
+    one of `tp` devices: add+RMSNorm twice (read input and residual, write both; every
+    device holds the whole hidden state), rotary on q and k (read and write),
+    SiLU-and-multiply (read gate and up, write their product)."""
+    q = shape.num_heads * shape.head_dim / tp
+    k = -(-shape.num_kv_heads // tp) * shape.head_dim
+    per_layer = 2 * 4 * shape.hidden_size + 2 * (q + k) + 3 * shape.intermediate_size / tp
     return shape.num_layers * per_layer * dtype_bytes

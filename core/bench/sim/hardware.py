@@ -19,6 +19,35 @@ from servelab.errors import ConfigError
 GIB = 2**30
 
 
+STEP_FEATURES = ("step", "sequence", "prefill_gemm_flop", "decode_gemm_flop", "prefill_attention_flop",
+                 "decode_kv_byte", "lm_head_flop")
+
+
+@attrs.frozen
+class StepTerms:
+    """The additive step-time form `servelab bench --calibrate` fits to a machine: seconds
+    per step, per sequence in the batch (the engine's Python work), per GEMM FLOP of
+    prompt tokens and, separately, of decode tokens (small GEMMs run far below the
+    large ones' rate), per FLOP of prefill attention (which grows with the context each
+    chunk attends to), per KV byte decode attention reads (the context of each decoding
+    sequence) and per LM-head FLOP (the rows sampled)."""
+
+    step_s: float = 0.0
+    sequence_s: float = 0.0
+    prefill_gemm_flop_s: float = 0.0
+    decode_gemm_flop_s: float = 0.0
+    prefill_attention_flop_s: float = 0.0
+    decode_kv_byte_s: float = 0.0
+    lm_head_flop_s: float = 0.0
+
+    def seconds(self, features: dict[str, float]) -> float:
+        return sum(getattr(self, f"{name}_s") * features[name] for name in STEP_FEATURES)
+
+    @classmethod
+    def from_coefficients(cls, coefficients) -> "StepTerms":
+        return cls(**{f"{name}_s": float(c) for name, c in zip(STEP_FEATURES, coefficients)})
+
+
 @attrs.frozen
 class Accelerator:
     name: str
@@ -33,9 +62,16 @@ class Accelerator:
     gemm_half_tokens: float = 0.0  # rows at which a GEMM reaches half its large-M efficiency (0: flat)
     kernel_launch_s: float = 0.0  # host time to launch one kernel when not replaying a CUDA graph
     cuda_graphs: bool = False  # decode-only steps replay a captured graph: no per-kernel launches
-    per_kernel: bool = True  # False: one roofline over the whole step, the form `--calibrate` fits
+    terms: StepTerms | None = None  # a fitted additive form instead of per-kernel rooflines (`--calibrate`)
     reserved_bytes: float = 0.0  # device memory neither weights nor KV (runtime context, activations)
+    interconnect_bandwidth: float = 0.0  # bytes/s an all-reduce moves per device (bus bandwidth; 0: none)
+    allreduce_latency_s: float = 10e-6  # fixed cost of one small all-reduce
     behaves_like: str = ""  # which engine's behaviour the profile represents
+
+    @property
+    def per_kernel(self) -> bool:
+        """Costed kernel class by kernel class (the GPU profiles), not by fitted terms."""
+        return self.terms is None
 
     @property
     def kv_read_efficiency(self) -> float:
@@ -46,6 +82,9 @@ class Accelerator:
         return self.compute_efficiency if self.attention_efficiency is None else self.attention_efficiency
 
 
+CPU_HERE_TERMS = StepTerms(step_s=2e-3, sequence_s=1e-4, prefill_gemm_flop_s=1 / 105e9,
+                           decode_gemm_flop_s=1 / 20e9, prefill_attention_flop_s=1 / 20e9,
+                           decode_kv_byte_s=1 / 3.2e9, lm_head_flop_s=1 / 20e9)
 _TRTLLM_LIKE = "TensorRT-LLM-like: fused kernels, CUDA graphs on decode steps, in-flight batching"
 _EAGER_LIKE = "vLLM-like with enforce_eager: the same kernels launched from PyTorch every step, no CUDA graphs"
 
@@ -71,16 +110,19 @@ _ADA = _AMPERE
 _RUNTIME_LAUNCH_S, _EAGER_LAUNCH_S = 5e-6, 25e-6
 _GPU = dict(kernel_launch_s=_RUNTIME_LAUNCH_S, cuda_graphs=True, reserved_bytes=2 * GIB, behaves_like=_TRTLLM_LIKE)
 
+# Interconnects (estimates, not fits): NCCL's all-reduce bus bandwidth reaches ~360 GB/s
+# over NVLink 4 (450 GB/s a direction), ~230 GB/s over NVLink 3 (300), ~20 GB/s over
+# PCIe 4 (L4 has no NVLink).
 ACCELERATORS = {
-    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU),
-    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU),
-    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU),
-    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU),
-    # This project's 2-core machine in float32 as fitted by `servelab bench --calibrate` on
-    # the embedded model: its "bandwidth" is an effective figure that absorbs MKL's poor
-    # small-batch GEMM efficiency, not the ~25 GB/s a large reduction reads at.
-    "cpu-here": Accelerator("2-core CPU (fp32, fitted)", 105e9, 3.2e9, 24e9, 0.0, 1.0, 1.0, per_kernel=False,
-                            behaves_like="servelab on this CPU, one roofline per step"),
+    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU, interconnect_bandwidth=360e9),
+    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU, interconnect_bandwidth=360e9),
+    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU, interconnect_bandwidth=230e9),
+    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU, interconnect_bandwidth=20e9,
+                      allreduce_latency_s=20e-6),
+    # This project's 2-core machine in float32, one thread, as fitted by `servelab bench
+    # --calibrate` on the embedded model (see docs/bench.md, "Calibration").
+    "cpu-here": Accelerator("2-core CPU (fp32, one thread, fitted)", 105e9, 3.2e9, 24e9, 0.0, 1.0, 1.0,
+                            terms=CPU_HERE_TERMS, behaves_like="servelab on this CPU, additive fitted step terms"),
 }
 EAGER_SUFFIX = "-eager"
 

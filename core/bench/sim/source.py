@@ -16,9 +16,11 @@ class SimSource:
     tokenizer = None
     path: Path | None = None
 
-    def __init__(self, shape: ModelConfig, hardware: Accelerator, clock: VirtualClock, dtype_bytes: int = 2) -> None:
+    def __init__(self, shape: ModelConfig, hardware: Accelerator, clock: VirtualClock, dtype_bytes: int = 2,
+                 tp: int = 1, memory_utilization: float | None = None) -> None:
         self.model_config = shape
-        self.cost_model = CostModel(shape, hardware, dtype_bytes)
+        extra = {} if memory_utilization is None else {"memory_utilization": memory_utilization}
+        self.cost_model = CostModel(shape, hardware, dtype_bytes, tp=tp, **extra)
         self.clock = clock
 
     def build_runner(self, attention: Any, engine: EngineSection, num_blocks: int, max_positions: int) -> SimRunner:

@@ -1,0 +1,213 @@
+"""The engine's step loop, apart from where it runs and how it is reached.
+
+`EngineCore` owns an `LLMEngine` and makes every call on it: it takes commands (add a
+group of requests, abort some, stop), steps while any request is in flight, blocks for
+the next command when none is, and after every iteration sends one `CoreOutput`: the new
+token ids of every sequence, the outputs of the requests that finished, the answers to
+the add commands it took, and a stats snapshot. One message per step for all requests,
+whatever carries it: a queue to a thread (connection.ThreadConnection), a pipe to
+another process (engine_process) or a Ray actor call (replicas).
+
+Commands are plain tuples so that they pickle cheaply:
+    ("add", command_id, [NewRequest, ...])   all or none; answered in CoreOutput.resolved
+    ("abort", None, [request_id, ...])       unknown ids are ignored
+    ("stop", None, None)                      abort whatever is in flight, send it, return
+
+An exception out of a step (or the loop around it) is the engine's death: the last
+CoreOutput carries `failure`, and every later add is refused until "stop".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import structlog
+
+import servelab
+from servelab.errors import RequestError, ServelabError
+from servelab.interfaces import AllocatorStats, SchedulerStats, SequenceStatus
+from servelab.outputs import RequestOutput
+from servelab.sampling_params import SamplingParams
+
+logger = structlog.get_logger(__name__)
+
+
+class EngineUnavailable(ServelabError):
+    """The engine is stopping or has failed; no new request can start."""
+
+
+class AdmissionFailed(ServelabError):
+    """The engine raised something other than RequestError while taking this request in:
+    a fault of ours, not of the client's; the request is refused and nothing of it remains."""
+
+
+@attrs.frozen
+class NewRequest:
+    """One engine request to add: its id, the prompt (text or ids), its params."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float  # on the engine's clock (time.perf_counter unless the engine has its own)
+
+
+@attrs.frozen
+class EngineSnapshot:
+    """The engine's counters after a loop iteration (read on the event loop, never live)."""
+
+    scheduler: SchedulerStats
+    allocator: AllocatorStats
+    num_steps: int = 0  # totals since the engine started
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_running_tokens: int = 0  # context tokens of running sequences (for routers; 0 unless asked for)
+
+
+@attrs.frozen
+class EngineInfo:
+    """What the front end needs to know of an engine it does not hold."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+@attrs.frozen
+class CoreOutput:
+    """One loop iteration's results, for every request at once."""
+
+    tokens: dict[str, list[int]]  # new token ids by sequence id ("{request_id}#{i}" for completion i > 0)
+    finished: list[RequestOutput]  # requests that finished or were aborted
+    snapshot: EngineSnapshot
+    resolved: list[tuple[int, BaseException | None]] = attrs.field(factory=list)  # (add command id, its error)
+    failure: str | None = None  # the engine failed: every request in flight is gone
+
+
+Command = tuple[str, Any, Any]
+EMPTY_SNAPSHOT = EngineSnapshot(SchedulerStats(0, 0, 0), AllocatorStats(0, 0, 0))
+
+
+class StepCounter:
+    """An observer plugin totalling steps and draft tokens for the snapshot."""
+
+    def __init__(self) -> None:
+        self.num_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    @servelab.hookimpl
+    def servelab_step_finished(self, engine: Any, report: Any) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += report.num_draft_tokens
+        self.num_accepted_tokens += report.num_accepted_tokens
+
+
+class EngineCore:
+    """Runs an engine's step loop: `receive(block)` gives the commands waiting (at least
+    one when `block`), `send(output)` takes each iteration's CoreOutput."""
+
+    def __init__(self, engine: Any, receive: Callable[[bool], list[Command]],
+                 send: Callable[[CoreOutput], None], count_running_tokens: bool = False) -> None:
+        self.engine = engine
+        self._count_running_tokens = count_running_tokens
+        self._receive = receive
+        self._send = send
+        self._counter = StepCounter()
+        self._last_snapshot = EMPTY_SNAPSHOT
+        registry = getattr(engine, "registry", None)
+        if registry is not None:
+            registry.register(self._counter)
+
+    def run(self) -> None:
+        in_flight: set[str] = set()  # request ids
+        try:
+            self._serve(in_flight)
+        except Exception as exc:  # a broken engine must not hang its clients
+            self._fail(exc)
+            self._refuse_until_stopped()
+
+    def snapshot(self) -> EngineSnapshot:
+        counter = self._counter
+        running_tokens = 0
+        if self._count_running_tokens:
+            running_tokens = sum(seq.num_tokens for seq in self.engine.unfinished_sequences()
+                                 if seq.status is SequenceStatus.RUNNING)
+        self._last_snapshot = EngineSnapshot(self.engine.scheduler.stats(), self.engine.allocator.stats(),
+                                             counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens,
+                                             running_tokens)
+        return self._last_snapshot
+
+    def _serve(self, in_flight: set[str]) -> None:
+        engine = self.engine
+        while True:
+            tokens: dict[str, list[int]] = {}
+            finished: list[RequestOutput] = []
+            resolved: list[tuple[int, BaseException | None]] = []
+            stop = False
+            for kind, command_id, payload in self._receive(not engine.has_unfinished()):
+                if kind == "add" and not stop:
+                    resolved.append((command_id, self._add(payload, in_flight)))
+                elif kind == "add":
+                    resolved.append((command_id, EngineUnavailable("the server is shutting down")))
+                elif kind == "abort":
+                    self._abort(payload, in_flight, finished)
+                else:
+                    stop = True
+            if stop:
+                self._abort(list(in_flight), in_flight, finished)
+                self._send(CoreOutput(tokens, finished, self.snapshot(), resolved))
+                return
+            if resolved:  # answer admissions before the (slow) step, so requests count as started early
+                self._send(CoreOutput({}, finished, self.snapshot(), resolved))
+                finished = []
+            if engine.has_unfinished():
+                result = engine.step()
+                tokens = result.new_token_ids
+                finished.extend(result.finished)
+                for output in result.finished:
+                    in_flight.discard(output.request_id)
+            if tokens or finished:
+                self._send(CoreOutput(tokens, finished, self.snapshot()))
+
+    def _add(self, requests: list[NewRequest], in_flight: set[str]) -> BaseException | None:
+        try:
+            for request in requests:  # all or none
+                self.engine.validate_request(request.prompt, request.params)
+            for request in requests:
+                self.engine.add_request(request.prompt, request.params, request_id=request.request_id,
+                                        arrival_time=request.arrival_time)
+                in_flight.add(request.request_id)
+        except RequestError as exc:
+            return exc
+        except Exception as exc:  # a fault while taking this group in fails this group alone
+            logger.exception("request.admission_failed", request_ids=[r.request_id for r in requests])
+            for request in requests:
+                if request.request_id in in_flight:
+                    self.engine.abort(request.request_id)
+                    in_flight.discard(request.request_id)
+            return AdmissionFailed(f"{type(exc).__name__}: {exc}")
+        return None
+
+    def _abort(self, request_ids: list[str], in_flight: set[str], finished: list[RequestOutput]) -> None:
+        for request_id in request_ids:
+            output = self.engine.abort(request_id)
+            in_flight.discard(request_id)
+            if output is not None:
+                finished.append(output)
+
+    def _fail(self, exc: Exception) -> None:
+        logger.exception("engine.failed", error=str(exc))
+        try:
+            snapshot = self.snapshot()
+        except Exception:  # the policies may be as broken as the step was
+            snapshot = self._last_snapshot
+        self._send(CoreOutput({}, [], snapshot, failure=f"the engine failed: {type(exc).__name__}: {exc}"))
+
+    def _refuse_until_stopped(self) -> None:
+        while True:
+            refused = []
+            for kind, command_id, _ in self._receive(True):
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    refused.append((command_id, EngineUnavailable("the engine has failed")))
+            if refused:
+                self._send(CoreOutput({}, [], self._last_snapshot, refused))

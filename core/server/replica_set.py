@@ -1,0 +1,186 @@
+"""N engine replicas behind one router, with the interface of one AsyncEngine.
+
+`ReplicaSet` is what the HTTP routes talk to when `servelab serve --replicas N` runs:
+the configured router (`[router]`, see servelab.routing) picks a live replica for each
+request from the replicas' load (queued sequences and prompt tokens as the front end
+knows them, running sequences and tokens and KV blocks from each replica's latest
+snapshot). The replicas are AsyncEngines over any EngineConnection (Ray actors in the
+server, engines on threads in the unit tests).
+
+A replica that dies (its actor's process killed, its engine failed) is taken out of
+rotation: its requests in flight end with an error naming the replica, the router is
+told they finished, and the others keep serving. Only when every replica has failed
+does the set report the engine failed (/health 503, exit code 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Any, Callable, Iterable, Sequence as Seq
+
+import structlog
+
+from servelab.errors import ServelabError
+from servelab.interfaces import AllocatorStats, ReplicaSnapshot, RouteRequest, SchedulerStats
+from servelab.server.detokenizer import Decode
+from servelab.server.engine_core import EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
+from servelab.server.engine_loop import AsyncEngine, Events
+
+logger = structlog.get_logger(__name__)
+
+
+class ReplicaSet:
+    """N engine replicas behind one router, with the interface of one AsyncEngine."""
+
+    def __init__(self, replicas: Seq[AsyncEngine], router: Any, router_name: str, block_size: int,
+                 metrics: Any = None) -> None:
+        if not replicas:
+            raise ServelabError("a replica set needs at least one replica")
+        self.replicas = list(replicas)
+        self.router = router
+        self.router_name = router_name
+        self.block_size = block_size
+        self.metrics = metrics
+        self.on_failure: Callable[[str], None] | None = None
+        self.error: str | None = None
+        self.stopping = False
+        self.dead: set[int] = set()
+        self._owner: dict[str, int] = {}  # engine request id -> replica
+        self._group_of: dict[str, str] = {}  # engine request id -> the routed group's key (its first id)
+        self._group_left: dict[str, int] = {}  # group key -> its requests not finished yet
+        for index, replica in enumerate(self.replicas):
+            replica.on_failure = functools.partial(self._replica_failed, index)
+            replica.listener = functools.partial(self._observe, index)
+        self.info = EngineInfo(min(r.info.max_model_len for r in self.replicas), self.replicas[0].info.vocab_size)
+
+    @staticmethod
+    def clock() -> float:
+        return time.perf_counter()
+
+    # ------------------------------------------------------------ the AsyncEngine interface
+
+    def start(self) -> None:
+        for replica in self.replicas:
+            replica.start()
+
+    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> asyncio.Queue:
+        """Route the group (every prompt of one HTTP request) to one live replica and add it there."""
+        live = self.live_replicas()
+        if self.stopping or not live:
+            raise EngineUnavailable(self.error or "the server is shutting down")
+        first = requests[0]
+        prompt = first.prompt if isinstance(first.prompt, list) else []
+        route = RouteRequest(first.request_id, prompt, first.params.max_tokens, first.arrival_time)
+        from servelab.routing import checked_route
+
+        choice = checked_route(self.router, self.router_name, route, [self.route_snapshot(i) for i in live])
+        for request in requests:
+            self._owner[request.request_id] = choice
+            self._group_of[request.request_id] = first.request_id
+        self._group_left[first.request_id] = len(requests)
+        if self.metrics is not None:
+            self.metrics.routed(choice)
+        try:
+            return await self.replicas[choice].add(requests, decode)
+        except BaseException:
+            for request in requests:
+                self._finished(request.request_id)
+            raise
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            owner = self._owner.get(request_id)
+            if owner is not None:
+                by_replica.setdefault(owner, []).append(request_id)
+        for owner, ids in by_replica.items():
+            self.replicas[owner].abort(ids)
+
+    def abort_all(self) -> None:
+        for replica in self.replicas:
+            replica.abort_all()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self.stopping = True
+        await asyncio.gather(*(replica.shutdown(timeout) for replica in self.replicas))
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(replica.num_in_flight for replica in self.replicas)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(replica.num_waiting for index, replica in enumerate(self.replicas) if index not in self.dead)
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """Every replica's counters summed (a dead replica's last ones included)."""
+        return sum_snapshots([replica.snapshot for replica in self.replicas])
+
+    # ------------------------------------------------------------ routing
+
+    def live_replicas(self) -> list[int]:
+        return [index for index in range(len(self.replicas)) if index not in self.dead]
+
+    def route_snapshot(self, index: int) -> ReplicaSnapshot:
+        """Replica `index`'s load now: what the front end has sent it and not seen start, and
+        what it last reported running."""
+        replica = self.replicas[index]
+        snapshot = replica.snapshot
+        return ReplicaSnapshot(
+            replica_id=index, num_waiting=replica.num_waiting, num_running=snapshot.scheduler.num_running,
+            num_queued_tokens=replica.num_waiting_tokens, num_running_tokens=snapshot.num_running_tokens,
+            num_kv_blocks=snapshot.allocator.num_blocks, num_used_kv_blocks=snapshot.allocator.num_used_blocks,
+            block_size=self.block_size)
+
+    # ------------------------------------------------------------ events (on the event loop)
+
+    def _observe(self, index: int, events: Events, snapshot: EngineSnapshot) -> None:
+        for key, event in events.items():
+            if event.is_last:
+                self._finished(key)
+        if self.metrics is not None:
+            self.metrics.observe(events, self.snapshot)
+            self.metrics.observe_replica(index, events, snapshot)
+
+    def _finished(self, request_id: str) -> None:
+        owner = self._owner.pop(request_id, None)
+        group = self._group_of.pop(request_id, None)
+        if group is None:
+            return
+        self._group_left[group] -= 1
+        if self._group_left[group] == 0:
+            del self._group_left[group]
+            request_finished = getattr(self.router, "request_finished", None)
+            if request_finished is not None:
+                request_finished(group, owner)
+
+    def _replica_failed(self, index: int, message: str) -> None:
+        self.dead.add(index)
+        logger.error("replica.failed", replica=index, error=message, live=self.live_replicas())
+        for request_id in [r for r, owner in self._owner.items() if owner == index]:
+            self._finished(request_id)
+        if self.metrics is not None:
+            self.metrics.replica_down(index)
+        if not self.live_replicas() and self.error is None:
+            self.error = f"every engine replica has failed; the last: {message}"
+            if self.on_failure is not None:
+                self.on_failure(self.error)
+
+
+def sum_snapshots(snapshots: Seq[EngineSnapshot]) -> EngineSnapshot:
+    scheduler = SchedulerStats(num_waiting=sum(s.scheduler.num_waiting for s in snapshots),
+                               num_running=sum(s.scheduler.num_running for s in snapshots),
+                               num_preemptions=sum(s.scheduler.num_preemptions for s in snapshots))
+    kv = [s.allocator for s in snapshots]
+    allocator = AllocatorStats(num_blocks=sum(a.num_blocks for a in kv),
+                               num_used_blocks=sum(a.num_used_blocks for a in kv),
+                               num_free_blocks=sum(a.num_free_blocks for a in kv),
+                               num_cached_blocks=sum(a.num_cached_blocks for a in kv),
+                               prefix_lookup_tokens=sum(a.prefix_lookup_tokens for a in kv),
+                               prefix_hit_tokens=sum(a.prefix_hit_tokens for a in kv))
+    return EngineSnapshot(scheduler, allocator, sum(s.num_steps for s in snapshots),
+                          sum(s.num_draft_tokens for s in snapshots), sum(s.num_accepted_tokens for s in snapshots),
+                          sum(s.num_running_tokens for s in snapshots))

@@ -1,0 +1,144 @@
+"""Engine replicas on a real local Ray (`servelab serve --replicas 2`, builtin:tiny):
+answers equal to one engine, streaming and aborts through replicas, routing by the
+configured router (prefix-affinity keeps shared prefixes cache hits where round-robin
+spreads them), and a replica killed mid-stream failing only its own requests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+
+import httpx
+import pytest
+
+from conftest_server import ServerProcess, sse_events
+
+ray = pytest.importorskip("ray", reason="the replica tests need Ray: pip install 'servelab[ray]'")
+
+MODEL = "builtin:tiny"
+SETTINGS = ("--set", "engine.max_model_len=256", "--set", "engine.max_num_seqs=8", "--engine-threads", "1")
+PROMPTS = ["Once upon a time", "The cat sat", "In the beginning", "def add(a, b):", "Hello there", "Rain fell"]
+
+
+def _replica_pids(server: ServerProcess) -> dict[int, int]:
+    found = re.findall(r"replica\.started\s.*?pid=(\d+) replica=(\d+)", server.log())
+    return {int(replica): int(pid) for pid, replica in found}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, log_path=tmp_path_factory.mktemp("replicas") / "log")
+    yield process
+    assert process.terminate(60) == 0, process.log_path.read_text()
+    assert "kv_blocks_used=0" in process.log_path.read_text()
+
+
+def test_two_replicas_answer_as_one_engine_does_and_share_the_requests(server):
+    from servelab import LLM, SamplingParams
+
+    expected = [o.outputs[0].token_ids for o in LLM(MODEL, max_model_len=256).generate(
+        PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+
+    async def ask_all():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            replies = await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}) for prompt in PROMPTS))
+        return [reply.json()["choices"][0]["token_ids"] for reply in replies]
+
+    assert asyncio.run(ask_all()) == [list(ids) for ids in expected]
+    metrics = server.metrics()
+    routed = [metrics[f'servelab_replica_requests_routed_total{{replica="{i}"}}'] for i in (0, 1)]
+    assert routed[0] >= 3 and routed[1] >= 3, routed  # round-robin, the default router
+    generated = [metrics[f'servelab_replica_generation_tokens_total{{replica="{i}"}}'] for i in (0, 1)]
+    assert sum(generated) == metrics["servelab_generation_tokens_total"] and min(generated) > 0
+
+
+def test_streams_and_aborts_go_through_the_replicas(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            events = list(sse_events(response))
+        assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == whole
+        aborted_before = server.metrics().get('servelab_requests_finished_total{finish_reason="abort"}', 0.0)
+        with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 200, "stream": True}) as response:
+            stream = sse_events(response)
+            next(stream), next(stream)  # it runs; leaving the block hangs up
+    server.wait_metrics(lambda m: m['servelab_requests_finished_total{finish_reason="abort"}'] == aborted_before + 1
+                        and m['servelab_kv_blocks{state="used"}'] == 0, timeout=10)
+
+
+def test_a_killed_replica_fails_only_its_requests_and_the_others_keep_serving(tmp_path):
+    server = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, log_path=tmp_path / "log")
+    try:
+        pids = _replica_pids(server)
+        assert sorted(pids) == [0, 1], server.log()
+        body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json=body) as first, \
+                    client.stream("POST", "/v1/completions", json=body) as second:
+                streams = [sse_events(first), sse_events(second)]
+                for stream in streams:
+                    next(stream)  # both run, one on each replica (round-robin)
+                os.kill(pids[0], signal.SIGKILL)
+                endings = [list(stream) for stream in streams]
+            errors = [events[-2]["error"]["message"] for events in endings if "error" in events[-2]]
+            finished = [events for events in endings if "usage" in events[-2]]
+            assert all(events[-1] == "[DONE]" for events in endings)
+            assert len(errors) == 1 and "engine replica 0 failed" in errors[0] and "Ray actor died" in errors[0]
+            assert len(finished) == 1 and finished[0][-2]["usage"]["completion_tokens"] == 200
+            for _ in range(3):  # every new request goes to the live replica
+                reply = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False})
+                assert reply.status_code == 200, reply.text
+            assert client.get("/health").status_code == 200
+        metrics = server.metrics()
+        assert metrics['servelab_replica_up{replica="0"}'] == 0 and metrics['servelab_replica_up{replica="1"}'] == 1
+        assert "replica.failed" in server.log()
+    finally:
+        assert server.terminate(60) == 0, server.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             object_store_memory=128 * 1024 * 1024)
+    yield
+    ray.shutdown()
+
+
+def _hit_rate_with(router: str) -> float:
+    """Four system prompts of 4 blocks, each followed by 4 questions, sent one at a time to 2
+    replicas with a radix prefix cache: the prompt tokens found in the caches / looked up."""
+    from servelab.config import EngineConfig
+    from servelab.sampling_params import SamplingParams
+    from servelab.server.engine_core import NewRequest
+    from servelab.server.replicas import launch_replicas
+
+    config = EngineConfig().with_set_options([f"engine.model={MODEL}", "engine.max_model_len=256",
+                                              "engine.max_num_seqs=4", "allocator.name=radix", f"router.name={router}"])
+    prompts = [[10 + p] * 64 + [100 + 7 * q + p, 200 + q] for p in range(4) for q in range(4)]
+
+    async def run() -> float:
+        replicas, _ = launch_replicas([config, config], threads=1)
+        replicas.start()
+        try:
+            for index, prompt in enumerate(prompts):
+                events = await replicas.add([NewRequest(f"r{index}", prompt, SamplingParams(max_tokens=1), 0.0)])
+                while not (await events.get())[1].is_last:
+                    pass
+            await asyncio.sleep(0.2)  # the last snapshot
+            kv = replicas.snapshot.allocator
+            return kv.prefix_hit_tokens / kv.prefix_lookup_tokens
+        finally:
+            await replicas.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_prefix_affinity_finds_more_cached_prefixes_than_round_robin(local_ray):
+    round_robin, prefix_affinity = _hit_rate_with("round-robin"), _hit_rate_with("prefix-affinity")
+    # round-robin sends each system prompt to both replicas (two misses of 4 blocks), prefix-affinity to one
+    assert prefix_affinity > round_robin + 0.1, (round_robin, prefix_affinity)
