@@ -29,6 +29,9 @@ __all__ = [
     "ForkingAllocator",
     "ForkingScheduler",
     "KVAllocator",
+    "LogitsProcessor",
+    "LogitsProcessorContext",
+    "ProcessorRequest",
     "ModelRunnerLike",
     "PrefixCachingAllocator",
     "Scheduler",
@@ -424,3 +427,68 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> "torch.Tensor":  # [T, num_heads, head_dim]
         """Store key/value at the step's slots, then attend causally for every query."""
+
+
+# ---------------------------------------------------------------- logits processing
+
+
+@attrs.frozen
+class LogitsProcessorContext:
+    """What a logits processor factory receives."""
+
+    vocab_size: int  # logits columns (the model's vocabulary, which may exceed the tokenizer's)
+    eos_token_ids: frozenset[int]
+    # encode(text, add_special_tokens) / decode(ids); `.backend` is the `tokenizers.Tokenizer`.
+    tokenizer: Any = None  # None when the checkpoint has none
+    device: Any = None  # torch.device of the logits
+
+
+@attrs.frozen
+class ProcessorRequest:
+    """A request (one completion) as a processor sees it when its state is created."""
+
+    request_id: str  # the sequence id (completion i > 0 of an n > 1 request is "{id}#{i}")
+    params: Any  # SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    prepared: Any = None  # what `prepare(params)` produced, for processors that define it
+
+
+@runtime_checkable
+class LogitsProcessor(Protocol):
+    """Changes next-token logits before sampling: penalties, biases, bans, grammars.
+
+    One instance serves every request; what it knows about one request lives in a
+    per-request *state* it creates and the engine hands back:
+
+    - `new_state` at admission (every completion of an n > 1 request gets its own);
+    - `apply` once per engine step over the rows that sample, row i with `states[i]`;
+      a row's result must not depend on the other rows;
+    - `accept` with each token appended to the request, in order;
+    - `rollback(state, k)` forgets the last k accepted tokens exactly (speculative
+      decoding accepts drafts tentatively to score the positions after them);
+    - `release` once the request finished, was aborted or failed (optional).
+
+    A request uses the processor when it names it in `SamplingParams.logits_processors`,
+    when the engine config lists it under `[logits_processors] default`, or when
+    `is_requested(params)` says its SamplingParams ask for it (how the built-ins are
+    selected). Optional methods: `validate(params)` raises RequestError for a request
+    it cannot serve (checked before the request is queued); `prepare(params)` returns a
+    concurrent.futures.Future whose result becomes ProcessorRequest.prepared: the
+    request waits for it, other requests keep running (the grammar compiler uses it).
+    A processor that raises fails the requests whose rows it was processing, alone.
+    """
+
+    def is_requested(self, params: Any) -> bool:
+        """True when these SamplingParams ask for this processor."""
+
+    def new_state(self, request: ProcessorRequest) -> Any:
+        """The state of a newly admitted request."""
+
+    def apply(self, logits: "torch.Tensor", states: Seq[Any]) -> "torch.Tensor":
+        """Processed logits [R, vocab] float32 for rows [R, vocab] (may modify `logits` in place)."""
+
+    def accept(self, state: Any, token_id: int) -> None:
+        """`token_id` was appended to the request."""
+
+    def rollback(self, state: Any, num_tokens: int) -> None:
+        """Forget the last `num_tokens` accepted tokens."""

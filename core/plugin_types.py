@@ -12,7 +12,7 @@ from servelab.errors import PluginError
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
-POLICY_KINDS = ("allocators", "schedulers", "drafters", "attention")
+POLICY_KINDS = ("allocators", "schedulers", "drafters", "attention", "logits_processors")
 
 
 def _check_name(instance: Any, attribute: attrs.Attribute, value: str) -> None:
@@ -68,3 +68,8 @@ class DrafterPlugin(PolicyPlugin):
 @attrs.frozen(kw_only=True)
 class AttentionPlugin(PolicyPlugin):
     """An attention backend: factory(options, AttentionContext) -> AttentionBackend."""
+
+
+@attrs.frozen(kw_only=True)
+class LogitsProcessorPlugin(PolicyPlugin):
+    """A logits processor: factory(options, LogitsProcessorContext) -> LogitsProcessor."""

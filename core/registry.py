@@ -26,8 +26,10 @@ _REGISTER_HOOKS = {
     "schedulers": "servelab_register_schedulers",
     "drafters": "servelab_register_drafters",
     "attention": "servelab_register_attention",
+    "logits_processors": "servelab_register_logits_processors",
 }
-_SINGULAR = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention backend"}
+_SINGULAR = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention backend",
+             "logits_processors": "logits processor"}
 
 
 @attrs.frozen
