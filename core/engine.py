@@ -59,6 +59,8 @@ class StepResult:
     finished: list[RequestOutput]
     # SamplingParams.logprobs: the logprobs of those new tokens, for the sequences that asked.
     new_logprobs: dict[str, list[PositionLogprobs]] = attrs.field(factory=dict)
+    # SamplingParams.prompt_logprobs: by request id, in the step that scored the whole prompt.
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = attrs.field(factory=dict)
 
 
 def _all_token_ids(prompt: list | tuple) -> bool:
@@ -112,6 +114,7 @@ class LLMEngine:
         self._prompt_logprobs: set[str] = set()  # sequences still collecting prompt logprobs
         self._pending: dict[str, tuple[list[Sequence], dict[str, concurrent.futures.Future]]] = {}
         self._step_failures: dict[str, str] = {}  # sequence id -> error, this step
+        self._scored_prompts: dict[str, list] = {}  # request id -> prompt logprobs completed this step
         # Optional allocator capabilities, looked up once.
         self._forking = self.allocator if isinstance(self.allocator, ForkingAllocator) else None
         self._prefix_cache = self.allocator if isinstance(self.allocator, PrefixCachingAllocator) else None
@@ -278,8 +281,12 @@ class LLMEngine:
                 seq.logprobs = []
             self._logits_work.add(seq.request_id)
         if params.prompt_logprobs is not None:
-            group[0].prompt_logprobs = [None]  # the first token: nothing predicts it
-            self._prompt_logprobs.add(group[0].request_id)
+            first = group[0]
+            first.prompt_logprobs = [None]  # the first token: nothing predicts it
+            if len(first.prompt_token_ids) > 1:
+                self._prompt_logprobs.add(first.request_id)
+            else:
+                self._scored_prompts[first.request_id] = first.prompt_logprobs
         return pending
 
     def _admit_processors(self, group: list[Sequence], prepared: dict[str, Any]) -> None:
@@ -404,7 +411,10 @@ class LLMEngine:
         t5 = timer()
         self._report(plan, len(finished), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4),
                      sum(num_drafts.values()), sum(num_accepted.values()))
-        return StepResult(emitted, prepared_failures + outputs, new_logprobs)
+        scored_prompts = {}
+        if self._scored_prompts:
+            scored_prompts, self._scored_prompts = self._scored_prompts, {}
+        return StepResult(emitted, prepared_failures + outputs, new_logprobs, scored_prompts)
 
     def _fail_sequences(self, new_tokens: dict[Sequence, list[int]], now: float) -> list[Sequence]:
         """Sequences a logits processor failed this step end with finish_reason "error"
@@ -443,8 +453,9 @@ class LLMEngine:
             scored.extend(position_logprobs(logprobs[offset: offset + count], targets,
                                             [seq.params.prompt_logprobs] * count))
             offset += count
-            if len(scored) >= len(seq.prompt_token_ids):
+            if len(scored) >= len(seq.prompt_token_ids) and seq.request_id in self._prompt_logprobs:
                 self._prompt_logprobs.discard(seq.request_id)
+                self._scored_prompts[seq.request_id] = scored
         return logits[:num_rows], hidden[:num_rows] if hidden is not None else None
 
     def _append_new_tokens(self, new_tokens: dict[Sequence, list[int]], now: float, num_drafts: dict[str, int],

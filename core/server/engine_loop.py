@@ -44,6 +44,8 @@ class RequestEvent:
     """What one step did for one sequence (tokens) or request (output, error)."""
 
     new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[Any, ...] = ()  # SamplingParams.logprobs: one {token id: Logprob} per new token
+    prompt_logprobs: tuple[Any, ...] = ()  # SamplingParams.prompt_logprobs, once the prompt is scored
     output: RequestOutput | None = None  # set once, when the request finished or was aborted
     error: str | None = None  # the engine failed; the request is gone
     deltas: tuple[Any, ...] = ()  # the request's text deltas, when it registered a decode function
@@ -209,8 +211,12 @@ class AsyncEngine:
                 return
             if engine.has_unfinished():
                 result = engine.step()
+                logprobs = result.new_logprobs
                 for sequence_id, token_ids in result.new_token_ids.items():
-                    events[sequence_id] = RequestEvent(tuple(token_ids))
+                    events[sequence_id] = RequestEvent(tuple(token_ids), tuple(logprobs.get(sequence_id, ())))
+                for request_id, scored in result.prompt_logprobs.items():
+                    events[request_id] = attrs.evolve(events.get(request_id, RequestEvent()),
+                                                      prompt_logprobs=tuple(scored))
                 for output in result.finished:
                     _merge_output(events, output)
                     in_flight.discard(output.request_id)
@@ -299,8 +305,8 @@ class AsyncEngine:
 
 def _merge_output(events: Events, output: RequestOutput) -> None:
     previous = events.get(output.request_id)
-    new_token_ids = previous.new_token_ids if previous is not None else ()
-    events[output.request_id] = RequestEvent(new_token_ids, output)
+    events[output.request_id] = attrs.evolve(previous, output=output) if previous is not None else RequestEvent(
+        output=output)
 
 
 def _snapshot(engine: Any) -> EngineSnapshot:

@@ -14,6 +14,7 @@ never used. The state counts such tokens as "dead" so rollback stays exact.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -161,5 +162,6 @@ class StructuredOutputProcessor:
 
 
 def _first_line(exc: Exception) -> str:
+    """xgrammar's message without its C++ source location ("[12:00:00] /path/file.cc:42: ")."""
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", text[0]) if text else type(exc).__name__
