@@ -140,9 +140,10 @@ class StructuredOutputProcessor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         bitmask = self._bitmask[:rows]
-        bitmask.fill_(-1)  # all allowed: rows of dead states stay unmasked
+        bitmask.fill_(-1)  # all allowed: rows no token of the request can follow stay unmasked
         for row, state in enumerate(states):
-            if not state.dead:
+            # After a refused token or EOS (a tentatively accepted draft) the row is never used.
+            if not state.dead and not state.matcher.is_terminated():
                 state.matcher.fill_next_token_bitmask(bitmask, row)
         logits = logits.contiguous()
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
