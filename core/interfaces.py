@@ -153,7 +153,9 @@ class PrefixCachingAllocator(Protocol):
 
         Returns the number of tokens they hold: a multiple of the block size, and
         below seq.num_tokens so at least one token is computed to yield logits. The
-        scheduler sets num_computed_tokens to it; `free` undoes the match.
+        scheduler sets num_computed_tokens to it; `free` undoes the match. Schedulers do
+        not look up sequences whose params ask for prompt_logprobs: every prompt position
+        of those must be computed to be scored.
         """
 
     def cache_blocks(self, seq: Sequence) -> None:
