@@ -84,8 +84,12 @@ def test_chat_defaults_and_max_completion_tokens():
     ({"prompt": "a", "top_p": 1.5}, "top_p"),
     ({"prompt": "a", "temperature": True}, "temperature"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "echo": True}, "echo"),
-    ({"prompt": "a", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs"),
+    ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": "a", "guided_json": 5}, "guided_json"),
 ])
 def test_bad_completion_fields_are_named(body, param):
     with pytest.raises(ApiError) as info:
@@ -97,7 +101,9 @@ def test_bad_completion_fields_are_named(body, param):
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ({"messages": MESSAGES, "guided_choice": []}, "guided_choice"),
 ])
 def test_bad_chat_fields_are_named(body, param):
     with pytest.raises(ApiError) as info:
