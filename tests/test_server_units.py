@@ -183,7 +183,7 @@ class FakeEngine:
             new[request_id] = [self.steps]
             if len(tokens) == params.max_tokens:
                 finished.append(self._retire(request_id, "length"))
-        return SimpleNamespace(new_token_ids=new, finished=finished)
+        return SimpleNamespace(new_token_ids=new, finished=finished, new_logprobs={}, prompt_logprobs={})
 
     def _retire(self, request_id, reason):
         _, tokens = self.requests.pop(request_id)
@@ -339,6 +339,7 @@ def test_a_failed_engine_answers_500_naming_the_cause_and_health_503():
     failures = []
     engine = FakeEngine(fail_at=1)
     engine.model_config = SimpleNamespace(vocab_size=100)
+    engine.config = SimpleNamespace(engine=SimpleNamespace(max_logprobs=20))
     engine.clock = lambda: 0.0
     state = ServerState(engine=AsyncEngine(engine, on_failure=failures.append), metrics=ServerMetrics(),
                         codec=TextCodec(None, ChatTemplate(None)), model_name="fake", max_model_len=64, max_waiting=8)
