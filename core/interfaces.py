@@ -473,15 +473,12 @@ class LogitsProcessor(Protocol):
     A request uses the processor when it names it in `SamplingParams.logits_processors`,
     when the engine config lists it under `[logits_processors] default`, or when
     `is_requested(params)` says its SamplingParams ask for it (how the built-ins are
-    selected). Optional methods: `validate(params)` raises RequestError for a request
+    selected; optional, like the two below). `validate(params)` raises RequestError for a request
     it cannot serve (checked before the request is queued); `prepare(params)` returns a
     concurrent.futures.Future whose result becomes ProcessorRequest.prepared: the
     request waits for it, other requests keep running (the grammar compiler uses it).
     A processor that raises fails the requests whose rows it was processing, alone.
     """
-
-    def is_requested(self, params: Any) -> bool:
-        """True when these SamplingParams ask for this processor."""
 
     def new_state(self, request: ProcessorRequest) -> Any:
         """The state of a newly admitted request."""

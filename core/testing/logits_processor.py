@@ -26,7 +26,7 @@ from servelab.interfaces import LogitsProcessor, LogitsProcessorContext, Process
 from servelab.sampling_params import SamplingParams
 from servelab.testing.contract import PolicyContract, check, exercising
 
-IMPLEMENTS = "implements LogitsProcessor (is_requested, new_state, apply, accept, rollback)"
+IMPLEMENTS = "implements LogitsProcessor (new_state, apply, accept, rollback)"
 NOT_REQUESTED = "no effect when not requested: default SamplingParams do not select it"
 REQUESTED = "the contract's requests select it"
 SHAPE = "apply returns float logits of the shape it was given"
