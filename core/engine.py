@@ -625,7 +625,7 @@ class LLMEngine:
         params = seq.params
         if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             seq.finish_reason = "stop"
-        elif params.stop and self._hit_stop_string(seq):
+        elif params.stop and len(output) >= params.min_tokens and self._hit_stop_string(seq):
             seq.finish_reason = "stop"
         elif (len(output) >= params.max_tokens
               or len(seq.prompt_token_ids) + len(output) >= self.limits.max_model_len):  # seq.num_tokens, inlined
