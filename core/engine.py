@@ -223,6 +223,9 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > limit:
                 raise RequestError(f"{name} must be <= {limit} (the engine's max_logprobs), got {value}")
+        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
+            raise RequestError(f"prompt_logprobs: this engine's model runner ({type(self.runner).__name__}) "
+                               f"cannot score prompts")
         self.logits_pipeline.validate(params)
 
     def _check_can_fork(self, n: int) -> None:

@@ -31,6 +31,8 @@ class ModelInputs:
 
 
 class ModelRunner:
+    supports_prompt_logprobs = True  # prepare(..., prompt_logprobs=True) adds prompt positions' logits rows
+
     def __init__(self, model: LlamaForCausalLM, backend: Any, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         config = model.config

@@ -24,9 +24,7 @@ import attrs
 import torch
 
 from servelab.errors import RequestError
-from servelab.logging_setup import get_logger
 
-logger = get_logger(__name__)
 CACHE_SIZE = 256  # compiled grammars kept
 
 
