@@ -133,6 +133,10 @@ class StructuredOutputProcessor:
     # ------------------------------------------------------------ per step
 
     def apply(self, logits: torch.Tensor, states: Seq[GrammarState]) -> torch.Tensor:
+        with torch.inference_mode():  # the bitmask buffer may have been made inside inference mode
+            return self._apply(logits, states)
+
+    def _apply(self, logits: torch.Tensor, states: Seq[GrammarState]) -> torch.Tensor:
         xgr = _xgrammar()
         rows = len(states)
         if self._bitmask is None or self._bitmask.shape[0] < rows:
