@@ -244,3 +244,40 @@ def test_processor_params_are_validated(llm):
         llm.generate([5], SamplingParams(bad_words=["x"]))
     with pytest.raises(RequestError, match="min_tokens must be <= max_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
+
+
+def test_the_server_fails_only_the_request_a_processor_failed(llama_checkpoint):
+    import asyncio
+
+    import httpx
+
+    from servelab.server.app import ServerState, build_app
+    from servelab.server.chat import ChatTemplate
+    from servelab.server.codec import TextCodec
+    from servelab.server.engine_loop import AsyncEngine
+    from servelab.server.metrics import ServerMetrics
+
+    engine = LLM(llama_checkpoint, registry=registry(), max_model_len=64).engine
+    state = ServerState(engine=AsyncEngine(engine), metrics=ServerMetrics(), codec=TextCodec(None, ChatTemplate(None)),
+                        model_name="tiny", max_model_len=64, max_waiting=8)
+    body = {"prompt": prompts([6])[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logits_processors": ["ban-token"]}
+
+    async def scenario():
+        state.engine.start()
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            good, bad, streamed = await asyncio.gather(
+                client.post("/v1/completions", json=body),
+                client.post("/v1/completions", json={**body, "extra_args": {"explode": True}}),
+                client.post("/v1/completions", json={**body, "extra_args": {"explode": True}, "stream": True}))
+            health = await client.get("/health")
+        await state.engine.shutdown()
+        return good, bad, streamed, health
+
+    good, bad, streamed, health = asyncio.run(scenario())
+    assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
+    assert bad.status_code == 500 and "logits processor 'ban-token' failed" in bad.json()["error"]["message"]
+    assert "asked to explode" in streamed.text and streamed.text.rstrip().endswith("data: [DONE]")
+    assert health.status_code == 200
+    assert engine.allocator.stats().num_used_blocks == 0

@@ -5,7 +5,8 @@ Every rejection is an `ApiError` whose body is OpenAI's
 Sampling fields are OpenAI's (penalties, logit_bias, logprobs, echo, top_logprobs,
 response_format) plus vLLM's extras (top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
 return_token_ids, repetition_penalty, min_tokens, bad_words, guided_json / guided_regex /
-guided_grammar / guided_choice); fields servelab cannot honour (suffix, tools, ...) are
+guided_grammar / guided_choice; `logits_processors` and `extra_args` select installed
+third-party processors); fields servelab cannot honour (suffix, tools, ...) are
 refused by name rather than silently ignored; unknown fields are ignored.
 """
 
@@ -27,7 +28,7 @@ MAX_SEED = 2**64 - 1  # the largest seed a torch generator takes; choice i of a 
 MIN_SEED = -(2**63)
 _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "logprobs", "prompt_logprobs", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "logit_bias", "min_tokens", "bad_words")
+                    "frequency_penalty", "logit_bias", "min_tokens", "bad_words", "logits_processors", "extra_args")
 # Where a request's structured output came from, to name it in errors.
 _STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -230,6 +231,8 @@ def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: in
         "logit_bias": _logit_bias(body.get("logit_bias")),
         "min_tokens": _integer(body, "min_tokens", 0, minimum=0),
         "bad_words": _strings(body, "bad_words"),
+        "logits_processors": _strings(body, "logits_processors"),
+        "extra_args": _object(body, "extra_args"),
         **extra,
     }
     structured_field, values["structured"] = _structured(body)
@@ -260,6 +263,15 @@ def _logit_bias(value: Any) -> dict[int, float]:
                               f"{token}", "logit_bias")
         bias[token] = float(amount)
     return bias
+
+
+def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"{name} must be an object, got {brief(value)}", name)
+    return value
 
 
 def _strings(body: dict[str, Any], name: str) -> tuple[str, ...]:
