@@ -23,10 +23,17 @@ from servelab.interfaces import ProcessorRequest
 from servelab.workload import BENCH_SCHEMA, build_workload
 
 
-def throughput(engine, recorder, spec: str) -> float:
+def throughput(engine, recorder, spec: str) -> tuple[float, float]:
+    """Output tokens/s, and the sampling stage's share of the steps' time (processors,
+    bitmasks and logprobs run there: a share measured within one run, less exposed to
+    the machine's load than the throughput)."""
     workload = build_workload(spec, engine.model_config.vocab_size)
     record = run_workload(engine, recorder, workload, spec)
-    return sum(len(o.token_ids) for o in record.outputs) / (record.end_time - record.start_time)
+    reports = [report for _, report in record.steps]
+    sample = sum(r.sample_seconds for r in reports)
+    total = sum(r.schedule_seconds + r.prepare_seconds + r.forward_seconds + r.sample_seconds + r.update_seconds
+                for r in reports)
+    return sum(len(o.token_ids) for o in record.outputs) / (record.end_time - record.start_time), sample / total
 
 
 def compare(engine, recorder, base: str, variant: str, repeats: int) -> dict:
@@ -36,9 +43,11 @@ def compare(engine, recorder, base: str, variant: str, repeats: int) -> dict:
     for _ in range(repeats):
         a.append(throughput(engine, recorder, base))
         b.append(throughput(engine, recorder, variant))
-    ratios = [y / x for x, y in zip(a, b)]
-    return {"base_tok_s": statistics.median(a), "variant_tok_s": statistics.median(b),
-            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    ratios = [y[0] / x[0] for x, y in zip(a, b)]
+    return {"base_tok_s": statistics.median(x for x, _ in a), "variant_tok_s": statistics.median(y for y, _ in b),
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "base_sample_share": statistics.median(s for _, s in a),
+            "variant_sample_share": statistics.median(s for _, s in b)}
 
 
 def bitmask_cost(llm: LLM, batch: int, repeats: int) -> dict:
@@ -97,8 +106,9 @@ def main() -> None:
     for name, variant in (("50% JSON schema", "structured_fraction=0.5"), ("logprobs=5", "logprobs=5")):
         result = compare(llm.engine, recorder, args.workload, f"{args.workload},{variant}", args.repeats)
         print(f"{name:>16}: {result['variant_tok_s']:.0f} vs {result['base_tok_s']:.0f} output tok/s plain; "
-              f"ratio {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f})",
-              flush=True)
+              f"ratio {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}); "
+              f"sampling stage {100 * result['variant_sample_share']:.1f}% of step time vs "
+              f"{100 * result['base_sample_share']:.1f}%", flush=True)
 
 
 if __name__ == "__main__":
