@@ -12,10 +12,12 @@ from servelab.config import EngineConfig
 from servelab.errors import CheckpointError, ConfigError, PluginError, RequestError, ServelabError
 from servelab.hookspecs import hookimpl
 from servelab.logging_setup import get_logger
-from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepReport
-from servelab.plugin_types import AllocatorPlugin, AttentionPlugin, DrafterPlugin, RouterPlugin, SchedulerPlugin
+from servelab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepReport
+from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, LogitsProcessorPlugin,
+                                   RouterPlugin, SchedulerPlugin)
 from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
+from servelab.structured import StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -28,6 +30,8 @@ __all__ = [
     "CompletionOutput",
     "ConfigError",
     "DrafterPlugin",
+    "Logprob",
+    "LogitsProcessorPlugin",
     "EngineConfig",
     "PluginError",
     "PluginRegistry",
@@ -39,6 +43,7 @@ __all__ = [
     "SchedulerPlugin",
     "ServelabError",
     "StepReport",
+    "StructuredOutput",
     "get_logger",
     "hookimpl",
 ]

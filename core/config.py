@@ -16,6 +16,12 @@ policy of each kind by name, with `section.key=value` overrides.
 
     [router]                  # used by fleets of replicas (servelab bench --replicas)
     name = "prefix-affinity"
+
+    [logits_processors]
+    default = ["my-processor"]   # applied to every request (built-ins are chosen per request)
+
+    [logits_processors.my-processor]   # options of an installed logits processor
+    strength = 0.5
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 POLICY_SECTIONS = ("allocator", "scheduler", "drafter", "attention", "router")
 DEFAULT_POLICIES = {"allocator": "paged", "scheduler": "continuous", "attention": "torch-paged"}
 DEFAULT_ROUTER = "round-robin"
+LOGPROBS_MODES = ("raw", "processed")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -78,8 +85,15 @@ class EngineSection:
     # On CPU, pack the decoder's linear weights for oneDNN's matmul kernels at load time
     # (2x+ faster than torch's default here); false keeps torch's default linear.
     prepack_weights: bool = True
+    # What logprobs report: "raw" (the model's log-softmax, before any logits processor, as
+    # vLLM's default) or "processed" (after the request's logits processors, before temperature).
+    logprobs_mode: str = "raw"
+    max_logprobs: int = attrs.field(default=20, validator=_positive)  # most alternatives a request may ask for
 
     def __attrs_post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"[engine] logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                              f"got {self.logprobs_mode!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"[engine] dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.model, str) or not self.model:
@@ -94,6 +108,15 @@ class PolicySection:
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
 
 
+@attrs.frozen
+class LogitsProcessorsSection:
+    """The `[logits_processors]` section: processors every request uses, and options per
+    processor name (a sub-table each)."""
+
+    default: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict, converter=dict)
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """The whole configuration. Build with `from_toml`, `from_dict` or `load`."""
@@ -104,21 +127,24 @@ class EngineConfig:
     attention: PolicySection = attrs.field(factory=lambda: PolicySection(DEFAULT_POLICIES["attention"]))
     drafter: PolicySection | None = None
     router: PolicySection | None = None  # how a fleet of replicas of this engine routes requests
+    logits_processors: LogitsProcessorsSection = attrs.field(factory=LogitsProcessorsSection)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":
         if not isinstance(data, Mapping):
             raise ConfigError(f"config must be a table of sections, got {type(data).__name__}")
-        unknown = set(data) - {"engine", *POLICY_SECTIONS}
+        unknown = set(data) - {"engine", *POLICY_SECTIONS, "logits_processors"}
         if unknown:
             raise ConfigError(
                 f"unknown config section(s) {', '.join(sorted(map(repr, unknown)))}; "
-                f"valid sections: engine, {', '.join(POLICY_SECTIONS)}"
+                f"valid sections: engine, {', '.join(POLICY_SECTIONS)}, logits_processors"
             )
         kwargs: dict[str, Any] = {"engine": _engine_section(data.get("engine", {}))}
         for section in POLICY_SECTIONS:
             if section in data:
                 kwargs[section] = _policy_section(section, data[section])
+        if "logits_processors" in data:
+            kwargs["logits_processors"] = _processors_section(data["logits_processors"])
         return cls(**kwargs)
 
     @classmethod
@@ -151,6 +177,10 @@ class EngineConfig:
             policy = getattr(self, section)
             if policy is not None:
                 data[section] = {"name": policy.name, **policy.options}
+        processors = self.logits_processors
+        if processors.default or processors.options:
+            data["logits_processors"] = {"default": list(processors.default),
+                                         **{name: dict(options) for name, options in processors.options.items()}}
         return data
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "EngineConfig":
@@ -159,6 +189,9 @@ class EngineConfig:
         for dotted, value in overrides.items():
             section, _, key = dotted.rpartition(".")
             section = section or "engine"
+            if section == "logits_processors" or section.startswith("logits_processors."):
+                _set_dotted(data, section.split(".") + [key], value)
+                continue
             if section not in ("engine", *POLICY_SECTIONS):
                 raise ConfigError(
                     f"override {dotted!r} names unknown section {section!r}; "
@@ -193,13 +226,35 @@ def _engine_section(data: Any) -> EngineSection:
     unknown = sorted(set(data) - set(valid))
     if unknown:
         raise ConfigError(f"unknown key [engine] {unknown[0]!r}; valid keys: {', '.join(valid)}")
-    types = {"model": str, "dtype": str, "device": str, "seed": int}
+    types = {"model": str, "dtype": str, "device": str, "seed": int, "logprobs_mode": str}
     for key, expected in types.items():
         if key in data and (not isinstance(data[key], expected) or isinstance(data[key], bool)):
             raise ConfigError(f"[engine] {key} must be a {expected.__name__}, got {data[key]!r}")
     if "prepack_weights" in data and not isinstance(data["prepack_weights"], bool):
         raise ConfigError(f"[engine] prepack_weights must be true or false, got {data['prepack_weights']!r}")
     return EngineSection(**data)
+
+
+def _set_dotted(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        data = data.setdefault(key, {})
+    data[keys[-1]] = value
+
+
+def _processors_section(data: Any) -> LogitsProcessorsSection:
+    if not isinstance(data, Mapping):
+        raise ConfigError("[logits_processors] must be a table")
+    options = dict(data)
+    default = options.pop("default", [])
+    if isinstance(default, str):
+        default = [default]
+    if not isinstance(default, (list, tuple)) or not all(isinstance(name, str) and name for name in default):
+        raise ConfigError(f"[logits_processors] default must be a list of processor names, got {default!r}")
+    for name, table in options.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"[logits_processors] {name!r} must be a table of options for the processor "
+                              f"{name!r} (or 'default', the list of processors every request uses)")
+    return LogitsProcessorsSection(tuple(default), options)
 
 
 def _policy_section(section: str, data: Any) -> PolicySection:

@@ -6,6 +6,7 @@ append tokens, check stops, retire finished requests. Policies are the branches.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 from typing import Any, Callable
@@ -23,6 +24,7 @@ from servelab.interfaces import (
     DrafterContext,
     ForkingAllocator,
     ForkingScheduler,
+    LogitsProcessorContext,
     PrefixCachingAllocator,
     SchedulerContext,
     Sequence,
@@ -30,10 +32,12 @@ from servelab.interfaces import (
     StepPlan,
 )
 from servelab.logging_setup import get_logger
+from servelab.logits_pipeline import LogitsPipeline, ProcessorFailed
+from servelab.logprobs import log_softmax, position_logprobs
 from servelab.model.loader import DTYPES
 from servelab.model.source import CheckpointSource, ModelSource
 from servelab.model.tokenizer import IncrementalDecoder
-from servelab.outputs import RequestOutput, StepReport, request_output
+from servelab.outputs import PositionLogprobs, RequestOutput, StepReport, request_output
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
 from servelab.sampler import filtered_probs, sample
 from servelab.sampling_params import SamplingParams
@@ -53,6 +57,10 @@ class StepResult:
 
     new_token_ids: dict[str, list[int]]
     finished: list[RequestOutput]
+    # SamplingParams.logprobs: the logprobs of those new tokens, for the sequences that asked.
+    new_logprobs: dict[str, list[PositionLogprobs]] = attrs.field(factory=dict)
+    # SamplingParams.prompt_logprobs: by request id, in the step that scored the whole prompt.
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = attrs.field(factory=dict)
 
 
 def _all_token_ids(prompt: list | tuple) -> bool:
@@ -99,6 +107,14 @@ class LLMEngine:
                                                self.limits.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.speculator = self._build_speculator(selected["drafters"]) if "drafters" in selected else None
+        self.logits_pipeline = self._build_logits_pipeline(device)
+        # Sequences with logits work (processors or logprobs): the only ones that leave the
+        # plain sampling path. Requests waiting for a processor's `prepare` (grammar compilation).
+        self._logits_work: set[str] = set()
+        self._prompt_logprobs: set[str] = set()  # sequences still collecting prompt logprobs
+        self._pending: dict[str, tuple[list[Sequence], dict[str, concurrent.futures.Future]]] = {}
+        self._step_failures: dict[str, str] = {}  # sequence id -> error, this step
+        self._scored_prompts: dict[str, list] = {}  # request id -> prompt logprobs completed this step
         # Optional allocator capabilities, looked up once.
         self._forking = self.allocator if isinstance(self.allocator, ForkingAllocator) else None
         self._prefix_cache = self.allocator if isinstance(self.allocator, PrefixCachingAllocator) else None
@@ -137,6 +153,23 @@ class LLMEngine:
         drafter = build_policy(selected[0], selected[1], context)
         return Speculator(self.config.drafter.name, drafter, self.allocator, self.limits.max_model_len,
                           self.model_config.vocab_size)
+
+    def _build_logits_pipeline(self, device: torch.device) -> LogitsPipeline:
+        """Every installed logits processor; requests select which ones they use."""
+        section = self.config.logits_processors
+        installed = self.registry.policies("logits_processors")
+        unknown = sorted(set(section.options) - set(installed))
+        if unknown:
+            raise ConfigError(f"[logits_processors] has options for unknown processor {unknown[0]!r}; "
+                              f"installed: {', '.join(installed) or 'none'}")
+        context = LogitsProcessorContext(vocab_size=self.model_config.vocab_size, eos_token_ids=self.eos_token_ids,
+                                         tokenizer=self.tokenizer, device=device)
+        processors = {}
+        for name, registered in installed.items():
+            options = build_options(registered.plugin.options, section.options.get(name, {}), "logits_processors",
+                                    name)
+            processors[name] = build_policy(registered, options, context)
+        return LogitsPipeline(processors, section.default)
 
     def _select(self, kind: str, section: Any) -> tuple[RegisteredPolicy, Any]:
         registered = self.registry.select(kind, section.name)
@@ -180,7 +213,20 @@ class LLMEngine:
                                f"(the vocabulary), got {params.top_k}")
         if params is not None and params.n > 1:
             self._check_can_fork(params.n)
+        if params is not None and (params.has_logits_work or self.logits_pipeline.defaults):
+            self._check_logits_work(params)
         return self.encode_prompt(prompt)
+
+    def _check_logits_work(self, params: SamplingParams) -> None:
+        limit = self.config.engine.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise RequestError(f"{name} must be <= {limit} (the engine's max_logprobs), got {value}")
+        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
+            raise RequestError(f"prompt_logprobs: this engine's model runner ({type(self.runner).__name__}) "
+                               f"cannot score prompts")
+        self.logits_pipeline.validate(params)
 
     def _check_can_fork(self, n: int) -> None:
         lacking = []
@@ -209,6 +255,7 @@ class LLMEngine:
         if params.seed is not None:
             generators = {seq.request_id: torch.Generator(device=self.runner.device).manual_seed(
                 params.seed + seq.completion_index) for seq in group}
+        pending = self._start_logits_work(group) if params.has_logits_work or self.logits_pipeline.defaults else {}
         self._generators.update(generators)
         for seq in group:
             self._sequences[seq.request_id] = seq
@@ -219,13 +266,78 @@ class LLMEngine:
             self._groups[request_id] = group
             self._parent_of.update((child.request_id, request_id) for child in group[1:])
             self._unforked.add(request_id)
-        self.scheduler.add(group[0])
+        if pending:
+            self._pending[request_id] = (group, pending)  # queued once its processors are prepared
+        else:
+            self.scheduler.add(group[0])
         return request_id
+
+    def _start_logits_work(self, group: list[Sequence]) -> dict[str, concurrent.futures.Future]:
+        """Set up logprobs and processor states (or the futures they wait for); on a
+        processor's failure nothing remains and RequestError names it."""
+        params = group[0].params
+        pending = self.logits_pipeline.prepare(params)
+        if not pending:
+            self._admit_processors(group, {})
+        for seq in group:
+            if params.logprobs is not None:
+                seq.logprobs = []
+            self._logits_work.add(seq.request_id)
+        if params.prompt_logprobs is not None:
+            first = group[0]
+            first.prompt_logprobs = [None]  # the first token: nothing predicts it
+            if len(first.prompt_token_ids) > 1:
+                self._prompt_logprobs.add(first.request_id)
+            else:
+                self._scored_prompts[first.request_id] = first.prompt_logprobs
+        return pending
+
+    def _admit_processors(self, group: list[Sequence], prepared: dict[str, Any]) -> None:
+        admitted = []
+        try:
+            for seq in group:
+                self.logits_pipeline.admit(seq, prepared)
+                admitted.append(seq)
+        except ProcessorFailed as exc:
+            for seq in admitted:
+                self.logits_pipeline.release(seq.request_id)
+            raise RequestError(str(exc)) from None
+
+    def _admit_pending(self) -> list[RequestOutput]:
+        """Queue the requests whose processors are prepared; a failed preparation fails its
+        request. Returns the outputs of those that failed."""
+        failed = []
+        for request_id, (group, futures) in list(self._pending.items()):
+            if not all(future.done() for future in futures.values()):
+                continue
+            del self._pending[request_id]
+            try:
+                errors = [f"logits processor {name!r} failed to prepare: {future.exception()}"
+                          for name, future in futures.items() if future.exception() is not None]
+                if errors:
+                    raise RequestError(errors[0])
+                self._admit_processors(group, {name: future.result() for name, future in futures.items()})
+            except RequestError as exc:
+                now = self.clock()
+                for seq in group:
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason, seq.error, seq.finish_time = "error", str(exc), now
+                self._unforked.discard(request_id)
+                failed.append(self._retire(group[0]))
+                continue
+            self.scheduler.add(group[0])
+        return [output for output in failed if output is not None]
+
+    def _wait_for_pending(self, timeout: float = 0.05) -> None:
+        """Nothing to run but requests waiting to be prepared: block briefly instead of spinning."""
+        futures = [future for _, waiting in self._pending.values() for future in waiting.values()]
+        concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV; returns its output so far, or None."""
         if request_id not in self._sequences or request_id in self._parent_of:
             return None
+        self._pending.pop(request_id, None)
         now = self.clock()
         for seq in self._groups.get(request_id, [self._sequences[request_id]]):
             if seq.finish_reason is None:
@@ -237,7 +349,7 @@ class LLMEngine:
         return self._retire(self._sequences[request_id])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     def unfinished_sequences(self) -> list[Sequence]:
         """Every sequence in flight (waiting or running), children of n > 1 requests included."""
@@ -252,6 +364,7 @@ class LLMEngine:
     def step(self) -> StepResult:
         timer = self._timer
         t0 = timer()
+        prepared_failures = self._admit_pending() if self._pending else []
         if self.speculator is not None:
             self.speculator.propose([s for s in self._sequences.values() if s.status is SequenceStatus.RUNNING])
         plan = self.scheduler.schedule()
@@ -262,14 +375,21 @@ class LLMEngine:
         if plan.is_empty:
             if self.speculator is not None:
                 self.speculator.end_step()
-            return StepResult({}, [])
+            if self._pending and not prepared_failures:
+                self._wait_for_pending()
+            return StepResult({}, prepared_failures)
         self._note_scheduled(plan, self.clock())
-        inputs = self.runner.prepare(plan, self.allocator)
+        if self._prompt_logprobs:
+            inputs = self.runner.prepare(plan, self.allocator, prompt_logprobs=True)
+        else:
+            inputs = self.runner.prepare(plan, self.allocator)
         t2 = timer()
         if self.speculator is not None and self.speculator.needs_hidden_states:
             logits, hidden = self.runner.execute_with_hidden(inputs)
         else:
             logits, hidden = self.runner.execute(inputs), None
+        if getattr(inputs, "prompt_logits", ()):
+            logits, hidden = self._collect_prompt_logprobs(plan, inputs, logits, hidden)
         t3 = timer()
         sampled = [plan.scheduled[row][0] for row in inputs.sampled_seq_rows]
         new_tokens, forks, num_drafts, num_accepted = self._sample(sampled, inputs.num_logits_rows, logits, hidden)
@@ -277,7 +397,13 @@ class LLMEngine:
         now = self.clock()
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
+        if self._step_failures:
+            failed = self._fail_sequences(new_tokens, now)
         finished, emitted = self._append_new_tokens(new_tokens, now, num_drafts, num_accepted)
+        if self._step_failures:
+            finished.extend(failed)
+            self._step_failures.clear()
+        new_logprobs = self._new_logprobs(emitted) if self._logits_work else {}
         if self.speculator is not None:
             self.speculator.end_step()
             self.speculator.record(sum(num_drafts.values()), sum(num_accepted.values()), len(num_drafts),
@@ -292,7 +418,52 @@ class LLMEngine:
         t5 = timer()
         self._report(plan, len(finished), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4),
                      sum(num_drafts.values()), sum(num_accepted.values()))
-        return StepResult(emitted, outputs)
+        scored_prompts = {}
+        if self._scored_prompts:
+            scored_prompts, self._scored_prompts = self._scored_prompts, {}
+        return StepResult(emitted, prepared_failures + outputs, new_logprobs, scored_prompts)
+
+    def _fail_sequences(self, new_tokens: dict[Sequence, list[int]], now: float) -> list[Sequence]:
+        """Sequences a logits processor failed this step end with finish_reason "error"
+        (without this step's token); the rest of the batch goes on."""
+        failed = []
+        for seq_id, error in self._step_failures.items():
+            seq = self._sequences.get(seq_id)
+            if seq is None or seq.finish_reason is not None:
+                continue
+            new_tokens.pop(seq, None)
+            seq.finish_reason, seq.error, seq.finish_time = "error", error, now
+            failed.append(seq)
+        return failed
+
+    def _new_logprobs(self, emitted: dict[str, list[int]]) -> dict[str, list[PositionLogprobs]]:
+        result = {}
+        for seq_id, tokens in emitted.items():
+            seq = self._sequences[seq_id]
+            if seq.logprobs is not None:
+                end = len(seq.output_token_ids)
+                result[seq_id] = seq.logprobs[end - len(tokens): end]
+        return result
+
+    def _collect_prompt_logprobs(self, plan: StepPlan, inputs: Any, logits: torch.Tensor,
+                                 hidden: torch.Tensor | None):
+        """Score the prompt positions the runner added after the sampling rows; returns the
+        sampling rows (logits, hidden) alone."""
+        num_rows = sum(inputs.num_logits_rows)
+        logprobs = log_softmax(logits[num_rows:])
+        offset = 0
+        for row, first, count in inputs.prompt_logits:
+            seq = plan.scheduled[row][0]
+            scored = seq.prompt_logprobs
+            scored.extend([None] * (first + 1 - len(scored)))  # positions the prefix cache skipped
+            targets = seq.prompt_token_ids[first + 1: first + 1 + count]
+            scored.extend(position_logprobs(logprobs[offset: offset + count], targets,
+                                            [seq.params.prompt_logprobs] * count))
+            offset += count
+            if len(scored) >= len(seq.prompt_token_ids) and seq.request_id in self._prompt_logprobs:
+                self._prompt_logprobs.discard(seq.request_id)
+                self._scored_prompts[seq.request_id] = scored
+        return logits[:num_rows], hidden[:num_rows] if hidden is not None else None
 
     def _append_new_tokens(self, new_tokens: dict[Sequence, list[int]], now: float, num_drafts: dict[str, int],
                            num_accepted: dict[str, int]) -> tuple[list[Sequence], dict[str, list[int]]]:
@@ -335,19 +506,27 @@ class LLMEngine:
         plain_logits, plain_seqs, forks = self._with_forks(
             logits[torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)] if spec else logits, plain_seqs)
         new_tokens: dict[Sequence, list[int]] = {}
+        work = self._logits_work
         if plain_seqs:
             generators = ([self._generators.get(s.request_id) for s in plain_seqs] if self._generators
                           else [None] * len(plain_seqs))
-            token_ids = sample(plain_logits, [s.params for s in plain_seqs], generators, self._default_generator)
+            if work and not work.isdisjoint([s.request_id for s in plain_seqs]):
+                token_ids = self._sample_with_logits_work(plain_logits, plain_seqs, generators)
+            else:
+                token_ids = sample(plain_logits, [s.params for s in plain_seqs], generators, self._default_generator)
             new_tokens = {seq: [token_id] for seq, token_id in zip(plain_seqs, token_ids)}
         num_drafts: dict[str, int] = {}
         num_accepted: dict[str, int] = {}
         if spec:
             spec_seqs = [sampled[i] for i in spec]
-            verified = self.speculator.verify(spec_seqs, logits, [first_rows[i] for i in spec],
-                                              [num_rows[i] for i in spec],
+            spec_first, spec_rows = [first_rows[i] for i in spec], [num_rows[i] for i in spec]
+            worked = bool(work) and not work.isdisjoint([s.request_id for s in spec_seqs])
+            draft_logprobs = self._process_draft_rows(logits, spec_seqs, spec_first, spec_rows) if worked else None
+            verified = self.speculator.verify(spec_seqs, logits, spec_first, spec_rows,
                                               [self._generators.get(s.request_id) for s in spec_seqs],
                                               self._default_generator)
+            if worked:
+                self._settle_draft_rows(spec_seqs, spec_rows, verified, draft_logprobs)
             for seq, i, result in zip(spec_seqs, spec, verified):
                 new_tokens[seq] = result.token_ids
                 num_drafts[seq.request_id] = num_rows[i] - 1
@@ -355,6 +534,65 @@ class LLMEngine:
         if hidden is not None:
             self.speculator.remember_hidden(sampled, first_rows, num_accepted, hidden, forks)
         return new_tokens, forks, num_drafts, num_accepted
+
+    # ------------------------------------------------------------ logits work (processors, logprobs)
+
+    def _logprob_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        if not rows:
+            return None
+        return log_softmax(logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)])
+
+    def _sample_with_logits_work(self, logits: torch.Tensor, seqs: list[Sequence],
+                                 generators: list[torch.Generator | None]) -> list[int]:
+        """Sampling when some rows have processors or want logprobs (the others ride along)."""
+        raw = self.config.engine.logprobs_mode == "raw"
+        logprob_rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        logprobs = self._logprob_rows(logits, logprob_rows) if raw else None
+        processed = [i for i, s in enumerate(seqs) if self.logits_pipeline.has_states(s.request_id)]
+        if processed:
+            self.logits_pipeline.apply(logits, [seqs[i] for i in processed], processed, self._step_failures)
+        if not raw:
+            logprobs = self._logprob_rows(logits, logprob_rows)
+        token_ids = sample(logits, [s.params for s in seqs], generators, self._default_generator)
+        for i in processed:
+            self.logits_pipeline.accept(seqs[i], token_ids[i:i + 1], self._step_failures)
+        if logprob_rows:
+            positions = position_logprobs(logprobs, [token_ids[i] for i in logprob_rows],
+                                          [seqs[i].params.logprobs for i in logprob_rows])
+            for i, position in zip(logprob_rows, positions):
+                seqs[i].logprobs.append(position)
+        return token_ids
+
+    def _process_draft_rows(self, logits: torch.Tensor, seqs: list[Sequence], first_rows: list[int],
+                            num_rows: list[int]) -> dict[str, torch.Tensor]:
+        """Before verification: each sequence's rows processed with the states its drafts
+        lead to (accepted tentatively), and the logprobs of the rows of those that want them."""
+        raw = self.config.engine.logprobs_mode == "raw"
+
+        def rows_logprobs() -> dict[str, torch.Tensor]:
+            wanted = [(s, first, n) for s, first, n in zip(seqs, first_rows, num_rows) if s.logprobs is not None]
+            if not wanted:
+                return {}
+            logprobs = self._logprob_rows(logits, [first + j for _, first, n in wanted for j in range(n)])
+            starts = np.cumsum([0] + [n for _, _, n in wanted]).tolist()
+            return {s.request_id: logprobs[start: start + n] for (s, _, n), start in zip(wanted, starts)}
+
+        by_seq = rows_logprobs() if raw else {}
+        self.logits_pipeline.apply_speculative(logits, seqs, first_rows, num_rows, self._step_failures)
+        return by_seq if raw else rows_logprobs()
+
+    def _settle_draft_rows(self, seqs: list[Sequence], num_rows: list[int], verified: list[Any],
+                           logprobs: dict[str, torch.Tensor]) -> None:
+        """After verification: processors forget rejected drafts and take the target's token;
+        emitted token i's logprob is read off the row that verified it (the target's)."""
+        for seq, n, result in zip(seqs, num_rows, verified):
+            if self.logits_pipeline.has_states(seq.request_id):
+                self.logits_pipeline.settle_speculative(seq, n - 1, result.num_accepted, result.token_ids,
+                                                        self._step_failures)
+            rows = logprobs.get(seq.request_id)
+            if rows is not None:
+                tokens = result.token_ids
+                seq.logprobs.extend(position_logprobs(rows[: len(tokens)], tokens, [seq.params.logprobs] * len(tokens)))
 
     def _with_forks(self, logits: torch.Tensor, sampled: list[Sequence]):
         """Parallel sampling: a request with n > 1 samples all n first tokens from its one
@@ -394,7 +632,7 @@ class LLMEngine:
         params = seq.params
         if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             seq.finish_reason = "stop"
-        elif params.stop and self._hit_stop_string(seq):
+        elif params.stop and len(output) >= params.min_tokens and self._hit_stop_string(seq):
             seq.finish_reason = "stop"
         elif (len(output) >= params.max_tokens
               or len(seq.prompt_token_ids) + len(output) >= self.limits.max_model_len):  # seq.num_tokens, inlined
@@ -430,6 +668,10 @@ class LLMEngine:
             self._parent_of.pop(s.request_id, None)
             if self.speculator is not None:
                 self.speculator.release(s.request_id)
+            if s.request_id in self._logits_work:
+                self._logits_work.discard(s.request_id)
+                self._prompt_logprobs.discard(s.request_id)
+                self.logits_pipeline.release(s.request_id)
         output = request_output(request_id, self._prompts.pop(request_id, None), group, self._decode)
         self.registry.hook.servelab_request_finished(engine=self, output=output)
         logger.debug("request.finished", request_id=request_id, finish_reason=group[0].finish_reason,

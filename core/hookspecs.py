@@ -90,6 +90,18 @@ def servelab_register_routers() -> list[Any]:
 
 
 @hookspec
+def servelab_register_logits_processors() -> list[Any]:
+    """Return LogitsProcessorPlugin records.
+
+    Example::
+
+        @servelab.hookimpl
+        def servelab_register_logits_processors():
+            return [LogitsProcessorPlugin(name="mine", factory="pkg.mod:MyProcessor")]
+    """
+
+
+@hookspec
 def servelab_engine_started(engine: Any) -> None:
     """Called once the engine has built its model, cache and policies.
 

@@ -29,6 +29,9 @@ __all__ = [
     "ForkingAllocator",
     "ForkingScheduler",
     "KVAllocator",
+    "LogitsProcessor",
+    "LogitsProcessorContext",
+    "ProcessorRequest",
     "ModelRunnerLike",
     "PrefixCachingAllocator",
     "PrefixSummary",
@@ -156,7 +159,9 @@ class PrefixCachingAllocator(Protocol):
 
         Returns the number of tokens they hold: a multiple of the block size, and
         below seq.num_tokens so at least one token is computed to yield logits. The
-        scheduler sets num_computed_tokens to it; `free` undoes the match.
+        scheduler sets num_computed_tokens to it; `free` undoes the match. Schedulers do
+        not look up sequences whose params ask for prompt_logprobs: every prompt position
+        of those must be computed to be scored.
         """
 
     def cache_blocks(self, seq: Sequence) -> None:
@@ -525,3 +530,63 @@ class Router(Protocol):
 
     def route(self, request: RouteRequest, replicas: Seq[ReplicaSnapshot]) -> int:
         """The replica_id of one of `replicas`."""
+# ---------------------------------------------------------------- logits processing
+
+
+@attrs.frozen
+class LogitsProcessorContext:
+    """What a logits processor factory receives."""
+
+    vocab_size: int  # logits columns (the model's vocabulary, which may exceed the tokenizer's)
+    eos_token_ids: frozenset[int]
+    # encode(text, add_special_tokens) / decode(ids); `.backend` is the `tokenizers.Tokenizer`.
+    tokenizer: Any = None  # None when the checkpoint has none
+    device: Any = None  # torch.device of the logits
+
+
+@attrs.frozen
+class ProcessorRequest:
+    """A request (one completion) as a processor sees it when its state is created."""
+
+    request_id: str  # the sequence id (completion i > 0 of an n > 1 request is "{id}#{i}")
+    params: Any  # SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    prepared: Any = None  # what `prepare(params)` produced, for processors that define it
+
+
+@runtime_checkable
+class LogitsProcessor(Protocol):
+    """Changes next-token logits before sampling: penalties, biases, bans, grammars.
+
+    One instance serves every request; what it knows about one request lives in a
+    per-request *state* it creates and the engine hands back:
+
+    - `new_state` at admission (every completion of an n > 1 request gets its own);
+    - `apply` once per engine step over the rows that sample, row i with `states[i]`;
+      a row's result must not depend on the other rows;
+    - `accept` with each token appended to the request, in order;
+    - `rollback(state, k)` forgets the last k accepted tokens exactly (speculative
+      decoding accepts drafts tentatively to score the positions after them);
+    - `release` once the request finished, was aborted or failed (optional).
+
+    A request uses the processor when it names it in `SamplingParams.logits_processors`,
+    when the engine config lists it under `[logits_processors] default`, or when
+    `is_requested(params)` says its SamplingParams ask for it (how the built-ins are
+    selected; optional, like the two below). `validate(params)` raises RequestError for a request
+    it cannot serve (checked before the request is queued); `prepare(params)` returns a
+    concurrent.futures.Future whose result becomes ProcessorRequest.prepared: the
+    request waits for it, other requests keep running (the grammar compiler uses it).
+    A processor that raises fails the requests whose rows it was processing, alone.
+    """
+
+    def new_state(self, request: ProcessorRequest) -> Any:
+        """The state of a newly admitted request."""
+
+    def apply(self, logits: "torch.Tensor", states: Seq[Any]) -> "torch.Tensor":
+        """Processed logits [R, vocab] float32 for rows [R, vocab] (may modify `logits` in place)."""
+
+    def accept(self, state: Any, token_id: int) -> None:
+        """`token_id` was appended to the request."""
+
+    def rollback(self, state: Any, num_tokens: int) -> None:
+        """Forget the last `num_tokens` accepted tokens."""

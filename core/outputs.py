@@ -50,13 +50,31 @@ class RequestMetrics:
 
 
 @attrs.frozen
+class Logprob:
+    """A token's log-probability, its rank in its distribution (1 is the most likely)
+    and its text (filled in when the request finishes, or by the server as it streams)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# {token id: Logprob} at one position: the chosen token and the top-k alternatives (as vLLM).
+PositionLogprobs = dict[int, Logprob]
+
+
+@attrs.frozen
 class CompletionOutput:
-    """One completion of a request."""
+    """One completion of a request.
+
+    `logprobs` (when SamplingParams.logprobs was set) holds one {token id: Logprob} per
+    generated token: the token itself and the k most likely alternatives."""
 
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @attrs.frozen
@@ -64,7 +82,9 @@ class RequestOutput:
     """A finished request: its prompt, generated tokens and text, and timings.
 
     `outputs` holds one CompletionOutput per completion (SamplingParams.n), by index;
-    `token_ids`, `text` and `finish_reason` are the first one's.
+    `token_ids`, `text` and `finish_reason` are the first one's. `prompt_logprobs`
+    (SamplingParams.prompt_logprobs) holds one {token id: Logprob} per prompt token, None
+    for the first. `error` says why a request with finish_reason "error" failed.
     """
 
     request_id: str
@@ -73,6 +93,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = True
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -107,6 +129,7 @@ def request_output(request_id: str, prompt: str | None, seqs: Seq[Sequence],
                    decode: Callable[[list[int]], str]) -> RequestOutput:
     """A finished request's output from its sequences, one per completion (n of them)."""
     first = seqs[0]
+    errors = [s.error for s in seqs if s.error is not None]
     first_token_times = [s.first_token_time for s in seqs if s.first_token_time is not None]
     finish_times = [s.finish_time for s in seqs if s.finish_time is not None]
     return RequestOutput(
@@ -118,12 +141,29 @@ def request_output(request_id: str, prompt: str | None, seqs: Seq[Sequence],
                                max(finish_times, default=None), sum(s.num_preemptions for s in seqs),
                                sum(s.num_draft_tokens for s in seqs), sum(s.num_accepted_tokens for s in seqs),
                                sum(s.num_sampling_steps for s in seqs)),
+        prompt_logprobs=_with_text(first.prompt_logprobs, decode),
+        error=errors[0] if errors else None,
     )
 
 
 def _completion(seq: Sequence, decode: Callable[[list[int]], str]) -> CompletionOutput:
     text = seq.stop_text if seq.stop_text is not None else decode(seq.output_token_ids)
-    return CompletionOutput(seq.completion_index, list(seq.output_token_ids), text, seq.finish_reason)
+    logprobs = seq.logprobs[: len(seq.output_token_ids)] if seq.logprobs is not None else None
+    return CompletionOutput(seq.completion_index, list(seq.output_token_ids), text, seq.finish_reason,
+                            _with_text(logprobs, decode))
+
+
+def _with_text(positions: list | None, decode: Callable[[list[int]], str]) -> list | None:
+    """Logprobs with each token's text filled in."""
+    if positions is None:
+        return None
+    texts: dict[int, str] = {}
+    for position in positions:
+        for token_id in position or ():
+            if token_id not in texts:
+                texts[token_id] = decode([token_id])
+    return [None if position is None else
+            {t: attrs.evolve(lp, decoded_token=texts[t]) for t, lp in position.items()} for position in positions]
 
 
 @attrs.frozen

@@ -12,7 +12,7 @@ from servelab.errors import PluginError
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
-POLICY_KINDS = ("allocators", "schedulers", "drafters", "attention", "routers")
+POLICY_KINDS = ("allocators", "schedulers", "drafters", "attention", "routers", "logits_processors")
 
 
 def _check_name(instance: Any, attribute: attrs.Attribute, value: str) -> None:
@@ -73,3 +73,8 @@ class AttentionPlugin(PolicyPlugin):
 @attrs.frozen(kw_only=True)
 class RouterPlugin(PolicyPlugin):
     """A request router over engine replicas: factory(options, RouterContext) -> Router."""
+
+
+@attrs.frozen(kw_only=True)
+class LogitsProcessorPlugin(PolicyPlugin):
+    """A logits processor: factory(options, LogitsProcessorContext) -> LogitsProcessor."""

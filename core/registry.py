@@ -27,9 +27,10 @@ _REGISTER_HOOKS = {
     "drafters": "servelab_register_drafters",
     "attention": "servelab_register_attention",
     "routers": "servelab_register_routers",
+    "logits_processors": "servelab_register_logits_processors",
 }
 _SINGULAR = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention backend",
-             "routers": "router"}
+             "routers": "router", "logits_processors": "logits processor"}
 
 
 @attrs.frozen

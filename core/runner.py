@@ -25,9 +25,14 @@ class ModelInputs:
     logits_indices: torch.Tensor  # [R]
     sampled_seq_rows: list[int]  # [S] index into plan.scheduled of each sequence that gets tokens
     num_logits_rows: list[int]  # [S] logits rows of each: 1 + the drafts scheduled with it
+    # SamplingParams.prompt_logprobs: (plan row, first position, count) of prompt positions
+    # whose logits follow the sampling rows, in this order (prepare(..., prompt_logprobs=True)).
+    prompt_logits: tuple[tuple[int, int, int], ...] = ()
 
 
 class ModelRunner:
+    supports_prompt_logprobs = True  # prepare(..., prompt_logprobs=True) adds prompt positions' logits rows
+
     def __init__(self, model: LlamaForCausalLM, backend: Any, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         config = model.config
@@ -43,7 +48,9 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
 
-    def prepare(self, plan: StepPlan, allocator: KVAllocator) -> ModelInputs:
+    def prepare(self, plan: StepPlan, allocator: KVAllocator, prompt_logprobs: bool = False) -> ModelInputs:
+        """The step's tensors. With `prompt_logprobs`, sequences asking for prompt logprobs
+        also get logits rows for their prompt positions not scored yet (after the sampling rows)."""
         token_ids: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
@@ -65,6 +72,7 @@ class ModelRunner:
                 first = num_tokens + seq.num_tokens - 1 - start
                 logits_indices.extend(range(first, num_tokens + num_new))
             num_tokens += num_new
+        prompt_logits = self._prompt_logits_rows(plan, query_lens, logits_indices) if prompt_logprobs else ()
         query_lens_np = np.asarray(query_lens, dtype=np.int64)
         context_lens_np = np.asarray(context_lens, dtype=np.int64)
         query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
@@ -97,7 +105,27 @@ class ModelRunner:
             logits_indices=to_device(np.asarray(logits_indices, dtype=np.int64)),
             sampled_seq_rows=sampled_rows,
             num_logits_rows=num_logits_rows,
+            prompt_logits=prompt_logits,
         )
+
+    @staticmethod
+    def _prompt_logits_rows(plan: StepPlan, query_lens: list[int], logits_indices: list[int]):
+        """Append the token rows whose logits score the next prompt token, for each sequence
+        collecting prompt logprobs (seq.prompt_logprobs holds the positions scored so far)."""
+        rows = []
+        first_token = 0
+        for row, (seq, num_new) in enumerate(plan.scheduled):
+            scored = seq.prompt_logprobs
+            if scored is not None:
+                start = seq.num_computed_tokens
+                # Position p's logits score prompt token p + 1; tokens 1..len(scored) - 1 are done.
+                first = max(start, len(scored) - 1)
+                stop = min(start + num_new, len(seq.prompt_token_ids) - 1)
+                if stop > first:
+                    logits_indices.extend(range(first_token + first - start, first_token + stop - start))
+                    rows.append((row, first, stop - first))
+            first_token += query_lens[row]
+        return tuple(rows)
 
     def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
         """Copy whole blocks (source, destination), in order, in every layer's K and V cache.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import attrs
 
@@ -15,6 +16,27 @@ MIN_SEED = -(2**63)
 def _brief(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _as_bias(value):
+    """logit_bias as sorted (token id, bias) pairs: a dict in, hashable and frozen inside."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        value = value.items()
+    try:
+        return tuple(sorted((token, bias) for token, bias in value))
+    except (TypeError, ValueError):
+        raise RequestError(f"logit_bias must map token ids to numbers, got {_brief(value)}") from None
+
+
+def _as_args(value):
+    """extra_args as sorted (name, value) pairs (hashable); read it back with `dict(...)`."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        value = value.items()
+    return tuple(sorted(value))
 
 
 def _as_tuple(value):
@@ -47,6 +69,17 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    structured: Any = None  # a servelab.structured.StructuredOutput
+    logits_processors: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    extra_args: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_as_args)
 
     def __attrs_post_init__(self) -> None:
         self.validate()
@@ -78,7 +111,48 @@ class SamplingParams:
             raise RequestError(f"stop must be non-empty strings, got {_brief(self.stop)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be non-negative integers, got {_brief(self.stop_token_ids)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise RequestError(f"{name} must be an integer >= 0 (the number of top alternatives), "
+                                   f"got {_brief(value)}")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {_brief(value)}")
+        if self.repetition_penalty <= 0:
+            raise RequestError(f"repetition_penalty must be > 0, got {_brief(self.repetition_penalty)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(f"{name} must be in [-2, 2], got {_brief(getattr(self, name))}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got {_brief(token)}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {_brief(bias)} "
+                                   f"for token {token}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be an integer >= 0, got {_brief(self.min_tokens)}")
+        if self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise RequestError(f"bad_words must be non-empty strings, got {_brief(self.bad_words)}")
+        if any(not isinstance(name, str) or not name for name in self.logits_processors):
+            raise RequestError(f"logits_processors must be processor names, got {_brief(self.logits_processors)}")
+        if any(not isinstance(name, str) for name, _ in self.extra_args):
+            raise RequestError(f"extra_args must have string keys, got {_brief(self.extra_args)}")
+        if self.structured is not None and type(self.structured).__name__ != "StructuredOutput":
+            raise RequestError(f"structured must be a StructuredOutput (servelab.StructuredOutput.json(schema), "
+                               f".regex(pattern), .grammar(ebnf) or .json_object()), got {_brief(self.structured)}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_logits_work(self) -> bool:
+        """Anything beyond plain sampling: logprobs, or a built-in or named logits processor."""
+        return (self.logprobs is not None or self.prompt_logprobs is not None or self.repetition_penalty != 1
+                or self.presence_penalty != 0 or self.frequency_penalty != 0 or bool(self.logit_bias)
+                or self.min_tokens > 0 or bool(self.bad_words) or self.structured is not None
+                or bool(self.logits_processors))

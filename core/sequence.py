@@ -51,6 +51,11 @@ class Sequence:
     num_draft_tokens: int = 0  # drafts verified over the sequence's life
     num_accepted_tokens: int = 0  # of which accepted
     num_sampling_steps: int = 0  # target steps that produced at least one token
+    # SamplingParams.logprobs / prompt_logprobs: one {token id: Logprob} per output token,
+    # and per prompt token (None for the first, which nothing predicts).
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    error: str | None = None  # why the request failed (finish_reason "error"), e.g. a logits processor raised
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,13 @@ Spec strings (`servelab bench --workload SPEC`):
     long-burst:num_long=4,long_len=2000,num_short=32
     fixed:num_requests=500,prompt_len=467,output_len=256,arrival=poisson,rate=16
     skewed:num_requests=200,arrival=poisson,rate=4
+    fixed:num_requests=64,structured_fraction=0.5    # half the requests carry BENCH_SCHEMA
+    fixed:num_requests=64,logprobs=5                 # every request asks for 5 logprobs
     file:requests.jsonl
+
+Any generator takes `structured_fraction` (that share of the requests, chosen by the
+seed, must output JSON valid against BENCH_SCHEMA and ends when it is complete, at EOS)
+and `logprobs` (every request asks for that many logprobs).
 """
 
 from __future__ import annotations
@@ -35,11 +41,18 @@ from servelab.errors import ConfigError
 FIRST_TOKEN_ID = 3  # skip the usual <unk>/<s>/</s> ids
 
 
+# A JSON schema with a bounded, fairly long output: 16 integers of up to 3 digits.
+BENCH_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                "minItems": 16, "maxItems": 16}
+
+
 @attrs.frozen
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_time: float = 0.0  # seconds after the run starts
+    json_schema: bool = False  # the output must be JSON valid against BENCH_SCHEMA
+    logprobs: int | None = None  # SamplingParams.logprobs
 
 
 @attrs.frozen
@@ -51,8 +64,10 @@ class Workload:
         with open(path, "w") as handle:
             handle.write(json.dumps({"workload": self.name}) + "\n")
             for r in self.requests:
+                extra = {**({"json_schema": True} if r.json_schema else {}),
+                         **({"logprobs": r.logprobs} if r.logprobs is not None else {})}
                 handle.write(json.dumps({"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens,
-                                         "arrival_time": r.arrival_time}) + "\n")
+                                         "arrival_time": r.arrival_time, **extra}) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Workload":
@@ -71,7 +86,8 @@ class Workload:
                 continue
             try:
                 requests.append(BenchRequest(list(record["prompt_token_ids"]), int(record["max_tokens"]),
-                                             float(record.get("arrival_time", 0.0))))
+                                             float(record.get("arrival_time", 0.0)),
+                                             bool(record.get("json_schema", False)), record.get("logprobs")))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(f"{path}:{number}: a request needs prompt_token_ids and max_tokens ({exc})") from None
         return cls(name, tuple(requests))
@@ -264,12 +280,23 @@ def build_workload(spec: str, vocab_size: int) -> Workload:
     arrival = str(options.pop("arrival", "offline"))
     rate = float(options.pop("rate", 0))
     burst_size = int(options.pop("burst_size", 8))
+    structured_fraction = float(options.pop("structured_fraction", 0))
+    logprobs = options.pop("logprobs", None)
+    if not 0 <= structured_fraction <= 1:
+        raise ConfigError(f"workload structured_fraction must be in [0, 1], got {structured_fraction}")
+    if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
+        raise ConfigError(f"workload logprobs must be an integer >= 0, got {logprobs!r}")
     rng = random.Random(seed)
     try:
         requests = GENERATORS[name](rng, vocab_size, **options)
     except TypeError as exc:
         raise ConfigError(f"bad option for workload {name!r}: {exc}") from None
-    return Workload(spec, tuple(with_arrivals(requests, rng, arrival, rate, burst_size)))
+    requests = with_arrivals(requests, rng, arrival, rate, burst_size)
+    # Chosen with a generator of their own: the same spec without these options gives the same requests.
+    structured = set(random.Random(seed + 1).sample(range(len(requests)), round(structured_fraction * len(requests))))
+    if structured or logprobs is not None:
+        requests = [attrs.evolve(r, json_schema=i in structured, logprobs=logprobs) for i, r in enumerate(requests)]
+    return Workload(spec, tuple(requests))
 
 
 def _number(text: str) -> Any:

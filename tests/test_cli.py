@@ -56,11 +56,12 @@ def test_plugins_json():
     result = servelab("plugins", "--json")
     assert result.returncode == 0, result.stderr
     listing = json.loads(result.stdout)
-    assert set(listing) == {"allocators", "schedulers", "drafters", "attention", "routers"}
+    assert set(listing) == {"allocators", "schedulers", "drafters", "attention", "routers", "logits_processors"}
     for entries in listing.values():
         for entry in entries:
             assert set(entry) == {"name", "distribution", "description"}
-    builtins = {"allocators": "paged", "schedulers": "continuous", "attention": "torch-paged"}
+    builtins = {"allocators": "paged", "schedulers": "continuous", "attention": "torch-paged",
+                "logits_processors": "structured"}
     for kind, name in builtins.items():
         [entry] = [e for e in listing[kind] if e["name"] == name]
         assert entry["distribution"] == "servelab" and entry["description"]
@@ -70,9 +71,9 @@ def test_plugins_plain_lists_names():
     result = servelab("plugins")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    for header in ("allocators:", "schedulers:", "drafters:", "attention:"):
+    for header in ("allocators:", "schedulers:", "drafters:", "attention:", "logits_processors:"):
         assert header in lines
-    for name in ("paged", "continuous", "torch-paged"):
+    for name in ("paged", "continuous", "torch-paged", "repetition_penalty", "bad_words"):
         assert any(line.split()[:2] == [name, "servelab"] for line in lines), result.stdout
 
 

@@ -229,9 +229,13 @@ BAD_INPUTS = [
     ("completions", {"prompt": "w5", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("completions", {"prompt": "w5", "ignore_eos": "yes"}, "ignore_eos"),
     ("completions", {"prompt": "w5", "stream": "yes"}, "stream"),
-    ("completions", {"prompt": "w5", "presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"prompt": "w5", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": "w5", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "w5", "logit_bias": {"w5": 1}}, "logit_bias"),
+    ("completions", {"prompt": "w5", "response_format": {"type": "xml"}}, "response_format"),
     ("chat/completions", {**CHAT, "temperature": -0.5}, "temperature"),
-    ("chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
+    ("chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {**CHAT, "guided_regex": "(", "response_format": {"type": "json_object"}}, "guided_regex"),
 ]
 
 

@@ -84,8 +84,12 @@ def test_chat_defaults_and_max_completion_tokens():
     ({"prompt": "a", "top_p": 1.5}, "top_p"),
     ({"prompt": "a", "temperature": True}, "temperature"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "echo": True}, "echo"),
-    ({"prompt": "a", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs"),
+    ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": "a", "guided_json": 5}, "guided_json"),
 ])
 def test_bad_completion_fields_are_named(body, param):
     with pytest.raises(ApiError) as info:
@@ -97,7 +101,9 @@ def test_bad_completion_fields_are_named(body, param):
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ({"messages": MESSAGES, "guided_choice": []}, "guided_choice"),
 ])
 def test_bad_chat_fields_are_named(body, param):
     with pytest.raises(ApiError) as info:
@@ -177,7 +183,7 @@ class FakeEngine:
             new[request_id] = [self.steps]
             if len(tokens) == params.max_tokens:
                 finished.append(self._retire(request_id, "length"))
-        return SimpleNamespace(new_token_ids=new, finished=finished)
+        return SimpleNamespace(new_token_ids=new, finished=finished, new_logprobs={}, prompt_logprobs={})
 
     def _retire(self, request_id, reason):
         _, tokens = self.requests.pop(request_id)
@@ -334,6 +340,7 @@ def test_a_failed_engine_answers_500_naming_the_cause_and_health_503():
     engine = FakeEngine(fail_at=1)
     engine.model_config = SimpleNamespace(vocab_size=100)
     engine.limits = SimpleNamespace(max_model_len=64)
+    engine.config = SimpleNamespace(engine=SimpleNamespace(max_logprobs=20))
     engine.clock = lambda: 0.0
     state = ServerState(engine=AsyncEngine(ThreadConnection(engine), on_failure=failures.append), metrics=ServerMetrics(),
                         codec=TextCodec(None, ChatTemplate(None)), model_name="fake", max_model_len=64, max_waiting=8)

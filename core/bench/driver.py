@@ -72,7 +72,7 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
         # Absolute times on both sides: (start + a) - start can round below a.
         while cursor < len(pending) and start + pending[cursor][1].arrival_time <= now:
             index, request = pending[cursor]
-            params = SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True)
+            params = request_params(request)
             request_id = engine.add_request(request.prompt_token_ids, params,
                                             arrival_time=start + request.arrival_time)
             ids[request_id] = index
@@ -96,3 +96,15 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
         preemptions=engine.scheduler.stats().num_preemptions - preemptions_before,
         block_size=engine.config.engine.block_size,
     )
+
+
+def request_params(request: Any) -> SamplingParams:
+    """Greedy for exactly max_tokens tokens; a request carrying the bench JSON schema ends
+    instead when its JSON is complete (structured output ends at EOS)."""
+    if request.json_schema:
+        from servelab.structured import StructuredOutput
+        from servelab.workload import BENCH_SCHEMA
+
+        return SamplingParams(max_tokens=request.max_tokens, temperature=0, logprobs=request.logprobs,
+                              structured=StructuredOutput.json(BENCH_SCHEMA))
+    return SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True, logprobs=request.logprobs)

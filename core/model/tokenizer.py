@@ -40,6 +40,11 @@ class Tokenizer:
         return self._tokenizer.token_to_id(token)
 
     @property
+    def backend(self):
+        """The underlying `tokenizers.Tokenizer` (vocabulary, serialized form)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
 

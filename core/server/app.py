@@ -60,8 +60,9 @@ class ServerState:
 
     @property
     def bounds(self) -> PromptBounds:
-        return PromptBounds(self.max_model_len, self.limits.prompt_chars(self.max_model_len),
-                            self.engine.info.vocab_size)
+        info = self.engine.info
+        return PromptBounds(self.max_model_len, self.limits.prompt_chars(self.max_model_len), info.vocab_size,
+                            info.max_logprobs)
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -219,12 +220,17 @@ async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[An
         raise ApiError(429, f"the server is overloaded: {state.engine.num_waiting} sequences are waiting "
                             f"(limit {state.max_waiting}); retry later", type="rate_limit_error",
                        code="overloaded", headers={"Retry-After": "1"})
+    echo_texts = None
+    if parsed.echo:  # the prompt as given, or its token ids decoded
+        tokenizer = state.codec.tokenizer
+        echo_texts = [p if isinstance(p, str) else tokenizer.decode(list(p)) if tokenizer is not None else ""
+                      for p in parsed.prompts]
     generation = Generation(state.engine, state.codec.tokenizer, prompts, parsed.params, parsed.n,
-                            f"{id_prefix}-{uuid.uuid4().hex}", endpoint)
+                            f"{id_prefix}-{uuid.uuid4().hex}", endpoint, echo_texts)
     try:
         await generation.start(arrival_time)
     except RequestError as exc:
-        raise request_error(exc, prompt_field) from None
+        raise request_error(exc, prompt_field, parsed.structured_field) from None
     except AdmissionFailed as exc:
         raise ApiError(500, f"the engine could not take the request in: {exc}", type="server_error") from None
     except EngineUnavailable as exc:

@@ -23,8 +23,9 @@ import structlog
 
 logger = structlog.get_logger(__name__)
 
-# decode(tokens by sequence id, finished outputs) -> the request's text deltas
-Decode = Callable[[dict[str, list[int]], list[Any]], list[Any]]
+# decode(tokens by sequence id, finished outputs) -> the request's text deltas; requests with
+# logprobs also get logprobs= (by sequence id) and prompt_logprobs= (by request id) keywords.
+Decode = Callable[..., list[Any]]
 
 
 class Detokenizer:
@@ -71,23 +72,27 @@ class Detokenizer:
             self._deliver(self._decode(events), *extra)
 
     def _decode(self, events: dict[str, Any]) -> dict[str, Any]:
-        by_request: dict[str, tuple[dict[str, list[int]], list[Any]]] = {}
+        by_request: dict[str, tuple[dict[str, list[int]], list[Any], dict[str, Any]]] = {}
         for key, event in events.items():
-            tokens, outputs = by_request.setdefault(key.partition("#")[0], ({}, []))
+            tokens, outputs, scores = by_request.setdefault(key.partition("#")[0], ({}, [], {}))
             if event.new_token_ids:
                 tokens[key] = list(event.new_token_ids)
             if event.output is not None:
                 outputs.append(event.output)
+            if event.new_logprobs:
+                scores.setdefault("logprobs", {})[key] = list(event.new_logprobs)
+            if event.prompt_logprobs:
+                scores.setdefault("prompt_logprobs", {})[key] = list(event.prompt_logprobs)
         with self._lock:
             decoders = {rid: self._decoders.get(rid) for rid in by_request}
         decoded = dict(events)
-        for request_id, (tokens, outputs) in by_request.items():
+        for request_id, (tokens, outputs, scores) in by_request.items():
             decode = decoders[request_id]
             if decode is None:
                 continue
             base = events.get(request_id) or self._event_type()
             try:
-                decoded[request_id] = attrs.evolve(base, deltas=tuple(decode(tokens, outputs)))
+                decoded[request_id] = attrs.evolve(base, deltas=tuple(decode(tokens, outputs, **scores)))
             except Exception as exc:  # this request's text is lost; the others' is not
                 logger.exception("request.detokenize_failed", request_id=request_id)
                 decoded[request_id] = attrs.evolve(base, decode_error=f"{type(exc).__name__}: {exc}")

@@ -47,7 +47,7 @@ class ThreadConnection:
 
     @functools.cached_property
     def info(self) -> EngineInfo:
-        return EngineInfo(self.engine.limits.max_model_len, self.engine.model_config.vocab_size)
+        return EngineInfo.of(self.engine)
 
     def clock(self) -> float:
         return self.engine.clock()

@@ -70,6 +70,11 @@ class EngineInfo:
 
     max_model_len: int
     vocab_size: int
+    max_logprobs: int = 20  # the most logprobs a request may ask for ([engine] max_logprobs)
+
+    @classmethod
+    def of(cls, engine: Any) -> "EngineInfo":
+        return cls(engine.limits.max_model_len, engine.model_config.vocab_size, engine.config.engine.max_logprobs)
 
 
 @attrs.frozen
@@ -81,6 +86,10 @@ class CoreOutput:
     snapshot: EngineSnapshot
     resolved: list[tuple[int, BaseException | None]] = attrs.field(factory=list)  # (add command id, its error)
     failure: str | None = None  # the engine failed: every request in flight is gone
+    # SamplingParams.logprobs: one {token id: Logprob} per new token, by sequence id
+    logprobs: dict[str, list[Any]] = attrs.field(factory=dict)
+    # SamplingParams.prompt_logprobs: by request id, once its prompt is scored
+    prompt_logprobs: dict[str, list[Any]] = attrs.field(factory=dict)
 
 
 Command = tuple[str, Any, Any]
@@ -158,14 +167,17 @@ class EngineCore:
             if resolved:  # answer admissions before the (slow) step, so requests count as started early
                 self._send(CoreOutput({}, finished, self.snapshot(), resolved))
                 finished = []
+            logprobs: dict[str, list[Any]] = {}
+            prompt_logprobs: dict[str, list[Any]] = {}
             if engine.has_unfinished():
                 result = engine.step()
-                tokens = result.new_token_ids
+                tokens, logprobs, prompt_logprobs = result.new_token_ids, result.new_logprobs, result.prompt_logprobs
                 finished.extend(result.finished)
                 for output in result.finished:
                     in_flight.discard(output.request_id)
-            if tokens or finished:
-                self._send(CoreOutput(tokens, finished, self.snapshot()))
+            if tokens or finished or prompt_logprobs:
+                self._send(CoreOutput(tokens, finished, self.snapshot(), logprobs=logprobs,
+                                      prompt_logprobs=prompt_logprobs))
 
     def _add(self, requests: list[NewRequest], in_flight: set[str]) -> BaseException | None:
         try:

@@ -38,6 +38,8 @@ class RequestEvent:
     """What one step did for one sequence (tokens) or request (output, error)."""
 
     new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[Any, ...] = ()  # SamplingParams.logprobs: one {token id: Logprob} per new token
+    prompt_logprobs: tuple[Any, ...] = ()  # SamplingParams.prompt_logprobs, once the prompt is scored
     output: RequestOutput | None = None  # set once, when the request finished or was aborted
     error: str | None = None  # the engine failed; the request is gone
     deltas: tuple[Any, ...] = ()  # the request's text deltas, when it registered a decode function
@@ -155,11 +157,14 @@ class AsyncEngine:
     def _on_output(self, output: CoreOutput) -> None:
         for command_id, error in output.resolved:
             self._call_soon(self._resolve, command_id, error)
-        events: Events = {sequence_id: RequestEvent(tuple(token_ids))
+        events: Events = {sequence_id: RequestEvent(tuple(token_ids), tuple(output.logprobs.get(sequence_id, ())))
                           for sequence_id, token_ids in output.tokens.items()}
+        for request_id, scored in output.prompt_logprobs.items():
+            events[request_id] = attrs.evolve(events.get(request_id, RequestEvent()), prompt_logprobs=tuple(scored))
         for finished in output.finished:
             previous = events.get(finished.request_id)
-            events[finished.request_id] = RequestEvent(previous.new_token_ids if previous else (), finished)
+            events[finished.request_id] = (attrs.evolve(previous, output=finished) if previous is not None
+                                           else RequestEvent(output=finished))
         if events or output.failure is not None or not output.resolved:
             self._detokenizer.put(events, output.snapshot, output.failure)  # then _deliver, on the event loop
 

@@ -147,7 +147,7 @@ def _engine_main(config: Any, commands: Any, outputs: Any, verbosity: int | None
     except Exception as exc:
         send(("failed", _portable(exc)))
         return
-    send(("ready", EngineInfo(engine.limits.max_model_len, engine.model_config.vocab_size)))
+    send(("ready", EngineInfo.of(engine)))
 
     def receive(block: bool) -> list[Command]:
         try:

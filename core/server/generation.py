@@ -27,13 +27,22 @@ class EngineFailure(Exception):
     """The engine failed while this request was in flight."""
 
 
+class RequestFailed(EngineFailure):
+    """The engine failed one of this request's prompts alone (a logits processor raised)."""
+
+
 @attrs.frozen
 class ChoiceDelta:
-    """New text of one choice; `finish_reason` is set on the choice's last delta."""
+    """New text of one choice; `finish_reason` is set on the choice's last delta.
+
+    `logprobs`: (token id, {token id: Logprob}) for the tokens behind this delta's text
+    (SamplingParams.logprobs); `prompt_logprobs`: the prompt's, once scored."""
 
     index: int
     text: str
     finish_reason: str | None
+    logprobs: tuple[tuple[int, Any], ...] = ()
+    prompt_logprobs: tuple[Any, ...] | None = None
 
 
 class TextStreamer:
@@ -105,6 +114,7 @@ class Choice:
     sequence_id: str  # the engine's key for its new tokens
     streamer: TextStreamer
     output: CompletionOutput | None = None
+    unsent_logprobs: list = attrs.field(factory=list)  # (token id, logprobs) not yet sent with text
 
     @property
     def text(self) -> str:
@@ -119,19 +129,23 @@ class Generation:
     """The engine requests behind one HTTP request, and their deltas."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, prompts: Seq[list[int]], params: SamplingParams,
-                 n: int, request_id: str, endpoint: str) -> None:
+                 n: int, request_id: str, endpoint: str, echo_texts: Seq[str] | None = None) -> None:
         self.engine = engine
+        self.echo_texts = list(echo_texts) if echo_texts is not None else None  # completions' echo: prompt texts
         self.request_id = request_id
         self.endpoint = endpoint
         self.created = int(time.time())
         self._prompts = list(prompts)
         self._params = attrs.evolve(params, n=n)
+        self.params = self._params
         self.engine_request_ids = [f"{request_id}-{p}" for p in range(len(prompts))]
         self.choices = [Choice(p * n + i, p, _sequence_id(rid, i), TextStreamer(tokenizer, params.stop))
                         for p, rid in enumerate(self.engine_request_ids) for i in range(n)]
         self._by_sequence = {c.sequence_id: c for c in self.choices}
         self.outputs: dict[str, RequestOutput] = {}  # engine request id -> its output, once finished
         self._events = None
+        self._tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
 
     async def start(self, arrival_time: float) -> None:
         """Queue every prompt in the engine (RequestError / EngineUnavailable propagate)."""
@@ -151,12 +165,20 @@ class Generation:
         try:
             while unfinished:
                 deltas, outputs = await self._next_events()
+                errors = []
                 for output in outputs:
                     self.outputs[output.request_id] = output
                     unfinished.discard(output.request_id)
+                    if output.error is not None:
+                        errors.append(output.error)
                 for delta in deltas:
                     yield delta
+                if errors:
+                    raise RequestFailed(errors[0])
             status = "ok"
+        except RequestFailed:
+            status = "failed"
+            raise
         except EngineFailure:
             unfinished.clear()  # the engine has dropped them already
             status = "failed"
@@ -169,24 +191,53 @@ class Generation:
                 self.engine.abort(unfinished)
             self._log(status)
 
-    def _text_deltas(self, tokens: dict[str, list[int]], outputs: list[RequestOutput]) -> list[ChoiceDelta]:
+    def _text_deltas(self, tokens: dict[str, list[int]], outputs: list[RequestOutput],
+                     logprobs: dict[str, list[Any]] | None = None,
+                     prompt_logprobs: dict[str, list[Any]] | None = None) -> list[ChoiceDelta]:
         """The deltas for one step's events (runs on the detokenizer's thread)."""
         by_sequence = self._by_sequence
         finishing = {output.request_id for output in outputs}
         deltas = []
+        for request_id, scored in (prompt_logprobs or {}).items():
+            scored = tuple(self._with_text(scored))
+            deltas.extend(ChoiceDelta(c.index, "", None, prompt_logprobs=scored) for c in self.choices
+                          if self.engine_request_ids[c.prompt_index] == request_id)
         for sequence_id, token_ids in tokens.items():
+            choice = by_sequence[sequence_id]
+            if logprobs and sequence_id in logprobs:
+                choice.unsent_logprobs.extend(zip(token_ids, self._with_text(logprobs[sequence_id])))
             if sequence_id.partition("#")[0] in finishing:
                 continue  # its final text comes from the output (a stop string may cut it)
-            choice = by_sequence[sequence_id]
             text = choice.streamer.feed(token_ids, None)
             if text:
-                deltas.append(ChoiceDelta(choice.index, text, None))
+                deltas.append(ChoiceDelta(choice.index, text, None, self._take_logprobs(choice)))
         for output in outputs:
             for completion in output.outputs:
                 choice = by_sequence[_sequence_id(output.request_id, completion.index)]
                 choice.output = completion
-                deltas.append(ChoiceDelta(choice.index, choice.streamer.feed((), completion), choice.finish_reason))
+                deltas.append(ChoiceDelta(choice.index, choice.streamer.feed((), completion), choice.finish_reason,
+                                          self._take_logprobs(choice)))
         return deltas
+
+    @staticmethod
+    def _take_logprobs(choice: Choice) -> tuple[tuple[int, Any], ...]:
+        taken = tuple(choice.unsent_logprobs)
+        choice.unsent_logprobs.clear()
+        return taken
+
+    def _with_text(self, positions: Seq[Any]) -> list[Any]:
+        """Logprobs with each token's text filled in (decoded once per token id)."""
+        texts = self._token_texts
+        result = []
+        for position in positions:
+            if position is None:
+                result.append(None)
+                continue
+            for token_id in position:
+                if token_id not in texts:
+                    texts[token_id] = self._tokenizer.decode([token_id]) if self._tokenizer is not None else ""
+            result.append({t: attrs.evolve(lp, decoded_token=texts[t]) for t, lp in position.items()})
+        return result
 
     async def _next_events(self) -> tuple[list[ChoiceDelta], list[RequestOutput]]:
         """The next event and every one already queued: their text deltas (merged into one
@@ -203,15 +254,24 @@ class Generation:
                 raise CodecFailure(f"detokenizing the output failed: {event.decode_error}")
             for delta in event.deltas:
                 earlier = merged.pop(delta.index, None)
-                text = earlier.text + delta.text if earlier is not None else delta.text
-                merged[delta.index] = ChoiceDelta(delta.index, text, delta.finish_reason)
+                if earlier is not None:
+                    delta = ChoiceDelta(delta.index, earlier.text + delta.text, delta.finish_reason,
+                                        earlier.logprobs + delta.logprobs,
+                                        earlier.prompt_logprobs if delta.prompt_logprobs is None
+                                        else delta.prompt_logprobs)
+                merged[delta.index] = delta
             if event.output is not None:
                 outputs.append(event.output)
         return list(merged.values()), outputs
 
     def prompt_token_ids(self, choice: Choice) -> list[int]:
         output = self.outputs.get(self.engine_request_ids[choice.prompt_index])
-        return list(output.prompt_token_ids) if output is not None else []
+        return list(output.prompt_token_ids) if output is not None else list(self._prompts[choice.prompt_index])
+
+    def prompt_logprobs(self, choice: Choice) -> list[Any] | None:
+        """The finished request's prompt logprobs (None until it finished, or when not asked)."""
+        output = self.outputs.get(self.engine_request_ids[choice.prompt_index])
+        return output.prompt_logprobs if output is not None else None
 
     def usage(self) -> dict[str, int]:
         """OpenAI usage: prompt tokens once per prompt, completion tokens of every choice."""

@@ -2,9 +2,12 @@
 
 Every rejection is an `ApiError` whose body is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`, with `param` naming the field.
-Sampling fields are OpenAI's plus vLLM's extras (top_k, min_p, seed, stop,
-stop_token_ids, ignore_eos, return_token_ids); fields servelab cannot honour (penalties, logprobs, echo,
-tools, ...) are refused by name rather than silently ignored; unknown fields are ignored.
+Sampling fields are OpenAI's (penalties, logit_bias, logprobs, echo, top_logprobs,
+response_format) plus vLLM's extras (top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
+return_token_ids, repetition_penalty, min_tokens, bad_words, guided_json / guided_regex /
+guided_grammar / guided_choice; `logits_processors` and `extra_args` select installed
+third-party processors); fields servelab cannot honour (suffix, tools, ...) are
+refused by name rather than silently ignored; unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ import attrs
 
 from servelab.errors import RequestError
 from servelab.sampling_params import SamplingParams
+from servelab.structured import StructuredOutput
 
 MAX_N = 64  # choices per request
 UNBOUNDED_MAX_TOKENS = 2**31 - 1  # chat without max_tokens: until the context is full (the engine stops there)
 MAX_SEED = 2**64 - 1  # the largest seed a torch generator takes; choice i of a request uses seed + i
 MIN_SEED = -(2**63)
 _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                    "ignore_eos")
+                    "ignore_eos", "logprobs", "prompt_logprobs", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "logit_bias", "min_tokens", "bad_words", "logits_processors", "extra_args")
+# Where a request's structured output came from, to name it in errors.
+_STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -70,14 +77,17 @@ class PromptBounds:
     max_model_len: int
     max_prompt_chars: int
     vocab_size: int
+    max_logprobs: int = 20  # the engine's max_logprobs
 
 
-def request_error(exc: RequestError, prompt_field: str) -> ApiError:
+def request_error(exc: RequestError, prompt_field: str, structured_field: str | None = None) -> ApiError:
     """A 400 for an engine RequestError; its message starts with the field it is about."""
     message = str(exc)
     first = re.match(r"[a-z_]*", message).group()  # "temperature must be ...", "n=4 samples ..."
     if first in _SAMPLING_FIELDS:
         return bad_request(message, first)
+    if message.startswith("structured output"):
+        return bad_request(message, structured_field or "response_format")
     if not message.startswith(prompt_field):
         message = f"{prompt_field}: {message}"
     return bad_request(message, prompt_field)
@@ -93,6 +103,8 @@ class GenerationRequest:
     stream: bool
     messages: tuple[dict[str, str], ...] = ()  # chat only
     return_token_ids: bool = False  # vLLM's extra: token ids in non-streaming choices
+    echo: bool = False  # completions: the prompt comes first in each choice (with its logprobs when asked)
+    structured_field: str | None = None  # the body field that asked for structured output
 
 
 def check_model(body: dict[str, Any], served_model: str) -> None:
@@ -111,8 +123,14 @@ def parse_completion(body: dict[str, Any], bounds: PromptBounds) -> GenerationRe
     for prompt in prompts:
         _check_prompt_size(prompt, bounds, "prompt")
     n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
-    return GenerationRequest(prompts, _sampling_params(body, 16, n, bounds), n, _boolean(body, "stream"),
-                             return_token_ids=_boolean(body, "return_token_ids"))
+    logprobs = _integer(body, "logprobs", None, minimum=0, maximum=bounds.max_logprobs)
+    echo = _boolean(body, "echo")
+    # echo with logprobs scores the prompt too, as vLLM does
+    extra = {"logprobs": logprobs, "prompt_logprobs": logprobs if echo and logprobs is not None else None}
+    params, structured_field = _sampling_params(body, 16, n, bounds, extra)
+    return GenerationRequest(prompts, params, n, _boolean(body, "stream"),
+                             return_token_ids=_boolean(body, "return_token_ids"), echo=echo,
+                             structured_field=structured_field)
 
 
 def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
@@ -123,10 +141,15 @@ def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
+    top_logprobs = _integer(body, "top_logprobs", None, minimum=0, maximum=bounds.max_logprobs)
+    wants_logprobs = _boolean(body, "logprobs")
+    if top_logprobs is not None and not wants_logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     # Chat's default is "until the context is full"; the engine stops at max_model_len.
-    params = _sampling_params(body, None, n, bounds)
+    extra = {"logprobs": (top_logprobs or 0) if wants_logprobs else None}
+    params, structured_field = _sampling_params(body, None, n, bounds, extra)
     return GenerationRequest((), params, n, _boolean(body, "stream"), messages,
-                             return_token_ids=_boolean(body, "return_token_ids"))
+                             return_token_ids=_boolean(body, "return_token_ids"), structured_field=structured_field)
 
 
 _MISSING = object()
@@ -185,8 +208,9 @@ def _content(content: Any, where: str) -> str:
     raise bad_request(f"{where} must be a string or a list of text parts", where)
 
 
-def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: int,
-                     bounds: PromptBounds) -> SamplingParams:
+def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: int, bounds: PromptBounds,
+                     extra: dict[str, Any]) -> tuple[SamplingParams, str | None]:
+    """The request's SamplingParams, and the field that asked for structured output (if any)."""
     max_tokens = _integer(body, "max_tokens", default_max_tokens, minimum=1)
     top_k = _integer(body, "top_k", -1)
     if not (top_k in (-1, 0) or 1 <= top_k <= bounds.vocab_size):  # 0 disables it too, as in vLLM
@@ -201,15 +225,111 @@ def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: in
         "stop": _stop(body.get("stop")),
         "stop_token_ids": _token_ids(body, "stop_token_ids"),
         "ignore_eos": _boolean(body, "ignore_eos"),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0),
+        "presence_penalty": _number(body, "presence_penalty", 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+        "logit_bias": _logit_bias(body.get("logit_bias")),
+        "min_tokens": _integer(body, "min_tokens", 0, minimum=0),
+        "bad_words": _strings(body, "bad_words"),
+        "logits_processors": _strings(body, "logits_processors"),
+        "extra_args": _object(body, "extra_args"),
+        **extra,
     }
+    structured_field, values["structured"] = _structured(body)
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
     else:
         values["max_tokens"] = UNBOUNDED_MAX_TOKENS
     try:
-        return SamplingParams(**values)
+        return SamplingParams(**values), structured_field
     except RequestError as exc:
-        raise request_error(exc, "prompt") from None
+        raise request_error(exc, "prompt", structured_field) from None
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (keys are strings in JSON)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"logit_bias must be an object mapping token ids to numbers, got {brief(value)}",
+                          "logit_bias")
+    bias = {}
+    for key, amount in value.items():
+        token = key if _is_int(key) else int(key) if isinstance(key, str) and key.isdigit() else None
+        if token is None:
+            raise bad_request(f"logit_bias keys must be token ids, got {brief(key)}", "logit_bias")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {brief(amount)} for token "
+                              f"{token}", "logit_bias")
+        bias[token] = float(amount)
+    return bias
+
+
+def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"{name} must be an object, got {brief(value)}", name)
+    return value
+
+
+def _strings(body: dict[str, Any], name: str) -> tuple[str, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise bad_request(f"{name} must be a list of non-empty strings, got {brief(value)}", name)
+    return tuple(value)
+
+
+def _structured(body: dict[str, Any]) -> tuple[str | None, StructuredOutput | None]:
+    """OpenAI's response_format, or one of vLLM's guided_* fields (at most one of them)."""
+    given = [name for name in _STRUCTURED_FIELDS if body.get(name) is not None
+             and not (name == "response_format" and body[name] == {"type": "text"})]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad_request(f"give one of {', '.join(given)}, not several: each constrains the whole output", given[1])
+    field = given[0]
+    value = body[field]
+    try:
+        if field == "response_format":
+            return field, _response_format(value)
+        if field == "guided_json":
+            if not isinstance(value, (dict, str)):
+                raise bad_request(f"guided_json must be a JSON schema (an object or its JSON text), got {brief(value)}",
+                                  field)
+            return field, StructuredOutput.json(value)
+        if field == "guided_choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise bad_request(f"guided_choice must be a non-empty list of strings, got {brief(value)}", field)
+            return field, StructuredOutput.regex("|".join(f"({_regex_literal(c)})" for c in value))
+        if not isinstance(value, str) or not value:
+            raise bad_request(f"{field} must be a non-empty string, got {brief(value)}", field)
+        return field, (StructuredOutput.regex(value) if field == "guided_regex" else StructuredOutput.grammar(value))
+    except RequestError as exc:
+        raise bad_request(str(exc), field) from None
+
+
+def _response_format(value: Any) -> StructuredOutput:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutput.json_object()
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                              "{...}}}", "response_format")
+        return StructuredOutput.json(schema)
+    raise bad_request(f"response_format type must be text, json_object or json_schema, got {brief(value)}",
+                      "response_format")
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching itself (xgrammar's regex syntax: escape every metacharacter)."""
+    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/" else c for c in text)
 
 
 def _integer(body: dict[str, Any], name: str, default: int | None, minimum: int | None = None,
@@ -279,9 +399,7 @@ def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """Fields servelab cannot honour are errors unless they hold their neutral value."""
-    neutral = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-               "logit_bias": ({},), "logprobs": (False, 0), "echo": (False,), "suffix": ("",),
-               "top_logprobs": (0,), "tools": ([],), "functions": ([],)}
+    neutral = {"suffix": ("",), "tools": ([],), "functions": ([],)}
     for name, allowed in neutral.items():
         value = body.get(name)
         if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
@@ -289,10 +407,6 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise bad_request(f"best_of is not supported by this server (got {brief(best_of)})", "best_of", "unsupported")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_request("response_format other than {\"type\": \"text\"} is not supported", "response_format",
-                          "unsupported")
 
 
 def _is_int(value: Any) -> bool:

@@ -53,7 +53,8 @@ class ReplicaSet:
         for index, replica in enumerate(self.replicas):
             replica.on_failure = functools.partial(self._replica_failed, index)
             replica.listener = functools.partial(self._observe, index)
-        self.info = EngineInfo(min(r.info.max_model_len for r in self.replicas), self.replicas[0].info.vocab_size)
+        self.info = EngineInfo(min(r.info.max_model_len for r in self.replicas), self.replicas[0].info.vocab_size,
+                               min(r.info.max_logprobs for r in self.replicas))
 
     @staticmethod
     def clock() -> float:

@@ -73,7 +73,7 @@ class EngineActor:
     def info(self) -> tuple[EngineInfo, int, int]:
         """The engine's limits, this process's id, and the engine's KV block size."""
         engine = self.engine
-        return (EngineInfo(engine.limits.max_model_len, engine.model_config.vocab_size), os.getpid(),
+        return (EngineInfo.of(engine), os.getpid(),
                 engine.config.engine.block_size)
 
     def send(self, batch: int, commands: list[Command]) -> None:

@@ -19,6 +19,7 @@ from servelab.testing.allocator import AllocatorContract
 from servelab.testing.attention import AttentionBackendContract
 from servelab.testing.contract import ContractViolation, check
 from servelab.testing.drafter import DrafterContract
+from servelab.testing.logits_processor import LogitsProcessorContract
 from servelab.testing.router import RouterContract
 from servelab.testing.scheduler import SchedulerContract
 from servelab.testing.scheduler_harness import SchedulerHarness
@@ -28,6 +29,7 @@ __all__ = [
     "AttentionBackendContract",
     "ContractViolation",
     "DrafterContract",
+    "LogitsProcessorContract",
     "RouterContract",
     "SchedulerContract",
     "SchedulerHarness",

@@ -191,7 +191,8 @@ class QueueScheduler:
         uncomputed tokens (`whole`), or as many as `budget` allows. Returns how many it
         computes this step, or 0, holding nothing, when they do not fit. Does not move
         `seq` between queues."""
-        if self.prefix_cache is not None and seq.num_computed_tokens == 0:
+        # A request scoring its prompt (prompt_logprobs) computes every position: no prefix reuse.
+        if self.prefix_cache is not None and seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
             seq.num_computed_tokens = self.prefix_cache.match_prefix(seq)
         num_new = min(seq.num_uncomputed_tokens, budget)
         fits = num_new == seq.num_uncomputed_tokens if whole else num_new > 0

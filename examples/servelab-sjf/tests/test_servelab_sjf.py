@@ -12,7 +12,8 @@ import pytest
 
 from servelab import LLM, SamplingParams
 from servelab.interfaces import AllocatorContext, DrafterContext
-from servelab.testing import AllocatorContract, DrafterContract, SchedulerContract, SchedulerHarness, check
+from servelab.testing import (AllocatorContract, DrafterContract, LogitsProcessorContract, SchedulerContract,
+                              SchedulerHarness, check)
 from servelab.testing.drafter import decoding_sequence
 from servelab_sjf.lifo import LIFOPagedAllocator
 from servelab_sjf.lookup import LookupOptions, RepeatLookupDrafter
@@ -41,6 +42,13 @@ class TestPagedLIFO(AllocatorContract):
 
 class TestRepeatLookup(DrafterContract):
     plugin_name = "repeat-lookup"  # k comes from LookupOptions().num_speculative_tokens
+
+
+class TestNoRepeatNGram(LogitsProcessorContract):
+    plugin_name = "no-repeat-ngram"
+    prompt = (5, 17, 5, 17, 42)  # a repeated bigram: some tokens are banned from the start
+    requests = [SamplingParams(logits_processors=["no-repeat-ngram"]),
+                SamplingParams(logits_processors=["no-repeat-ngram"], extra_args={"no_repeat_ngram_size": 1})]
 
 
 # ---------------------------------------------------------------- shortest job first
@@ -136,6 +144,30 @@ def test_servelab_plugins_lists_the_package():
     assert found[("schedulers", "sjf")] == "servelab-sjf"
     assert found[("allocators", "paged-lifo")] == "servelab-sjf"
     assert found[("drafters", "repeat-lookup")] == "servelab-sjf"
+    assert found[("logits_processors", "no-repeat-ngram")] == "servelab-sjf"
+
+
+# ---------------------------------------------------------------- no-repeat-ngram
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_no_repeat_ngram_equals_transformers(servelab_tiny_checkpoint, size):
+    import torch
+    import transformers
+
+    prompt = [5, 17, 5, 17, 42, 9, 5]
+    llm = LLM(servelab_tiny_checkpoint, max_model_len=64)
+    output = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                 logits_processors=["no-repeat-ngram"],
+                                                 extra_args={"no_repeat_ngram_size": size}))[0].token_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(servelab_tiny_checkpoint, dtype=torch.float32)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, no_repeat_ngram_size=size)[0, len(prompt):].tolist()
+    assert output == expected
+    tokens = prompt + output
+    for end in range(len(prompt) + 1, len(tokens) + 1):  # no generated token completes an earlier n-gram
+        gram = tuple(tokens[end - size:end])
+        assert gram not in {tuple(tokens[i:i + size]) for i in range(end - size)}
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -1,12 +1,13 @@
 """The servelab plugin module of servelab-sjf (the `servelab.plugins` entry point).
 
-It registers three policies by name; factories are "module:attribute" strings, so
+It registers four policies by name; factories are "module:attribute" strings, so
 `servelab plugins` lists them without importing anything heavy.
 """
 
 import servelab
-from servelab.plugin_types import AllocatorPlugin, DrafterPlugin, SchedulerPlugin
+from servelab.plugin_types import AllocatorPlugin, DrafterPlugin, LogitsProcessorPlugin, SchedulerPlugin
 from servelab_sjf.lookup import LookupOptions
+from servelab_sjf.no_repeat import NoRepeatOptions
 from servelab_sjf.sjf import SJFOptions
 
 
@@ -29,3 +30,10 @@ def servelab_register_drafters():
     return [DrafterPlugin(name="repeat-lookup", factory="servelab_sjf.lookup:RepeatLookupDrafter",
                           options=LookupOptions,
                           description="prompt lookup: propose what followed the last n-gram's previous occurrence")]
+
+
+@servelab.hookimpl
+def servelab_register_logits_processors():
+    return [LogitsProcessorPlugin(name="no-repeat-ngram", factory="servelab_sjf.no_repeat:NoRepeatNGram",
+                                  options=NoRepeatOptions,
+                                  description="bans tokens that would repeat an n-gram of prompt + output")]

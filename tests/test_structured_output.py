@@ -1,0 +1,103 @@
+"""Structured output on the embedded model builtin:tiny: every output parses and
+validates (jsonschema), matches its regex or grammar; with speculative decoding (greedy
+tokens equal the non-speculative ones) and chunked prefill; invalid specs are refused
+by name; one compilation per schema."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from servelab import LLM, RequestError, SamplingParams, StructuredOutput
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["ada", "grace", "linus"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "admin": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "y"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "admin"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Here is a user record:", "def main():", "{", "The answer is"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("builtin:tiny", max_model_len=256)
+
+
+def test_json_schema_outputs_validate(llm):
+    params = SamplingParams(n=2, max_tokens=80, temperature=1.0, seed=3, structured=StructuredOutput.json(SCHEMA))
+    outputs = llm.generate(PROMPTS, params)
+    for output in outputs:
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop", completion
+            jsonschema.validate(json.loads(completion.text), SCHEMA)
+    processor = llm.engine.logits_pipeline.processors["structured"]
+    assert len([key for key in processor._cache if key[0] == "json"]) == 1  # one compilation for them all
+
+
+def test_json_object_regex_and_grammar(llm):
+    regex = r"(yes|no) \d{1,3}!"
+    grammar = 'root ::= "[" item ("," item)* "]"\nitem ::= "a" | "bb" | "ccc"'
+    outputs = llm.generate(PROMPTS[:1] + PROMPTS[:2] * 2, [
+        # Any JSON object: this model tends to open strings and objects it never closes (bounded
+        # only by max_tokens, as in any server), so one seeded request that closes stands for the kind.
+        SamplingParams(max_tokens=60, temperature=1.0, seed=1, structured=StructuredOutput.json_object()),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=2, structured=StructuredOutput.regex(regex)),
+        SamplingParams(max_tokens=20, temperature=0, structured=StructuredOutput.regex(regex)),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=4, structured=StructuredOutput.grammar(grammar)),
+        SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutput.grammar(grammar)),
+    ])
+    assert all(o.finish_reason == "stop" for o in outputs), [(o.text, o.finish_reason) for o in outputs]
+    assert isinstance(json.loads(outputs[0].text), dict)
+    for output in outputs[1:3]:
+        assert re.fullmatch(regex, output.text), output.text
+    for output in outputs[3:]:
+        assert re.fullmatch(r"\[(a|bb|ccc)(,(a|bb|ccc))*\]", output.text), output.text
+
+
+@pytest.mark.parametrize("engine", [
+    {"config": {"drafter": {"name": "draft-model", "model": "builtin:tiny-draft", "num_speculative_tokens": 4}}},
+    {"scheduler.name": "chunked-prefill", "max_num_batched_tokens": 5},
+], ids=["speculative", "chunked-prefill"])
+def test_grammar_state_follows_speculation_and_chunked_prefill(engine, llm):
+    other = LLM("builtin:tiny", max_model_len=256, **engine)
+    long_prompt = "Write the record of a user as JSON, with a name, an age and whether they are an admin: "
+    greedy = SamplingParams(max_tokens=80, temperature=0, structured=StructuredOutput.json(SCHEMA))
+    sampled = SamplingParams(max_tokens=80, temperature=0.8, seed=7, structured=StructuredOutput.json(SCHEMA))
+    expected = llm.generate([long_prompt, PROMPTS[0]], greedy)
+    outputs = other.generate([long_prompt, PROMPTS[0], long_prompt, PROMPTS[0]], [greedy, greedy, sampled, sampled])
+    assert [o.token_ids for o in outputs[:2]] == [o.token_ids for o in expected]
+    for output in outputs:
+        assert output.finish_reason == "stop"
+        jsonschema.validate(json.loads(output.text), SCHEMA)
+    if "config" in engine:
+        assert other.engine.speculation_stats().num_draft_tokens > 0
+    assert other.engine.allocator.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("structured,problem", [
+    (StructuredOutput.json({"type": "object", "properties": {"a": {"type": "nonsense"}}}), "JSON schema is invalid"),
+    (StructuredOutput.regex("(unclosed"), "regex is invalid"),
+    (StructuredOutput.grammar("root ::= undefined_rule"), "grammar is invalid"),
+])
+def test_invalid_specs_are_refused_by_name(llm, structured, problem):
+    with pytest.raises(RequestError, match=problem):
+        llm.generate("x", SamplingParams(structured=structured))
+    assert not llm.engine.has_unfinished()
+
+
+def test_structured_output_refuses_what_cannot_work(llm, llama_checkpoint):
+    with pytest.raises(RequestError, match="ignore_eos"):
+        llm.generate("x", SamplingParams(ignore_eos=True, structured=StructuredOutput.json_object()))
+    with pytest.raises(RequestError, match="not valid JSON"):
+        StructuredOutput.json("{nope")
+    with pytest.raises(RequestError, match="needs a tokenizer"):
+        LLM(llama_checkpoint, max_model_len=64).generate([5], SamplingParams(structured=StructuredOutput.regex("a")))
