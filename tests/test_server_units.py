@@ -159,6 +159,9 @@ class FakeEngine:
                                                           num_preemptions=0))
         self.allocator = FakeStats(lambda: AllocatorStats(num_blocks=8, num_used_blocks=len(self.requests),
                                                           num_free_blocks=8 - len(self.requests)))
+        self.model_config = SimpleNamespace(vocab_size=100)
+        self.limits = SimpleNamespace(max_model_len=64)
+        self.config = SimpleNamespace(engine=SimpleNamespace(max_logprobs=20))
 
     def validate_request(self, prompt, params):
         if prompt == "bad":
@@ -338,9 +341,6 @@ def test_a_failed_engine_answers_500_naming_the_cause_and_health_503():
 
     failures = []
     engine = FakeEngine(fail_at=1)
-    engine.model_config = SimpleNamespace(vocab_size=100)
-    engine.limits = SimpleNamespace(max_model_len=64)
-    engine.config = SimpleNamespace(engine=SimpleNamespace(max_logprobs=20))
     engine.clock = lambda: 0.0
     state = ServerState(engine=AsyncEngine(ThreadConnection(engine), on_failure=failures.append), metrics=ServerMetrics(),
                         codec=TextCodec(None, ChatTemplate(None)), model_name="fake", max_model_len=64, max_waiting=8)
@@ -388,8 +388,6 @@ def test_a_replica_set_routes_and_a_failed_replica_fails_only_its_requests():
 
     router, failures, metrics = RecordingRouter(), [], ServerMetrics()
     engines = [FakeEngine(), FakeEngine(fail_at=3)]
-    for engine in engines:
-        engine.model_config, engine.limits = SimpleNamespace(vocab_size=100), SimpleNamespace(max_model_len=64)
     replicas = ReplicaSet([AsyncEngine(ThreadConnection(e), name=f"replica {i}") for i, e in enumerate(engines)],
                           router, "recording", block_size=16, metrics=metrics)
     replicas.on_failure = failures.append
@@ -422,7 +420,6 @@ def test_a_replica_set_fails_once_every_replica_has():
     from servelab.server.replica_set import ReplicaSet
 
     engine = FakeEngine(fail_at=1)
-    engine.model_config, engine.limits = SimpleNamespace(vocab_size=100), SimpleNamespace(max_model_len=64)
     failures = []
     replicas = ReplicaSet([AsyncEngine(ThreadConnection(engine))], RecordingRouter(), "recording", block_size=16)
     replicas.on_failure = failures.append
