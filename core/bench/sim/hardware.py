@@ -82,9 +82,11 @@ class Accelerator:
         return self.compute_efficiency if self.attention_efficiency is None else self.attention_efficiency
 
 
-CPU_HERE_TERMS = StepTerms(step_s=2e-3, sequence_s=1e-4, prefill_gemm_flop_s=1 / 105e9,
-                           decode_gemm_flop_s=1 / 20e9, prefill_attention_flop_s=1 / 20e9,
-                           decode_kv_byte_s=1 / 3.2e9, lm_head_flop_s=1 / 20e9)
+# `servelab bench --calibrate --set engine.max_model_len=512` on builtin:tiny, fp32, one
+# thread, CPU time (run 3 of docs/bench.md's calibration table).
+CPU_HERE_TERMS = StepTerms(step_s=1.48e-3, sequence_s=0.0, prefill_gemm_flop_s=8.68e-12,
+                           decode_gemm_flop_s=1.22e-11, prefill_attention_flop_s=3.12e-12,
+                           decode_kv_byte_s=1.18e-10, lm_head_flop_s=0.0)
 _TRTLLM_LIKE = "TensorRT-LLM-like: fused kernels, CUDA graphs on decode steps, in-flight batching"
 _EAGER_LIKE = "vLLM-like with enforce_eager: the same kernels launched from PyTorch every step, no CUDA graphs"
 
