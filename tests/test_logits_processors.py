@@ -254,11 +254,11 @@ def test_the_server_fails_only_the_request_a_processor_failed(llama_checkpoint):
     from servelab.server.app import ServerState, build_app
     from servelab.server.chat import ChatTemplate
     from servelab.server.codec import TextCodec
-    from servelab.server.engine_loop import AsyncEngine
+    from servelab.server.engine_loop import AsyncEngine, ThreadConnection
     from servelab.server.metrics import ServerMetrics
 
     engine = LLM(llama_checkpoint, registry=registry(), max_model_len=64).engine
-    state = ServerState(engine=AsyncEngine(engine), metrics=ServerMetrics(), codec=TextCodec(None, ChatTemplate(None)),
+    state = ServerState(engine=AsyncEngine(ThreadConnection(engine)), metrics=ServerMetrics(), codec=TextCodec(None, ChatTemplate(None)),
                         model_name="tiny", max_model_len=64, max_waiting=8)
     body = {"prompt": prompts([6])[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "logits_processors": ["ban-token"]}
