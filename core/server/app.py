@@ -47,7 +47,7 @@ _REJECT_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 408: "
 class ServerState:
     """Everything the routes share."""
 
-    engine: AsyncEngine  # or a ReplicaSet (replicas.py), which has the same interface
+    engine: AsyncEngine  # or a ReplicaSet (replica_set.py), which has the same interface
     metrics: ServerMetrics
     codec: TextCodec
     model_name: str

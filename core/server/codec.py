@@ -1,9 +1,9 @@
 """Tokenization (and chat-template rendering) on a small thread pool of its own.
 
 It belongs neither on the event loop (it would stall every stream and `/health` while
-one long prompt is encoded) nor on the engine thread (it would stall every step).
+one long prompt is encoded) nor in the engine (it would stall every step).
 Prompts are encoded with the tokenizer's batch call, which runs without the GIL.
-(Detokenization has a thread of its own: see detokenizer.py.) A failure here is the one
+(Detokenization: see detokenizer.py.) A failure here is the one
 request's: `RequestError` for what the client sent, `CodecFailure` (a 500 naming the
 cause) for ours.
 """
@@ -25,7 +25,7 @@ class CodecFailure(ServelabError):
 
 
 class TextCodec:
-    """Prompts -> token ids, off the event loop and the engine thread."""
+    """Prompts -> token ids, off the event loop and out of the engine."""
 
     def __init__(self, tokenizer: Any, chat_template: ChatTemplate, workers: int = 2) -> None:
         self.tokenizer = tokenizer

@@ -70,11 +70,10 @@ class EngineActor:
         self._thread = threading.Thread(target=self._run, args=(core,), name="servelab-engine", daemon=True)
         self._thread.start()
 
-    def info(self) -> tuple[EngineInfo, int, int]:
-        """The engine's limits, this process's id, and the engine's KV block size."""
+    def info(self) -> tuple[EngineInfo, int]:
+        """The engine's limits, and this process's id."""
         engine = self.engine
-        return (EngineInfo.of(engine), os.getpid(),
-                engine.config.engine.block_size)
+        return EngineInfo.of(engine), os.getpid()
 
     def send(self, batch: int, commands: list[Command]) -> None:
         now = time.perf_counter()  # arrival times come as ages (clocks differ between machines)
@@ -192,6 +191,9 @@ def launch_replicas(configs: Seq[Any], ray_address: str | None = None, threads: 
     models = {config.engine.model for config in configs}
     if len(models) != 1:
         raise ServelabError(f"every replica must serve the same model, got {sorted(models)}")
+    block_size = configs[0].engine.block_size
+    router = build_router(configs[0], PluginRegistry.from_entry_points(), RouterContext(  # names checked first
+        num_replicas=len(configs), block_size=block_size, num_kv_blocks=0))
     ray = import_ray()
     started_here = False
     if not ray.is_initialized():
@@ -204,8 +206,7 @@ def launch_replicas(configs: Seq[Any], ray_address: str | None = None, threads: 
         ray.init(address=ray_address, **options)
     remote = ray.remote(num_cpus=num_cpus_per_replica, max_concurrency=4)(EngineActor)
     verbosity = configured_verbosity()
-    actors = [remote.options(name=None).remote(config, index, threads, verbosity)
-              for index, config in enumerate(configs)]
+    actors = [remote.remote(config, index, threads, verbosity) for index, config in enumerate(configs)]
     try:
         infos = _wait_started(ray, actors)
     except BaseException:
@@ -215,12 +216,9 @@ def launch_replicas(configs: Seq[Any], ray_address: str | None = None, threads: 
             ray.shutdown()
         raise
     engines = []
-    for index, (actor, (info, pid, _)) in enumerate(zip(actors, infos)):
+    for index, (actor, (info, pid)) in enumerate(zip(actors, infos)):
         logger.info("replica.started", replica=index, pid=pid, max_model_len=info.max_model_len)
         engines.append(AsyncEngine(RayActorConnection(actor, index, info), name=f"replica {index}"))
-    block_size = infos[0][2]
-    router = build_router(configs[0], PluginRegistry.from_entry_points(), RouterContext(
-        num_replicas=len(configs), block_size=block_size, num_kv_blocks=0))
     return ReplicaSet(engines, router, router_section(configs[0]).name, block_size, metrics), started_here
 
 

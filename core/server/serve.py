@@ -4,7 +4,7 @@ SIGINT or SIGTERM starts a graceful shutdown: admission stops (every new request
 new connection or an open one, gets 503 with Retry-After, and /health 503), in-flight
 requests run to completion for up to `shutdown_timeout` seconds, then whatever is left
 is aborted: each open stream ends with a final chunk whose finish_reason is "abort",
-its usage and [DONE]. Then the socket closes, the engine thread stops and the process
+its usage and [DONE]. Then the socket closes, the engine process stops and the process
 exits 0. A second signal skips the wait.
 
 The engine runs in a process of its own (engine_process.py); this process serves HTTP,
@@ -109,6 +109,8 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
         server.run(sockets=[sock])
     finally:
         if state.stop_ray:
+            from servelab.server.replicas import import_ray
+
             import_ray().shutdown()
     logger.info("server.stopped", model=state.model_name, exit_code=server.exit_code,
                 kv_blocks_used=state.engine.snapshot.allocator.num_used_blocks)
@@ -142,18 +144,10 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     else:  # the engine's own errors (a bad policy name) surface here, as ServelabError
         engine = AsyncEngine(ProcessConnection(config, threads=options.engine_threads or default_engine_threads()),
                              metrics.observe)
-    state = ServerState(engine=engine, metrics=metrics, codec=codec,
-                        model_name=options.served_model_name or config.engine.model,
-                        max_model_len=engine.info.max_model_len, max_waiting=options.max_waiting,
-                        api_key=options.api_key, limits=options.limits)
-    state.stop_ray = stop_ray
-    return state
-
-
-def import_ray() -> Any:
-    from servelab.server.replicas import import_ray as ray
-
-    return ray()
+    return ServerState(engine=engine, metrics=metrics, codec=codec,
+                       model_name=options.served_model_name or config.engine.model,
+                       max_model_len=engine.info.max_model_len, max_waiting=options.max_waiting,
+                       api_key=options.api_key, limits=options.limits, stop_ray=stop_ray)
 
 
 def default_engine_threads() -> int:
