@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="fit the cpu-here simulator profile to real runs of the model and report its error")
     bench.add_argument("--sim-model", default="llama-3-8b",
                        help="model shape to simulate: llama-3-8b, llama-3-70b, qwen2-7b, tiny-random")
+    bench.add_argument("--sim-interconnect", help="links between simulated devices under "
+                       "engine.tensor_parallel_size > 1: nvlink4, nvlink3, pcie5, pcie4 (default: the accelerator's)")
     bench.set_defaults(handler=_cmd_bench)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
@@ -104,12 +106,16 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable), e.g. --set engine.max_num_seqs=8")
+    parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                        help="shard the model over N ranks (engine.tensor_parallel_size; see README, Parallelism)")
 
 
 def load_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig.load(args.config).with_set_options(args.assignments)
     if args.model:
         config = config.with_overrides({"engine.model": args.model})
+    if args.tensor_parallel_size is not None:
+        config = config.with_overrides({"engine.tensor_parallel_size": args.tensor_parallel_size})
     return config
 
 
@@ -161,7 +167,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
         save_workload=Path(args.save_workload) if args.save_workload else None,
-        sim_accelerator=args.sim, sim_model=args.sim_model, warm_cache=args.warm_cache,
+        sim_accelerator=args.sim, sim_model=args.sim_model, sim_interconnect=args.sim_interconnect,
+        warm_cache=args.warm_cache,
     )
     if args.calibrate:
         result = _calibrate(configs[0][1], args.workload)

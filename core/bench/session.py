@@ -35,6 +35,7 @@ class BenchOptions:
     save_workload: Path | None = None
     sim_accelerator: str | None = None  # simulate on this accelerator instead of running the model
     sim_model: str = "llama-3-8b"  # model shape to simulate
+    sim_interconnect: str | None = None  # links between simulated devices (default: the accelerator's)
     warm_cache: bool = False  # keep prefix caches across the warm-up and repetitions
 
 
@@ -49,13 +50,14 @@ class _Engine:
         self.recorder = StepRecorder()
         registry.register(self.recorder)
         if options.sim_accelerator:
-            from servelab.bench.sim.hardware import accelerator
+            from servelab.bench.sim.hardware import accelerator, interconnect
             from servelab.bench.sim.runner import VirtualClock
             from servelab.bench.sim.shapes import model_shape
             from servelab.bench.sim.source import SimSource
 
             clock = VirtualClock()
-            source = SimSource(model_shape(options.sim_model), accelerator(options.sim_accelerator), clock)
+            link = interconnect(options.sim_interconnect) if options.sim_interconnect else None
+            source = SimSource(model_shape(options.sim_model), accelerator(options.sim_accelerator), clock, link=link)
             config = source.fit_config(config)
             self.engine = LLMEngine(config, registry, clock=clock, source=source)
         else:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import attrs
 
-from servelab.bench.sim.hardware import GIB, Accelerator
+from servelab.bench.sim.hardware import GIB, Accelerator, Interconnect, interconnect
+from servelab.distributed.layout import local_model_config
 from servelab.bench.sim.shapes import num_parameters
 from servelab.errors import ConfigError
 from servelab.model.model_config import ModelConfig
@@ -41,18 +42,26 @@ class StepCost:
 class CostModel:
     """Step costs of one model shape on one accelerator, and the KV pool it leaves."""
 
-    def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = 2) -> None:
+    def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = 2, tensor_parallel: int = 1,
+                 link: Interconnect | None = None) -> None:
         self.shape = shape
         self.hardware = hardware
         self.dtype_bytes = dtype_bytes
-        self.layer_params, self.head_params = num_parameters(shape)
+        # Under tensor parallelism every figure below is one device's: its shard of the
+        # heads, the MLP and the vocabulary (servelab.distributed.layout), whose kernels run
+        # in lockstep with the others', plus the collectives that join them.
+        self.tensor_parallel = tensor_parallel
+        self.link = link or interconnect(hardware.interconnect)
+        local = local_model_config(shape, tensor_parallel)
+        self.layer_params, self.head_params = num_parameters(local)
         self.weight_bytes = (self.layer_params + self.head_params) * dtype_bytes  # read every step
-        embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+        embedding = 0 if shape.tie_word_embeddings else local.vocab_size * shape.hidden_size
         self.resident_weight_bytes = self.weight_bytes + embedding * dtype_bytes  # held in memory
-        self.kv_bytes_per_token = shape.kv_bytes_per_token(dtype_bytes)
-        self.attention_width = shape.num_layers * shape.num_heads * shape.head_dim  # q.k and p.v per layer
-        self.elementwise_bytes_per_token = _elementwise_bytes_per_token(shape, dtype_bytes)
-        self.num_kernels = shape.num_layers * KERNELS_PER_LAYER + KERNELS_PER_STEP
+        self.kv_bytes_per_token = local.kv_bytes_per_token(dtype_bytes)
+        self.attention_width = shape.num_layers * local.num_heads * shape.head_dim  # q.k and p.v per layer
+        self.elementwise_bytes_per_token = _elementwise_bytes_per_token(local, dtype_bytes)
+        collectives = 2 * shape.num_layers + 2 if tensor_parallel > 1 else 0
+        self.num_kernels = shape.num_layers * KERNELS_PER_LAYER + KERNELS_PER_STEP + collectives
 
     def step(self, query_lens: list[int], context_lens: list[int], num_sampled: int) -> StepCost:
         """The cost of one step: `query_lens[i]` new tokens of a sequence whose context
@@ -61,11 +70,14 @@ class CostModel:
         flops, nbytes = self._work(query_lens, context_lens, num_tokens, num_sampled)
         total_flops, total_bytes = sum(flops.values()), sum(nbytes.values())
         hw = self.hardware
+        communication = self._communication_seconds(num_tokens, num_sampled)
         if not hw.per_kernel:
             seconds = max(total_flops / (hw.peak_flops * hw.compute_efficiency),
                           total_bytes / (hw.memory_bandwidth * hw.bandwidth_efficiency)) + hw.step_overhead_s
-            return StepCost(total_flops, total_bytes, seconds)
+            return StepCost(total_flops, total_bytes, seconds + communication)
         kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
+        if self.tensor_parallel > 1:
+            kernels["communication"] = communication
         decode_only = num_tokens == len(query_lens)
         launches = 0.0 if hw.cuda_graphs and decode_only else self.num_kernels * hw.kernel_launch_s
         seconds = hw.step_overhead_s + max(sum(kernels.values()), launches)  # device work hides async launches
@@ -105,6 +117,20 @@ class CostModel:
             "sampling": nbytes["sampling"] / bandwidth,
         }
 
+    def _communication_seconds(self, num_tokens: int, num_sampled: int) -> float:
+        """Tensor parallelism's collectives: an all-reduce of the activations after the
+        embedding and after each layer's two row-parallel projections, and the LM head's
+        float32 logits columns gathered to the device that samples."""
+        size = self.tensor_parallel
+        if size <= 1 or not num_tokens:
+            return 0.0
+        activations = num_tokens * self.shape.hidden_size * self.dtype_bytes
+        num_all_reduces = 2 * self.shape.num_layers + 1
+        seconds = num_all_reduces * self.link.all_reduce_seconds(activations, size)
+        if num_sampled:
+            seconds += self.link.gather_seconds(num_sampled * 4.0 * self.head_params / self.shape.hidden_size, size)
+        return seconds
+
     def _gemm_flops_per_s(self, rows: int) -> float:
         """Achieved GEMM FLOP/s with `rows` rows: the large-M efficiency, halved at gemm_half_tokens."""
         hw = self.hardware
@@ -124,9 +150,10 @@ class CostModel:
             raise ConfigError(
                 f"the model's weights ({weights / GIB:.1f} GiB at {self.dtype_bytes} bytes a parameter) leave no "
                 f"room for a KV cache on one {hw.name} ({hw.memory_bytes / GIB:.0f} GiB, "
-                f"{hw.reserved_bytes / GIB:.0f} GiB of it for the runtime); serving it takes tensor parallelism "
-                f"over {devices:.0f} or more devices, which the simulator does not model: choose a smaller model "
-                f"shape or an accelerator with more memory")
+                f"{hw.reserved_bytes / GIB:.0f} GiB of it for the runtime) at tensor_parallel_size="
+                f"{self.tensor_parallel}; serving it takes tensor parallelism over {devices * self.tensor_parallel:.0f} "
+                f"or more devices (--set engine.tensor_parallel_size=N), a smaller model shape or an accelerator "
+                f"with more memory")
         return blocks
 
 

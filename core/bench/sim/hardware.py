@@ -36,6 +36,7 @@ class Accelerator:
     per_kernel: bool = True  # False: one roofline over the whole step, the form `--calibrate` fits
     reserved_bytes: float = 0.0  # device memory neither weights nor KV (runtime context, activations)
     behaves_like: str = ""  # which engine's behaviour the profile represents
+    interconnect: str = "pcie4"  # how a machine of several of these links them (INTERCONNECTS)
 
     @property
     def kv_read_efficiency(self) -> float:
@@ -72,9 +73,9 @@ _RUNTIME_LAUNCH_S, _EAGER_LAUNCH_S = 5e-6, 25e-6
 _GPU = dict(kernel_launch_s=_RUNTIME_LAUNCH_S, cuda_graphs=True, reserved_bytes=2 * GIB, behaves_like=_TRTLLM_LIKE)
 
 ACCELERATORS = {
-    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU),
-    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU),
-    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU),
+    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU, interconnect="nvlink4"),
+    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU, interconnect="nvlink4"),
+    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU, interconnect="nvlink3"),
     "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU),
     # This project's 2-core machine in float32 as fitted by `servelab bench --calibrate` on
     # the embedded model: its "bandwidth" is an effective figure that absorbs MKL's poor
@@ -97,3 +98,41 @@ def accelerator(name: str) -> Accelerator:
         return attrs.evolve(base, name=f"{base.name} (eager)", cuda_graphs=False, kernel_launch_s=_EAGER_LAUNCH_S,
                             behaves_like=_EAGER_LIKE)
     return base
+
+
+@attrs.frozen
+class Interconnect:
+    """How the devices of one tensor-parallel group reach each other, for ring all-reduces:
+    a ring over N devices moves 2 (N - 1) / N of the buffer through each device's link."""
+
+    name: str
+    bus_bandwidth: float  # bytes/s an all-reduce achieves per device (NCCL's "bus bandwidth")
+    latency_s: float  # a small all-reduce's fixed cost
+
+    def all_reduce_seconds(self, nbytes: float, size: int) -> float:
+        if size <= 1:
+            return 0.0
+        return self.latency_s + 2.0 * (size - 1) / size * nbytes / self.bus_bandwidth
+
+    def gather_seconds(self, nbytes_per_rank: float, size: int) -> float:
+        """Every other rank's `nbytes_per_rank` into one device."""
+        return 0.0 if size <= 1 else self.latency_s + (size - 1) * nbytes_per_rank / self.bus_bandwidth
+
+
+# Estimates, not fits (no published multi-GPU table is reproduced here): the bus bandwidth
+# NCCL's all_reduce_perf reaches on large buffers within one node, a little under the
+# links' one-way peak (NVLink 4: 450 GB/s a direction on H100 SXM, NVLink 3: 300 GB/s on
+# A100 SXM, PCIe 4/5 x16: 32/64 GB/s), and the few microseconds a small all-reduce takes.
+INTERCONNECTS = {
+    "nvlink4": Interconnect("NVLink 4 (H100/H200 SXM, NVSwitch)", 360e9, 8e-6),
+    "nvlink3": Interconnect("NVLink 3 (A100 SXM, NVSwitch)", 230e9, 10e-6),
+    "pcie5": Interconnect("PCIe 5.0 x16", 45e9, 20e-6),
+    "pcie4": Interconnect("PCIe 4.0 x16", 22e9, 25e-6),
+}
+
+
+def interconnect(name: str) -> Interconnect:
+    try:
+        return INTERCONNECTS[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown interconnect {name!r}; choose {', '.join(INTERCONNECTS)}") from None
