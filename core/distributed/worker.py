@@ -24,10 +24,7 @@ def _exit_when_closed(conn: multiprocessing.connection.Connection) -> None:
             conn.recv()
     except (EOFError, OSError):
         pass
-    os._exit(0 if _stopped.is_set() else 1)
-
-
-_stopped = threading.Event()
+    os._exit(1)
 
 
 def main(fd: int) -> None:
@@ -37,7 +34,6 @@ def main(fd: int) -> None:
     try:
         conn.send(("hello", None))
         import torch
-        import torch.distributed as dist
 
         from servelab.distributed.launch import ProgressCounters, backend_for, init_group
         from servelab.distributed.shard_runner import build_shard_runner, rank_device, serve
@@ -60,8 +56,11 @@ def main(fd: int) -> None:
         serve(runner, comm, done)
     except Exception:  # noqa: BLE001 - rank 0 went away or a collective failed: rank 0 reports it
         os._exit(1)
-    _stopped.set()
-    dist.destroy_process_group()
+    # Told to stop: leave at once, without tearing down gloo's threads (rank 0 waits for
+    # this exit before it destroys its own group).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
