@@ -99,9 +99,11 @@ def test_shapes_two_ranks_cannot_split_are_config_errors_before_any_process_star
 
 
 def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(checkpoint_factory):
-    llm = LLM(checkpoint_factory("llama"), max_model_len=96, **TP)
+    llm = LLM(checkpoint_factory("llama"), max_model_len=96, tensor_parallel_size=2, tensor_parallel_timeout_s=2)
     params = SamplingParams(max_tokens=4, temperature=0)
-    llm.generate([[5, 6, 7]], params)
+    first = llm.generate([[5, 6, 7]], params)
+    time.sleep(2.5)  # idle for longer than the timeout: an idle engine is not a stuck one
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == first[0].token_ids
     (worker,) = llm.engine.runner._ranks.workers.processes.values()
     os.kill(worker.pid, signal.SIGKILL)
     started = time.monotonic()

@@ -24,6 +24,7 @@ import datetime
 import mmap
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -36,9 +37,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from servelab.distributed.comm import Communicator
+from servelab.distributed.comm import Communicator, SocketChannel, recv_frame, send_frame
 from servelab.distributed.shard_runner import ShardSpec
 from servelab.errors import DistributedError
+
+_IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits for rank 0's next step this long
 
 
 def launched_by_torchrun(size: int) -> bool:
@@ -47,21 +50,21 @@ def launched_by_torchrun(size: int) -> bool:
 
 
 def cpu_threads_per_rank(size: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // size)
+    """The process's compute threads (torch's setting, the cores by default) shared out."""
+    return max(1, torch.get_num_threads() // size)
 
 
 def init_group(backend: str, rank: int, size: int, init_method: str | None, timeout_s: float,
-               device: torch.device) -> Communicator:
-    """Join the default process group (env:// when init_method is None) and build the collectives."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+               device: torch.device, channel: SocketChannel | None = None) -> Communicator:
+    """Join the default process group (env:// when init_method is None) and build the
+    collectives; without a socket `channel`, step messages get a gloo group of their own."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=size,
-                                timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return Communicator(rank, size, device, device_group=None, control_group=control)
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    control = None if channel is not None else dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    return Communicator(rank, size, device, control_group=control, channel=channel)
 
 
 def backend_for(device: torch.device) -> str:
@@ -104,15 +107,19 @@ class WorkerSet:
         os.close(handle)
         self.progress = ProgressCounters(path, spec.size, create=True)
         self.processes: dict[int, subprocess.Popen] = {}
-        self.conns: dict[int, multiprocessing.connection.Connection] = {}
+        self.sockets: dict[int, socket.socket] = {}
         for rank in range(1, spec.size):
             ours, theirs = socket.socketpair()
             with theirs:
                 self.processes[rank] = subprocess.Popen(
                     [sys.executable, "-m", "servelab.distributed.worker", str(theirs.fileno())],
                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
-            self.conns[rank] = multiprocessing.connection.Connection(ours.detach())
-            self.conns[rank].send((spec, rank, self.init_method, timeout_s, threads, path))
+            ours.settimeout(timeout_s)  # a send to a stuck worker whose buffer is full fails in time
+            self.sockets[rank] = ours
+            send_frame(ours, pickle.dumps((spec, rank, self.init_method, timeout_s, threads, path)))
+
+    def channel(self) -> SocketChannel:
+        return SocketChannel([self.sockets[rank] for rank in sorted(self.sockets)])
 
     def wait_for(self, what: str, timeout_s: float) -> None:
         """Every worker's `what` message; a DistributedError naming the rank that died,
@@ -120,17 +127,20 @@ class WorkerSet:
         pending = set(self.processes)
         deadline = time.monotonic() + timeout_s
         while pending:
-            ready = multiprocessing.connection.wait([self.conns[r] for r in pending],
+            ready = multiprocessing.connection.wait([self.sockets[r] for r in pending],
                                                     timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 ranks = ", ".join(map(str, sorted(pending)))
                 raise DistributedError(f"tensor-parallel rank(s) {ranks} did not report {what!r} within "
                                        f"{timeout_s:g} s")
-            for rank in [r for r in pending if self.conns[r] in ready]:
+            for rank in [r for r in pending if self.sockets[r] in ready]:
                 try:
-                    kind, detail = self.conns[rank].recv()
-                except (EOFError, OSError):
-                    raise DistributedError(self.death_message(rank, f"while starting ({what})")) from None
+                    frame = recv_frame(self.sockets[rank])
+                except OSError:
+                    frame = None
+                if frame is None:
+                    raise DistributedError(self.death_message(rank, f"while starting ({what})"))
+                kind, detail = pickle.loads(frame)
                 if kind == "error":
                     raise DistributedError(f"tensor-parallel rank {rank} failed to start: {detail}")
                 if kind == what:
@@ -176,8 +186,8 @@ class WorkerSet:
                 process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for conn in self.conns.values():
-            conn.close()  # a worker exits when our end closes
+        for sock in self.sockets.values():
+            sock.close()  # a worker exits when our end closes
         for process in self.processes.values():
             try:
                 process.wait(2.0)

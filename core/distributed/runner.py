@@ -32,12 +32,10 @@ logger = get_logger(__name__)
 class _Ranks:
     """What must be torn down however the runner ends (kept apart so a finalizer can hold it)."""
 
-    def __init__(self, comm: Communicator | None, workers: WorkerSet | None, owns_group: bool,
-                 threads_before: int | None) -> None:
+    def __init__(self, comm: Communicator | None, workers: WorkerSet | None, owns_group: bool) -> None:
         self.comm = comm
         self.workers = workers
         self.owns_group = owns_group
-        self.threads_before = threads_before
         self.in_sync = True  # False once a message was cut short: the others cannot be told to stop
         self.closed = False
 
@@ -57,15 +55,14 @@ class _Ranks:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a group broken by a dead rank
                 pass
-        if self.threads_before is not None:
-            torch.set_num_threads(self.threads_before)
 
 
 class TensorParallelRunner:
     """ModelRunner's interface (prepare, execute, execute_with_hidden, copy_blocks, lm_head,
     vocab_size, device, kv_caches) over N ranks."""
 
-    def __init__(self, local: ModelRunner, comm: Communicator, ranks: _Ranks, vocab_size: int) -> None:
+    def __init__(self, local: ModelRunner, comm: Communicator, ranks: _Ranks, vocab_size: int,
+                 threads: int = 0) -> None:
         self.local = local
         self.comm = comm
         self.device = local.device
@@ -75,6 +72,9 @@ class TensorParallelRunner:
         self._pending_copies: list[tuple[int, int]] = []
         self._messages = 0
         self._failure: str | None = None
+        # On the CPU each rank computes with its share of the cores; rank 0 switches to its
+        # share only while it computes, so the rest of the process keeps its own setting.
+        self._threads = threads
         self._finalizer = weakref.finalize(self, ranks.close)
 
     @property
@@ -130,6 +130,9 @@ class TensorParallelRunner:
         if workers is not None and workers.dead_ranks():
             self._fail(workers.diagnose(self._messages, f"before {what}", RuntimeError("dead")))
         self._ranks.in_sync = False
+        threads_before = torch.get_num_threads()
+        if self._threads and threads_before != self._threads:
+            torch.set_num_threads(self._threads)
         try:
             result = run()
         except BaseException as exc:
@@ -139,6 +142,9 @@ class TensorParallelRunner:
             message = (workers.diagnose(self._messages + 1, f"during {what}", exc) if workers is not None
                        else f"tensor-parallel collective failed during {what}: {type(exc).__name__}: {exc}")
             self._fail(message, exc)
+        finally:
+            if torch.get_num_threads() != threads_before:
+                torch.set_num_threads(threads_before)
         self._ranks.in_sync = True
         self._messages += 1
         return result
@@ -165,16 +171,14 @@ def start_tensor_parallel(spec: ShardSpec, vocab_size: int, timeout_s: float,
     device = rank_device(engine, 0)
     threads = cpu_threads_per_rank(spec.size) if device.type == "cpu" else 0
     workers = WorkerSet(spec, timeout_s, threads)
-    threads_before = torch.get_num_threads() if threads else None
-    ranks = _Ranks(None, workers, owns_group=True, threads_before=threads_before)
+    ranks = _Ranks(None, workers, owns_group=True)
     try:
         workers.wait_for("hello", max(timeout_s, 60.0))
         if dist.is_initialized():
             raise DistributedError("this process already belongs to a torch.distributed process group; "
                                    "one tensor-parallel engine per process (close the other first)")
-        if threads:
-            torch.set_num_threads(threads)
-        comm = init_group(backend_for(device), 0, spec.size, workers.init_method, timeout_s, device)
+        comm = init_group(backend_for(device), 0, spec.size, workers.init_method, timeout_s, device,
+                          workers.channel())
         ranks.comm = comm
         local = build_shard_runner(spec, 0, comm, backend)
         workers.wait_for("ready", max(timeout_s, 60.0))
@@ -184,7 +188,7 @@ def start_tensor_parallel(spec: ShardSpec, vocab_size: int, timeout_s: float,
         raise
     logger.info("tensor_parallel.started", size=spec.size, backend=backend_for(device),
                 pids=[p.pid for p in workers.processes.values()], threads_per_rank=threads or None)
-    return TensorParallelRunner(local, comm, ranks, vocab_size)
+    return TensorParallelRunner(local, comm, ranks, vocab_size, threads)
 
 
 def _join_torchrun(spec: ShardSpec, vocab_size: int, timeout_s: float, backend: Any) -> TensorParallelRunner:
@@ -200,5 +204,5 @@ def _join_torchrun(spec: ShardSpec, vocab_size: int, timeout_s: float, backend: 
         if owns_group:
             dist.destroy_process_group()
         raise SystemExit(0)
-    return TensorParallelRunner(local, comm, _Ranks(comm, None, owns_group, None), vocab_size)
+    return TensorParallelRunner(local, comm, _Ranks(comm, None, owns_group), vocab_size)
 
