@@ -10,7 +10,8 @@ from __future__ import annotations
 import signal
 import sys
 
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # before the slow imports: Ctrl-C is rank 0's to handle
+if __name__ == "__main__":  # before the slow imports: Ctrl-C is rank 0's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 import os  # noqa: E402
 import pickle  # noqa: E402
