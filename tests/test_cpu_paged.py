@@ -73,10 +73,13 @@ def test_draft_rows_see_a_causal_prefix(dtype):
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
-def test_engine_greedy_matches_transformers(checkpoint_factory):
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3-rope-tied"])
+def test_engine_greedy_matches_transformers(checkpoint_factory, kind):
+    """With the kernels and the fused layer ops (head dims 12 and 16: the generic and the
+    vectorised attention path; Qwen2's biases; tied embeddings with Llama-3 rope scaling)."""
     import transformers
 
-    path = checkpoint_factory("llama")
+    path = checkpoint_factory(kind)
     prompts = [[5, 9, 13, 2, 40, 7], list(range(3, 40)), [17]]
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     expected = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
@@ -84,6 +87,47 @@ def test_engine_greedy_matches_transformers(checkpoint_factory):
     llm = LLM(path, max_model_len=128, **{"attention.name": "cpu-paged", "attention.build": "wait"})
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, hidden", [(1, 72), (37, 512)])
+def test_layer_ops_match_the_torch_ops(dtype, rows, hidden):
+    """Rotary and the residual add are bit-identical to the model's torch path; the norms and
+    SiLU-and-multiply agree to rounding (their sums and exponentials are computed their own way)."""
+    from torch.nn import functional as F
+
+    from servelab.model.llama import RMSNorm
+    from servelab.model.rope import RotaryEmbedding, apply_rotary
+
+    ops = kernel_build().wait()
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=generator).to(dtype)
+    residual = torch.randn(rows, hidden, generator=generator).to(dtype)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = (1 + torch.rand(hidden, generator=generator)).to(dtype)
+    tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    with torch.inference_mode():
+        torch.testing.assert_close(ops.rms_norm(x, norm.weight, norm.eps), norm(x), **tolerance)
+        fused_x, fused_residual = x.clone(), residual.clone()
+        ops.add_rms_norm_(fused_x, fused_residual, norm.weight, norm.eps)
+        assert torch.equal(fused_residual, residual + x)
+        torch.testing.assert_close(fused_x, norm(residual + x), **tolerance)
+
+        head_dim, num_heads, num_kv_heads = 16, 3, 2
+        rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, dtype, torch.device("cpu"))
+        positions = torch.randint(0, 64, (rows,), generator=generator)
+        qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(dtype)
+        rotated = (num_heads + num_kv_heads) * head_dim
+        cos, sin = rotary.tables(positions)
+        expected = apply_rotary(qkv[:, :rotated].view(rows, -1, head_dim), cos, sin).reshape(rows, -1)
+        untouched = qkv[:, rotated:].clone()
+        ops.rotary_(qkv, positions, rotary.cos, rotary.sin, num_heads + num_kv_heads, head_dim)
+        assert torch.equal(qkv[:, :rotated], expected) and torch.equal(qkv[:, rotated:], untouched)
+
+        gate_up = (3 * torch.randn(rows, 2 * hidden, generator=generator)).to(dtype)
+        gate, up = gate_up.split(hidden, dim=-1)
+        torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **tolerance)
 
 
 FALLBACK_SCRIPT = """

@@ -2,11 +2,17 @@
 
 The batch is one row per scheduled token (no padding); attention goes through the
 configured backend, which reads and writes the paged KV cache.
+
+When the backend offers fused layer ops (`backend.layer_ops`, see LayerOps), the decoder
+runs on them instead of torch's element-wise ops: RMSNorm with the residual add folded in,
+rotary embedding in place on the QKV projection, SiLU-and-multiply. Fewer, larger ops: less
+Python dispatch per layer and fewer temporaries. The results agree to float rounding
+(the norms' sums of squares accumulate in another order).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -14,6 +20,23 @@ from torch.nn import functional as F
 
 from servelab.model.model_config import ModelConfig
 from servelab.model.rope import RotaryEmbedding, apply_rotary
+
+
+class LayerOps(Protocol):
+    """Fused element-wise ops an attention backend may offer the model as `layer_ops`."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """residual += x, then x = rms_norm(residual), both in place."""
+
+    def rotary_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                num_heads: int, head_dim: int) -> None:
+        """Rotate the first `num_heads` heads of each row of `qkv` in place by the angles of
+        its position (cos and sin: [max_positions, head_dim // 2])."""
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [T, 2 * I] projection."""
 
 
 class RMSNorm(nn.Module):
@@ -55,6 +78,19 @@ class Attention(nn.Module):
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], prepared, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
+    def forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor], backend: Any, prepared: Any,
+                      ops: LayerOps) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        ops.rotary_(qkv, positions, rotary.cos, rotary.sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        out = backend.forward(q.view(num_tokens, self.num_heads, self.head_dim),
+                              k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                              v.view(num_tokens, self.num_kv_heads, self.head_dim),
+                              kv_cache[0], kv_cache[1], prepared, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -81,6 +117,21 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, backend, prepared)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def forward_fused(self, hidden: torch.Tensor | None, residual: torch.Tensor, positions: torch.Tensor,
+                      rotary: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor], backend: Any,
+                      prepared: Any, ops: LayerOps) -> torch.Tensor:
+        """The residual stream is updated in place; returns the layer's output, which the
+        next layer (or the final norm) adds to it. `hidden` is None for the first layer."""
+        norm = self.input_layernorm
+        if hidden is None:
+            hidden = ops.rms_norm(residual, norm.weight, norm.eps)
+        else:
+            ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn.forward_fused(hidden, positions, rotary, kv_cache, backend, prepared, ops)
+        norm = self.post_attention_layernorm
+        ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
+        return self.mlp.down_proj(ops.silu_and_mul(self.mlp.gate_up_proj(hidden)))
+
 
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head. `forward` returns logits only for `logits_indices`."""
@@ -106,9 +157,26 @@ class LlamaForCausalLM(nn.Module):
         prepared: Any,
         logits_indices: torch.Tensor,  # [S] rows of the batch whose next-token logits are wanted
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, vocab] float32, hidden [S, hidden]
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.tables(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, backend, prepared)
-        selected = self.norm(hidden[logits_indices])
+        ops = getattr(backend, "layer_ops", None)
+        if ops is not None and self._fusable(input_ids):
+            selected = self._forward_fused(input_ids, positions, kv_caches, backend, prepared, logits_indices, ops)
+        else:
+            hidden = self.embed_tokens(input_ids)
+            cos, sin = self.rotary.tables(positions)
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden = layer(hidden, cos, sin, kv_cache, backend, prepared)
+            selected = self.norm(hidden[logits_indices])
         return self.lm_head(selected).float(), selected
+
+    def _fusable(self, input_ids: torch.Tensor) -> bool:
+        return input_ids.device.type == "cpu" and self.embed_tokens.weight.dtype == self.rotary.cos.dtype
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any, prepared: Any,
+                      logits_indices: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        residual = self.embed_tokens(input_ids)
+        hidden = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer.forward_fused(hidden, residual, positions, self.rotary, kv_cache, backend, prepared, ops)
+        selected = hidden[logits_indices] + residual[logits_indices]
+        return ops.rms_norm(selected, self.norm.weight, self.norm.eps)

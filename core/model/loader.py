@@ -10,6 +10,7 @@ import torch
 from servelab.errors import CheckpointError
 from servelab.model import builtin
 from servelab.model.llama import LlamaForCausalLM
+from servelab.model.memory import release_freed_memory
 from servelab.model.model_config import ModelConfig
 from servelab.model.packed_linear import can_prepack, prepack_linears
 from servelab.model.rope import RotaryEmbedding
@@ -48,11 +49,12 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
     rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
                              torch_dtype, torch_device)
     with torch.device("meta"):  # no time spent on random init: every weight is loaded
-        model = LlamaForCausalLM(config, rotary)
-    model = model.to_empty(device=torch_device).to(torch_dtype)
+        model = LlamaForCausalLM(config, rotary).to(torch_dtype)
+    model = model.to_empty(device=torch_device)  # allocated once, in the target dtype
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, read_checkpoint_tensors(checkpoint.path))
     if prepack_weights and can_prepack(torch_device, torch_dtype):
         prepack_linears(model, keep_weights=("lm_head",))
+    release_freed_memory()
     return model.eval()

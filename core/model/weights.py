@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from servelab.errors import CheckpointError
 from servelab.model.llama import LlamaForCausalLM
@@ -17,18 +18,35 @@ _FUSED = {
 }
 
 
-def read_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+class CheckpointTensors(Mapping):
+    """A checkpoint's tensors by name (without the "model." wrapper prefix), each read from
+    its file when asked for: loading holds one tensor at a time, not the whole checkpoint."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._handles = [safe_open(str(file), framework="pt") for file in files]
+        # Strip the wrapper prefix: "model.layers.0..." -> "layers.0...".
+        self._where = {name.removeprefix("model."): (handle, name)
+                       for handle in self._handles for name in handle.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        handle, stored = self._where[name]
+        return handle.get_tensor(stored)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def read_checkpoint_tensors(path: Path) -> CheckpointTensors:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"checkpoint directory {str(path)!r} has no *.safetensors weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    # Strip the wrapper prefix: "model.layers.0..." -> "layers.0...".
-    return {name.removeprefix("model."): tensor for name, tensor in tensors.items()}
+    return CheckpointTensors(files)
 
 
-def load_weights(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
+def load_weights(model: LlamaForCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy checkpoint tensors into `model`, fusing q/k/v and gate/up; names what is missing."""
     expected = model.state_dict()
     for name, target in expected.items():
@@ -41,7 +59,7 @@ def load_weights(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> N
             target.copy_(source)
 
 
-def _source_tensor(name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def _source_tensor(name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     for fused, parts in _FUSED.items():
         if fused in name:
             pieces = [tensors.get(name.replace(fused, part)) for part in parts]

@@ -1,8 +1,8 @@
 """Building the `cpu-paged` C++ kernels through torch's extension machinery.
 
-The first build compiles cpu_paged.cpp (about a minute on two cores); torch caches the
-library (under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so later starts
-only load it. The compiler runs in a detached process (`python -m
+The first build compiles cpu_paged.cpp and cpu_layer_ops.cpp (about a minute on two
+cores); torch caches the library (under $TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions), so later starts only load it. The compiler runs in a detached process (`python -m
 servelab.plugins.kernels.cpu_build`), watched from a background thread, so an engine
 serves on the torch path meanwhile, and a process that exits mid-build leaves neither a
 half-built library nor a held build lock behind. Without a compiler the build fails
@@ -11,6 +11,7 @@ once, says so in one log line, and the torch path keeps serving.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import threading
@@ -23,21 +24,26 @@ import torch
 import servelab
 
 logger = servelab.get_logger(__name__)  # silent below WARNING until the application configures logging
-SOURCE = Path(__file__).with_name("cpu_paged.cpp")
+SOURCES = [str(Path(__file__).with_name(name)) for name in ("cpu_paged.cpp", "cpu_layer_ops.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_simd.h")]
 STALE_LOCK_SECONDS = 600
 
 
 def _flags() -> tuple[str, list[str]]:
     """A library name and compiler flags for this CPU's vector unit. The name carries the
-    capability so that a cache shared by different machines never loads a wrong build."""
+    capability, so that a cache shared by different machines never loads a wrong build, and
+    a digest of the headers, which torch's own rebuild check does not read."""
     capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
     # -fopenmp: at::parallel_for is a header template; without it the kernel runs on one thread.
-    flags = ["-O3", "-fopenmp"]
+    # -ffp-contract=off: no fused multiply-adds the source does not write, so the layer ops
+    # round as torch's separate multiplies and adds do.
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if capability == "AVX512":
         flags += ["-mavx512f"]
-    return f"servelab_cpu_paged_{capability.lower()}", flags
+    digest = hashlib.sha256(b"".join(header.read_bytes() for header in HEADERS)).hexdigest()[:8]
+    return f"servelab_cpu_paged_{capability.lower()}_{digest}", flags
 
 
 class KernelBuild:
@@ -88,7 +94,7 @@ def load_library() -> ModuleType:
 
     name, flags = _flags()
     _clear_stale_lock(cpp_extension, name)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    return cpp_extension.load(name=name, sources=SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                               verbose=False)
 
 

@@ -17,9 +17,7 @@
 #include <limits>
 #include <vector>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -119,6 +117,114 @@ inline void prefetch_tile(const scalar_t* tile, int64_t elements) {
     __builtin_prefetch(bytes + offset);
 }
 
+#ifdef __AVX512F__
+// The AVX-512 path for head dims that are a multiple of 16: sixteen keys are scored at once
+// (their products summed by one transposing reduction instead of sixteen horizontal ones),
+// the softmax's exponentials are vectorised, and each row's output accumulates in registers
+// across a block's values. Half-precision rows are widened in registers, never copied.
+constexpr bool kHasFastPath = true;
+
+// Lane j of the result is the sum of the lanes of v[j].
+inline __m512 sum_each(const __m512 v[16]) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: one partial sum of each of four vectors
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[r * stride + j] = q_rows[r] . keys[j] for the `count` keys of one block.
+template <typename scalar_t>
+inline void score_keys(const float* q_rows, int64_t num_rows, const scalar_t* keys, int64_t count,
+                       int64_t head_dim, float* scores, int64_t stride) {
+  const int64_t chunks = head_dim / 16;
+  for (int64_t first = 0; first < count; first += 16) {
+    const int64_t n = std::min<int64_t>(16, count - first);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const float* q = q_rows + r * head_dim;
+      __m512 products[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 sum = _mm512_setzero_ps();
+        if (j < n) {
+          const scalar_t* key = keys + (first + j) * head_dim;
+          for (int64_t c = 0; c < chunks; ++c) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * 16), load16(key + c * 16), sum);
+        }
+        products[j] = sum;
+      }
+      _mm512_mask_storeu_ps(scores + r * stride + first, static_cast<__mmask16>((1u << n) - 1), sum_each(products));
+    }
+  }
+}
+
+// In place: s[i] = e^(s[i] - max) for i < visible, 0 beyond; returns the sum.
+inline float softmax_numerators(float* s, int64_t visible, int64_t length) {
+  __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= visible; i += 16) peak = _mm512_max_ps(peak, _mm512_loadu_ps(s + i));
+  float top = _mm512_reduce_max_ps(peak);
+  for (; i < visible; ++i) top = std::max(top, s[i]);
+  const __m512 top16 = _mm512_set1_ps(top);
+  __m512 total16 = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= visible; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), top16));
+    _mm512_storeu_ps(s + i, e);
+    total16 = _mm512_add_ps(total16, e);
+  }
+  if (i < visible) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (visible - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), top16));
+    _mm512_mask_storeu_ps(s + i, mask, e);
+    total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(mask, e));
+  }
+  for (i = visible; i < length; ++i) s[i] = 0.f;
+  return _mm512_reduce_add_ps(total16);
+}
+
+// acc[r] += sum_j weights[r * stride + j] * values[j] over the `count` values of one block.
+template <typename scalar_t, int kChunks>
+inline void accumulate_values(const float* weights, int64_t stride, int64_t num_rows, const scalar_t* values,
+                              int64_t count, int64_t head_dim, float* acc) {
+  const int64_t chunks = kChunks > 0 ? kChunks : head_dim / 16;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    __m512 sums[16];
+    float* target = acc + r * head_dim;
+    for (int64_t c = 0; c < chunks; ++c) sums[c] = _mm512_loadu_ps(target + c * 16);
+    const float* w = weights + r * stride;
+    for (int64_t j = 0; j < count; ++j) {
+      const __m512 weight = _mm512_set1_ps(w[j]);
+      const scalar_t* value = values + j * head_dim;
+      for (int64_t c = 0; c < chunks; ++c) sums[c] = _mm512_fmadd_ps(weight, load16(value + c * 16), sums[c]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(target + c * 16, sums[c]);
+  }
+}
+
+template <typename scalar_t>
+inline void accumulate_block(const float* weights, int64_t stride, int64_t num_rows, const scalar_t* values,
+                             int64_t count, int64_t head_dim, float* acc) {
+  if (head_dim == 64)
+    accumulate_values<scalar_t, 4>(weights, stride, num_rows, values, count, head_dim, acc);
+  else if (head_dim == 128)
+    accumulate_values<scalar_t, 8>(weights, stride, num_rows, values, count, head_dim, acc);
+  else
+    accumulate_values<scalar_t, 0>(weights, stride, num_rows, values, count, head_dim, acc);
+}
+#else
+constexpr bool kHasFastPath = false;
+template <typename scalar_t>
+inline void score_keys(const float*, int64_t, const scalar_t*, int64_t, int64_t, float*, int64_t) {}
+inline float softmax_numerators(float*, int64_t, int64_t) { return 0.f; }
+template <typename scalar_t>
+inline void accumulate_block(const float*, int64_t, int64_t, const scalar_t*, int64_t, int64_t, float*) {}
+#endif  // __AVX512F__
+
 template <typename scalar_t, typename index_t>
 void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
@@ -128,6 +234,7 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   const int64_t group = num_heads / num_kv_heads;
   const int64_t table_width = block_tables.size(1);
   const scalar_t* q_data = query.data_ptr<scalar_t>();
+  const int64_t q_token_stride = query.stride(0), q_head_stride = query.stride(1);
   const scalar_t* k_data = key_cache.data_ptr<scalar_t>();
   const scalar_t* v_data = value_cache.data_ptr<scalar_t>();
   const index_t* tables = block_tables.data_ptr<index_t>();
@@ -137,6 +244,7 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   scalar_t* o_data = out.data_ptr<scalar_t>();
   const int64_t num_items = sequences.size(0) * num_kv_heads;
   const float softmax_scale = static_cast<float>(scale);
+  const bool fast = kHasFastPath && head_dim % 16 == 0 && head_dim <= 256;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_rows, scores, acc, row;
@@ -151,7 +259,7 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       for (int64_t t = 0; t < num_queries; ++t)
         for (int64_t j = 0; j < group; ++j) {
           float* target = &q_rows[(t * group + j) * head_dim];
-          load_row(q_data + ((first + t) * num_heads + kv_head * group + j) * head_dim, target, head_dim);
+          load_row(q_data + (first + t) * q_token_stride + (kv_head * group + j) * q_head_stride, target, head_dim);
           for (int64_t i = 0; i < head_dim; ++i) target[i] *= softmax_scale;
         }
       const index_t* table = tables + b * table_width;
@@ -165,6 +273,10 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         if (blk + 1 < used_blocks) prefetch_tile(k_head + table[blk + 1] * tile, tile);
         const scalar_t* keys = k_head + table[blk] * tile;
         const int64_t count = std::min(block_size, context - blk * block_size);
+        if (fast) {
+          score_keys(q_rows.data(), num_rows, keys, count, head_dim, &scores[blk * block_size], context);
+          continue;
+        }
         for (int64_t s = 0; s < count; ++s) {
           const float* key = as_floats(keys + s * head_dim, row.data(), head_dim);
           const int64_t position = blk * block_size + s;
@@ -177,6 +289,10 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       for (int64_t r = 0; r < num_rows; ++r) {
         const int64_t visible = context - num_queries + r / group + 1;
         float* s = &scores[r * context];
+        if (fast) {
+          denominators[r] = softmax_numerators(s, visible, context);
+          continue;
+        }
         float peak = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < visible; ++i) peak = std::max(peak, s[i]);
         float total = 0.f;
@@ -191,6 +307,10 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         if (blk + 1 < used_blocks) prefetch_tile(v_head + table[blk + 1] * tile, tile);
         const scalar_t* values = v_head + table[blk] * tile;
         const int64_t count = std::min(block_size, context - blk * block_size);
+        if (fast) {
+          accumulate_block(&scores[blk * block_size], context, num_rows, values, count, head_dim, acc.data());
+          continue;
+        }
         for (int64_t s = 0; s < count; ++s) {
           const float* value = as_floats(values + s * head_dim, row.data(), head_dim);
           const int64_t position = blk * block_size + s;
@@ -223,17 +343,19 @@ void write_kernel(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
   at::parallel_for(0, num_tokens * num_kv_heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / num_kv_heads, head = item % num_kv_heads;
-      const int64_t target = (head * num_slots + slots[t]) * head_dim, source = (t * num_kv_heads + head) * head_dim;
-      std::copy(k + source, k + source + head_dim, kc + target);
-      std::copy(v + source, v + source + head_dim, vc + target);
+      const int64_t target = (head * num_slots + slots[t]) * head_dim;
+      const scalar_t* k_row = k + t * key.stride(0) + head * key.stride(1);
+      const scalar_t* v_row = v + t * value.stride(0) + head * value.stride(1);
+      std::copy(k_row, k_row + head_dim, kc + target);
+      std::copy(v_row, v_row + head_dim, vc + target);
     }
   });
 }
 
 void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "cpu-paged runs on CPU tensors");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "cpu-paged needs contiguous query and caches");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "cpu-paged needs contiguous query rows and caches");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
               "query and caches must share a dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(0) == 0, "query heads must be a multiple of KV heads");
@@ -243,7 +365,7 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at
 
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                  const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), "cpu-paged needs contiguous new K/V");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "cpu-paged needs contiguous new K/V rows");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_cache", [&] {
     write_kernel<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
@@ -254,6 +376,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
             const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
             const at::Tensor& sequences, double scale, at::Tensor& out) {
   check_inputs(query, key_cache, value_cache);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous and shaped like query");
   TORCH_CHECK(query_start.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
               sequences.scalar_type() == at::kLong, "query_start, context_lens and sequences must be int64");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "attend", [&] {
@@ -266,7 +389,10 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   });
 }
 
+void register_layer_ops(pybind11::module& m);  // cpu_layer_ops.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_layer_ops(m);
   m.def("write_cache", &write_cache, "store new K/V rows at their cache slots");
   m.def("attend", &attend, "paged attention for the given sequences' query rows");
 }

@@ -7,6 +7,10 @@ on torch's thread pool: nothing is gathered or copied. Longer rows (prompts) go 
 torch-paged's grouped scaled_dot_product_attention, which is compute-bound and already
 runs at matmul speed there. The cache layout is torch-paged's.
 
+The same library offers the model fused layer ops (`layer_ops`: RMSNorm with the residual
+add, rotary in place, SiLU-and-multiply), which cut a decoder layer's small ops and their
+Python dispatch (`layer_ops = false` keeps torch's).
+
 The kernels compile on first use (see cpu_build); until they are ready, or when they
 cannot be built, every row takes the torch-paged path, which computes the same attention.
 """
@@ -54,6 +58,13 @@ class CpuPagedAttention(TorchPagedAttention):
     def kernels_ready(self) -> bool:
         return self._kernels is not None
 
+    @property
+    def layer_ops(self):
+        """The library's fused layer ops (RMSNorm, residual add + RMSNorm, rotary, SiLU-and-
+        multiply) for the model, once the kernels are ready; see servelab.model.llama.LayerOps.
+        Set when a step is prepared, so a step never mixes the two paths."""
+        return self._kernels if self.cpu_options.layer_ops else None
+
     def prepare(self, metadata: AttentionMetadata):
         if self._kernels is None:
             self._kernels = self._build.module() if self.context.device.type == "cpu" else None
@@ -80,9 +91,9 @@ class CpuPagedAttention(TorchPagedAttention):
             return super().forward(query, key, value, key_cache, value_cache, prepared, scale)
         kernels, metadata = self._kernels, prepared.metadata
         with record_function("cpu_paged::attend"):  # the C++ calls are invisible to the profiler otherwise
-            kernels.write_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, metadata.slot_mapping)
-            query = query.contiguous()
-            output = torch.empty_like(query)
+            # q, k and v may be strided views of one projection: the kernels read rows in place.
+            kernels.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+            output = query.new_empty(query.shape)
             if prepared.kernel_seqs.numel():
                 kernels.attend(query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
                                metadata.context_lens, prepared.kernel_seqs, scale, output)
