@@ -28,6 +28,7 @@ from servelab.distributed.layout import ShardLayout
 from servelab.errors import CheckpointError
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.loader import DTYPES, Checkpoint
+from servelab.model.memory import release_freed_memory
 from servelab.model.packed_linear import can_prepack, prepack_linears
 from servelab.model.rope import RotaryEmbedding
 
@@ -124,7 +125,7 @@ def build_shard(checkpoint: Checkpoint, layout: ShardLayout, comm: Communicator,
                              torch_dtype, torch_device)
     vocab_start, vocab_end = layout.vocab
     with torch.device("meta"):
-        model = LlamaForCausalLM(local, rotary)
+        model = LlamaForCausalLM(local, rotary).to(torch_dtype)
         model.embed_tokens = VocabParallelEmbedding(layout.vocab_per_rank, config.hidden_size, vocab_start,
                                                     vocab_end - vocab_start, comm)
         model.lm_head = VocabParallelHead(config.hidden_size, layout.vocab_per_rank, config.vocab_size, comm)
@@ -132,12 +133,14 @@ def build_shard(checkpoint: Checkpoint, layout: ShardLayout, comm: Communicator,
             layer.self_attn.o_proj = RowParallelLinear(local.num_heads * config.head_dim, config.hidden_size,
                                                        config.o_bias, comm)
             layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, config.hidden_size, config.mlp_bias, comm)
-    model = model.to_empty(device=torch_device).to(torch_dtype)
+        model = model.to(torch_dtype)
+    model = model.to_empty(device=torch_device)  # allocated once, in the target dtype
     if config.tie_word_embeddings:
         model.lm_head.projection.weight = model.embed_tokens.weight
     _load_slices(model, CheckpointSlices(checkpoint.path), layout)
     if prepack_weights and can_prepack(torch_device, torch_dtype):
         prepack_linears(model)
+    release_freed_memory()
     return model.eval()
 
 
