@@ -78,6 +78,10 @@ class EngineSection:
     # On CPU, pack the decoder's linear weights for oneDNN's matmul kernels at load time
     # (2x+ faster than torch's default here); false keeps torch's default linear.
     prepack_weights: bool = True
+    # Ranks the model is sharded over (Megatron-style tensor parallelism; see README,
+    # "Parallelism"); a rank that dies or hangs stops the engine after this many seconds.
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
+    tensor_parallel_timeout_s: int = attrs.field(default=120, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -93,7 +93,12 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
 
     server = _graceful_server(uvicorn_config, state, options.shutdown_timeout, ready)
     state.engine.on_failure = server.engine_failed
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        close = getattr(state.engine.engine, "close", None)
+        if close is not None:
+            close()  # tensor parallelism: the other ranks stop with the server
     logger.info("server.stopped", model=state.model_name, exit_code=server.exit_code,
                 kv_blocks_used=state.engine.snapshot.allocator.num_used_blocks)
     return server.exit_code

@@ -234,6 +234,7 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   const int64_t group = num_heads / num_kv_heads;
   const int64_t table_width = block_tables.size(1);
   const scalar_t* q_data = query.data_ptr<scalar_t>();
+  const int64_t q_token_stride = query.stride(0), q_head_stride = query.stride(1);
   const scalar_t* k_data = key_cache.data_ptr<scalar_t>();
   const scalar_t* v_data = value_cache.data_ptr<scalar_t>();
   const index_t* tables = block_tables.data_ptr<index_t>();
@@ -258,7 +259,7 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       for (int64_t t = 0; t < num_queries; ++t)
         for (int64_t j = 0; j < group; ++j) {
           float* target = &q_rows[(t * group + j) * head_dim];
-          load_row(q_data + ((first + t) * num_heads + kv_head * group + j) * head_dim, target, head_dim);
+          load_row(q_data + (first + t) * q_token_stride + (kv_head * group + j) * q_head_stride, target, head_dim);
           for (int64_t i = 0; i < head_dim; ++i) target[i] *= softmax_scale;
         }
       const index_t* table = tables + b * table_width;
@@ -342,17 +343,19 @@ void write_kernel(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
   at::parallel_for(0, num_tokens * num_kv_heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / num_kv_heads, head = item % num_kv_heads;
-      const int64_t target = (head * num_slots + slots[t]) * head_dim, source = (t * num_kv_heads + head) * head_dim;
-      std::copy(k + source, k + source + head_dim, kc + target);
-      std::copy(v + source, v + source + head_dim, vc + target);
+      const int64_t target = (head * num_slots + slots[t]) * head_dim;
+      const scalar_t* k_row = k + t * key.stride(0) + head * key.stride(1);
+      const scalar_t* v_row = v + t * value.stride(0) + head * value.stride(1);
+      std::copy(k_row, k_row + head_dim, kc + target);
+      std::copy(v_row, v_row + head_dim, vc + target);
     }
   });
 }
 
 void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "cpu-paged runs on CPU tensors");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "cpu-paged needs contiguous query and caches");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "cpu-paged needs contiguous query rows and caches");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
               "query and caches must share a dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(0) == 0, "query heads must be a multiple of KV heads");
@@ -362,7 +365,7 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at
 
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                  const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), "cpu-paged needs contiguous new K/V");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "cpu-paged needs contiguous new K/V rows");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_cache", [&] {
     write_kernel<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
@@ -373,6 +376,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
             const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
             const at::Tensor& sequences, double scale, at::Tensor& out) {
   check_inputs(query, key_cache, value_cache);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous and shaped like query");
   TORCH_CHECK(query_start.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
               sequences.scalar_type() == at::kLong, "query_start, context_lens and sequences must be int64");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "attend", [&] {

@@ -91,9 +91,9 @@ class CpuPagedAttention(TorchPagedAttention):
             return super().forward(query, key, value, key_cache, value_cache, prepared, scale)
         kernels, metadata = self._kernels, prepared.metadata
         with record_function("cpu_paged::attend"):  # the C++ calls are invisible to the profiler otherwise
-            kernels.write_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, metadata.slot_mapping)
-            query = query.contiguous()
-            output = torch.empty_like(query)
+            # q, k and v may be strided views of one projection: the kernels read rows in place.
+            kernels.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+            output = query.new_empty(query.shape)
             if prepared.kernel_seqs.numel():
                 kernels.attend(query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
                                metadata.context_lens, prepared.kernel_seqs, scale, output)
