@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 import numpy as np
 import torch
