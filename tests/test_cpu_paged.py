@@ -130,6 +130,20 @@ def test_layer_ops_match_the_torch_ops(dtype, rows, hidden):
         torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **tolerance)
 
 
+@needs_compiler
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or os.environ.get("ATEN_CPU_CAPABILITY"),
+                    reason="the CPU has no AVX-512: the rest of this file already runs the AVX2 build")
+def test_the_avx2_build_passes_too():
+    """On an AVX-512 CPU, the kernels' AVX2 path (8-wide) is what AVX2-only CPUs run: build it
+    (torch reports the capability ATEN_CPU_CAPABILITY names) and run this file's kernel checks on it."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    checks = "draft_rows or layer_ops or transformers or TestCpuPagedKernelForEveryRow"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
+
+
 FALLBACK_SCRIPT = """
 import torch, structlog
 from structlog.testing import capture_logs

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -164,18 +163,20 @@ class WorkerSet:
         return f"tensor-parallel rank {rank} (pid {process.pid}) {how} {when}"
 
     def diagnose(self, expected: int, when: str, error: BaseException) -> str:
-        """Which rank broke a failed collective: a dead one, else those behind `expected` messages."""
+        """Which rank broke a step: a dead one; on a timeout, those that did not finish
+        `expected` messages; else rank 0 itself (its error)."""
+        timed_out = isinstance(error, (TimeoutError, socket.timeout)) or "timed out" in str(error).lower()
         deadline = time.monotonic() + 2.0
-        while not self.dead_ranks() and time.monotonic() < deadline and "imeout" not in str(error):
+        while not self.dead_ranks() and time.monotonic() < deadline and not timed_out:
             time.sleep(0.05)  # a peer's socket closes a moment before its exit is visible
         dead = self.dead_ranks()
         if dead:
             return "; ".join(self.death_message(rank, when) for rank in dead)
         behind = [rank for rank in self.processes if self.progress.counts[rank] < expected]
-        if behind:
+        if timed_out and behind:
             return (f"tensor-parallel rank(s) {', '.join(map(str, behind))} did not finish {when} within "
                     f"{self.timeout_s:g} s ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
-        return f"tensor-parallel collective failed {when}: {type(error).__name__}: {error}"
+        return f"tensor-parallel rank 0 failed {when}: {type(error).__name__}: {error}"
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Wait for the workers to leave (after a stop message), then hang up on them,

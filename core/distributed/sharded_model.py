@@ -18,6 +18,7 @@ rank packs only its own slices.
 from __future__ import annotations
 
 from pathlib import Path
+
 import torch
 from safetensors import safe_open
 from torch import nn

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import functools
+import gc
 
 
 @functools.cache

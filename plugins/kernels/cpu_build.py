@@ -2,11 +2,11 @@
 
 The first build compiles cpu_paged.cpp and cpu_layer_ops.cpp (about a minute on two
 cores); torch caches the library (under $TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions), so later starts only load it. The compiler runs in a detached process (`python -m
-servelab.plugins.kernels.cpu_build`), watched from a background thread, so an engine
-serves on the torch path meanwhile, and a process that exits mid-build leaves neither a
-half-built library nor a held build lock behind. Without a compiler the build fails
-once, says so in one log line, and the torch path keeps serving.
+~/.cache/torch_extensions), so later starts only load it. The compiler runs in a detached
+process (`python -m servelab.plugins.kernels.cpu_build`), watched from a background
+thread, so an engine serves on the torch path meanwhile, and a process that exits
+mid-build leaves neither a half-built library nor a held build lock behind. Without a
+compiler the build fails once, says so in one log line, and the torch path keeps serving.
 """
 
 from __future__ import annotations

@@ -113,12 +113,13 @@ void silu_and_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
       const scalar_t* up = gate + width;
       scalar_t* target = o + r * width;
       int64_t i = 0;
-#ifdef __AVX512F__
-      for (; i + 16 <= width; i += 16) {  // silu(g) = g / (1 + e^-g), rounded to the dtype, times up
-        const __m512 g = load16(gate + i);
-        alignas(64) float activated[16];
-        _mm512_store_ps(activated, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        for (int l = 0; l < 16; ++l)
+#ifdef __AVX2__
+      using S = servelab_simd::Native;
+      for (; i + S::kWidth <= width; i += S::kWidth) {  // silu(g) = g / (1 + e^-g), rounded to the dtype, times up
+        const S::V g = S::load(gate + i);
+        float activated[S::kWidth];
+        S::storeu(activated, S::div(g, S::add(S::set1(1.f), servelab_simd::exp<S>(S::sub(S::zero(), g)))));
+        for (int l = 0; l < S::kWidth; ++l)
           target[i + l] = static_cast<scalar_t>(widen(static_cast<scalar_t>(activated[l])) * widen(up[i + l]));
       }
 #endif

@@ -117,113 +117,100 @@ inline void prefetch_tile(const scalar_t* tile, int64_t elements) {
     __builtin_prefetch(bytes + offset);
 }
 
-#ifdef __AVX512F__
-// The AVX-512 path for head dims that are a multiple of 16: sixteen keys are scored at once
-// (their products summed by one transposing reduction instead of sixteen horizontal ones),
-// the softmax's exponentials are vectorised, and each row's output accumulates in registers
-// across a block's values. Half-precision rows are widened in registers, never copied.
-constexpr bool kHasFastPath = true;
-
-// Lane j of the result is the sum of the lanes of v[j].
-inline __m512 sum_each(const __m512 v[16]) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: one partial sum of each of four vectors
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+#ifdef __AVX2__
+// The vectorised path (AVX-512: 16 floats a vector, AVX2: 8), for head dims that are a
+// multiple of the vector width: a vector's worth of keys is scored at once (their products
+// summed by one transposing reduction instead of one horizontal sum each), the softmax's
+// exponentials are vectorised, and each row's output accumulates in registers across a
+// block's values. Half-precision rows are widened in registers, never copied.
+using servelab_simd::Native;
+constexpr int kMaxChunks = 16;  // head_dim / width: 256 with AVX-512, 128 with AVX2
 
 // scores[r * stride + j] = q_rows[r] . keys[j] for the `count` keys of one block.
-template <typename scalar_t>
+template <typename S, typename scalar_t>
 inline void score_keys(const float* q_rows, int64_t num_rows, const scalar_t* keys, int64_t count,
                        int64_t head_dim, float* scores, int64_t stride) {
-  const int64_t chunks = head_dim / 16;
-  for (int64_t first = 0; first < count; first += 16) {
-    const int64_t n = std::min<int64_t>(16, count - first);
+  constexpr int W = S::kWidth;
+  const int64_t chunks = head_dim / W;
+  for (int64_t first = 0; first < count; first += W) {
+    const int n = static_cast<int>(std::min<int64_t>(W, count - first));
     for (int64_t r = 0; r < num_rows; ++r) {
       const float* q = q_rows + r * head_dim;
-      __m512 products[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        __m512 sum = _mm512_setzero_ps();
+      typename S::V products[W];
+      for (int j = 0; j < W; ++j) {
+        typename S::V sum = S::zero();
         if (j < n) {
           const scalar_t* key = keys + (first + j) * head_dim;
-          for (int64_t c = 0; c < chunks; ++c) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * 16), load16(key + c * 16), sum);
+          for (int64_t c = 0; c < chunks; ++c) sum = S::fmadd(S::loadu(q + c * W), S::load(key + c * W), sum);
         }
         products[j] = sum;
       }
-      _mm512_mask_storeu_ps(scores + r * stride + first, static_cast<__mmask16>((1u << n) - 1), sum_each(products));
+      S::store_first(scores + r * stride + first, S::sum_each(products), n);
     }
   }
 }
 
 // In place: s[i] = e^(s[i] - max) for i < visible, 0 beyond; returns the sum.
+template <typename S>
 inline float softmax_numerators(float* s, int64_t visible, int64_t length) {
-  __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  constexpr int W = S::kWidth;
+  typename S::V peak = S::set1(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
-  for (; i + 16 <= visible; i += 16) peak = _mm512_max_ps(peak, _mm512_loadu_ps(s + i));
-  float top = _mm512_reduce_max_ps(peak);
+  for (; i + W <= visible; i += W) peak = S::max(peak, S::loadu(s + i));
+  float top = S::reduce_max(peak);
   for (; i < visible; ++i) top = std::max(top, s[i]);
-  const __m512 top16 = _mm512_set1_ps(top);
-  __m512 total16 = _mm512_setzero_ps();
-  for (i = 0; i + 16 <= visible; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), top16));
-    _mm512_storeu_ps(s + i, e);
-    total16 = _mm512_add_ps(total16, e);
+  const typename S::V top_v = S::set1(top);
+  typename S::V total = S::zero();
+  for (i = 0; i + W <= visible; i += W) {
+    const typename S::V e = servelab_simd::exp<S>(S::sub(S::loadu(s + i), top_v));
+    S::storeu(s + i, e);
+    total = S::add(total, e);
   }
   if (i < visible) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (visible - i)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), top16));
-    _mm512_mask_storeu_ps(s + i, mask, e);
-    total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(mask, e));
+    const int n = static_cast<int>(visible - i);
+    // Lanes past the row are e^(0 - top): zero them before they join the sum.
+    const typename S::V e = servelab_simd::exp<S>(S::sub(S::load_first(s + i, n), top_v));
+    S::store_first(s + i, e, n);
+    float tail[W];
+    S::storeu(tail, e);
+    for (int l = n; l < W; ++l) tail[l] = 0.f;
+    total = S::add(total, S::loadu(tail));
   }
   for (i = visible; i < length; ++i) s[i] = 0.f;
-  return _mm512_reduce_add_ps(total16);
+  return S::reduce_add(total);
 }
 
 // acc[r] += sum_j weights[r * stride + j] * values[j] over the `count` values of one block.
-template <typename scalar_t, int kChunks>
+template <typename S, typename scalar_t, int kChunks>
 inline void accumulate_values(const float* weights, int64_t stride, int64_t num_rows, const scalar_t* values,
                               int64_t count, int64_t head_dim, float* acc) {
-  const int64_t chunks = kChunks > 0 ? kChunks : head_dim / 16;
+  constexpr int W = S::kWidth;
+  const int64_t chunks = kChunks > 0 ? kChunks : head_dim / W;
   for (int64_t r = 0; r < num_rows; ++r) {
-    __m512 sums[16];
+    typename S::V sums[kMaxChunks];
     float* target = acc + r * head_dim;
-    for (int64_t c = 0; c < chunks; ++c) sums[c] = _mm512_loadu_ps(target + c * 16);
+    for (int64_t c = 0; c < chunks; ++c) sums[c] = S::loadu(target + c * W);
     const float* w = weights + r * stride;
     for (int64_t j = 0; j < count; ++j) {
-      const __m512 weight = _mm512_set1_ps(w[j]);
+      const typename S::V weight = S::set1(w[j]);
       const scalar_t* value = values + j * head_dim;
-      for (int64_t c = 0; c < chunks; ++c) sums[c] = _mm512_fmadd_ps(weight, load16(value + c * 16), sums[c]);
+      for (int64_t c = 0; c < chunks; ++c) sums[c] = S::fmadd(weight, S::load(value + c * W), sums[c]);
     }
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(target + c * 16, sums[c]);
+    for (int64_t c = 0; c < chunks; ++c) S::storeu(target + c * W, sums[c]);
   }
 }
 
-template <typename scalar_t>
+template <typename S, typename scalar_t>
 inline void accumulate_block(const float* weights, int64_t stride, int64_t num_rows, const scalar_t* values,
                              int64_t count, int64_t head_dim, float* acc) {
-  if (head_dim == 64)
-    accumulate_values<scalar_t, 4>(weights, stride, num_rows, values, count, head_dim, acc);
-  else if (head_dim == 128)
-    accumulate_values<scalar_t, 8>(weights, stride, num_rows, values, count, head_dim, acc);
+  if (head_dim == 4 * S::kWidth)  // unrolled for the common head dims
+    accumulate_values<S, scalar_t, 4>(weights, stride, num_rows, values, count, head_dim, acc);
+  else if (head_dim == 8 * S::kWidth)
+    accumulate_values<S, scalar_t, 8>(weights, stride, num_rows, values, count, head_dim, acc);
   else
-    accumulate_values<scalar_t, 0>(weights, stride, num_rows, values, count, head_dim, acc);
+    accumulate_values<S, scalar_t, 0>(weights, stride, num_rows, values, count, head_dim, acc);
 }
-#else
-constexpr bool kHasFastPath = false;
-template <typename scalar_t>
-inline void score_keys(const float*, int64_t, const scalar_t*, int64_t, int64_t, float*, int64_t) {}
-inline float softmax_numerators(float*, int64_t, int64_t) { return 0.f; }
-template <typename scalar_t>
-inline void accumulate_block(const float*, int64_t, int64_t, const scalar_t*, int64_t, int64_t, float*) {}
-#endif  // __AVX512F__
+#endif  // __AVX2__
 
 template <typename scalar_t, typename index_t>
 void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -244,7 +231,12 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   scalar_t* o_data = out.data_ptr<scalar_t>();
   const int64_t num_items = sequences.size(0) * num_kv_heads;
   const float softmax_scale = static_cast<float>(scale);
-  const bool fast = kHasFastPath && head_dim % 16 == 0 && head_dim <= 256;
+#ifdef __AVX2__
+  constexpr int kWidth = Native::kWidth;
+  const bool fast = head_dim % kWidth == 0 && head_dim / kWidth <= kMaxChunks;
+#else
+  const bool fast = false;
+#endif
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_rows, scores, acc, row;
@@ -273,10 +265,12 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         if (blk + 1 < used_blocks) prefetch_tile(k_head + table[blk + 1] * tile, tile);
         const scalar_t* keys = k_head + table[blk] * tile;
         const int64_t count = std::min(block_size, context - blk * block_size);
+#ifdef __AVX2__
         if (fast) {
-          score_keys(q_rows.data(), num_rows, keys, count, head_dim, &scores[blk * block_size], context);
+          score_keys<Native>(q_rows.data(), num_rows, keys, count, head_dim, &scores[blk * block_size], context);
           continue;
         }
+#endif
         for (int64_t s = 0; s < count; ++s) {
           const float* key = as_floats(keys + s * head_dim, row.data(), head_dim);
           const int64_t position = blk * block_size + s;
@@ -289,10 +283,12 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       for (int64_t r = 0; r < num_rows; ++r) {
         const int64_t visible = context - num_queries + r / group + 1;
         float* s = &scores[r * context];
+#ifdef __AVX2__
         if (fast) {
-          denominators[r] = softmax_numerators(s, visible, context);
+          denominators[r] = softmax_numerators<Native>(s, visible, context);
           continue;
         }
+#endif
         float peak = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < visible; ++i) peak = std::max(peak, s[i]);
         float total = 0.f;
@@ -307,10 +303,12 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         if (blk + 1 < used_blocks) prefetch_tile(v_head + table[blk + 1] * tile, tile);
         const scalar_t* values = v_head + table[blk] * tile;
         const int64_t count = std::min(block_size, context - blk * block_size);
+#ifdef __AVX2__
         if (fast) {
-          accumulate_block(&scores[blk * block_size], context, num_rows, values, count, head_dim, acc.data());
+          accumulate_block<Native>(&scores[blk * block_size], context, num_rows, values, count, head_dim, acc.data());
           continue;
         }
+#endif
         for (int64_t s = 0; s < count; ++s) {
           const float* value = as_floats(values + s * head_dim, row.data(), head_dim);
           const int64_t position = blk * block_size + s;
