@@ -9,7 +9,7 @@ Importing `servelab` stays light (no torch) so plugin discovery is cheap; `LLM` 
 """
 
 from servelab.config import EngineConfig
-from servelab.errors import CheckpointError, ConfigError, PluginError, RequestError, ServelabError
+from servelab.errors import CheckpointError, ConfigError, DistributedError, PluginError, RequestError, ServelabError
 from servelab.hookspecs import hookimpl
 from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepReport
@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "CompletionOutput",
     "ConfigError",
+    "DistributedError",
     "DrafterPlugin",
     "Logprob",
     "LogitsProcessorPlugin",

@@ -92,8 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                             "and report its error on held-out workloads, per kind")
     bench.add_argument("--sim-model", default="llama-3-8b",
                        help="model shape to simulate: llama-3-8b, llama-3-70b, qwen2-7b, tiny-random")
-    bench.add_argument("--tp", type=int, default=1, help="with --sim: tensor parallelism, devices each "
-                       "simulated engine spreads the model over (default 1)")
+    bench.add_argument("--sim-interconnect", help="links between simulated devices under "
+                       "engine.tensor_parallel_size > 1: nvlink4, nvlink3, pcie5, pcie4 (default: the accelerator's)")
     bench.add_argument("--replicas", type=int, default=1, help="with --sim: run each config as a fleet of N "
                        "replicas behind its [router] (default round-robin) and compare routers")
     bench.set_defaults(handler=_cmd_bench)
@@ -104,7 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--sim", required=True, metavar="ACCELERATOR", help="h100, h200, a100, l4 (or NAME-eager)")
     size.add_argument("--sim-model", default="llama-3-8b", help="model shape: llama-3-8b, llama-3-70b, qwen2-7b, "
                       "tiny-random")
-    size.add_argument("--tp", type=int, default=1, help="tensor parallelism: devices one replica spreads over")
+    size.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: devices one replica spreads over "
+                      "(sets engine.tensor_parallel_size; default: the config's, 1)")
+    size.add_argument("--sim-interconnect", help="links between the devices under --tp N > 1: nvlink4, nvlink3, "
+                      "pcie5, pcie4 (default: the accelerator's)")
     size.add_argument("--context-len", type=int, default=4096, help="tokens a sequence may reach (max_model_len)")
     size.add_argument("--memory-utilization", type=float, default=0.9,
                       help="share of the memory weights and runtime leave that the KV pool takes (default 0.9)")
@@ -144,12 +147,16 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable), e.g. --set engine.max_num_seqs=8")
+    parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                        help="shard the model over N ranks (engine.tensor_parallel_size; see README, Parallelism)")
 
 
 def load_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig.load(args.config).with_set_options(args.assignments)
     if args.model:
         config = config.with_overrides({"engine.model": args.model})
+    if args.tensor_parallel_size is not None:
+        config = config.with_overrides({"engine.tensor_parallel_size": args.tensor_parallel_size})
     return config
 
 
@@ -201,8 +208,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
         save_workload=Path(args.save_workload) if args.save_workload else None,
-        sim_accelerator=args.sim, sim_model=args.sim_model, warm_cache=args.warm_cache, replicas=args.replicas,
-        sim_tp=args.tp,
+        sim_accelerator=args.sim, sim_model=args.sim_model, sim_interconnect=args.sim_interconnect,
+        warm_cache=args.warm_cache, replicas=args.replicas,
     )
     if args.calibrate:
         result = _calibrate(configs[0][1], args.workload)

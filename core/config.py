@@ -89,6 +89,10 @@ class EngineSection:
     # vLLM's default) or "processed" (after the request's logits processors, before temperature).
     logprobs_mode: str = "raw"
     max_logprobs: int = attrs.field(default=20, validator=_positive)  # most alternatives a request may ask for
+    # Ranks the model is sharded over (Megatron-style tensor parallelism; see README,
+    # "Parallelism"); a rank that dies or hangs stops the engine after this many seconds.
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
+    tensor_parallel_timeout_s: int = attrs.field(default=120, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from servelab.config import EngineConfig, build_options
+from servelab.distributed.layout import local_model_config
 from servelab.engine_setup import EngineLimits, load_aux_model, resolve_limits, target_model
 from servelab.errors import ConfigError, RequestError
 from servelab.interfaces import (
@@ -82,8 +83,11 @@ class LLMEngine:
         self.source = source or CheckpointSource(config.engine.model)
         self.tokenizer = self.source.tokenizer
         self.model_config = self.source.model_config
-        self.limits: EngineLimits = resolve_limits(config.engine, self.model_config)
         engine = config.engine
+        # Under tensor parallelism each rank holds its share of the heads: KV memory and the
+        # attention backend are sized by what one rank holds.
+        shard_config = local_model_config(self.model_config, engine.tensor_parallel_size)
+        self.limits: EngineLimits = resolve_limits(engine, shard_config)
         device = torch.device(engine.device)
         dtype = DTYPES[engine.dtype]
         self.allocator = build_policy(selected["allocators"][0], selected["allocators"][1], AllocatorContext(
@@ -93,18 +97,22 @@ class LLMEngine:
             allocator=self.allocator, max_num_seqs=engine.max_num_seqs,
             max_num_batched_tokens=self.limits.max_num_batched_tokens,
             max_model_len=self.limits.max_model_len, clock=clock))
-        self.attention = build_policy(selected["attention"][0], selected["attention"][1], AttentionContext(
-            num_heads=self.model_config.num_heads, num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim, block_size=engine.block_size,
-            num_blocks=self.limits.num_kv_blocks, dtype=dtype, device=device))
+        attention_context = AttentionContext(
+            num_heads=shard_config.num_heads, num_kv_heads=shard_config.num_kv_heads,
+            head_dim=shard_config.head_dim, block_size=engine.block_size,
+            num_blocks=self.limits.num_kv_blocks, dtype=dtype, device=device)
+        self.attention = build_policy(selected["attention"][0], selected["attention"][1], attention_context)
         if getattr(self.attention, "requires_contiguous_block_tables", False) and not getattr(
                 self.allocator, "contiguous_block_tables", False):  # see interfaces.ContiguousAllocator
             raise ConfigError(
                 f"attention {config.attention.name!r} reads each sequence's K/V as one contiguous run of blocks, "
                 f"but allocator {config.allocator.name!r} hands out block tables that are not contiguous: "
                 f"choose allocator 'naive' (contiguous reservations), or attention 'torch-paged' (any block table)")
-        self.runner = self.source.build_runner(self.attention, engine, self.limits.num_kv_blocks,
-                                               self.limits.max_model_len)
+        if engine.tensor_parallel_size > 1 and isinstance(self.source, CheckpointSource):
+            self.runner = self._start_tensor_parallel(selected["attention"], attention_context)
+        else:
+            self.runner = self.source.build_runner(self.attention, engine, self.limits.num_kv_blocks,
+                                                   self.limits.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.speculator = self._build_speculator(selected["drafters"]) if "drafters" in selected else None
         self.logits_pipeline = self._build_logits_pipeline(device)
@@ -133,6 +141,25 @@ class LLMEngine:
                     block_size=engine.block_size, max_model_len=self.limits.max_model_len,
                     allocator=config.allocator.name, scheduler=config.scheduler.name,
                     attention=config.attention.name)
+
+    def _start_tensor_parallel(self, attention: tuple[RegisteredPolicy, Any], context: AttentionContext) -> Any:
+        from servelab.distributed.runner import start_tensor_parallel
+        from servelab.distributed.shard_runner import ShardSpec
+
+        engine = self.config.engine
+        spec = ShardSpec(model_path=str(self.source.path), engine=engine, attention=attention[0],
+                         attention_options=attention[1], attention_context=context,
+                         num_blocks=self.limits.num_kv_blocks, max_positions=self.limits.max_model_len,
+                         size=engine.tensor_parallel_size)
+        return start_tensor_parallel(spec, self.model_config.vocab_size, engine.tensor_parallel_timeout_s,
+                                     backend=self.attention)
+
+    def close(self) -> None:
+        """Release what outlives a step loop: under tensor parallelism, the other ranks.
+        Idempotent; the engine cannot step afterwards when it had other ranks."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def _policy_sections(self):
         yield "allocators", self.config.allocator

@@ -19,3 +19,7 @@ class CheckpointError(ServelabError):
 
 class RequestError(ServelabError, ValueError):
     """A request is invalid (prompt too long, bad sampling parameters)."""
+
+
+class DistributedError(ServelabError):
+    """A tensor-parallel rank died, hung or failed to start (the message names the rank)."""

@@ -378,8 +378,8 @@ class Drafter(Protocol):
 class AttentionContext:
     """Model and cache geometry an attention backend is built for."""
 
-    num_heads: int
-    num_kv_heads: int
+    num_heads: int  # under tensor parallelism: this rank's query heads
+    num_kv_heads: int  # and this rank's KV heads
     head_dim: int
     block_size: int
     num_blocks: int  # blocks in each layer's cache

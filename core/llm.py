@@ -33,6 +33,16 @@ class LLM:
             engine_config = engine_config.with_overrides(overrides)
         self.engine = LLMEngine(engine_config, registry)
 
+    def close(self) -> None:
+        """Shut down the engine's other ranks (tensor parallelism); a no-op otherwise."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

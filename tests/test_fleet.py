@@ -129,3 +129,19 @@ def test_summary_of_a_fleet_covers_every_replica():
     assert sum(metrics["fleet"]["requests_per_replica"]) == 30
     assert metrics["steps"] == sum(len(r.steps) for r in record.per_replica)
     assert summarize(record.run, SLO())["output_tokens"] == sum(len(o.token_ids) for o in record.run.outputs)
+
+
+def test_fleet_replicas_are_tensor_parallel_as_the_config_says():
+    with pytest.raises(ConfigError, match="tensor parallelism over 2 or more devices"):
+        SimFleet("one-device", _config("round-robin"), 2, "h100", "llama-3-70b")
+    config = _config("round-robin", tensor_parallel_size=4)
+    nvlink = SimFleet("nvlink", config, 2, "h100", "llama-3-70b")
+    pcie = SimFleet("pcie", config, 2, "h100", "llama-3-70b", "pcie4")
+    assert {r.engine.runner.cost_model.tensor_parallel for r in nvlink.replicas + pcie.replicas} == {4}
+    workload = build_workload("fixed:num_requests=8,prompt_len=256,output_len=16", 1000)
+    spans = {}
+    for fleet in (nvlink, pcie):
+        run = run_fleet(fleet, workload).run
+        assert sum(len(o.token_ids) for o in run.outputs) == 8 * 16
+        spans[fleet.name] = run.end_time - run.start_time
+    assert spans["pcie"] > spans["nvlink"]  # the same steps plus slower all-reduces

@@ -175,3 +175,32 @@ def test_calibration_measures_the_steps_the_simulator_plans():
     predicted = sum(terms.seconds(s.features) for s in measured.samples)
     assert result["throughput"]["simulated"] == pytest.approx(measured.output_tokens / predicted, rel=1e-9)
     assert result["steps"] == len(measured.samples)
+
+
+def test_tensor_parallelism_splits_each_devices_work_and_pays_for_all_reduces():
+    from servelab.bench.sim.hardware import interconnect
+
+    shape = model_shape("llama-3-8b")
+    one, two = CostModel(shape, accelerator("h100")), CostModel(shape, accelerator("h100"), tensor_parallel=2)
+    # Every layer is split (8 KV heads over 2 ranks), the vocabulary too: half the weights a device.
+    assert two.weight_bytes == pytest.approx(one.weight_bytes / 2, rel=1e-6)
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2
+    decode = ([1] * 64, [1024] * 64, 64)
+    assert "communication" not in one.step(*decode).kernel_seconds
+    comm = two.step(*decode).kernel_seconds["communication"]
+    # 65 all-reduces of 64 x 4096 bf16 over NVLink (8 us each + 0.5 MiB / 360 GB/s), plus the logits gather.
+    assert comm == pytest.approx(65 * (8e-6 + 64 * 4096 * 2 / 360e9) + 8e-6 + 64 * 4 * 64128 / 360e9, rel=1e-6)
+    assert two.step(*decode).seconds < one.step(*decode).seconds
+    pcie = CostModel(shape, accelerator("h100"), tensor_parallel=2, link=interconnect("pcie4"))
+    assert pcie.step(*decode).kernel_seconds["communication"] > 4 * comm
+
+
+def test_seventy_billion_fits_four_simulated_h100s_and_runs_faster_on_eight():
+    with pytest.raises(ConfigError, match="tensor parallelism over 2 or more devices"):
+        _sim("h100", sim_model="llama-3-70b")
+    four = _sim("h100", sim_model="llama-3-70b", tensor_parallel_size=4)
+    eight = _sim("h100", sim_model="llama-3-70b", tensor_parallel_size=8)
+    assert four["output_tokens"] == eight["output_tokens"]
+    assert eight["output_tokens_per_s"] > four["output_tokens_per_s"]
+    with pytest.raises(ConfigError, match="num_attention_heads=64"):
+        _sim("h100", sim_model="llama-3-70b", tensor_parallel_size=3)

@@ -37,19 +37,40 @@ def test_tensor_parallelism_splits_weights_and_kv_heads_and_adds_all_reduces():
     shape, h100 = model_shape("llama-3-70b"), accelerator("h100")
     with pytest.raises(ConfigError, match="tensor parallelism over 2 or more"):
         CostModel(shape, h100).kv_blocks(16)
-    one, four = CostModel(shape, h100, tp=2), CostModel(shape, h100, tp=4)
-    assert four.resident_weight_bytes == pytest.approx(one.resident_weight_bytes / 2)
-    assert four.kv_bytes_per_token == one.kv_bytes_per_token / 2  # 8 KV heads: 4 then 2 a device
+    two, four = CostModel(shape, h100, tensor_parallel=2), CostModel(shape, h100, tensor_parallel=4)
+    assert four.resident_weight_bytes == pytest.approx(two.resident_weight_bytes / 2)
+    assert four.kv_bytes_per_token == two.kv_bytes_per_token / 2  # 8 KV heads: 4 then 2 a device
     # past 8 devices each holds a copy of one of the 8 KV heads
-    assert CostModel(shape, h100, tp=16).kv_bytes_per_token == CostModel(shape, h100, tp=8).kv_bytes_per_token
+    assert (CostModel(shape, h100, tensor_parallel=16).kv_bytes_per_token
+            == CostModel(shape, h100, tensor_parallel=8).kv_bytes_per_token)
     step = four.step([1] * 8, [1000] * 8, 8)
-    assert step.kernel_seconds["allreduce"] > 0
+    assert step.kernel_seconds["communication"] > 0
     # a decode step on 4 devices beats 2: half the weights to stream per device
-    assert step.seconds < one.step([1] * 8, [1000] * 8, 8).seconds
+    assert step.seconds < two.step([1] * 8, [1000] * 8, 8).seconds
     with pytest.raises(ConfigError, match="does not divide"):
-        CostModel(shape, h100, tp=3)
+        CostModel(shape, h100, tensor_parallel=3)
+    with pytest.raises(ConfigError, match="positive integer"):
+        CostModel(shape, h100, tensor_parallel=True)
     with pytest.raises(ConfigError, match="interconnect"):
-        CostModel(model_shape("tiny-random"), accelerator("cpu-here"), tp=2)
+        CostModel(model_shape("tiny-random"), accelerator("cpu-here"), tensor_parallel=2)
+
+
+def test_size_tp_is_the_engine_tensor_parallel_size(tmp_path):
+    """`--tp N` and `--set engine.tensor_parallel_size=N` plan the same; a slower link
+    leaves the memory plan alone and lowers the sustained rate."""
+    base = ["size", "--sim", "h100", "--sim-model", "llama-3-70b", "--context-len", "2048",
+            "--workload", "fixed:num_requests=8,prompt_len=256,output_len=16", "--sweep-seconds", "1"]
+    plans = {}
+    for name, extra in {"tp": ["--tp", "4"], "set": ["--set", "engine.tensor_parallel_size=4"],
+                        "pcie": ["--tp", "4", "--sim-interconnect", "pcie4"]}.items():
+        out = tmp_path / f"{name}.json"
+        assert cli.main([*base, *extra, "--json", str(out)]) == 0
+        plans[name] = json.loads(out.read_text())
+    assert plans["tp"]["tensor_parallel"] == plans["set"]["tensor_parallel"] == 4
+    assert plans["tp"]["memory"] == plans["set"]["memory"] == plans["pcie"]["memory"]
+    assert plans["tp"]["rate"]["sustained_rps"] == plans["set"]["rate"]["sustained_rps"]
+    assert plans["pcie"]["interconnect"].startswith("PCIe 4")
+    assert plans["pcie"]["rate"]["offline_rps"] < plans["tp"]["rate"]["offline_rps"]
 
 
 def test_speculation_speedup_is_expected_tokens_over_step_cost():

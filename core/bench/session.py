@@ -35,7 +35,7 @@ class BenchOptions:
     save_workload: Path | None = None
     sim_accelerator: str | None = None  # simulate on this accelerator instead of running the model
     sim_model: str = "llama-3-8b"  # model shape to simulate
-    sim_tp: int = 1  # devices one simulated engine spreads the model over (tensor parallelism)
+    sim_interconnect: str | None = None  # links between simulated devices (default: the accelerator's)
     warm_cache: bool = False  # keep prefix caches across the warm-up and repetitions
     replicas: int = 1  # > 1: each config is a simulated fleet of this many replicas behind its [router]
 
@@ -51,14 +51,11 @@ class _Engine:
         self.recorder = StepRecorder()
         registry.register(self.recorder)
         if options.sim_accelerator:
-            from servelab.bench.sim.hardware import accelerator
             from servelab.bench.sim.runner import VirtualClock
-            from servelab.bench.sim.shapes import model_shape
             from servelab.bench.sim.source import SimSource
 
             clock = VirtualClock()
-            source = SimSource(model_shape(options.sim_model), accelerator(options.sim_accelerator), clock,
-                               tp=options.sim_tp)
+            source = SimSource.named(options.sim_model, options.sim_accelerator, clock, options.sim_interconnect)
             config = source.fit_config(config)
             self.engine = LLMEngine(config, registry, clock=clock, source=source)
         else:

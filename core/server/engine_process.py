@@ -158,7 +158,12 @@ def _engine_main(config: Any, commands: Any, outputs: Any, verbosity: int | None
             received = [("stop", None, None)]
         return received
 
-    EngineCore(engine, receive, send).run()
+    try:
+        EngineCore(engine, receive, send).run()
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()  # tensor parallelism: the other ranks stop with the engine
 
 
 def _portable(exc: Exception) -> Exception:

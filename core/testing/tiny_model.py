@@ -24,6 +24,9 @@ TINY_SHAPES = {
     # A much smaller model over the "llama" vocabulary: a draft model for speculative decoding.
     "llama-draft": dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=16, vocab_size=211, max_position_embeddings=256),
+    # Multi-head attention (as many KV heads as query heads), untied, an odd MLP width.
+    "llama-mha": dict(hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=157, max_position_embeddings=256),
     "qwen2": dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=203, max_position_embeddings=256),
     "mistral": dict(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=8,

@@ -12,6 +12,12 @@ interference of mixed batches. On top, the host pays a fixed overhead every step
 unless a decode-only step replays a CUDA graph, the launch of every kernel, which the
 device's work hides once it is longer.
 
+Under tensor parallelism every figure is one device's, its shard as
+servelab.distributed.layout splits the model, plus the collectives that join the
+devices over a named interconnect (hardware.INTERCONNECTS): an all-reduce of the
+activations after the embedding and after each layer's two row-parallel projections,
+and the LM head's logits gathered to the device that samples.
+
 Profiles with fitted `terms` (the calibrated CPU) add up per-step, per-sequence,
 per-FLOP and per-byte terms instead (see hardware.StepTerms), the form `servelab bench
 --calibrate` fits: on a CPU the engine's own work per sequence is a large part of a
@@ -21,8 +27,9 @@ from __future__ import annotations
 
 import attrs
 
-from servelab.bench.sim.hardware import GIB, Accelerator
+from servelab.bench.sim.hardware import GIB, Accelerator, Interconnect, interconnect
 from servelab.bench.sim.shapes import num_parameters
+from servelab.distributed.layout import check_shardable, local_model_config
 from servelab.errors import ConfigError
 from servelab.model.model_config import ModelConfig
 
@@ -43,30 +50,33 @@ class StepCost:
 class CostModel:
     """Step costs of one model shape on one accelerator, and the KV pool it leaves."""
 
-    def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = 2, tp: int = 1,
-                 memory_utilization: float = KV_MEMORY_FRACTION) -> None:
-        """`tp` devices share the model (Megatron tensor parallelism: heads, FFN columns and
-        the vocabulary split; two all-reduces of the activations per layer); every figure
-        below is one device's. `memory_utilization` is the share of the memory weights and
-        runtime leave that the KV pool takes."""
-        _check_tp(shape, hardware, tp)
+    def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = 2, tensor_parallel: int = 1,
+                 link: Interconnect | None = None, memory_utilization: float = KV_MEMORY_FRACTION) -> None:
+        """`memory_utilization` is the share of the memory weights and runtime leave that
+        the KV pool takes; `link` joins the `tensor_parallel` devices (default: the
+        accelerator's interconnect)."""
+        _check_tensor_parallel(shape, hardware, tensor_parallel)
         if not 0 < memory_utilization <= 1:
             raise ConfigError(f"memory utilisation must be in (0, 1], got {memory_utilization}")
         self.shape = shape
         self.hardware = hardware
         self.dtype_bytes = dtype_bytes
-        self.tp = tp
         self.memory_utilization = memory_utilization
-        layer_params, head_params = num_parameters(shape)
-        self.layer_params, self.head_params = layer_params / tp, head_params / tp
+        # Under tensor parallelism every figure below is one device's: its shard of the
+        # heads, the MLP and the vocabulary (servelab.distributed.layout), whose kernels run
+        # in lockstep with the others', plus the collectives that join them.
+        self.tensor_parallel = tensor_parallel
+        self.link = link or interconnect(hardware.interconnect)
+        local = local_model_config(shape, tensor_parallel)
+        self.layer_params, self.head_params = num_parameters(local)
         self.weight_bytes = (self.layer_params + self.head_params) * dtype_bytes  # read every step
-        embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size / tp
+        embedding = 0 if shape.tie_word_embeddings else local.vocab_size * shape.hidden_size
         self.resident_weight_bytes = self.weight_bytes + embedding * dtype_bytes  # held in memory
-        kv_heads = -(-shape.num_kv_heads // tp)  # fewer KV heads than devices: each holds a copy of one
-        self.kv_bytes_per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * dtype_bytes
-        self.attention_width = shape.num_layers * shape.num_heads * shape.head_dim / tp  # q.k and p.v per layer
-        self.elementwise_bytes_per_token = _elementwise_bytes_per_token(shape, dtype_bytes, tp)
-        self.num_kernels = shape.num_layers * (KERNELS_PER_LAYER + (2 if tp > 1 else 0)) + KERNELS_PER_STEP
+        self.kv_bytes_per_token = local.kv_bytes_per_token(dtype_bytes)
+        self.attention_width = shape.num_layers * local.num_heads * shape.head_dim  # q.k and p.v per layer
+        self.elementwise_bytes_per_token = _elementwise_bytes_per_token(local, dtype_bytes)
+        collectives = 2 * shape.num_layers + 2 if tensor_parallel > 1 else 0
+        self.num_kernels = shape.num_layers * KERNELS_PER_LAYER + KERNELS_PER_STEP + collectives
 
     def step(self, query_lens: list[int], context_lens: list[int], num_sampled: int) -> StepCost:
         """The cost of one step: `query_lens[i]` new tokens of a sequence whose context
@@ -75,12 +85,12 @@ class CostModel:
         flops, nbytes = self._work(query_lens, context_lens, num_tokens, num_sampled)
         total_flops, total_bytes = sum(flops.values()), sum(nbytes.values())
         hw = self.hardware
-        if hw.terms is not None:
+        if hw.terms is not None:  # one process on one device: no collectives (_check_tensor_parallel)
             features = self.features(query_lens, context_lens, num_sampled, (flops, nbytes))
             return StepCost(total_flops, total_bytes, hw.terms.seconds(features))
         kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
-        if self.tp > 1:
-            kernels["allreduce"] = self._allreduce_seconds(num_tokens)
+        if self.tensor_parallel > 1:
+            kernels["communication"] = self._communication_seconds(num_tokens, num_sampled)
         decode_only = num_tokens == len(query_lens)
         launches = 0.0 if hw.cuda_graphs and decode_only else self.num_kernels * hw.kernel_launch_s
         seconds = hw.step_overhead_s + max(sum(kernels.values()), launches)  # device work hides async launches
@@ -132,13 +142,19 @@ class CostModel:
             "sampling": nbytes["sampling"] / bandwidth,
         }
 
-    def _allreduce_seconds(self, num_tokens: int) -> float:
-        """Two ring all-reduces of the step's activations per layer (after attention's
-        output projection and after the FFN's down projection)."""
-        hw, tp = self.hardware, self.tp
-        payload = num_tokens * self.shape.hidden_size * self.dtype_bytes
-        one = hw.allreduce_latency_s + 2 * (tp - 1) / tp * payload / hw.interconnect_bandwidth
-        return 2 * self.shape.num_layers * one
+    def _communication_seconds(self, num_tokens: int, num_sampled: int) -> float:
+        """Tensor parallelism's collectives: an all-reduce of the activations after the
+        embedding and after each layer's two row-parallel projections, and the LM head's
+        float32 logits columns gathered to the device that samples."""
+        size = self.tensor_parallel
+        if size <= 1 or not num_tokens:
+            return 0.0
+        activations = num_tokens * self.shape.hidden_size * self.dtype_bytes
+        num_all_reduces = 2 * self.shape.num_layers + 1
+        seconds = num_all_reduces * self.link.all_reduce_seconds(activations, size)
+        if num_sampled:
+            seconds += self.link.gather_seconds(num_sampled * 4.0 * self.head_params / self.shape.hidden_size, size)
+        return seconds
 
     def _gemm_flops_per_s(self, rows: int) -> float:
         """Achieved GEMM FLOP/s with `rows` rows: the large-M efficiency, halved at gemm_half_tokens."""
@@ -155,31 +171,33 @@ class CostModel:
         blocks = int(max(0.0, self.kv_pool_bytes()) // (self.kv_bytes_per_token * block_size))
         if blocks < 1:
             hw, weights = self.hardware, self.resident_weight_bytes
-            devices = weights * self.tp // (hw.memory_bytes - hw.reserved_bytes) + 1  # the fewest leaving room for KV
+            # the fewest devices whose shares leave room for KV
+            devices = weights * self.tensor_parallel // (hw.memory_bytes - hw.reserved_bytes) + 1
             raise ConfigError(
                 f"the model's weights ({weights / GIB:.1f} GiB a device at {self.dtype_bytes} bytes a parameter, "
-                f"tensor parallelism {self.tp}) leave no room for a KV cache on a {hw.name} "
+                f"tensor_parallel_size={self.tensor_parallel}) leave no room for a KV cache on a {hw.name} "
                 f"({hw.memory_bytes / GIB:.0f} GiB, {hw.reserved_bytes / GIB:.0f} GiB of it for the runtime); "
-                f"serving it takes tensor parallelism over {devices:.0f} or more devices (`--tp N`)")
+                f"serving it takes tensor parallelism over {devices:.0f} or more devices "
+                f"(`--set engine.tensor_parallel_size=N`; `servelab size --tp N`), a smaller model shape or an "
+                f"accelerator with more memory")
         return blocks
 
 
-def _check_tp(shape: ModelConfig, hardware: Accelerator, tp: int) -> None:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tensor parallelism must be a positive integer, got {tp!r}")
-    if shape.num_heads % tp or shape.intermediate_size % tp:
-        raise ConfigError(f"tensor parallelism {tp} does not divide the model's {shape.num_heads} attention heads "
-                          f"and {shape.intermediate_size} FFN columns")
-    if tp > 1 and (not hardware.per_kernel or hardware.interconnect_bandwidth <= 0):
-        raise ConfigError(f"{hardware.name} has no interconnect profile: tensor parallelism needs a GPU profile")
+def _check_tensor_parallel(shape: ModelConfig, hardware: Accelerator, size: int) -> None:
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise ConfigError(f"tensor parallelism must be a positive integer, got {size!r}")
+    check_shardable(shape, size)
+    if size > 1 and not hardware.per_kernel:
+        raise ConfigError(f"{hardware.name} is priced by step terms fitted to one process and has no interconnect "
+                          f"between devices: simulate tensor parallelism on a GPU profile (h100, h200, a100, l4)")
 
 
-def _elementwise_bytes_per_token(shape: ModelConfig, dtype_bytes: int, tp: int = 1) -> float:
-    """Activation bytes the fused elementwise kernels move per token over all layers, on
-    one of `tp` devices: add+RMSNorm twice (read input and residual, write both; every
-    device holds the whole hidden state), rotary on q and k (read and write),
-    SiLU-and-multiply (read gate and up, write their product)."""
-    q = shape.num_heads * shape.head_dim / tp
-    k = -(-shape.num_kv_heads // tp) * shape.head_dim
-    per_layer = 2 * 4 * shape.hidden_size + 2 * (q + k) + 3 * shape.intermediate_size / tp
+def _elementwise_bytes_per_token(shape: ModelConfig, dtype_bytes: int) -> float:
+    """Activation bytes the fused elementwise kernels move per token over all layers (of
+    one device's shard under tensor parallelism): add+RMSNorm twice (read input and
+    residual, write both; every device holds the whole hidden state), rotary on q and k
+    (read and write), SiLU-and-multiply (read gate and up, write their product)."""
+    q = shape.num_heads * shape.head_dim
+    k = shape.num_kv_heads * shape.head_dim
+    per_layer = 2 * 4 * shape.hidden_size + 2 * (q + k) + 3 * shape.intermediate_size
     return shape.num_layers * per_layer * dtype_bytes

@@ -16,9 +16,7 @@ import attrs
 
 from servelab.bench.driver import RunRecord, StepRecorder
 from servelab.bench.metrics import SLO, summarize
-from servelab.bench.sim.hardware import accelerator
 from servelab.bench.sim.runner import VirtualClock
-from servelab.bench.sim.shapes import model_shape
 from servelab.bench.sim.source import SimSource
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
@@ -33,12 +31,12 @@ class SimReplica:
     """One simulated engine with its own clock and step recorder."""
 
     def __init__(self, replica_id: int, config: EngineConfig, accelerator_name: str, sim_model: str,
-                 tp: int = 1) -> None:
+                 interconnect_name: str | None = None) -> None:
         from servelab.engine import LLMEngine
 
         self.replica_id = replica_id
         self.clock = VirtualClock()
-        source = SimSource(model_shape(sim_model), accelerator(accelerator_name), self.clock, tp=tp)
+        source = SimSource.named(sim_model, accelerator_name, self.clock, interconnect_name)
         self.config = source.fit_config(config)
         registry = PluginRegistry.from_entry_points()
         self.recorder = StepRecorder(self.clock)
@@ -47,14 +45,16 @@ class SimReplica:
 
 
 class SimFleet:
-    """`num_replicas` simulated replicas of `config` behind the router it selects."""
+    """`num_replicas` simulated replicas of `config` behind the router it selects; each
+    replica spreads the model over `[engine] tensor_parallel_size` devices."""
 
     def __init__(self, name: str, config: EngineConfig, num_replicas: int, accelerator_name: str,
-                 sim_model: str, tp: int = 1) -> None:
+                 sim_model: str, interconnect_name: str | None = None) -> None:
         if num_replicas < 1:
             raise ConfigError(f"--replicas must be at least 1, got {num_replicas}")
         self.name = name
-        self.replicas = [SimReplica(i, config, accelerator_name, sim_model, tp) for i in range(num_replicas)]
+        self.replicas = [SimReplica(i, config, accelerator_name, sim_model, interconnect_name)
+                         for i in range(num_replicas)]
         first = self.replicas[0]
         self.config = first.config
         self.router_name = router_section(config).name
@@ -168,8 +168,8 @@ def run_fleet_bench(configs: list[tuple[str, EngineConfig]], options: Any) -> di
                           "(live replicas are served by `servelab serve --replicas`)")
     if options.baseline or options.rates:
         raise ConfigError("--replicas compares routers on one workload: drop --baseline and --rates")
-    fleets = [SimFleet(name, config, options.replicas, options.sim_accelerator, options.sim_model, options.sim_tp)
-              for name, config in configs]
+    fleets = [SimFleet(name, config, options.replicas, options.sim_accelerator, options.sim_model,
+                       options.sim_interconnect) for name, config in configs]
     workload = build_workload(options.workload, fleets[0].engine.model_config.vocab_size)
     if options.save_workload:
         workload.save(options.save_workload)

@@ -64,9 +64,8 @@ class Accelerator:
     cuda_graphs: bool = False  # decode-only steps replay a captured graph: no per-kernel launches
     terms: StepTerms | None = None  # a fitted additive form instead of per-kernel rooflines (`--calibrate`)
     reserved_bytes: float = 0.0  # device memory neither weights nor KV (runtime context, activations)
-    interconnect_bandwidth: float = 0.0  # bytes/s an all-reduce moves per device (bus bandwidth; 0: none)
-    allreduce_latency_s: float = 10e-6  # fixed cost of one small all-reduce
     behaves_like: str = ""  # which engine's behaviour the profile represents
+    interconnect: str = "pcie4"  # how a machine of several of these links them (INTERCONNECTS)
 
     @property
     def per_kernel(self) -> bool:
@@ -112,17 +111,14 @@ _ADA = _AMPERE
 _RUNTIME_LAUNCH_S, _EAGER_LAUNCH_S = 5e-6, 25e-6
 _GPU = dict(kernel_launch_s=_RUNTIME_LAUNCH_S, cuda_graphs=True, reserved_bytes=2 * GIB, behaves_like=_TRTLLM_LIKE)
 
-# Interconnects (estimates, not fits): NCCL's all-reduce bus bandwidth reaches ~360 GB/s
-# over NVLink 4 (450 GB/s a direction), ~230 GB/s over NVLink 3 (300), ~20 GB/s over
-# PCIe 4 (L4 has no NVLink).
 ACCELERATORS = {
-    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU, interconnect_bandwidth=360e9),
-    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU, interconnect_bandwidth=360e9),
-    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU, interconnect_bandwidth=230e9),
-    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU, interconnect_bandwidth=20e9,
-                      allreduce_latency_s=20e-6),
+    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU, interconnect="nvlink4"),
+    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU, interconnect="nvlink4"),
+    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU, interconnect="nvlink3"),
+    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU),  # no NVLink: PCIe 4
     # This project's 2-core machine in float32, one thread, as fitted by `servelab bench
-    # --calibrate` on the embedded model (see docs/bench.md, "Calibration").
+    # --calibrate` on the embedded model (see docs/bench.md, "Calibration"); one process,
+    # so no tensor parallelism.
     "cpu-here": Accelerator("2-core CPU (fp32, one thread, fitted)", 105e9, 3.2e9, 24e9, 0.0, 1.0, 1.0,
                             terms=CPU_HERE_TERMS, behaves_like="servelab on this CPU, additive fitted step terms"),
 }
@@ -141,3 +137,41 @@ def accelerator(name: str) -> Accelerator:
         return attrs.evolve(base, name=f"{base.name} (eager)", cuda_graphs=False, kernel_launch_s=_EAGER_LAUNCH_S,
                             behaves_like=_EAGER_LIKE)
     return base
+
+
+@attrs.frozen
+class Interconnect:
+    """How the devices of one tensor-parallel group reach each other, for ring all-reduces:
+    a ring over N devices moves 2 (N - 1) / N of the buffer through each device's link."""
+
+    name: str
+    bus_bandwidth: float  # bytes/s an all-reduce achieves per device (NCCL's "bus bandwidth")
+    latency_s: float  # a small all-reduce's fixed cost
+
+    def all_reduce_seconds(self, nbytes: float, size: int) -> float:
+        if size <= 1:
+            return 0.0
+        return self.latency_s + 2.0 * (size - 1) / size * nbytes / self.bus_bandwidth
+
+    def gather_seconds(self, nbytes_per_rank: float, size: int) -> float:
+        """Every other rank's `nbytes_per_rank` into one device."""
+        return 0.0 if size <= 1 else self.latency_s + (size - 1) * nbytes_per_rank / self.bus_bandwidth
+
+
+# Estimates, not fits (no published multi-GPU table is reproduced here): the bus bandwidth
+# NCCL's all_reduce_perf reaches on large buffers within one node, a little under the
+# links' one-way peak (NVLink 4: 450 GB/s a direction on H100 SXM, NVLink 3: 300 GB/s on
+# A100 SXM, PCIe 4/5 x16: 32/64 GB/s), and the few microseconds a small all-reduce takes.
+INTERCONNECTS = {
+    "nvlink4": Interconnect("NVLink 4 (H100/H200 SXM, NVSwitch)", 360e9, 8e-6),
+    "nvlink3": Interconnect("NVLink 3 (A100 SXM, NVSwitch)", 230e9, 10e-6),
+    "pcie5": Interconnect("PCIe 5.0 x16", 45e9, 20e-6),
+    "pcie4": Interconnect("PCIe 4.0 x16", 22e9, 25e-6),
+}
+
+
+def interconnect(name: str) -> Interconnect:
+    try:
+        return INTERCONNECTS[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown interconnect {name!r}; choose {', '.join(INTERCONNECTS)}") from None

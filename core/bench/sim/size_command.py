@@ -9,7 +9,7 @@ import attrs
 
 from servelab.bench.metrics import SLO
 from servelab.bench.sim.cost_model import CostModel
-from servelab.bench.sim.hardware import accelerator
+from servelab.bench.sim.hardware import accelerator, interconnect
 from servelab.bench.sim.shapes import model_shape
 from servelab.bench.sim.sizing import (ReplicaSimulator, format_size, memory_plan, replicas_needed, speculation,
                                        sustained_rate)
@@ -28,18 +28,25 @@ def size(args: argparse.Namespace) -> dict[str, Any]:
     if args.context_len > shape.max_position_embeddings:
         raise ConfigError(f"--context-len {args.context_len} exceeds {args.sim_model}'s "
                           f"{shape.max_position_embeddings} positions")
-    cost = CostModel(shape, hardware, tp=args.tp, memory_utilization=args.memory_utilization)
     base = EngineConfig.load(args.config) if args.config else EngineConfig.from_dict(
         {"engine": {"max_num_seqs": DEFAULT_MAX_NUM_SEQS}})
-    config = base.with_set_options(args.assignments).with_overrides({"engine.max_model_len": args.context_len})
+    overrides: dict[str, Any] = {"engine.max_model_len": args.context_len}
+    if args.tp is not None:  # --tp N is engine.tensor_parallel_size
+        overrides["engine.tensor_parallel_size"] = args.tp
+    config = base.with_set_options(args.assignments).with_overrides(overrides)
+    tensor_parallel = config.engine.tensor_parallel_size
+    link = interconnect(args.sim_interconnect) if args.sim_interconnect else None
+    cost = CostModel(shape, hardware, tensor_parallel=tensor_parallel, link=link,
+                     memory_utilization=args.memory_utilization)
     block_size = config.engine.block_size
     plan = memory_plan(cost, block_size, args.context_len)
-    result: dict[str, Any] = {"model": args.sim_model, "accelerator": hardware.name, "tp": args.tp,
+    result: dict[str, Any] = {"model": args.sim_model, "accelerator": hardware.name,
+                              "tensor_parallel": tensor_parallel, "interconnect": cost.link.name,
                               "block_size": block_size, "memory": attrs.asdict(plan),
                               "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
     if not args.no_sweep:
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-        simulator = ReplicaSimulator(config, shape, hardware, args.tp, args.memory_utilization)
+        simulator = ReplicaSimulator(config, shape, hardware, args.memory_utilization, link)
         rate, points, offline = sustained_rate(simulator.run, args.workload, slo, args.slo_attainment,
                                                duration_s=args.sweep_seconds)
         result["rate"] = {"workload": args.workload, "attainment": args.slo_attainment, "sustained_rps": rate,

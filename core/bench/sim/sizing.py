@@ -17,7 +17,7 @@ import attrs
 from servelab.bench.driver import StepRecorder, run_workload
 from servelab.bench.metrics import SLO, summarize
 from servelab.bench.sim.cost_model import CostModel
-from servelab.bench.sim.hardware import GIB, Accelerator
+from servelab.bench.sim.hardware import GIB, Accelerator, Interconnect
 from servelab.bench.sim.runner import VirtualClock
 from servelab.bench.sim.source import SimSource
 from servelab.config import EngineConfig
@@ -69,18 +69,19 @@ class RatePoint:
 
 
 class ReplicaSimulator:
-    """Runs a workload spec through one fresh simulated engine per call."""
+    """Runs a workload spec through one fresh simulated engine per call, spread over the
+    config's `[engine] tensor_parallel_size` devices joined by `link`."""
 
-    def __init__(self, config: EngineConfig, shape: ModelConfig, hardware: Accelerator, tp: int,
-                 memory_utilization: float) -> None:
+    def __init__(self, config: EngineConfig, shape: ModelConfig, hardware: Accelerator, memory_utilization: float,
+                 link: Interconnect | None = None) -> None:
         self.config, self.shape, self.hardware = config, shape, hardware
-        self.tp, self.memory_utilization = tp, memory_utilization
+        self.memory_utilization, self.link = memory_utilization, link
 
     def run(self, spec: str, slo: SLO) -> dict[str, Any]:
         from servelab.engine import LLMEngine
 
         clock = VirtualClock()
-        source = SimSource(self.shape, self.hardware, clock, tp=self.tp, memory_utilization=self.memory_utilization)
+        source = SimSource(self.shape, self.hardware, clock, link=self.link, memory_utilization=self.memory_utilization)
         registry = PluginRegistry.from_entry_points()
         recorder = StepRecorder(clock)
         registry.register(recorder)
@@ -187,9 +188,10 @@ def _breakeven(k: int, step_cost: float) -> float | None:
 
 
 def format_size(result: dict[str, Any]) -> str:
-    m = result["memory"]
+    m, devices = result["memory"], result["tensor_parallel"]
+    joined = f" over {result['interconnect']}" if devices > 1 else ""
     lines = [
-        f"{result['model']} on {result['tp']} x {result['accelerator']} (tensor parallelism {result['tp']}), "
+        f"{result['model']} on {devices} x {result['accelerator']} (tensor parallelism {devices}{joined}), "
         f"context {m['context_len']} tokens, blocks of {result['block_size']} tokens",
         f"  per device: {m['memory_bytes'] / GIB:.1f} GiB = weights {m['weight_bytes'] / GIB:.1f} GiB "
         f"+ runtime {m['reserved_bytes'] / GIB:.1f} GiB + free {m['free_bytes'] / GIB:.1f} GiB",
@@ -212,7 +214,7 @@ def format_size(result: dict[str, Any]) -> str:
                      f"(offline, all at once: {rate['offline_rps']:.2f} req/s)")
         if rate.get("target_rps"):
             lines.append(f"  {rate['target_rps']:g} req/s needs {rate['replicas_needed']} replicas "
-                         f"({rate['replicas_needed'] * result['tp']} devices)")
+                         f"({rate['replicas_needed'] * devices} devices)")
     if "speculation" in result:
         spec = result["speculation"]
         lines.append(f"speculative decoding at batch {spec['batch']}, context {spec['context_len']}, draft cost "

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from servelab.bench.sim.cost_model import CostModel
-from servelab.bench.sim.hardware import Accelerator
+from servelab.bench.sim.cost_model import KV_MEMORY_FRACTION, CostModel
+from servelab.bench.sim.hardware import Accelerator, Interconnect, accelerator, interconnect
 from servelab.bench.sim.runner import SimRunner, VirtualClock
+from servelab.bench.sim.shapes import model_shape
 from servelab.config import EngineConfig, EngineSection
 from servelab.model.model_config import ModelConfig
 
@@ -17,17 +18,42 @@ class SimSource:
     path: Path | None = None
 
     def __init__(self, shape: ModelConfig, hardware: Accelerator, clock: VirtualClock, dtype_bytes: int = 2,
-                 tp: int = 1, memory_utilization: float | None = None) -> None:
+                 link: Interconnect | None = None, memory_utilization: float = KV_MEMORY_FRACTION) -> None:
+        """The engine's config chooses the tensor parallelism (`[engine]
+        tensor_parallel_size`); `link` joins its devices (default: the accelerator's
+        interconnect) and `memory_utilization` sizes the KV pool."""
         self.model_config = shape
-        extra = {} if memory_utilization is None else {"memory_utilization": memory_utilization}
-        self.cost_model = CostModel(shape, hardware, dtype_bytes, tp=tp, **extra)
+        self.hardware = hardware
+        self.dtype_bytes = dtype_bytes
+        self.link = link
+        self.memory_utilization = memory_utilization
+        self.cost_model = self._cost_model(1)
         self.clock = clock
 
+    @classmethod
+    def named(cls, sim_model: str, accelerator_name: str, clock: VirtualClock, interconnect_name: str | None = None,
+              memory_utilization: float = KV_MEMORY_FRACTION) -> "SimSource":
+        """`--sim-model`, `--sim` and `--sim-interconnect` as the command line names them."""
+        link = interconnect(interconnect_name) if interconnect_name else None
+        return cls(model_shape(sim_model), accelerator(accelerator_name), clock, link=link,
+                   memory_utilization=memory_utilization)
+
+    def _cost_model(self, tensor_parallel: int) -> CostModel:
+        return CostModel(self.model_config, self.hardware, self.dtype_bytes, tensor_parallel=tensor_parallel,
+                         link=self.link, memory_utilization=self.memory_utilization)
+
+    def _for_tensor_parallel(self, size: int) -> CostModel:
+        """The cost model of one of `size` devices (`[engine] tensor_parallel_size`)."""
+        if self.cost_model.tensor_parallel != size:
+            self.cost_model = self._cost_model(size)
+        return self.cost_model
+
     def build_runner(self, attention: Any, engine: EngineSection, num_blocks: int, max_positions: int) -> SimRunner:
-        return SimRunner(self.cost_model, self.clock)
+        return SimRunner(self._for_tensor_parallel(engine.tensor_parallel_size), self.clock)
 
     def fit_config(self, config: EngineConfig) -> EngineConfig:
         """The config with KV blocks sized to the accelerator's memory (unless set)."""
+        self._for_tensor_parallel(config.engine.tensor_parallel_size)
         overrides: dict[str, Any] = {}
         if config.engine.num_kv_blocks is None:
             overrides["engine.num_kv_blocks"] = self.cost_model.kv_blocks(config.engine.block_size)

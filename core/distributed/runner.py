@@ -1,0 +1,208 @@
+"""Rank 0's model runner under tensor parallelism.
+
+The engine, its scheduler, allocator and drafter run once, on rank 0; this runner looks
+to them like the single-process one. Each step it broadcasts the step's inputs (and the
+copy-on-write block copies queued since the last step) to the other ranks, then runs its
+own shard; the row-parallel layers' all-reduces keep the ranks in lockstep and the LM
+head's columns are gathered on rank 0, which samples.
+
+A rank that dies or stops answering turns the step into a DistributedError naming it;
+every rank is then shut down and the runner refuses further steps.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence as Seq
+
+import torch
+import torch.distributed as dist
+
+from servelab.distributed.comm import Communicator
+from servelab.distributed.launch import (WorkerSet, backend_for, cpu_threads_per_rank, init_group,
+                                         launched_by_torchrun)
+from servelab.distributed.shard_runner import ShardSpec, build_shard_runner, lm_head, pack_inputs, rank_device, serve
+from servelab.errors import DistributedError
+from servelab.logging_setup import get_logger
+from servelab.runner import ModelInputs, ModelRunner
+
+logger = get_logger(__name__)
+
+
+class _Ranks:
+    """What must be torn down however the runner ends (kept apart so a finalizer can hold it)."""
+
+    def __init__(self, comm: Communicator | None, workers: WorkerSet | None, owns_group: bool) -> None:
+        self.comm = comm
+        self.workers = workers
+        self.owns_group = owns_group
+        self.in_sync = True  # False once a message was cut short: the others cannot be told to stop
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.comm is not None and self.in_sync:
+            try:
+                self.comm.send(("stop", None))
+            except Exception:  # noqa: BLE001 - a dead rank: the workers are stopped below anyway
+                pass
+        if self.workers is not None:
+            self.workers.stop(grace_s=5.0 if self.in_sync else 0.0)
+        if self.owns_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a group broken by a dead rank
+                pass
+
+
+class TensorParallelRunner:
+    """ModelRunner's interface (prepare, execute, execute_with_hidden, copy_blocks, lm_head,
+    vocab_size, device, kv_caches) over N ranks."""
+
+    def __init__(self, local: ModelRunner, comm: Communicator, ranks: _Ranks, vocab_size: int,
+                 threads: int = 0) -> None:
+        self.local = local
+        self.comm = comm
+        self.device = local.device
+        self.block_size = local.block_size
+        self._vocab_size = vocab_size
+        self._ranks = ranks
+        self._pending_copies: list[tuple[int, int]] = []
+        self._messages = 0
+        self._failure: str | None = None
+        # On the CPU each rank computes with its share of the cores; rank 0 switches to its
+        # share only while it computes, so the rest of the process keeps its own setting.
+        self._threads = threads
+        self._finalizer = weakref.finalize(self, ranks.close)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def model(self) -> Any:
+        return self.local.model
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rank 0's cache: its own heads only."""
+        return self.local.kv_caches
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.comm.size
+
+    def prepare(self, plan: Any, allocator: Any) -> ModelInputs:
+        return self.local.prepare(plan, allocator)
+
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        """Queued; every rank copies them (in order) before the next step's forward pass."""
+        self._pending_copies.extend(copies)
+
+    def execute(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.execute_with_hidden(inputs)[0]
+
+    def execute_with_hidden(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        copies, self._pending_copies = self._pending_copies, []
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            self.comm.send(("step", (copies, pack_inputs(inputs))))
+            if copies:
+                self.local.copy_blocks(copies)
+            return self.local.execute_with_hidden(inputs)
+
+        return self._collective(run, "a step")
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden states (every rank computes its vocabulary columns)."""
+        def run() -> torch.Tensor:
+            self.comm.send(("lm_head", hidden.detach().float().cpu().numpy()))
+            return lm_head(self.local, hidden)
+
+        return self._collective(run, "an LM head call")
+
+    def _collective(self, run: Any, what: str) -> Any:
+        if self._failure is not None:
+            raise DistributedError(f"{self._failure}; the engine has stopped")
+        workers = self._ranks.workers
+        if workers is not None and workers.dead_ranks():
+            self._fail(workers.diagnose(self._messages, f"before {what}", RuntimeError("dead")))
+        self._ranks.in_sync = False
+        threads_before = torch.get_num_threads()
+        if self._threads and threads_before != self._threads:
+            torch.set_num_threads(self._threads)
+        try:
+            result = run()
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # KeyboardInterrupt mid-step: the ranks are out of step
+                self.close()
+                raise
+            message = (workers.diagnose(self._messages + 1, f"during {what}", exc) if workers is not None
+                       else f"tensor-parallel collective failed during {what}: {type(exc).__name__}: {exc}")
+            self._fail(message, exc)
+        finally:
+            if torch.get_num_threads() != threads_before:
+                torch.set_num_threads(threads_before)
+        self._ranks.in_sync = True
+        self._messages += 1
+        return result
+
+    def _fail(self, message: str, cause: BaseException | None = None) -> None:
+        self._failure = message
+        logger.error("tensor_parallel.failed", error=message)
+        self.close()
+        raise DistributedError(f"{message}; every rank was shut down") from cause
+
+    def close(self) -> None:
+        """Stop every rank (idempotent; also runs when the runner is collected or at exit)."""
+        self._finalizer()
+
+
+def start_tensor_parallel(spec: ShardSpec, vocab_size: int, timeout_s: float,
+                          backend: Any = None) -> TensorParallelRunner:
+    """Rank 0's runner, the other ranks started (or, under torchrun, joined). On a torchrun
+    rank other than 0 this serves rank 0 and then exits the process. `backend` is rank 0's
+    attention backend (the others build their own from the spec)."""
+    engine = spec.engine
+    if launched_by_torchrun(spec.size):
+        return _join_torchrun(spec, vocab_size, timeout_s, backend)
+    device = rank_device(engine, 0)
+    threads = cpu_threads_per_rank(spec.size) if device.type == "cpu" else 0
+    workers = WorkerSet(spec, timeout_s, threads)
+    ranks = _Ranks(None, workers, owns_group=True)
+    try:
+        workers.wait_for("hello", max(timeout_s, 60.0))
+        if dist.is_initialized():
+            raise DistributedError("this process already belongs to a torch.distributed process group; "
+                                   "one tensor-parallel engine per process (close the other first)")
+        comm = init_group(backend_for(device), 0, spec.size, workers.init_method, timeout_s, device,
+                          workers.channel())
+        ranks.comm = comm
+        local = build_shard_runner(spec, 0, comm, backend)
+        workers.wait_for("ready", max(timeout_s, 60.0))
+    except BaseException:
+        ranks.in_sync = False
+        ranks.close()
+        raise
+    logger.info("tensor_parallel.started", size=spec.size, backend=backend_for(device),
+                pids=[p.pid for p in workers.processes.values()], threads_per_rank=threads or None)
+    return TensorParallelRunner(local, comm, ranks, vocab_size, threads)
+
+
+def _join_torchrun(spec: ShardSpec, vocab_size: int, timeout_s: float, backend: Any) -> TensorParallelRunner:
+    import os
+
+    rank = int(os.environ["RANK"])
+    device = rank_device(spec.engine, int(os.environ.get("LOCAL_RANK", rank)))
+    owns_group = not dist.is_initialized()
+    comm = init_group(backend_for(device), rank, spec.size, None, timeout_s, device)
+    local = build_shard_runner(spec, rank, comm, backend)
+    if rank != 0:
+        serve(local, comm)
+        if owns_group:
+            dist.destroy_process_group()
+        raise SystemExit(0)
+    return TensorParallelRunner(local, comm, _Ranks(comm, None, owns_group), vocab_size)
+

@@ -1,0 +1,100 @@
+"""What every rank runs: its decoder shard, its attention backend (built for its local
+heads) and the KV cache of those heads, behind the ordinary `ModelRunner`; and the
+step messages rank 0 sends the others."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from servelab.config import EngineSection
+from servelab.distributed.comm import Communicator
+from servelab.distributed.layout import ShardLayout
+from servelab.distributed.sharded_model import build_shard
+from servelab.interfaces import AttentionContext, AttentionMetadata
+from servelab.model.loader import DTYPES, Checkpoint
+from servelab.registry import RegisteredPolicy, build_policy
+from servelab.runner import ModelInputs, ModelRunner
+
+
+@attrs.frozen
+class ShardSpec:
+    """Everything a rank needs to build its shard; picklable, sent to spawned workers."""
+
+    model_path: str
+    engine: EngineSection
+    attention: RegisteredPolicy
+    attention_options: Any
+    attention_context: AttentionContext  # the local head counts; device set per rank
+    num_blocks: int
+    max_positions: int
+    size: int
+
+
+def rank_device(engine: EngineSection, local_rank: int) -> torch.device:
+    """CUDA ranks each take their own GPU (by local rank); CPU ranks share the CPU."""
+    device = torch.device(engine.device)
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def build_shard_runner(spec: ShardSpec, rank: int, comm: Communicator, backend: Any = None) -> ModelRunner:
+    engine = spec.engine
+    checkpoint = Checkpoint.open(spec.model_path)
+    layout = ShardLayout(checkpoint.config, rank, spec.size)
+    model = build_shard(checkpoint, layout, comm, engine.dtype, str(comm.device), spec.max_positions,
+                        engine.prepack_weights)
+    if backend is None:
+        context = attrs.evolve(spec.attention_context, device=comm.device)
+        backend = build_policy(spec.attention, spec.attention_options, context)
+    return ModelRunner(model, backend, spec.num_blocks, engine.block_size, DTYPES[engine.dtype], comm.device)
+
+
+def pack_inputs(inputs: ModelInputs) -> dict[str, Any]:
+    """A step's inputs as host arrays (what rank 0 broadcasts)."""
+    attention = {field.name: _host(getattr(inputs.attention, field.name))
+                 for field in attrs.fields(AttentionMetadata)}
+    return {"input_ids": _host(inputs.input_ids), "positions": _host(inputs.positions),
+            "logits_indices": _host(inputs.logits_indices), "attention": attention}
+
+
+def unpack_inputs(packed: dict[str, Any], device: torch.device) -> ModelInputs:
+    attention = AttentionMetadata(**{name: _device(value, device) for name, value in packed["attention"].items()})
+    return ModelInputs(input_ids=_device(packed["input_ids"], device), positions=_device(packed["positions"], device),
+                       attention=attention, logits_indices=_device(packed["logits_indices"], device),
+                       sampled_seq_rows=[], num_logits_rows=[])
+
+
+def _host(value: Any) -> Any:
+    return value.cpu().numpy() if isinstance(value, torch.Tensor) else value
+
+
+def _device(value: Any, device: torch.device) -> Any:
+    return torch.from_numpy(value).to(device) if isinstance(value, np.ndarray) else value
+
+
+def lm_head(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of final-normed hidden states through the vocab-parallel head (a collective)."""
+    with torch.inference_mode():
+        return runner.model.lm_head(hidden.to(runner.model.norm.weight.dtype)).float()
+
+
+def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None) -> None:
+    """A worker rank's loop: run what rank 0 sends until it says stop."""
+    while True:
+        kind, payload = comm.receive()
+        if kind == "stop":
+            return
+        if kind == "step":
+            copies, packed = payload
+            if copies:
+                runner.copy_blocks(copies)
+            runner.execute_with_hidden(unpack_inputs(packed, comm.device))
+        elif kind == "lm_head":
+            lm_head(runner, torch.from_numpy(payload).to(comm.device))
+        else:
+            raise RuntimeError(f"unknown tensor-parallel message {kind!r}")
+        if on_done is not None:
+            on_done()
