@@ -205,4 +205,3 @@ def _join_torchrun(spec: ShardSpec, vocab_size: int, timeout_s: float, backend: 
             dist.destroy_process_group()
         raise SystemExit(0)
     return TensorParallelRunner(local, comm, _Ranks(comm, None, owns_group), vocab_size)
-

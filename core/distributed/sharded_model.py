@@ -199,4 +199,3 @@ def parameter_bytes(model: nn.Module) -> int:
     for tensor in list(model.parameters()) + [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]:
         seen[id(tensor)] = tensor.numel() * tensor.element_size()
     return sum(seen.values())
-
