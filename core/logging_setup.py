@@ -67,6 +67,18 @@ def configured_verbosity() -> int | None:
     return _configured_verbosity
 
 
+class _CurrentStderr:
+    """Writes to sys.stderr as it is at each write. Binding the stream object itself at
+    configuration time breaks when it is later replaced and closed (test runners capturing
+    output, daemonised servers): every later event would raise instead of being written."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(verbosity: int = 0) -> None:
     """Human-readable events on stderr: warnings by default, info with -v, debug with -vv."""
     global _configured_verbosity
@@ -79,6 +91,6 @@ def configure_logging(verbosity: int = 0) -> None:
             structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )

@@ -55,3 +55,22 @@ def test_an_application_that_configures_structlog_gets_the_debug_events(runs):
 def test_the_cli_shows_debug_events_only_with_vv(runs):
     assert "request.finished" not in runs["cli"][1]
     assert "request.finished" in runs["cli_debug"][1]
+
+
+SWAPPED_STDERR_SCRIPT = """
+import io, sys
+from servelab.logging_setup import configure_logging, get_logger
+real, captured = sys.stderr, io.StringIO()
+sys.stderr = captured                     # e.g. a test runner capturing output
+configure_logging(0)
+get_logger("servelab.test").error("first", n=1)
+sys.stderr = real
+captured.close()                          # the capture ends; logging must not write to it
+get_logger("servelab.test").error("second", n=2)
+"""
+
+
+def test_events_go_to_the_current_stderr_after_it_was_replaced():
+    run = subprocess.run([sys.executable, "-c", SWAPPED_STDERR_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "second" in run.stderr and "first" not in run.stderr
