@@ -66,9 +66,14 @@ class ThreadConnection:
             self._thread.join(timeout)
 
     def _receive(self, block: bool) -> list[Command]:
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
+        return take_commands(self._commands, block)
+
+
+def take_commands(commands: queue.Queue | queue.SimpleQueue, block: bool) -> list[Command]:
+    """Every command waiting in `commands`; with `block`, at least one (waiting for it)."""
+    taken = [commands.get()] if block else []
+    while True:
+        try:
+            taken.append(commands.get_nowait())
+        except queue.Empty:
+            return taken

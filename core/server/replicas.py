@@ -24,7 +24,7 @@ import structlog
 
 from servelab.errors import ServelabError
 from servelab.interfaces import RouterContext
-from servelab.server.engine_connection import OnExit, OnOutput
+from servelab.server.engine_connection import OnExit, OnOutput, take_commands
 from servelab.server.engine_core import Command, EngineCore, EngineInfo
 from servelab.server.engine_loop import AsyncEngine
 from servelab.server.replica_set import ReplicaSet
@@ -106,12 +106,7 @@ class EngineActor:
             self._ready.notify_all()
 
     def _receive(self, block: bool) -> list[Command]:
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
+        return take_commands(self._commands, block)
 
 
 def _with_clock(command: Command, now: float) -> Command:
