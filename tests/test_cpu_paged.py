@@ -90,6 +90,39 @@ def test_engine_greedy_matches_transformers(checkpoint_factory, kind):
 
 
 @needs_compiler
+@pytest.mark.parametrize("kind, dtype, drafter", [("llama3-rope-tied", "float32", None), ("qwen2", "bfloat16", None),
+                                                  ("llama3-rope-tied", "float32", "ngram")])
+def test_native_decoder_is_bit_identical_to_the_python_path(checkpoint_factory, kind, dtype, drafter):
+    """The whole decoder in one native call gives the same logits, to the bit, as the model's
+    Python loop over the same kernels; it runs every decode step (and, with a drafter, every
+    verification step) and leaves prompt steps to Python."""
+    path = checkpoint_factory(kind)
+    prompts = [[5, 9, 13, 2, 40, 7, 5, 9, 13, 2], list(range(3, 40)), [17]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    results, native_steps = {}, []
+    for native in (False, True):
+        config = {"attention": {"name": "cpu-paged", "build": "wait", "native_decoder": native}}
+        if drafter:
+            config["drafter"] = {"name": drafter, "num_speculative_tokens": 3, "max_ngram": 3}
+        llm = LLM(path, config=config, dtype=dtype, max_model_len=128)
+        backend = llm.engine.runner.backend
+        forward = backend.decoder_forward
+
+        def counted(*args, forward=forward):
+            selected = forward(*args)
+            native_steps.append(selected is not None)
+            return selected
+
+        backend.decoder_forward = counted
+        outputs = llm.generate(prompts, params)
+        results[native] = [(o.token_ids, [{t: p.logprob for t, p in position.items()} for position in o.outputs[0].logprobs])
+                           for o in outputs]
+    assert results[True] == results[False]
+    python_steps, native_run = native_steps[: len(native_steps) // 2], native_steps[len(native_steps) // 2:]
+    assert not any(python_steps) and any(native_run) and not all(native_run)  # prompts stay in Python
+
+
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows, hidden", [(1, 72), (37, 512)])
 def test_layer_ops_match_the_torch_ops(dtype, rows, hidden):

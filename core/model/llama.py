@@ -7,7 +7,9 @@ When the backend offers fused layer ops (`backend.layer_ops`, see LayerOps), the
 runs on them instead of torch's element-wise ops: RMSNorm with the residual add folded in,
 rotary embedding in place on the QKV projection, SiLU-and-multiply. Fewer, larger ops: less
 Python dispatch per layer and fewer temporaries. The results agree to float rounding
-(the norms' sums of squares accumulate in another order).
+(the norms' sums of squares accumulate in another order). Such a backend may also run the
+same ops for the whole decoder in one native call (`backend.decoder_forward`), which
+answers None for the steps it leaves to this module.
 """
 
 from __future__ import annotations
@@ -159,7 +161,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, vocab] float32, hidden [S, hidden]
         ops = getattr(backend, "layer_ops", None)
         if ops is not None and self._fusable(input_ids):
-            selected = self._forward_fused(input_ids, positions, kv_caches, backend, prepared, logits_indices, ops)
+            native = getattr(backend, "decoder_forward", None)
+            selected = None if native is None else native(self, input_ids, positions, kv_caches, prepared,
+                                                          logits_indices)
+            if selected is None:
+                selected = self._forward_fused(input_ids, positions, kv_caches, backend, prepared, logits_indices, ops)
         else:
             hidden = self.embed_tokens(input_ids)
             cos, sin = self.rotary.tables(positions)

@@ -1,6 +1,6 @@
 """Building the `cpu-paged` C++ kernels through torch's extension machinery.
 
-The first build compiles cpu_paged.cpp and cpu_layer_ops.cpp (about a minute on two
+The first build compiles cpu_paged.cpp, cpu_layer_ops.cpp and cpu_decoder.cpp (about a minute on two
 cores); torch caches the library (under $TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions), so later starts only load it. The compiler runs in a detached
 process (`python -m servelab.plugins.kernels.cpu_build`), watched from a background
@@ -24,7 +24,7 @@ import torch
 import servelab
 
 logger = servelab.get_logger(__name__)  # silent below WARNING until the application configures logging
-SOURCES = [str(Path(__file__).with_name(name)) for name in ("cpu_paged.cpp", "cpu_layer_ops.cpp")]
+SOURCES = [str(Path(__file__).with_name(name)) for name in ("cpu_paged.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_simd.h")]
 STALE_LOCK_SECONDS = 600
 

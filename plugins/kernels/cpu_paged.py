@@ -9,13 +9,17 @@ runs at matmul speed there. The cache layout is torch-paged's.
 
 The same library offers the model fused layer ops (`layer_ops`: RMSNorm with the residual
 add, rotary in place, SiLU-and-multiply), which cut a decoder layer's small ops and their
-Python dispatch (`layer_ops = false` keeps torch's).
+Python dispatch (`layer_ops = false` keeps torch's), and, for steps whose every row the
+kernel attends, the whole decoder in one native call (`decoder_forward`, see cpu_decoder;
+`native_decoder = false` keeps the Python loop over layers).
 
 The kernels compile on first use (see cpu_build); until they are ready, or when they
 cannot be built, every row takes the torch-paged path, which computes the same attention.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import attrs
 import numpy as np
@@ -25,6 +29,7 @@ from torch.profiler import record_function
 import servelab
 from servelab.interfaces import AttentionContext, AttentionMetadata
 from servelab.plugins.kernels.cpu_build import kernel_build
+from servelab.plugins.kernels.cpu_decoder import native_decoder
 from servelab.plugins.kernels.options import CpuPagedOptions, TorchPagedOptions
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention, _Host, _PrefillGroup, prefill_groups
 
@@ -46,6 +51,7 @@ class CpuPagedAttention(TorchPagedAttention):
                                            prefill_group_area=self.cpu_options.prefill_group_area), context)
         self._build = kernel_build()
         self._kernels = None
+        self._decoders: dict[int, tuple[weakref.ref, object]] = {}  # id(model) -> (model, its native decoder or None)
         if context.device.type != "cpu":
             logger.warning("cpu_paged.not_cpu", device=str(context.device), fallback="torch-paged attention")
             return
@@ -64,6 +70,31 @@ class CpuPagedAttention(TorchPagedAttention):
         multiply) for the model, once the kernels are ready; see servelab.model.llama.LayerOps.
         Set when a step is prepared, so a step never mixes the two paths."""
         return self._kernels if self.cpu_options.layer_ops else None
+
+    def decoder_forward(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], prepared,
+                        logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """The final-normed hidden states of the `logits_indices` rows, the whole decoder run
+        in one native call; None when this step (some rows are prompts) or this model (see
+        cpu_decoder) takes the model's Python path. Bit-identical to the fused Python path."""
+        if (not isinstance(prepared, _KernelPrepared) or prepared.prefill_groups
+                or not (self.cpu_options.native_decoder and self.cpu_options.layer_ops)):
+            return None
+        decoder = self._decoder_for(model)
+        if decoder is None:
+            return None
+        metadata = prepared.metadata
+        with record_function("cpu_paged::decoder"):
+            return decoder.forward(input_ids, positions, [cache for pair in kv_caches for cache in pair],
+                                   metadata.block_tables, metadata.query_start_loc, metadata.context_lens,
+                                   metadata.slot_mapping, prepared.kernel_seqs, logits_indices)
+
+    def _decoder_for(self, model: torch.nn.Module):
+        entry = self._decoders.get(id(model))
+        if entry is None or entry[0]() is not model:
+            entry = (weakref.ref(model), native_decoder(self._kernels, model))
+            self._decoders[id(model)] = entry
+        return entry[1]
 
     def prepare(self, metadata: AttentionMetadata):
         if self._kernels is None:

@@ -37,13 +37,16 @@ class CpuPagedOptions:
     path serves; "wait" blocks the engine's start until the kernels are built (or fail);
     "never" always takes the torch-paged path (for comparisons). layer_ops: the model runs its
     norms, rotary and SiLU-and-multiply on the library's fused ops once it is ready (false:
-    torch's ops). The prefill_* options are torch-paged's, for the rows longer than
-    max_kernel_query_len.
+    torch's ops). native_decoder: with layer_ops, a step whose every row the kernel attends
+    runs the whole decoder in one native call (false: the model's Python loop over layers;
+    the results are identical). The prefill_* options are torch-paged's, for the rows longer
+    than max_kernel_query_len.
     """
 
     max_kernel_query_len: int = attrs.field(default=16, validator=attrs.validators.gt(0))
     build: str = attrs.field(default="background", validator=attrs.validators.in_(("background", "wait", "never")))
     layer_ops: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    native_decoder: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     prefill_group_size: int = attrs.field(default=16, validator=attrs.validators.gt(0))
     prefill_padding: float = attrs.field(default=1.25, validator=attrs.validators.ge(1.0))
     prefill_group_area: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))

@@ -1,0 +1,120 @@
+// A Llama decoder's whole forward in one native call, for steps whose every row the
+// `cpu-paged` kernel attends (decodes, verified drafts, short chunks).
+//
+// It issues exactly the ops of the model's fused Python path (servelab.model.llama,
+// `_forward_fused`): the same oneDNN linear on the same packed weights, the same layer ops
+// and the same attention kernel, in the same order, so its results are bit-identical to
+// that path. What it removes is the Python between them: module calls, argument parsing
+// and dispatch for ~13 ops a layer, which at small batches cost as much as the layer's
+// arithmetic.
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <string_view>
+#include <vector>
+
+// cpu_layer_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+             int64_t num_heads, int64_t head_dim);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+// cpu_paged.cpp
+void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                 const at::Tensor& slot_mapping);
+void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
+            const at::Tensor& sequences, double scale, at::Tensor& out);
+
+namespace {
+
+using Optional = std::optional<at::Tensor>;
+
+// y = x W^T + b through oneDNN with W pre-packed (servelab.model.packed_linear.PackedLinear).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight, const Optional& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, std::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>();
+  return op.call(x, packed_weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::string_view());
+}
+
+struct Linear {
+  at::Tensor weight;
+  Optional bias;
+  at::Tensor operator()(const at::Tensor& x) const { return packed_linear(x, weight, bias); }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+class Decoder {
+ public:
+  // layers[i] = [input norm, post-attention norm, qkv, qkv bias, o, o bias, gate_up, gate_up bias,
+  // down, down bias] with None for an absent bias; the linears' weights are packed.
+  Decoder(const std::vector<std::vector<Optional>>& layers, at::Tensor embedding, at::Tensor final_norm,
+          at::Tensor cos, at::Tensor sin, double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
+          int64_t head_dim)
+      : embedding_(std::move(embedding)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
+        sin_(std::move(sin)), eps_(eps), scale_(scale), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim) {
+    for (const auto& t : layers) {
+      TORCH_CHECK(t.size() == 10, "a layer is 10 tensors (norms, then each linear's weight and bias)");
+      for (int i : {0, 1, 2, 4, 6, 8}) TORCH_CHECK(t[i].has_value(), "layer tensor ", i, " is missing");
+      layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3]}, {*t[4], t[5]}, {*t[6], t[7]}, {*t[8], t[9]}});
+    }
+  }
+
+  // The final-normed hidden states of the rows in logits_indices. caches: per layer, key then value.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const std::vector<at::Tensor>& caches,
+                     const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
+                     const at::Tensor& slot_mapping, const at::Tensor& sequences,
+                     const at::Tensor& logits_indices) const {
+    TORCH_CHECK(caches.size() == 2 * layers_.size(), "one key and one value cache per layer");
+    const int64_t tokens = input_ids.size(0);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    at::Tensor residual = embedding_.index_select(0, input_ids);
+    at::Tensor hidden;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      if (i == 0)
+        hidden = rms_norm(residual, layer.input_norm, eps_);
+      else
+        add_rms_norm_(hidden, residual, layer.input_norm, eps_);
+      at::Tensor qkv = layer.qkv(hidden);
+      rotary_(qkv, positions, cos_, sin_, num_heads_ + num_kv_heads_, head_dim_);
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+      at::Tensor key_cache = caches[2 * i], value_cache = caches[2 * i + 1];
+      write_cache(k, v, key_cache, value_cache, slot_mapping);
+      at::Tensor attended = at::empty({tokens, num_heads_, head_dim_}, qkv.options());
+      attend(q, key_cache, value_cache, block_tables, query_start, context_lens, sequences, scale_, attended);
+      hidden = layer.o(attended.view({tokens, q_size}));
+      add_rms_norm_(hidden, residual, layer.post_attention_norm, eps_);
+      hidden = layer.down(silu_and_mul(layer.gate_up(hidden)));
+    }
+    at::Tensor selected = hidden.index_select(0, logits_indices) + residual.index_select(0, logits_indices);
+    return rms_norm(selected, final_norm_, eps_);
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  at::Tensor embedding_, final_norm_, cos_, sin_;
+  double eps_, scale_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+};
+
+}  // namespace
+
+void register_decoder(pybind11::module& m) {
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<const std::vector<std::vector<Optional>>&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          double, double, int64_t, int64_t, int64_t>())
+      // No Python object is touched inside: other Python threads run meanwhile.
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

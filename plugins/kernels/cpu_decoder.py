@@ -1,0 +1,38 @@
+"""The model's whole decoder in one native call (cpu_decoder.cpp), for `cpu-paged` steps
+whose every row the C++ attention kernel attends.
+
+`native_decoder(kernels, model)` hands the C++ side the model's tensors once: the
+embedding, each layer's norms and packed linear weights, the final norm and the rotary
+tables. It answers None for a model it cannot run (linears not packed for oneDNN, norms
+with different epsilons, weights and rotary tables of different dtypes), which then keeps
+the Python path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from servelab.model.packed_linear import PackedLinear
+
+
+def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
+    config = model.config
+    norms = [model.norm] + [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+               for layer in model.layers]
+    dtype = model.embed_tokens.weight.dtype
+    if (model.embed_tokens.weight.device.type != "cpu"
+            or any(not isinstance(linear, PackedLinear) for group in linears for linear in group)
+            or any(norm.eps != config.rms_norm_eps for norm in norms)
+            or any(norm.weight.dtype != dtype for norm in norms)
+            or model.rotary.cos.dtype != dtype):
+        return None
+    layers = [[layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+              + [tensor for linear in group for tensor in (linear.packed_weight, linear.bias)]
+              for layer, group in zip(model.layers, linears)]
+    attention = model.layers[0].self_attn
+    return kernels.Decoder(layers, model.embed_tokens.weight.detach(), model.norm.weight.detach(),
+                           model.rotary.cos, model.rotary.sin, config.rms_norm_eps, attention.scale,
+                           attention.num_heads, attention.num_kv_heads, attention.head_dim)
