@@ -12,7 +12,7 @@ policy of each kind by name, with `section.key=value` overrides.
     name = "continuous"
 
     [attention]
-    name = "torch-paged"
+    name = "cpu-paged"
 
     [router]                  # used by fleets of replicas (servelab bench --replicas)
     name = "prefix-affinity"
@@ -43,7 +43,7 @@ else:  # pragma: no cover
 DEFAULT_MODEL = "builtin:tiny"
 DTYPES = ("float32", "bfloat16", "float16")
 POLICY_SECTIONS = ("allocator", "scheduler", "drafter", "attention", "router")
-DEFAULT_POLICIES = {"allocator": "paged", "scheduler": "continuous", "attention": "torch-paged"}
+DEFAULT_POLICIES = {"allocator": "paged", "scheduler": "continuous", "attention": "cpu-paged"}
 DEFAULT_ROUTER = "round-robin"
 LOGPROBS_MODES = ("raw", "processed")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

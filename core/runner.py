@@ -11,6 +11,7 @@ import torch
 
 from servelab.interfaces import AttentionMetadata, KVAllocator, StepPlan
 from servelab.model.llama import LlamaForCausalLM
+from servelab.model.memory import zeros_on_huge_pages
 
 
 @attrs.frozen
@@ -30,6 +31,13 @@ class ModelInputs:
     prompt_logits: tuple[tuple[int, int, int], ...] = ()
 
 
+def new_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's zeroed K or V cache; on the CPU on huge pages where the OS grants them."""
+    if device.type == "cpu":
+        return zeros_on_huge_pages(tuple(shape), dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class ModelRunner:
     supports_prompt_logprobs = True  # prepare(..., prompt_logprobs=True) adds prompt positions' logits rows
 
@@ -43,10 +51,8 @@ class ModelRunner:
         shape = backend.kv_cache_shape()
         self.block_dim = backend.kv_cache_block_dim()  # the dimension block ids index
         # The runner owns the cache; allocators only hand out block ids into it.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_layers)
-        ]
+        self.kv_caches = [(new_kv_cache(shape, dtype, device), new_kv_cache(shape, dtype, device))
+                          for _ in range(config.num_layers)]
 
     def prepare(self, plan: StepPlan, allocator: KVAllocator, prompt_logprobs: bool = False) -> ModelInputs:
         """The step's tensors. With `prompt_logprobs`, sequences asking for prompt logprobs

@@ -18,3 +18,14 @@ def checkpoint_factory():
 @pytest.fixture(scope="session")
 def llama_checkpoint(checkpoint_factory) -> str:
     return checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """The default attention backend (cpu-paged) uses its C++ kernels only when a start finds
+    them cached, and builds them in the background otherwise. Building them once before any
+    test makes every engine of the run take the same path (the kernels where a compiler
+    exists, the torch path where none does) instead of switching when the build lands."""
+    from servelab.plugins.kernels.cpu_build import kernel_build
+
+    kernel_build().wait()

@@ -49,7 +49,7 @@ def test_toml_file_and_dict_give_the_same_config(tmp_path):
     assert EngineConfig.load(str(path)) == EngineConfig.load(path) == EngineConfig.load(DICT) == from_file
     assert from_file.engine.kv_cache_memory == 64 * 2**20
     assert from_file.drafter == PolicySection("ngram", {"k": 3})
-    assert from_file.attention.name == "torch-paged"  # unspecified sections keep their defaults
+    assert from_file.attention.name == "cpu-paged"  # unspecified sections keep their defaults
     assert EngineConfig.from_dict(from_file.to_dict()) == from_file
 
 

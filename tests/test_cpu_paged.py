@@ -201,6 +201,35 @@ def test_without_a_compiler_the_torch_path_serves_and_says_so_once(tmp_path):
     assert result.stdout.split() == ["False", "1", "cpu_paged.kernels_unavailable"]
 
 
+CACHED_SCRIPT = """
+import sys
+from servelab import LLM, SamplingParams
+from servelab.plugins.kernels.cpu_build import is_cached, kernel_build
+llm = LLM("builtin:tiny", max_model_len=128)  # the default attention: cpu-paged, build = "cached"
+backend = llm.engine.runner.backend
+params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+before = llm.generate([[5, 9, 13, 2]], params)[0].token_ids
+ready_at_start = backend.kernels_ready
+if sys.argv[1] == "empty":
+    kernel_build().wait()  # the build for the next start, begun by the engine
+after = llm.generate([[5, 9, 13, 2]], params)[0].token_ids
+print(ready_at_start, backend.kernels_ready, is_cached(), before == after)
+"""
+
+
+@needs_compiler
+def test_the_cached_build_mode_never_switches_mid_run_and_builds_for_the_next_start(tmp_path):
+    """An empty cache: the whole run stays on the torch path while the library is built
+    for the next start. The next start finds it and uses the kernels from its first step."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    runs = [subprocess.run([sys.executable, "-c", CACHED_SCRIPT, cache], env=env, capture_output=True, text=True,
+                           timeout=600) for cache in ("empty", "filled")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert [run.stdout.split() for run in runs] == [["False", "False", "True", "True"],
+                                                     ["True", "True", "True", "True"]]
+
+
 def test_selected_on_a_non_cpu_device_falls_back_without_building():
     context = AttentionContext(num_heads=4, num_kv_heads=2, head_dim=32, block_size=4, num_blocks=8,
                                dtype=torch.float32, device=torch.device("meta"))

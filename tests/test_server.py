@@ -275,11 +275,12 @@ def test_disconnect_mid_stream_frees_kv_blocks(server, http):
 
 def test_disconnect_while_waiting_for_a_full_response_aborts_it(server):
     aborted = server.metrics().get(ABORTED, 0)
-    body = {"model": MODEL, "prompt": "w5", "max_tokens": 240, "ignore_eos": True, "n": 4}
+    # 16 sequences x 240 tokens take far longer than the client waits for a first byte.
+    body = {"model": MODEL, "prompt": "w5", "max_tokens": 240, "ignore_eos": True, "n": 16}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.2),
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05),
                    headers={"Authorization": f"Bearer {API_KEY}"})
-    after = server.wait_metrics(lambda m: m.get(ABORTED, 0) == aborted + 4, timeout=3)
+    after = server.wait_metrics(lambda m: m.get(ABORTED, 0) == aborted + 16, timeout=3)
     assert after[USED] == 0
 
 

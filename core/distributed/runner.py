@@ -12,6 +12,7 @@ every rank is then shut down and the runner refuses further steps.
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, Sequence as Seq
 
@@ -27,6 +28,15 @@ from servelab.logging_setup import get_logger
 from servelab.runner import ModelInputs, ModelRunner
 
 logger = get_logger(__name__)
+
+
+def _let_gloo_release_its_work() -> None:
+    """Under torchrun the stop message is a gloo broadcast. Gloo's worker thread drops its
+    hold on the broadcast's tensors a moment after the broadcast returns, and doing so needs
+    the GIL: if this process is finalizing by then, that thread is killed mid-destructor and
+    the process aborts ("terminate called without an active exception", seen in about one
+    run in eight). Sleeping releases the GIL and gives the thread that moment."""
+    time.sleep(0.2)
 
 
 class _Ranks:
@@ -46,6 +56,8 @@ class _Ranks:
         if self.comm is not None and self.in_sync:
             try:
                 self.comm.send(("stop", None))
+                if self.workers is None:
+                    _let_gloo_release_its_work()
             except Exception:  # noqa: BLE001 - a dead rank: the workers are stopped below anyway
                 pass
         if self.workers is not None:
@@ -201,6 +213,7 @@ def _join_torchrun(spec: ShardSpec, vocab_size: int, timeout_s: float, backend: 
     local = build_shard_runner(spec, rank, comm, backend)
     if rank != 0:
         serve(local, comm)
+        _let_gloo_release_its_work()  # the stop message was a gloo broadcast here too
         if owns_group:
             dist.destroy_process_group()
         raise SystemExit(0)

@@ -1,4 +1,5 @@
-"""Handing memory that loading freed back to the operating system."""
+"""The process's memory: handing what loading freed back to the operating system, and
+KV caches on huge pages."""
 
 from __future__ import annotations
 
@@ -6,15 +7,20 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import math
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 @functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None on another C library."""
+def _libc():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
         return None
 
 
@@ -24,6 +30,23 @@ def release_freed_memory() -> None:
     its heap rather than unmapping, where they would count against the process's resident
     memory for its whole life."""
     gc.collect()
-    trim = _malloc_trim()
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory Linux may back with 2 MiB pages (transparent huge
+    pages, asked for with madvise before the memory is first touched); elsewhere, or when
+    the request is refused, an ordinary zeroed tensor. Decode attention reads K and V in
+    4 KiB tiles scattered over the cache: with 4 KiB pages nearly every tile costs a TLB
+    miss, with 2 MiB pages the whole cache fits the TLB."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    madvise = getattr(_libc(), "madvise", None) if sys.platform.startswith("linux") else None
+    if madvise is None or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -buffer.data_ptr() % HUGE_PAGE
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise(buffer.data_ptr() + offset, nbytes - nbytes % HUGE_PAGE, MADV_HUGEPAGE)  # refused: 4 KiB pages
+    return buffer[offset:offset + nbytes].view(dtype).view(shape).zero_()

@@ -1,12 +1,15 @@
 """Building the `cpu-paged` C++ kernels through torch's extension machinery.
 
-The first build compiles cpu_paged.cpp, cpu_layer_ops.cpp and cpu_decoder.cpp (about a minute on two
-cores); torch caches the library (under $TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions), so later starts only load it. The compiler runs in a detached
-process (`python -m servelab.plugins.kernels.cpu_build`), watched from a background
-thread, so an engine serves on the torch path meanwhile, and a process that exits
-mid-build leaves neither a half-built library nor a held build lock behind. Without a
-compiler the build fails once, says so in one log line, and the torch path keeps serving.
+The first build compiles cpu_paged.cpp, cpu_layer_ops.cpp and cpu_decoder.cpp (about a
+minute on two cores); torch caches the library (under $TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions), so later starts only load it. The library's name carries the
+CPU's vector unit and a digest of the sources, so a cached library is loaded only where it
+was built from these very sources for this kind of CPU (`is_cached`), never rebuilt at start.
+The compiler runs in a detached process (`python -m servelab.plugins.kernels.cpu_build`),
+watched from a background thread, so an engine serves on the torch path meanwhile, and a
+process that exits mid-build leaves neither a half-built library nor a held build lock
+behind. Without a compiler the build fails once, says so in one log line, and the torch
+path keeps serving.
 """
 
 from __future__ import annotations
@@ -25,14 +28,15 @@ import servelab
 
 logger = servelab.get_logger(__name__)  # silent below WARNING until the application configures logging
 SOURCES = [str(Path(__file__).with_name(name)) for name in ("cpu_paged.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_simd.h")]
+HEADERS = [str(Path(__file__).with_name("cpu_simd.h"))]
 STALE_LOCK_SECONDS = 600
 
 
 def _flags() -> tuple[str, list[str]]:
     """A library name and compiler flags for this CPU's vector unit. The name carries the
     capability, so that a cache shared by different machines never loads a wrong build, and
-    a digest of the headers, which torch's own rebuild check does not read."""
+    a digest of the sources and headers (torch's own rebuild check does not read headers),
+    so that a library in the cache was built from exactly these files."""
     capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
     # -fopenmp: at::parallel_for is a header template; without it the kernel runs on one thread.
     # -ffp-contract=off: no fused multiply-adds the source does not write, so the layer ops
@@ -42,7 +46,7 @@ def _flags() -> tuple[str, list[str]]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if capability == "AVX512":
         flags += ["-mavx512f"]
-    digest = hashlib.sha256(b"".join(header.read_bytes() for header in HEADERS)).hexdigest()[:8]
+    digest = hashlib.sha256(b"".join(Path(path).read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:8]
     return f"servelab_cpu_paged_{capability.lower()}_{digest}", flags
 
 
@@ -71,6 +75,18 @@ class KernelBuild:
     def module(self) -> ModuleType | None:
         return self._module
 
+    def load_cached(self) -> ModuleType | None:
+        """The library, loaded now if this machine's cache holds it (no compiling); None
+        otherwise, or when loading it fails (one warning)."""
+        with self._lock:
+            if self._module is None and is_cached():
+                try:
+                    self._module = load_library()
+                except Exception as exc:  # a damaged cache entry: serve on the torch path
+                    logger.warning("cpu_paged.cached_library_unusable", reason=str(exc).strip()[-300:],
+                                   fallback="torch-paged attention (same results, slower)")
+            return self._module
+
     def _build(self) -> None:
         try:
             compiled = subprocess.run([sys.executable, "-m", "servelab.plugins.kernels.cpu_build"],
@@ -86,6 +102,20 @@ class KernelBuild:
                            fallback="torch-paged attention (same results, slower)")
         finally:
             self._done.set()
+
+
+def is_cached() -> bool:
+    """Whether the library for this CPU and these sources is built. (Loading it takes torch's
+    build lock for a moment: a lock is no sign of a build. Every process started together,
+    tensor-parallel ranks or replicas, sees the same answer.)"""
+    from torch.utils import cpp_extension
+
+    name, _ = _flags()
+    try:
+        directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except (OSError, AttributeError):
+        return False
+    return (directory / f"{name}.so").is_file()
 
 
 def load_library() -> ModuleType:

@@ -2,8 +2,8 @@
 whose every row the C++ attention kernel attends.
 
 `native_decoder(kernels, model)` hands the C++ side the model's tensors once: the
-embedding, each layer's norms and packed linear weights, the final norm and the rotary
-tables. It answers None for a model it cannot run (linears not packed for oneDNN, norms
+embedding, each layer's norms and packed linear weights (the `packed_weight` and `bias` of
+servelab.model.packed_linear.PackedLinear), the final norm and the rotary tables. It answers None for a model it cannot run (linears not packed for oneDNN, norms
 with different epsilons, weights and rotary tables of different dtypes), which then keeps
 the Python path.
 """
@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from servelab.model.packed_linear import PackedLinear
-
 
 def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
     config = model.config
@@ -24,7 +22,7 @@ def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
                for layer in model.layers]
     dtype = model.embed_tokens.weight.dtype
     if (model.embed_tokens.weight.device.type != "cpu"
-            or any(not isinstance(linear, PackedLinear) for group in linears for linear in group)
+            or any(not hasattr(linear, "packed_weight") for group in linears for linear in group)
             or any(norm.eps != config.rms_norm_eps for norm in norms)
             or any(norm.weight.dtype != dtype for norm in norms)
             or model.rotary.cos.dtype != dtype):

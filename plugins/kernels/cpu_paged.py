@@ -13,8 +13,10 @@ Python dispatch (`layer_ops = false` keeps torch's), and, for steps whose every 
 kernel attends, the whole decoder in one native call (`decoder_forward`, see cpu_decoder;
 `native_decoder = false` keeps the Python loop over layers).
 
-The kernels compile on first use (see cpu_build); until they are ready, or when they
-cannot be built, every row takes the torch-paged path, which computes the same attention.
+The kernels compile on first use (see cpu_build) and are cached for later starts; an engine
+that starts before they are cached (or where they cannot be built) serves every row on
+the torch-paged path, which computes the same attention. `cpu-paged` is the default
+backend: on a device other than the CPU it is torch-paged.
 """
 
 from __future__ import annotations
@@ -52,11 +54,19 @@ class CpuPagedAttention(TorchPagedAttention):
         self._build = kernel_build()
         self._kernels = None
         self._decoders: dict[int, tuple[weakref.ref, object]] = {}  # id(model) -> (model, its native decoder or None)
+        # "cached" never switches mid-run; "background" switches once its build lands.
+        self._switch_when_built = self.cpu_options.build == "background"
         if context.device.type != "cpu":
-            logger.warning("cpu_paged.not_cpu", device=str(context.device), fallback="torch-paged attention")
+            # The default backend everywhere: on another device it is torch-paged.
+            logger.info("cpu_paged.not_cpu", device=str(context.device), fallback="torch-paged attention")
             return
         if self.cpu_options.build == "wait":
             self._kernels = self._build.wait()
+        elif self.cpu_options.build == "cached":
+            self._kernels = self._build.load_cached()
+            if self._kernels is None:
+                logger.info("cpu_paged.building_for_next_start", fallback="torch-paged attention for this run")
+                self._build.start()
         elif self.cpu_options.build == "background":
             self._build.start()
 
@@ -98,7 +108,8 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def prepare(self, metadata: AttentionMetadata):
         if self._kernels is None:
-            self._kernels = self._build.module() if self.context.device.type == "cpu" else None
+            if self._switch_when_built and self.context.device.type == "cpu":
+                self._kernels = self._build.module()
             if self._kernels is None:
                 return super().prepare(metadata)
         limit = self.cpu_options.max_kernel_query_len

@@ -33,18 +33,22 @@ class CupyPagedOptions:
 class CpuPagedOptions:
     """`cpu-paged`: which rows the C++ kernel attends, and when its build happens.
 
-    build: "background" (default) compiles on first use in a thread while the torch-paged
-    path serves; "wait" blocks the engine's start until the kernels are built (or fail);
-    "never" always takes the torch-paged path (for comparisons). layer_ops: the model runs its
-    norms, rotary and SiLU-and-multiply on the library's fused ops once it is ready (false:
-    torch's ops). native_decoder: with layer_ops, a step whose every row the kernel attends
-    runs the whole decoder in one native call (false: the model's Python loop over layers;
-    the results are identical). The prefill_* options are torch-paged's, for the rows longer
-    than max_kernel_query_len.
+    build: "cached" (default) uses the kernels from the first step when this machine's cache
+    already holds them, and otherwise serves the whole run on the torch-paged path while it
+    builds them in the background for the next start (never switching mid-run);
+    "background" also builds in the background but switches to the kernels at the first
+    step after the build lands; "wait" blocks the engine's start until the kernels are
+    built (or fail); "never" always takes the torch-paged path (for comparisons).
+    layer_ops: the model runs its norms, rotary and SiLU-and-multiply on the library's
+    fused ops once it is ready (false: torch's ops). native_decoder: with layer_ops, a step
+    whose every row the kernel attends runs the whole decoder in one native call (false:
+    the model's Python loop over layers; the results are identical). The prefill_* options
+    are torch-paged's, for the rows longer than max_kernel_query_len.
     """
 
     max_kernel_query_len: int = attrs.field(default=16, validator=attrs.validators.gt(0))
-    build: str = attrs.field(default="background", validator=attrs.validators.in_(("background", "wait", "never")))
+    build: str = attrs.field(default="cached",
+                             validator=attrs.validators.in_(("cached", "background", "wait", "never")))
     layer_ops: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     native_decoder: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     prefill_group_size: int = attrs.field(default=16, validator=attrs.validators.gt(0))
