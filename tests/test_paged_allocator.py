@@ -9,8 +9,6 @@ allocate / grow / free sequences against a plain-Python model of the free list.
 
 from __future__ import annotations
 
-from collections import deque
-
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
@@ -111,19 +109,21 @@ def test_exactly_filling_the_pool_succeeds():
     assert alloc.allocate("c", 1) is False
 
 
-def test_free_returns_blocks_to_the_back_in_table_order():
+def test_the_lowest_free_block_goes_first():
     alloc = make(num_blocks=6)
     assert alloc.allocate("a", 8)  # [0, 1]
     assert alloc.allocate("b", 8)  # [2, 3]
     alloc.free("a")
     assert alloc.block_table("a") == []
-    # Free list is now [4, 5, 0, 1]: fresh blocks first, then a's, oldest first.
+    # Free: 0, 1, 4, 5. a's freed blocks come before the never-used ones.
     assert alloc.allocate("c", 16)
-    assert alloc.block_table("c") == [4, 5, 0, 1]
-    alloc.free("b")
+    assert alloc.block_table("c") == [0, 1, 4, 5]
     alloc.free("c")
-    assert alloc.allocate("d", 24)
-    assert alloc.block_table("d") == [2, 3, 4, 5, 0, 1]
+    assert alloc.allocate("d", 4)
+    assert alloc.block_table("d") == [0]
+    alloc.free("b")
+    assert alloc.allocate("e", 20)
+    assert alloc.block_table("e") == [1, 2, 3, 4, 5]
 
 
 def test_free_of_unknown_or_twice_is_a_no_op():
@@ -147,7 +147,7 @@ def test_freed_id_can_be_reused_from_scratch():
     assert alloc.allocate("a", 9)
     alloc.free("a")
     assert alloc.allocate("a", 1)
-    assert alloc.block_table("a") == [3]
+    assert alloc.block_table("a") == [0]
     assert alloc.stats().num_token_slots_used == 1
 
 
@@ -173,7 +173,8 @@ def test_stats_count_slots():
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random allocate / grow / free, checked against a model of the FIFO free list."""
+    """Random allocate / grow / free, checked against a model of the free list (a set whose
+    lowest ids go first)."""
 
     seqs = Bundle("seqs")
 
@@ -182,7 +183,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.alloc = make(num_blocks=num_blocks, block_size=block_size, max_model_len=num_blocks * block_size)
-        self.free_model: deque[int] = deque(range(num_blocks))
+        self.free_model: set[int] = set(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, int] = {}
         self.counter = 0
@@ -196,7 +197,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not fits:
             assert self.alloc.stats() == before
             return
-        self.tables[seq_id] = table + [self.free_model.popleft() for _ in range(max(need, 0))]
+        taken = sorted(self.free_model)[:max(need, 0)]
+        self.free_model -= set(taken)
+        self.tables[seq_id] = table + taken
         self.tokens[seq_id] = max(num_tokens, self.tokens.get(seq_id, 0))
 
     @rule(target=seqs, num_tokens=st.integers(0, 40))
@@ -213,7 +216,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(seq_id=consumes(seqs))
     def free(self, seq_id: str) -> None:
         self.alloc.free(seq_id)
-        self.free_model.extend(self.tables.pop(seq_id, []))
+        self.free_model |= set(self.tables.pop(seq_id, []))
         self.tokens.pop(seq_id, None)
 
     @rule()

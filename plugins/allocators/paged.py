@@ -12,14 +12,40 @@ When the child appends token 10, block 5 is shared, so it is copied first (copy-
     child   [7 | 2 | 9]       copy 5 -> 9 queued for the runner; ref counts 5: 1, 9: 1
 
 Full shared blocks are never written again, so they are never copied.
+
+Free blocks are handed out lowest id first. Decode attention reads each sequence's blocks
+from wherever they sit in the cache; a FIFO free list hands back freed blocks in the order
+they were freed, which over many requests scatters every new sequence over the whole
+cache, while lowest-first keeps the blocks in use packed at the low end and those of one
+sequence closer together. Measured on the CPU (`builtin:tiny-random`, the 64-request
+skewed workload run six times on each of two engines in one process, alternating): FIFO's
+throughput fell 8-12% from its first runs to its last, lowest-first's did not, and
+lowest-first was 1.065x FIFO in fp32 (1.00-1.12 run by run) and 1.04x in bf16.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from typing import Any
 
 from servelab.interfaces import AllocatorContext, AllocatorStats
+
+
+class FreeBlocks:
+    """The free block ids, a min-heap: `popleft` takes the lowest, `append` returns one."""
+
+    def __init__(self, blocks: range) -> None:
+        self._heap = list(blocks)
+        heapq.heapify(self._heap)
+
+    def popleft(self) -> int:
+        return heapq.heappop(self._heap)
+
+    def append(self, block: int) -> None:
+        heapq.heappush(self._heap, block)
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -43,16 +69,18 @@ class SeqBlocks:
 
 
 class PagedAllocator:
-    """Ref-counted block tables over a FIFO free list; freed blocks go to its back.
+    """Ref-counted block tables over a free list that hands out the lowest id first.
 
     Bookkeeping only: block ids, ref counts and per-block fill. The runner performs the
     block copies `take_block_copies` hands out before the step that needs them.
     """
 
+    free_list_type: Any = FreeBlocks  # popleft() takes the next block, append() returns one
+
     def __init__(self, options: Any, context: AllocatorContext) -> None:
         self.block_size = context.block_size
         self.num_blocks = context.num_blocks
-        self._free_blocks: deque[int] = deque(range(context.num_blocks))
+        self._free_blocks = self.free_list_type(range(context.num_blocks))
         self._seqs: dict[str, SeqBlocks] = {}
         self._ref_counts = [0] * context.num_blocks
         # Slots of each block holding a token: the high-water mark of writes since the

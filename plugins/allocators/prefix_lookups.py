@@ -7,6 +7,7 @@ and lookups describe the sequences that actually ran.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import attrs
@@ -44,6 +45,10 @@ class PrefixLookups:
 class PrefixCachingPagedAllocator(PagedAllocator):
     """Paged blocks plus what `radix` and `hash` do alike: count lookups at admission,
     report them in `stats()`, and share a block another sequence cached first."""
+
+    # First in, first out: eviction appends blocks in least-recently-used order, and they
+    # are taken in that order.
+    free_list_type = deque
 
     def __init__(self, options: Any, context: AllocatorContext) -> None:
         super().__init__(options, context)
