@@ -201,3 +201,22 @@ def test_shared_prefix_shuffle_draws_groups_at_random():
     assert cycle[:4] * 10 == cycle
     drawn = [group(r) for r in shuffled.requests]
     assert drawn != drawn[:4] * 10 and len(set(drawn)) == 4
+
+
+def test_the_vllm_baseline_waits_for_the_machine_to_go_quiet(monkeypatch):
+    """vLLM's engine keeps polling for a moment after each command: the next timing starts
+    once the CPUs are idle, and never waits past the limit."""
+    from servelab.bench import vllm_baseline
+
+    readings = iter([(0, 0), (90, 100), (180, 200), (185, 300), (185, 400)])  # busy, busy, then idle
+    monkeypatch.setattr(vllm_baseline, "_cpu_times", lambda: next(readings))
+    monkeypatch.setattr(vllm_baseline.time, "sleep", lambda seconds: None)
+    vllm_baseline.wait_until_idle()
+    assert next(readings) == (185, 400), "returned at the first idle period, not before"
+
+    always_busy = iter((100 * i, 100 * i) for i in range(10**6))
+    monkeypatch.setattr(vllm_baseline, "_cpu_times", lambda: next(always_busy))
+    clock = iter(range(10**6))
+    monkeypatch.setattr(vllm_baseline.time, "monotonic", lambda: next(clock))
+    vllm_baseline.wait_until_idle(limit_s=5.0)
+    assert next(always_busy)[0] <= 100 * 8, "gave up at the limit"

@@ -5,6 +5,11 @@ environment; `--baseline-python PATH` names that environment's interpreter. The
 subprocess runs `vllm_driver.py` (which imports vLLM only), starts one offline engine
 with the same limits as the servelab config, and answers run / latency commands, so its
 repetitions interleave with servelab's like any other config's.
+
+vLLM's CPU engine keeps a core busy polling for about a second and a half after each
+command (measured: half of a 2-core machine busy for 1-1.5 s, then idle). Each command
+therefore returns only once the machine has gone quiet, so that whatever is timed next
+does not share it with that polling.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +105,9 @@ class VllmBaseline:
     def _ask(self, command: dict[str, Any]) -> dict[str, Any]:
         self._process.stdin.write(json.dumps(command) + "\n")
         self._process.stdin.flush()
-        return self._read()
+        answer = self._read()
+        wait_until_idle()
+        return answer
 
     def _read(self) -> dict[str, Any]:
         for line in self._process.stdout:
@@ -110,3 +118,28 @@ class VllmBaseline:
         self._log.flush()
         raise RuntimeError(f"the vLLM driver exited (code {self._process.wait()}) before answering; "
                            f"its log: {getattr(self._log, 'name', 'stderr')}")
+
+
+def wait_until_idle(threshold: float = 0.15, period_s: float = 0.25, limit_s: float = 5.0) -> None:
+    """Return once the machine's CPUs were less than `threshold` busy over one `period_s`
+    (read from /proc/stat), or after `limit_s`; elsewhere than Linux, after 2 s."""
+    if not os.path.exists("/proc/stat"):
+        time.sleep(2.0)
+        return
+    deadline = time.monotonic() + limit_s
+    before = _cpu_times()
+    while time.monotonic() < deadline:
+        time.sleep(period_s)
+        after = _cpu_times()
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total > 0 and busy / total < threshold:
+            return
+        before = after
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs: user, nice, system, irq, softirq, steal are busy."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:9]]
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]
+    return busy, sum(fields)
