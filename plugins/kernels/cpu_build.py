@@ -5,7 +5,7 @@ minute on two cores); torch caches the library (under $TORCH_EXTENSIONS_DIR, def
 ~/.cache/torch_extensions), so later starts only load it. The library's name carries the
 CPU's vector unit and a digest of the sources, so a cached library is loaded only where it
 was built from these very sources for this kind of CPU (`is_cached`), never rebuilt at start.
-The compiler runs in a detached process (`python -m servelab.plugins.kernels.cpu_build`),
+The compiler runs in a detached process (this module run as a script),
 watched from a background thread, so an engine serves on the torch path meanwhile, and a
 process that exits mid-build leaves neither a half-built library nor a held build lock
 behind. Without a compiler the build fails once, says so in one log line, and the torch
@@ -14,6 +14,7 @@ path keeps serving.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import subprocess
 import sys
@@ -56,15 +57,45 @@ class KernelBuild:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._deferred = False
         self._module: ModuleType | None = None
         self.error: str | None = None
         self._done = threading.Event()
 
-    def start(self) -> None:
+    def start(self, background: bool = False) -> None:
+        """Begin the build (once per process). A `background` build takes as little from
+        other work as the OS allows: one compiler job at the lowest CPU priority."""
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._build, name="servelab-cpu-paged-build", daemon=True)
+                self._thread = threading.Thread(target=self._build, args=(background,),
+                                                name="servelab-cpu-paged-build", daemon=True)
                 self._thread.start()
+
+    def start_later(self, delay_s: float = 60.0) -> None:
+        """Build for the next start without competing with this run: a background build
+        when this process exits, or after `delay_s` if it is still running then (a server).
+        On two cores even a lowest-priority compiler beside an engine using both cores
+        slowed the quickstart's first `generate` 2-4x: torch's threads wait for each other
+        whenever another process holds a core."""
+        with self._lock:
+            if self._thread is not None or self._deferred:
+                return
+            self._deferred = True
+        timer = threading.Timer(delay_s, self.start, kwargs={"background": True})
+        timer.daemon = True
+        timer.start()
+        atexit.register(self._start_detached)
+
+    def _start_detached(self) -> None:
+        """At exit: leave a background build running if none began (it outlives this process)."""
+        with self._lock:
+            if self._thread is not None:
+                return
+        try:
+            subprocess.Popen([sys.executable, "-c", _BACKGROUND_BOOTSTRAP], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError:  # no interpreter to start at exit: the next start tries again
+            pass
 
     def wait(self) -> ModuleType | None:
         """Start the build if needed and block until it ends; the module, or None on failure."""
@@ -87,10 +118,10 @@ class KernelBuild:
                                    fallback="torch-paged attention (same results, slower)")
             return self._module
 
-    def _build(self) -> None:
+    def _build(self, background: bool) -> None:
         try:
-            compiled = subprocess.run([sys.executable, "-m", "servelab.plugins.kernels.cpu_build"],
-                                      capture_output=True, text=True, start_new_session=True)
+            command = [sys.executable, "-c", _BACKGROUND_BOOTSTRAP if background else _BOOTSTRAP]
+            compiled = subprocess.run(command, capture_output=True, text=True, start_new_session=True)
             if compiled.returncode != 0:
                 raise RuntimeError((compiled.stderr.strip() or compiled.stdout.strip() or "build failed")
                                    .splitlines()[-1])
@@ -159,6 +190,20 @@ def _watch_for_stale_locks(period: float = 30.0) -> None:
         _clear_stale_lock(cpp_extension, name)
 
 
-if __name__ == "__main__":  # the detached build process that KernelBuild starts
+# The detached build process that KernelBuild starts. A background build yields the cores
+# from its first instruction (before it imports torch), runs one compiler job at a time, and
+# its compilers inherit that: beside the quickstart's first `generate` on two cores, a build
+# at default priority made the command 4x slower (12 s instead of 3).
+_BOOTSTRAP = "import runpy; runpy.run_module('servelab.plugins.kernels.cpu_build', run_name='__main__')"
+_BACKGROUND_BOOTSTRAP = """
+import os
+try:  # Linux: run only on otherwise idle cores, yielding at once to any other work
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
+    os.nice(19)
+os.environ["MAX_JOBS"] = "1"
+""" + _BOOTSTRAP
+
+if __name__ == "__main__":
     threading.Thread(target=_watch_for_stale_locks, daemon=True).start()
     load_library()

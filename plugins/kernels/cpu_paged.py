@@ -66,9 +66,9 @@ class CpuPagedAttention(TorchPagedAttention):
             self._kernels = self._build.load_cached()
             if self._kernels is None:
                 logger.info("cpu_paged.building_for_next_start", fallback="torch-paged attention for this run")
-                self._build.start()
+                self._build.start_later()
         elif self.cpu_options.build == "background":
-            self._build.start()
+            self._build.start(background=True)
 
     @property
     def kernels_ready(self) -> bool:
