@@ -18,8 +18,9 @@ def servelab_register_attention():
             name="cpu-paged",
             factory="servelab.plugins.kernels.cpu_paged:CpuPagedAttention",
             options=CpuPagedOptions,
-            description="paged attention in C++ for the CPU (decodes and short rows; long prompts through "
-                        "torch-paged's SDPA path); compiles on first use, torch-paged until then",
+            description="the default: paged attention and the decoder's layer ops in C++ for the CPU "
+                        "(decodes and short rows; long prompts through torch-paged's SDPA path); "
+                        "torch-paged until its library is built and cached, and on other devices",
         ),
         AttentionPlugin(
             name="sdpa-contiguous",
