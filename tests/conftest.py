@@ -20,6 +20,15 @@ def llama_checkpoint(checkpoint_factory) -> str:
     return checkpoint_factory("llama")
 
 
+@pytest.fixture(scope="module")
+def hf_model(llama_checkpoint):
+    """transformers' own model of `llama_checkpoint`, in float32: the reference."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(llama_checkpoint, dtype=torch.float32)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():
     """The default attention backend (cpu-paged) uses its C++ kernels only when a start finds

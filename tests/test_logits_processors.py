@@ -28,13 +28,6 @@ def prompts(lengths, seed=5):
 
 
 @pytest.fixture(scope="module")
-def hf_model(llama_checkpoint):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(llama_checkpoint, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def llm(llama_checkpoint):
     return LLM(llama_checkpoint, max_model_len=128)
 

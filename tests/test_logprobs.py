@@ -21,13 +21,6 @@ def prompts(lengths, seed=3):
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def hf_model(llama_checkpoint):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(llama_checkpoint, dtype=torch.float32)
-
-
 def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     """transformers' log-softmax at every position: row i scores token i + 1."""
     with torch.no_grad():

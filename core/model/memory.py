@@ -24,6 +24,15 @@ def _libc():
         return None
 
 
+@functools.cache
+def _madvise():
+    """libc's madvise(address, length, advice), or None."""
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is not None:
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
 def release_freed_memory() -> None:
     """Return freed heap pages to the OS. Loading frees many mid-sized temporaries (a
     checkpoint tensor, its fused concatenation, a weight's unpacked copy) that glibc keeps in
@@ -42,11 +51,10 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     4 KiB tiles scattered over the cache: with 4 KiB pages nearly every tile costs a TLB
     miss, with 2 MiB pages the whole cache fits the TLB."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    madvise = getattr(_libc(), "madvise", None) if sys.platform.startswith("linux") else None
+    madvise = _madvise() if sys.platform.startswith("linux") else None
     if madvise is None or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     offset = -buffer.data_ptr() % HUGE_PAGE
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise(buffer.data_ptr() + offset, nbytes - nbytes % HUGE_PAGE, MADV_HUGEPAGE)  # refused: 4 KiB pages
     return buffer[offset:offset + nbytes].view(dtype).view(shape).zero_()
