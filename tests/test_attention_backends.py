@@ -34,11 +34,11 @@ BACKENDS = {
     "torch-paged-one-group": lambda context: TorchPagedAttention(TorchPagedOptions(
         decode_group_tokens=1 << 30, prefill_padding=1e9, prefill_group_area=1 << 40), context),
     "sdpa-contiguous": lambda context: SdpaContiguousAttention(None, context),
-    # the C++ kernel for short rows, torch-paged's SDPA path for prompts
+    # the C++ kernel for every row: prompts and chunks on its tiled path (causal limits per token)
     "cpu-paged": lambda context: CpuPagedAttention(CpuPagedOptions(build="wait"), context),
-    # the C++ kernel for every row, prompts and chunks included (causal limits per token)
-    "cpu-paged-all-rows": lambda context: CpuPagedAttention(
-        CpuPagedOptions(build="wait", max_kernel_query_len=1 << 20), context),
+    # the C++ kernel for short rows, torch-paged's SDPA path for longer ones
+    "cpu-paged-sdpa-prompts": lambda context: CpuPagedAttention(
+        CpuPagedOptions(build="wait", max_kernel_query_len=16), context),
 }
 
 

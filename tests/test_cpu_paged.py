@@ -1,6 +1,7 @@
 """cpu-paged: the C++ kernels build where a compiler exists, pass the attention contract
-(kernel for short rows, and for every row), match transformers end to end, and fall back
-to the torch path, saying so once, when they cannot be built."""
+(the kernel for every row, and with rows past max_kernel_query_len on torch's SDPA), match
+transformers end to end, and fall back to the torch path, saying so once, when they
+cannot be built."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ class TestCpuPaged(AttentionBackendContract):
     options = CpuPagedOptions(build="wait")
 
 
-class TestCpuPagedKernelForEveryRow(AttentionBackendContract):
+class TestCpuPagedWithSdpaForLongRows(AttentionBackendContract):
     plugin_name = "cpu-paged"
-    options = CpuPagedOptions(build="wait", max_kernel_query_len=1 << 20)
+    options = CpuPagedOptions(build="wait", max_kernel_query_len=16)
 
 
 def _context(dtype=torch.float32, num_heads=6, num_kv_heads=2, head_dim=64, block_size=4, num_blocks=64):
@@ -45,32 +46,59 @@ def test_kernels_build_where_a_compiler_exists():
     assert CpuPagedAttention(CpuPagedOptions(build="wait"), _context()).kernels_ready
 
 
+def _attend_over_cache(backend, context, tables, contexts, query_lens, seed=0):
+    """The backend's output for rows of `query_lens` tokens whose earlier keys sit in the
+    cache (written as the runner would), and the dense float32 reference."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype, block_size = context.dtype, context.block_size
+    shape = lambda n, heads: (n, heads, context.head_dim)
+    key_cache = torch.zeros(backend.kv_cache_shape(), dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    keys = [torch.randn(shape(n, context.num_kv_heads), generator=generator).to(dtype) for n in contexts]
+    values = [torch.randn(shape(n, context.num_kv_heads), generator=generator).to(dtype) for n in contexts]
+    queries = [torch.randn(shape(n, context.num_heads), generator=generator).to(dtype) for n in query_lens]
+    for table, k, v, n in zip(tables, keys, values, query_lens):
+        for position in range(k.shape[0] - n):
+            block, offset = table[position // block_size], position % block_size
+            key_cache[:, block, offset] = k[position]
+            value_cache[:, block, offset] = v[position]
+    metadata = metadata_for(tables, query_lens, contexts, block_size, "cpu")
+    scale = context.head_dim**-0.5
+    out = backend.forward(torch.cat(queries), torch.cat([k[-n:] for k, n in zip(keys, query_lens)]),
+                          torch.cat([v[-n:] for v, n in zip(values, query_lens)]), key_cache, value_cache,
+                          backend.prepare(metadata), scale)
+    expected = torch.cat([dense_reference(q, k, v, n, scale) for q, k, v, n in zip(queries, keys, values, query_lens)])
+    return out.float(), expected
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_draft_rows_see_a_causal_prefix(dtype):
     """Rows of 3 query tokens on top of a cache (speculative verification): each token
     attends to the keys up to its own position only."""
-    backend = CpuPagedAttention(CpuPagedOptions(build="wait"), _context(dtype))
-    generator = torch.Generator().manual_seed(0)
-    tables = [[5, 9, 2, 7, 30], [11, 3, 40]]
-    contexts, num_queries, block_size = [19, 10], 3, 4
-    key_cache = torch.zeros(backend.kv_cache_shape(), dtype=dtype)
-    value_cache = torch.zeros_like(key_cache)
-    keys = [torch.randn(n, 2, 64, generator=generator).to(dtype) for n in contexts]
-    values = [torch.randn(n, 2, 64, generator=generator).to(dtype) for n in contexts]
-    queries = [torch.randn(num_queries, 6, 64, generator=generator).to(dtype) for _ in contexts]
-    for table, k, v in zip(tables, keys, values):  # the cached part, written as the runner would
-        for position in range(k.shape[0] - num_queries):
-            block, offset = table[position // block_size], position % block_size
-            key_cache[:, block, offset] = k[position]
-            value_cache[:, block, offset] = v[position]
-    metadata = metadata_for(tables, [num_queries] * 2, contexts, block_size, "cpu")
-    out = backend.forward(torch.cat(queries), torch.cat([k[-num_queries:] for k in keys]),
-                          torch.cat([v[-num_queries:] for v in values]), key_cache, value_cache,
-                          backend.prepare(metadata), 0.125)
-    expected = torch.cat([dense_reference(q, k, v, num_queries, 0.125) for q, k, v in zip(queries, keys, values)])
+    context = _context(dtype)
+    backend = CpuPagedAttention(CpuPagedOptions(build="wait"), context)
+    out, expected = _attend_over_cache(backend, context, [[5, 9, 2, 7, 30], [11, 3, 40]], [19, 10], [3, 3])
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (8, 4, 64), (6, 2, 32), (16, 2, 128)])
+def test_prompt_tiles_match_dense_attention(dtype, num_heads, num_kv_heads, head_dim):
+    """The tiled path for rows of many query tokens: a 150-token chunk on top of 90 cached
+    tokens (tiles that start mid-context, keys hidden lane by lane on the diagonal blocks),
+    a whole 37-token prompt (a partial last tile and block) and a decode row in one step,
+    blocks scattered over the cache, every GQA group size the tiles pad differently."""
+    context = _context(dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
+                       num_blocks=40)
+    backend = CpuPagedAttention(CpuPagedOptions(build="wait"), context)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist()
+    tables = [order[:15], order[15:18], order[18:22]]
+    out, expected = _attend_over_cache(backend, context, tables, [240, 37, 50], [150, 37, 1])
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3-rope-tied"])
@@ -94,8 +122,8 @@ def test_engine_greedy_matches_transformers(checkpoint_factory, kind):
                                                   ("llama3-rope-tied", "float32", "ngram")])
 def test_native_decoder_is_bit_identical_to_the_python_path(checkpoint_factory, kind, dtype, drafter):
     """The whole decoder in one native call gives the same logits, to the bit, as the model's
-    Python loop over the same kernels; it runs every decode step (and, with a drafter, every
-    verification step) and leaves prompt steps to Python."""
+    Python loop over the same kernels; it runs every step: prompts (whose last layer computes
+    only the rows whose logits are wanted), decodes and, with a drafter, verifications."""
     path = checkpoint_factory(kind)
     prompts = [[5, 9, 13, 2, 40, 7, 5, 9, 13, 2], list(range(3, 40)), [17]]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
@@ -119,7 +147,7 @@ def test_native_decoder_is_bit_identical_to_the_python_path(checkpoint_factory, 
                            for o in outputs]
     assert results[True] == results[False]
     python_steps, native_run = native_steps[: len(native_steps) // 2], native_steps[len(native_steps) // 2:]
-    assert not any(python_steps) and any(native_run) and not all(native_run)  # prompts stay in Python
+    assert not any(python_steps) and all(native_run)
 
 
 @needs_compiler
@@ -170,7 +198,7 @@ def test_the_avx2_build_passes_too():
     """On an AVX-512 CPU, the kernels' AVX2 path (8-wide) is what AVX2-only CPUs run: build it
     (torch reports the capability ATEN_CPU_CAPABILITY names) and run this file's kernel checks on it."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    checks = "draft_rows or layer_ops or transformers or TestCpuPagedKernelForEveryRow"
+    checks = "draft_rows or prompt_tiles or layer_ops or transformers or (TestCpuPaged and not Sdpa)"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -70,7 +70,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], backend: Any, prepared: Any) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], backend: Any, prepared: Any,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over every row; the output projection of `keep_rows` only (all when None)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         # Q and K sit side by side in the projection: one rotation covers both.
@@ -78,11 +80,11 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], prepared, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(_rows(out.reshape(num_tokens, self.q_size), keep_rows))
 
     def forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       kv_cache: tuple[torch.Tensor, torch.Tensor], backend: Any, prepared: Any,
-                      ops: LayerOps) -> torch.Tensor:
+                      ops: LayerOps, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         ops.rotary_(qkv, positions, rotary.cos, rotary.sin, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -91,7 +93,11 @@ class Attention(nn.Module):
                               k.view(num_tokens, self.num_kv_heads, self.head_dim),
                               v.view(num_tokens, self.num_kv_heads, self.head_dim),
                               kv_cache[0], kv_cache[1], prepared, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(_rows(out.reshape(num_tokens, self.q_size), keep_rows))
+
+
+def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.index_select(0, rows)
 
 
 class MLP(nn.Module):
@@ -115,24 +121,31 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], backend: Any, prepared: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, backend, prepared)
+                kv_cache: tuple[torch.Tensor, torch.Tensor], backend: Any, prepared: Any,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`keep_rows`: past attention, only these rows are computed and returned (the last
+        layer of a step that wants logits for a few rows: a prompt's last token)."""
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, backend, prepared, keep_rows)
+        hidden = _rows(hidden, keep_rows) + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def forward_fused(self, hidden: torch.Tensor | None, residual: torch.Tensor, positions: torch.Tensor,
                       rotary: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor], backend: Any,
-                      prepared: Any, ops: LayerOps) -> torch.Tensor:
-        """The residual stream is updated in place; returns the layer's output, which the
-        next layer (or the final norm) adds to it. `hidden` is None for the first layer."""
+                      prepared: Any, ops: LayerOps,
+                      keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the layer's output, which the next layer (or the final norm) adds to the
+        residual stream, and that stream, updated in place (with `keep_rows`, a new tensor of
+        those rows, as is the output). `hidden` is None for the first layer."""
         norm = self.input_layernorm
         if hidden is None:
             hidden = ops.rms_norm(residual, norm.weight, norm.eps)
         else:
             ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
-        hidden = self.self_attn.forward_fused(hidden, positions, rotary, kv_cache, backend, prepared, ops)
+        hidden = self.self_attn.forward_fused(hidden, positions, rotary, kv_cache, backend, prepared, ops, keep_rows)
+        residual = _rows(residual, keep_rows)
         norm = self.post_attention_layernorm
         ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
-        return self.mlp.down_proj(ops.silu_and_mul(self.mlp.gate_up_proj(hidden)))
+        return self.mlp.down_proj(ops.silu_and_mul(self.mlp.gate_up_proj(hidden))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -169,9 +182,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = self.embed_tokens(input_ids)
             cos, sin = self.rotary.tables(positions)
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden = layer(hidden, cos, sin, kv_cache, backend, prepared)
-            selected = self.norm(hidden[logits_indices])
+            keep_rows = _kept_rows(input_ids, logits_indices)
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                hidden = layer(hidden, cos, sin, kv_cache, backend, prepared, keep_rows if i == last else None)
+            selected = self.norm(hidden if keep_rows is not None else hidden[logits_indices])
         return self.lm_head(selected).float(), selected
 
     def _fusable(self, input_ids: torch.Tensor) -> bool:
@@ -182,7 +197,18 @@ class LlamaForCausalLM(nn.Module):
                       logits_indices: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         hidden = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer.forward_fused(hidden, residual, positions, self.rotary, kv_cache, backend, prepared, ops)
-        selected = hidden[logits_indices] + residual[logits_indices]
+        keep_rows = _kept_rows(input_ids, logits_indices)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden, residual = layer.forward_fused(hidden, residual, positions, self.rotary, kv_cache, backend,
+                                                   prepared, ops, keep_rows if i == last else None)
+        selected = hidden + residual if keep_rows is not None else hidden[logits_indices] + residual[logits_indices]
         return ops.rms_norm(selected, self.norm.weight, self.norm.eps)
+
+
+def _kept_rows(input_ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
+    """The rows the last layer computes past its attention: only those whose logits are
+    wanted, when that is fewer than all. A prompt wants one row, so a prompt step skips
+    most of the last layer's linear work (its output projection and MLP for every other
+    row): a tenth of the step's for an 8-layer model."""
+    return logits_indices if logits_indices.shape[0] < input_ids.shape[0] else None

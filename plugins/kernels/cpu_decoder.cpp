@@ -79,6 +79,8 @@ class Decoder {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     at::Tensor residual = embedding_.index_select(0, input_ids);
     at::Tensor hidden;
+    // As the Python path: past the last layer's attention, only the rows whose logits are wanted.
+    const bool keep_some = logits_indices.size(0) < tokens;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       if (i == 0)
@@ -94,11 +96,17 @@ class Decoder {
       write_cache(k, v, key_cache, value_cache, slot_mapping);
       at::Tensor attended = at::empty({tokens, num_heads_, head_dim_}, qkv.options());
       attend(q, key_cache, value_cache, block_tables, query_start, context_lens, sequences, scale_, attended);
-      hidden = layer.o(attended.view({tokens, q_size}));
+      at::Tensor rows = attended.view({tokens, q_size});
+      if (keep_some && i + 1 == layers_.size()) {
+        rows = rows.index_select(0, logits_indices);
+        residual = residual.index_select(0, logits_indices);
+      }
+      hidden = layer.o(rows);
       add_rms_norm_(hidden, residual, layer.post_attention_norm, eps_);
       hidden = layer.down(silu_and_mul(layer.gate_up(hidden)));
     }
-    at::Tensor selected = hidden.index_select(0, logits_indices) + residual.index_select(0, logits_indices);
+    at::Tensor selected = keep_some ? hidden + residual
+                                    : hidden.index_select(0, logits_indices) + residual.index_select(0, logits_indices);
     return rms_norm(selected, final_norm_, eps_);
   }
 

@@ -1,11 +1,12 @@
-"""`cpu-paged`: paged attention in C++ for the CPU, torch-paged's SDPA path for long prompts.
+"""`cpu-paged`: paged attention in C++ for the CPU.
 
-Rows with at most `max_kernel_query_len` query tokens (decodes, verified drafts, short
-chunks) are attended by a C++ kernel (cpu_paged.cpp) that reads K and V straight from
-the paged cache through each sequence's block table, one (sequence, KV head) per task
-on torch's thread pool: nothing is gathered or copied. Longer rows (prompts) go through
-torch-paged's grouped scaled_dot_product_attention, which is compute-bound and already
-runs at matmul speed there. The cache layout is torch-paged's.
+Every row is attended by a C++ kernel (cpu_paged.cpp) that reads K and V straight from the
+paged cache through each sequence's block table: nothing is gathered or copied. Rows of a
+few query tokens (decodes, verified drafts) are one task per (sequence, KV head); rows of
+many (prompts, chunks) are cut into tiles of query tokens attended flash-style, skipping
+the keys past each tile's causal limit (about 3x torch's CPU flash attention on this
+workload's prompts). `max_kernel_query_len`, when set, sends longer rows to torch-paged's
+grouped scaled_dot_product_attention instead. The cache layout is torch-paged's.
 
 The same library offers the model fused layer ops (`layer_ops`: RMSNorm with the residual
 add, rotary in place, SiLU-and-multiply), which cut a decoder layer's small ops and their
@@ -112,10 +113,13 @@ class CpuPagedAttention(TorchPagedAttention):
                 self._kernels = self._build.module()
             if self._kernels is None:
                 return super().prepare(metadata)
-        limit = self.cpu_options.max_kernel_query_len
+        limit = self.cpu_options.max_kernel_query_len or None
         query_lens, context_lens = metadata.query_lens_list, metadata.context_lens_list
-        short = [i for i, q in enumerate(query_lens) if q <= limit]
-        long = [i for i, q in enumerate(query_lens) if q > limit]
+        if limit is None:
+            short, long = list(range(len(query_lens))), []
+        else:
+            short = [i for i, q in enumerate(query_lens) if q <= limit]
+            long = [i for i, q in enumerate(query_lens) if q > limit]
         groups: tuple[_PrefillGroup, ...] = ()
         if long:
             host = _Host(metadata, self.context.num_kv_heads, self.context.num_blocks)

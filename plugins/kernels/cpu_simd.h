@@ -25,7 +25,12 @@ struct Avx512 {
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // x with `fill` in the lanes where positions < limit.
+  static V fill_below(V x, V positions, float limit, float fill) {
+    return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(positions, _mm512_set1_ps(limit), _CMP_LT_OQ), _mm512_set1_ps(fill));
+  }
   static V loadu(const float* p) { return _mm512_loadu_ps(p); }
   static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
@@ -80,7 +85,11 @@ struct Avx2 {
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fill_below(V x, V positions, float limit, float fill) {
+    return _mm256_blendv_ps(x, _mm256_set1_ps(fill), _mm256_cmp_ps(positions, _mm256_set1_ps(limit), _CMP_LT_OQ));
+  }
   static V loadu(const float* p) { return _mm256_loadu_ps(p); }
   static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V load_first(const float* p, int n) {

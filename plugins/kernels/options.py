@@ -44,10 +44,12 @@ class CpuPagedOptions:
     fused ops once it is ready (false: torch's ops). native_decoder: with layer_ops, a step
     whose every row the kernel attends runs the whole decoder in one native call (false:
     the model's Python loop over layers; the results are identical). The prefill_* options
-    are torch-paged's, for the rows longer than max_kernel_query_len.
+    are torch-paged's, for the rows longer than max_kernel_query_len (0, the default: the
+    kernel attends every row, prompts on its tiled path; a positive limit sends longer rows
+    to torch-paged's scaled_dot_product_attention, and such steps to the Python loop).
     """
 
-    max_kernel_query_len: int = attrs.field(default=16, validator=attrs.validators.gt(0))
+    max_kernel_query_len: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     build: str = attrs.field(default="cached",
                              validator=attrs.validators.in_(("cached", "background", "wait", "never")))
     layer_ops: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
