@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-repeats", type=int, default=1, help="transformers is slow: fewer repetitions")
-    parser.add_argument("--attention", default="torch-paged")
+    parser.add_argument("--attention", default="cpu-paged", help="attention backend (default: the engine's default)")
     parser.add_argument("--threads", type=int, help="threads for every engine (default: torch's, one per core)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()

@@ -439,7 +439,7 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   std::atomic<int64_t> next_item{0};
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<float> q_rows, scores, acc, row;
+    std::vector<float> q_rows, scores, acc, row, denominators;
 #ifdef __AVX2__
     TileBuffers tile_buffers;
 #endif
@@ -492,7 +492,7 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       prefetch_blocks(v_head, table, 0, kPrefetchAhead, used_blocks, tile);  // arrives during the softmax
       // Softmax of each row over the keys its query token may see (causal: the last
       // query token sees the whole context, each earlier one a key less).
-      std::vector<float> denominators(num_rows);
+      denominators.resize(num_rows);
       for (int64_t r = 0; r < num_rows; ++r) {
         const int64_t visible = context - num_queries + r / group + 1;
         float* s = &scores[r * context];
