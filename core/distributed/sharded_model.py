@@ -28,7 +28,7 @@ from servelab.distributed.comm import Communicator
 from servelab.distributed.layout import ShardLayout
 from servelab.errors import CheckpointError
 from servelab.model.llama import LlamaForCausalLM
-from servelab.model.loader import DTYPES, Checkpoint
+from servelab.model.loader import DTYPES, Checkpoint, allocate_parameters
 from servelab.model.memory import release_freed_memory
 from servelab.model.packed_linear import can_prepack, prepack_linears
 from servelab.model.rope import RotaryEmbedding
@@ -135,7 +135,7 @@ def build_shard(checkpoint: Checkpoint, layout: ShardLayout, comm: Communicator,
                                                        config.o_bias, comm)
             layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, config.hidden_size, config.mlp_bias, comm)
         model = model.to(torch_dtype)
-    model = model.to_empty(device=torch_device)  # allocated once, in the target dtype
+    allocate_parameters(model, torch_device)  # once, in the target dtype
     if config.tie_word_embeddings:
         model.lm_head.projection.weight = model.embed_tokens.weight
     _load_slices(model, CheckpointSlices(checkpoint.path), layout)
