@@ -1,12 +1,14 @@
-// Paged attention on the CPU for rows with few query tokens (decodes, verified drafts,
-// short chunks), and the K/V cache write, for the `cpu-paged` attention backend.
+// Paged attention on the CPU for every row of a step (decodes, verified drafts, chunks,
+// prompts), and the K/V cache write, for the `cpu-paged` attention backend.
 //
 // Cache layout (as torch-paged): [num_kv_heads, num_blocks, block_size, head_dim], so one
-// (KV head, block) is a contiguous block_size x head_dim tile. One work item is one
-// (sequence, KV head): its query heads' rows (every query token x the query heads of that
-// KV head) are scored against the sequence's keys block by block, straight from the
-// cache through its block table (nothing is gathered), softmaxed in float32 with the
-// causal limit of each query token, and the value rows are summed in float32.
+// (KV head, block) is a contiguous block_size x head_dim tile. Keys and values are read
+// straight from the cache through each sequence's block table (nothing is gathered),
+// scores and softmax in float32 with the causal limit of each query token. A row of a few
+// query tokens is one work item per (sequence, KV head): its query heads' rows (every
+// query token x the query heads of that KV head) are scored against all of the sequence's
+// keys, then the value rows are summed. A row of many query tokens is cut into tiles of
+// query tokens attended flash-style (see attend_query_tile).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
