@@ -1,0 +1,92 @@
+"""Before and after in one run: an older commit's engine against this checkout's, on the
+speed workload, alternating fresh processes so both see the same machine.
+
+    python examples/measurements/before_after.py --before bc08919 --rounds 3
+
+The older commit is exported (`git archive`) into a temporary directory laid out as the
+installed package (core/ as servelab/, plugins/ as servelab/plugins/) and put first on
+PYTHONPATH for its processes; the installed entry points then load its plugins. Each
+process builds its kernels if needed, warms up, generates the workload once (output
+tokens/s) and one 64-token batch-1 request three times (median TPOT). Prints each round
+and the ratio of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = r'''
+import json, sys, time
+from servelab import LLM, SamplingParams
+from servelab.workload import build_workload
+llm = LLM("builtin:tiny-random", dtype=sys.argv[1], max_model_len=512, max_num_seqs=64,
+          max_num_batched_tokens=2048, **{"attention.name": "cpu-paged", "attention.build": "wait"})
+requests = list(build_workload("skewed:num_requests=64", 8192).requests)
+params = lambda rs: [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in rs]
+warm = sorted(requests, key=lambda r: -len(r.prompt_token_ids))[:8]
+llm.generate([list(r.prompt_token_ids) for r in warm], params(warm))
+start = time.perf_counter()
+outputs = llm.generate([list(r.prompt_token_ids) for r in requests], params(requests))
+throughput = sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+prompt = [(7 * i) % 8000 + 3 for i in range(128)]
+tpots = []
+for _ in range(3):
+    out = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0]
+    tpots.append((out.metrics.e2e_latency - out.metrics.ttft) / 63 * 1000)
+print("RESULT", json.dumps({"throughput": throughput, "tpot_ms": sorted(tpots)[1]}))
+'''
+
+
+def export_as_package(commit: str, target: Path) -> None:
+    """The commit's core/ and plugins/ laid out as the `servelab` package under target."""
+    source = target / "source"
+    source.mkdir()
+    archive = subprocess.run(["git", "archive", commit, "core", "plugins"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    shutil.copytree(source / "core", target / "servelab")
+    shutil.copytree(source / "plugins", target / "servelab" / "plugins")
+
+
+def run(dtype: str, pythonpath: str | None) -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    done = subprocess.run([sys.executable, "-c", CHILD, dtype], capture_output=True, text=True, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise SystemExit(f"the {'before' if pythonpath else 'after'} process failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="the older commit (anything git archive accepts)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as overlay:
+        export_as_package(args.before, Path(overlay))
+        for dtype in args.dtypes.split(","):
+            results: dict[str, list[dict]] = {"before": [], "after": []}
+            for round_ in range(args.rounds):
+                for name, path in (("before", overlay), ("after", None)):
+                    results[name].append(run(dtype, path))
+                    print(f"{dtype} round {round_ + 1} {name}: {results[name][-1]['throughput']:.0f} tok/s, "
+                          f"batch-1 TPOT {results[name][-1]['tpot_ms']:.2f} ms", flush=True)
+            median = {name: statistics.median(r["throughput"] for r in runs) for name, runs in results.items()}
+            tpot = {name: statistics.median(r["tpot_ms"] for r in runs) for name, runs in results.items()}
+            print(f"{dtype}: throughput {median['before']:.0f} -> {median['after']:.0f} tok/s "
+                  f"({median['after'] / median['before']:.2f}x), batch-1 TPOT {tpot['before']:.2f} -> "
+                  f"{tpot['after']:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
