@@ -101,6 +101,20 @@ def test_prompt_tiles_match_dense_attention(dtype, num_heads, num_kv_heads, head
     torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 
 
+@needs_compiler
+@pytest.mark.parametrize("head_dim, tiled", [(64, True), (12, False)])
+def test_prompt_rows_go_to_sdpa_only_without_a_tiled_path(head_dim, tiled):
+    """By default the kernel attends every row; where its library has no tiled path for the
+    head dim (not a multiple of the vector width, or no AVX2), rows longer than 16 query
+    tokens go to torch-paged's SDPA instead of the slow row-by-row path."""
+    context = _context(head_dim=head_dim, block_size=16)
+    backend = CpuPagedAttention(CpuPagedOptions(build="wait"), context)
+    prepared = backend.prepare(metadata_for([[0, 1, 2], [3]], [40, 1], [40, 9], 16, "cpu"))
+    assert backend._kernels.tiles_prompts(head_dim) is tiled
+    assert (len(prepared.prefill_groups) == 0) is tiled
+    assert prepared.kernel_seqs.tolist() == ([0, 1] if tiled else [1])
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3-rope-tied"])
 def test_engine_greedy_matches_transformers(checkpoint_factory, kind):
     """With the kernels and the fused layer ops (head dims 12 and 16: the generic and the

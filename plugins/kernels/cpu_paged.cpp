@@ -602,6 +602,16 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   });
 }
 
+// Whether rows of many query tokens take the tiled path for this head dim (else the row
+// by row one, which is slow for prompts: the backend then sends them to SDPA).
+bool tiles_prompts(int64_t head_dim) {
+#ifdef __AVX2__
+  return head_dim % Native::kWidth == 0 && head_dim / Native::kWidth <= kMaxChunks;
+#else
+  return false;
+#endif
+}
+
 void register_layer_ops(pybind11::module& m);  // cpu_layer_ops.cpp
 void register_decoder(pybind11::module& m);  // cpu_decoder.cpp
 
@@ -610,4 +620,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decoder(m);
   m.def("write_cache", &write_cache, "store new K/V rows at their cache slots");
   m.def("attend", &attend, "paged attention for the given sequences' query rows");
+  m.def("tiles_prompts", &tiles_prompts, "whether prompt rows take the tiled path for this head dim");
 }

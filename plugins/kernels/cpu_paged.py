@@ -6,7 +6,9 @@ few query tokens (decodes, verified drafts) are one task per (sequence, KV head)
 many (prompts, chunks) are cut into tiles of query tokens attended flash-style, skipping
 the keys past each tile's causal limit (about 3x torch's CPU flash attention on this
 workload's prompts). `max_kernel_query_len`, when set, sends longer rows to torch-paged's
-grouped scaled_dot_product_attention instead. The cache layout is torch-paged's.
+grouped scaled_dot_product_attention instead, as does a library without the tiled path (a
+CPU without AVX2, or a head dim that is not a multiple of the vector width), for rows
+longer than 16. The cache layout is torch-paged's.
 
 The same library offers the model fused layer ops (`layer_ops`: RMSNorm with the residual
 add, rotary in place, SiLU-and-multiply), which cut a decoder layer's small ops and their
@@ -37,6 +39,10 @@ from servelab.plugins.kernels.options import CpuPagedOptions, TorchPagedOptions
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention, _Host, _PrefillGroup, prefill_groups
 
 logger = servelab.get_logger(__name__)  # silent below WARNING until the application configures logging
+
+
+# Where the library has no tiled path, rows longer than this go to torch-paged's SDPA.
+ROW_BY_ROW_LIMIT = 16
 
 
 @attrs.frozen
@@ -114,6 +120,8 @@ class CpuPagedAttention(TorchPagedAttention):
             if self._kernels is None:
                 return super().prepare(metadata)
         limit = self.cpu_options.max_kernel_query_len or None
+        if limit is None and not self._kernels.tiles_prompts(self.context.head_dim):
+            limit = ROW_BY_ROW_LIMIT  # no tiled path here (no AVX2, or an odd head dim): prompts to SDPA
         query_lens, context_lens = metadata.query_lens_list, metadata.context_lens_list
         if limit is None:
             short, long = list(range(len(query_lens))), []
