@@ -73,10 +73,11 @@ class KernelBuild:
 
     def start_later(self, delay_s: float = 60.0) -> None:
         """Build for the next start without competing with this run: a background build
-        when this process exits, or after `delay_s` if it is still running then (a server).
-        On two cores even a lowest-priority compiler beside an engine using both cores
-        slowed the quickstart's first `generate` 2-4x: torch's threads wait for each other
-        whenever another process holds a core."""
+        when this process exits, or after `delay_s` if it is still running then (a server;
+        the build then waits whenever the server is busy, see yielding_build). On two cores
+        even a lowest-priority compiler beside an engine using both cores slowed the
+        quickstart's first `generate` 2-4x: torch's threads wait for each other whenever
+        another process holds a core."""
         with self._lock:
             if self._thread is not None or self._deferred:
                 return
@@ -92,8 +93,8 @@ class KernelBuild:
             if self._thread is not None:
                 return
         try:
-            subprocess.Popen([sys.executable, "-c", _BACKGROUND_BOOTSTRAP], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+            subprocess.Popen(_background_command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
         except OSError:  # no interpreter to start at exit: the next start tries again
             pass
 
@@ -120,7 +121,7 @@ class KernelBuild:
 
     def _build(self, background: bool) -> None:
         try:
-            command = [sys.executable, "-c", _BACKGROUND_BOOTSTRAP if background else _BOOTSTRAP]
+            command = _background_command() if background else [sys.executable, "-c", _BOOTSTRAP]
             compiled = subprocess.run(command, capture_output=True, text=True, start_new_session=True)
             if compiled.returncode != 0:
                 raise RuntimeError((compiled.stderr.strip() or compiled.stdout.strip() or "build failed")
@@ -193,16 +194,23 @@ def _watch_for_stale_locks(period: float = 30.0) -> None:
 # The detached build process that KernelBuild starts. A background build yields the cores
 # from its first instruction (before it imports torch), runs one compiler job at a time, and
 # its compilers inherit that: beside the quickstart's first `generate` on two cores, a build
-# at default priority made the command 4x slower (12 s instead of 3).
+# at default priority made the command 4x slower (12 s instead of 3). Even so, it is stopped
+# outright while other processes keep the CPUs busy (yielding_build, run as a script so that
+# it imports nothing of servelab or torch).
 _BOOTSTRAP = "import runpy; runpy.run_module('servelab.plugins.kernels.cpu_build', run_name='__main__')"
 _BACKGROUND_BOOTSTRAP = """
 import os
-try:  # Linux: run only on otherwise idle cores, yielding at once to any other work
+try:  # Linux: run only on otherwise idle cores
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 except (AttributeError, OSError):
     os.nice(19)
 os.environ["MAX_JOBS"] = "1"
 """ + _BOOTSTRAP
+
+
+def _background_command() -> list[str]:
+    return [sys.executable, str(Path(__file__).with_name("yielding_build.py")), sys.executable, "-c",
+            _BACKGROUND_BOOTSTRAP]
 
 if __name__ == "__main__":
     threading.Thread(target=_watch_for_stale_locks, daemon=True).start()

@@ -1,0 +1,55 @@
+"""The background kernel build stops while other work keeps the CPUs busy, and finishes once
+the machine is quiet again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import servelab.plugins.kernels.yielding_build as yielding_build
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the watchdog reads Linux's /proc")
+
+# Stands in for the compiler: finishes after 1.5 s of CPU time.
+NEEDS_CPU = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 1.5:\n    pass\n"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                text = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            if int(text[text.rindex(")") + 2:].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2:].split()[0]
+
+
+def test_the_build_waits_while_other_work_is_busy_then_finishes():
+    start = time.monotonic()
+    watchdog = subprocess.Popen([sys.executable, yielding_build.__file__, sys.executable, "-c", NEEDS_CPU])
+    states = set()
+    busy_until = start + 4.0
+    while time.monotonic() < busy_until:  # this process is the other work: one busy core
+        for child in _children(watchdog.pid):
+            try:
+                states.add(_state(child))
+            except OSError:
+                pass
+        sum(i * i for i in range(20_000))
+    assert watchdog.poll() is None, "the build finished while other work kept a core busy"
+    assert "T" in states, f"the build was never stopped (states seen: {states})"
+    assert watchdog.wait(timeout=300) == 0  # longer if another build runs meanwhile
+    assert time.monotonic() - start > 4.0 + yielding_build.QUIET_SECONDS
