@@ -37,9 +37,13 @@ def _state(pid: int) -> str:
     return text[text.rindex(")") + 2:].split()[0]
 
 
-def test_the_build_waits_while_other_work_is_busy_then_finishes():
+def test_the_build_waits_while_other_work_is_busy_then_finishes(tmp_path):
+    lock = tmp_path / "lock"  # the build's lock: kept fresh while the build is stopped
+    lock.touch()
+    os.utime(lock, (0, 0))
     start = time.monotonic()
-    watchdog = subprocess.Popen([sys.executable, yielding_build.__file__, sys.executable, "-c", NEEDS_CPU])
+    watchdog = subprocess.Popen([sys.executable, yielding_build.__file__, "--keep-fresh", str(lock),
+                                 sys.executable, "-c", NEEDS_CPU])
     states = set()
     busy_until = start + 4.0
     while time.monotonic() < busy_until:  # this process is the other work: one busy core
@@ -51,5 +55,6 @@ def test_the_build_waits_while_other_work_is_busy_then_finishes():
         sum(i * i for i in range(20_000))
     assert watchdog.poll() is None, "the build finished while other work kept a core busy"
     assert "T" in states, f"the build was never stopped (states seen: {states})"
+    assert time.time() - lock.stat().st_mtime < 60
     assert watchdog.wait(timeout=300) == 0  # longer if another build runs meanwhile
     assert time.monotonic() - start > 4.0 + yielding_build.QUIET_SECONDS

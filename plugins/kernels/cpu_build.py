@@ -209,8 +209,14 @@ os.environ["MAX_JOBS"] = "1"
 
 
 def _background_command() -> list[str]:
-    return [sys.executable, str(Path(__file__).with_name("yielding_build.py")), sys.executable, "-c",
-            _BACKGROUND_BOOTSTRAP]
+    command = [sys.executable, str(Path(__file__).with_name("yielding_build.py"))]
+    try:  # a build stopped for long must not look like a killed one (STALE_LOCK_SECONDS)
+        from torch.utils import cpp_extension
+
+        command += ["--keep-fresh", str(Path(cpp_extension._get_build_directory(_flags()[0], verbose=False)) / "lock")]
+    except (OSError, AttributeError):
+        pass
+    return command + [sys.executable, "-c", _BACKGROUND_BOOTSTRAP]
 
 if __name__ == "__main__":
     threading.Thread(target=_watch_for_stale_locks, daemon=True).start()

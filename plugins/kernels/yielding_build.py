@@ -70,9 +70,11 @@ def _signal(pids: list[int], signum: int) -> None:
             pass
 
 
-def run_yielding(command: list[str]) -> int:
+def run_yielding(command: list[str], keep_fresh: str | None = None) -> int:
     """Run `command`, stopped (it and everything it starts) while other work keeps the CPUs
-    busy; returns its exit status."""
+    busy; returns its exit status. `keep_fresh`: a file (the build's lock) whose modification
+    time is renewed while the build is stopped, so that no one takes it for the leftover of
+    a killed build."""
     child = subprocess.Popen(command, start_new_session=True)
     if not os.path.exists("/proc/stat"):
         return child.wait()
@@ -98,11 +100,20 @@ def run_yielding(command: list[str]) -> int:
                     _signal(members, signal.SIGCONT)
             if stopped:  # every time: a job started just before the stop is caught by the next
                 _signal(members, signal.SIGSTOP)
+                if keep_fresh:
+                    try:
+                        os.utime(keep_fresh)
+                    except OSError:  # not taken yet, or gone
+                        pass
     finally:
         if child.poll() is None:  # this watchdog is going away: leave nothing stopped behind
             _signal(tree(child.pid)[0], signal.SIGCONT)
     return child.returncode
 
 
-if __name__ == "__main__":
-    sys.exit(run_yielding(sys.argv[1:]))
+if __name__ == "__main__":  # yielding_build.py [--keep-fresh PATH] COMMAND...
+    arguments = sys.argv[1:]
+    fresh = None
+    if arguments[:1] == ["--keep-fresh"]:
+        fresh, arguments = arguments[1], arguments[2:]
+    sys.exit(run_yielding(arguments, fresh))
