@@ -218,6 +218,7 @@ def _background_command() -> list[str]:
         pass
     return command + [sys.executable, "-c", _BACKGROUND_BOOTSTRAP]
 
+
 if __name__ == "__main__":
     threading.Thread(target=_watch_for_stale_locks, daemon=True).start()
     load_library()
