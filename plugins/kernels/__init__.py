@@ -19,7 +19,7 @@ def servelab_register_attention():
             factory="servelab.plugins.kernels.cpu_paged:CpuPagedAttention",
             options=CpuPagedOptions,
             description="the default: paged attention and the decoder's layer ops in C++ for the CPU "
-                        "(decodes and short rows; long prompts through torch-paged's SDPA path); "
+                        "(decodes row by row, prompts in flash-style query tiles); "
                         "torch-paged until its library is built and cached, and on other devices",
         ),
         AttentionPlugin(

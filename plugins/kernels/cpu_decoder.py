@@ -3,9 +3,10 @@ whose every row the C++ attention kernel attends.
 
 `native_decoder(kernels, model)` hands the C++ side the model's tensors once: the
 embedding, each layer's norms and packed linear weights (the `packed_weight` and `bias` of
-servelab.model.packed_linear.PackedLinear), the final norm and the rotary tables. It answers None for a model it cannot run (linears not packed for oneDNN, norms
-with different epsilons, weights and rotary tables of different dtypes), which then keeps
-the Python path.
+servelab.model.packed_linear.PackedLinear), the final norm and the rotary tables. It
+answers None for a model it cannot run (linears not packed for oneDNN, norms with
+different epsilons, weights and rotary tables of different dtypes), which then keeps the
+Python path.
 """
 
 from __future__ import annotations

@@ -382,6 +382,16 @@ void attend_query_tile(const scalar_t* q_data, int64_t q_token_stride, int64_t q
 }
 #endif  // __AVX2__
 
+// Whether this build has the vectorised paths (the decode path and the prompt tiles) for
+// this head dim; without them every row is attended row by row by the generic loops.
+bool vectorised(int64_t head_dim) {
+#ifdef __AVX2__
+  return head_dim % Native::kWidth == 0 && head_dim / Native::kWidth <= kMaxChunks;
+#else
+  return false;
+#endif
+}
+
 template <typename scalar_t, typename index_t>
 void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
@@ -402,10 +412,8 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   const float softmax_scale = static_cast<float>(scale);
 #ifdef __AVX2__
   constexpr int kWidth = Native::kWidth;
-  const bool fast = head_dim % kWidth == 0 && head_dim / kWidth <= kMaxChunks;
-#else
-  const bool fast = false;
 #endif
+  const bool fast = vectorised(head_dim);
 
   // Work items: tiles of the sequences with many query tokens (costliest first), then one
   // (sequence, KV head) each for the rest, handed out one at a time to whichever thread is
@@ -604,13 +612,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 
 // Whether rows of many query tokens take the tiled path for this head dim (else the row
 // by row one, which is slow for prompts: the backend then sends them to SDPA).
-bool tiles_prompts(int64_t head_dim) {
-#ifdef __AVX2__
-  return head_dim % Native::kWidth == 0 && head_dim / Native::kWidth <= kMaxChunks;
-#else
-  return false;
-#endif
-}
+bool tiles_prompts(int64_t head_dim) { return vectorised(head_dim); }
 
 void register_layer_ops(pybind11::module& m);  // cpu_layer_ops.cpp
 void register_decoder(pybind11::module& m);  // cpu_decoder.cpp

@@ -24,6 +24,7 @@ backend: on a device other than the CPU it is torch-paged.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import attrs
@@ -113,15 +114,22 @@ class CpuPagedAttention(TorchPagedAttention):
             self._decoders[id(model)] = entry
         return entry[1]
 
+    @functools.cached_property
+    def _kernel_row_limit(self) -> int | None:
+        """Rows with more query tokens go to SDPA; None: the kernel attends every row. Asked
+        once the kernels are loaded (they never change after)."""
+        limit = self.cpu_options.max_kernel_query_len or None
+        if limit is None and not self._kernels.tiles_prompts(self.context.head_dim):
+            limit = ROW_BY_ROW_LIMIT  # no tiled path here (no AVX2, or an odd head dim): prompts to SDPA
+        return limit
+
     def prepare(self, metadata: AttentionMetadata):
         if self._kernels is None:
             if self._switch_when_built and self.context.device.type == "cpu":
                 self._kernels = self._build.module()
             if self._kernels is None:
                 return super().prepare(metadata)
-        limit = self.cpu_options.max_kernel_query_len or None
-        if limit is None and not self._kernels.tiles_prompts(self.context.head_dim):
-            limit = ROW_BY_ROW_LIMIT  # no tiled path here (no AVX2, or an odd head dim): prompts to SDPA
+        limit = self._kernel_row_limit
         query_lens, context_lens = metadata.query_lens_list, metadata.context_lens_list
         if limit is None:
             short, long = list(range(len(query_lens))), []

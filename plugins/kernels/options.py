@@ -36,10 +36,10 @@ class CpuPagedOptions:
     build: "cached" (default) uses the kernels from the first step when this machine's cache
     already holds them, and otherwise serves the whole run on the torch-paged path (never
     switching mid-run) and builds them for the next start when the process exits (or
-    after a minute of serving), at the lowest CPU priority;
-    "background" builds right away (at the lowest CPU priority) and switches to the
-    kernels at the first step after the build lands; "wait" blocks the engine's start until the kernels are
-    built (or fail); "never" always takes the torch-paged path (for comparisons).
+    after a minute of serving), at the lowest CPU priority and paused while other work is
+    busy; "background" builds right away (the same way) and switches to the kernels at the
+    first step after the build lands; "wait" blocks the engine's start until the kernels
+    are built (or fail); "never" always takes the torch-paged path (for comparisons).
     layer_ops: the model runs its norms, rotary and SiLU-and-multiply on the library's
     fused ops once it is ready (false: torch's ops). native_decoder: with layer_ops, a step
     whose every row the kernel attends runs the whole decoder in one native call (false:
