@@ -209,13 +209,13 @@ def test_the_vllm_baseline_waits_for_the_machine_to_go_quiet(monkeypatch):
     from servelab.bench import vllm_baseline
 
     readings = iter([(0, 0), (90, 100), (180, 200), (185, 300), (185, 400)])  # busy, busy, then idle
-    monkeypatch.setattr(vllm_baseline, "cpu_ticks", lambda: next(readings))
+    monkeypatch.setattr(vllm_baseline, "_cpu_times", lambda: next(readings))
     monkeypatch.setattr(vllm_baseline.time, "sleep", lambda seconds: None)
     vllm_baseline.wait_until_idle()
     assert next(readings) == (185, 400), "returned at the first idle period, not before"
 
     always_busy = iter((100 * i, 100 * i) for i in range(10**6))
-    monkeypatch.setattr(vllm_baseline, "cpu_ticks", lambda: next(always_busy))
+    monkeypatch.setattr(vllm_baseline, "_cpu_times", lambda: next(always_busy))
     clock = iter(range(10**6))
     monkeypatch.setattr(vllm_baseline.time, "monotonic", lambda: next(clock))
     vllm_baseline.wait_until_idle(limit_s=5.0)

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from servelab.cpu_load import cpu_ticks
 from servelab.errors import ConfigError
 from servelab.workload import Workload
 
@@ -124,15 +123,23 @@ class VllmBaseline:
 def wait_until_idle(threshold: float = 0.15, period_s: float = 0.25, limit_s: float = 5.0) -> None:
     """Return once the machine's CPUs were less than `threshold` busy over one `period_s`
     (read from /proc/stat), or after `limit_s`; elsewhere than Linux, after 2 s."""
-    before = cpu_ticks()
-    if before is None:
+    if not os.path.exists("/proc/stat"):
         time.sleep(2.0)
         return
     deadline = time.monotonic() + limit_s
+    before = _cpu_times()
     while time.monotonic() < deadline:
         time.sleep(period_s)
-        after = cpu_ticks()
+        after = _cpu_times()
         busy, total = after[0] - before[0], after[1] - before[1]
         if total > 0 and busy / total < threshold:
             return
         before = after
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs: user, nice, system, irq, softirq, steal are busy."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:9]]
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]
+    return busy, sum(fields)

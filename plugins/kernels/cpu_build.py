@@ -196,7 +196,7 @@ def _watch_for_stale_locks(period: float = 30.0) -> None:
 # its compilers inherit that: beside the quickstart's first `generate` on two cores, a build
 # at default priority made the command 4x slower (12 s instead of 3). Even so, it is stopped
 # outright while other processes keep the CPUs busy (yielding_build, run as a script so that
-# it imports no torch).
+# it imports nothing of servelab or torch).
 _BOOTSTRAP = "import runpy; runpy.run_module('servelab.plugins.kernels.cpu_build', run_name='__main__')"
 _BACKGROUND_BOOTSTRAP = """
 import os

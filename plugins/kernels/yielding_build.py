@@ -18,11 +18,18 @@ import subprocess
 import sys
 import time
 
-from servelab.cpu_load import cpu_ticks  # servelab's top level only: no torch in this watchdog
-
 BUSY_CORES = 0.5  # other processes' use that stops the build, in cores
 QUIET_SECONDS = 2.0  # how long others must stay under it before the build continues (plus up to a second)
 INTERVAL_SECONDS = 0.25
+
+
+def busy_ticks() -> int:
+    """Clock ticks all CPUs spent busy since boot (user, nice, system, irq, softirq, steal).
+    (servelab.bench.vllm_baseline reads the same line; a plugin imports only servelab's
+    public contract, and this watchdog nothing of servelab at all.)"""
+    with open("/proc/stat") as stat:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+    return user + nice + system + irq + softirq + steal
 
 
 def _processes() -> dict[int, tuple[int, int]]:
@@ -71,16 +78,16 @@ def run_yielding(command: list[str], keep_fresh: str | None = None) -> int:
     time is renewed while the build is stopped, so that no one takes it for the leftover of
     a killed build."""
     child = subprocess.Popen(command, start_new_session=True)
-    if cpu_ticks() is None:
+    if not os.path.exists("/proc/stat"):
         return child.wait()
     limit = BUSY_CORES * os.sysconf("SC_CLK_TCK") * INTERVAL_SECONDS
     stopped, quiet_since = False, None
-    before = (cpu_ticks()[0], tree(child.pid)[1])
+    before = (busy_ticks(), tree(child.pid)[1])
     try:
         while child.poll() is None:
             time.sleep(INTERVAL_SECONDS)
             members, ours = tree(child.pid)
-            busy = cpu_ticks()[0]
+            busy = busy_ticks()
             others = (busy - before[0]) - (ours - before[1])
             before = (busy, ours)
             if others > limit:
