@@ -36,6 +36,7 @@ from servelab.logging_setup import get_logger
 from servelab.logits_pipeline import LogitsPipeline, ProcessorFailed
 from servelab.logprobs import log_softmax, position_logprobs
 from servelab.model.loader import DTYPES
+from servelab.model.onednn_caches import limit_onednn_caches
 from servelab.model.source import CheckpointSource, ModelSource
 from servelab.model.tokenizer import IncrementalDecoder
 from servelab.outputs import PositionLogprobs, RequestOutput, StepReport, request_output
@@ -108,6 +109,8 @@ class LLMEngine:
                 f"attention {config.attention.name!r} reads each sequence's K/V as one contiguous run of blocks, "
                 f"but allocator {config.allocator.name!r} hands out block tables that are not contiguous: "
                 f"choose allocator 'naive' (contiguous reservations), or attention 'torch-paged' (any block table)")
+        if device.type == "cpu":  # before the first oneDNN kernel: then it is too late
+            limit_onednn_caches(engine.onednn_cache_capacity)
         if engine.tensor_parallel_size > 1 and isinstance(self.source, CheckpointSource):
             self.runner = self._start_tensor_parallel(selected["attention"], attention_context)
         else:

@@ -115,11 +115,16 @@ def test_prompt_rows_go_to_sdpa_only_without_a_tiled_path(head_dim, tiled):
     assert prepared.kernel_seqs.tolist() == ([0, 1] if tiled else [1])
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3-rope-tied"])
-def test_engine_greedy_matches_transformers(checkpoint_factory, kind):
+@pytest.mark.parametrize("kind, mlp_rows", [("llama", None), ("qwen2", None), ("llama3-rope-tied", None),
+                                             ("llama", 8)])
+def test_engine_greedy_matches_transformers(checkpoint_factory, monkeypatch, kind, mlp_rows):
     """With the kernels and the fused layer ops (head dims 12 and 16: the generic and the
-    vectorised attention path; Qwen2's biases; tied embeddings with Llama-3 rope scaling)."""
+    vectorised attention path; Qwen2's biases; tied embeddings with Llama-3 rope scaling;
+    the MLP cut into chunks of 8 rows on prompt steps)."""
     import transformers
+
+    if mlp_rows is not None:
+        monkeypatch.setattr("servelab.model.llama.MLP_ROWS_AT_ONCE", mlp_rows)
 
     path = checkpoint_factory(kind)
     prompts = [[5, 9, 13, 2, 40, 7], list(range(3, 40)), [17]]
@@ -134,10 +139,12 @@ def test_engine_greedy_matches_transformers(checkpoint_factory, kind):
 @needs_compiler
 @pytest.mark.parametrize("kind, dtype, drafter", [("llama3-rope-tied", "float32", None), ("qwen2", "bfloat16", None),
                                                   ("llama3-rope-tied", "float32", "ngram")])
-def test_native_decoder_is_bit_identical_to_the_python_path(checkpoint_factory, kind, dtype, drafter):
+def test_native_decoder_is_bit_identical_to_the_python_path(checkpoint_factory, monkeypatch, kind, dtype, drafter):
     """The whole decoder in one native call gives the same logits, to the bit, as the model's
     Python loop over the same kernels; it runs every step: prompts (whose last layer computes
-    only the rows whose logits are wanted), decodes and, with a drafter, verifications."""
+    only the rows whose logits are wanted, and whose MLP runs 20 rows at a time: 20, 20, 8),
+    decodes and, with a drafter, verifications."""
+    monkeypatch.setattr("servelab.model.llama.MLP_ROWS_AT_ONCE", 20)
     path = checkpoint_factory(kind)
     prompts = [[5, 9, 13, 2, 40, 7, 5, 9, 13, 2], list(range(3, 40)), [17]]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)

@@ -100,16 +100,40 @@ def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x if rows is None else x.index_select(0, rows)
 
 
+# The MLP runs on at most this many rows at once: its intermediate activations are the
+# step's largest (2 x intermediate_size a row), and on a 2,048-token prompt step they (with
+# the linear kernels' scratch space) were most of the peak memory above the weights and the
+# KV pool. 512 rows already run the linears at full speed.
+MLP_ROWS_AT_ONCE = 512
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.rows_at_once = MLP_ROWS_AT_ONCE
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.by_row_chunks(x, self._forward_rows)
+
+    def forward_fused(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.by_row_chunks(x, lambda rows: self.down_proj(ops.silu_and_mul(self.gate_up_proj(rows))))
+
+    def _forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def by_row_chunks(self, x: torch.Tensor, forward) -> torch.Tensor:
+        """forward(x) computed `rows_at_once` rows at a time (the native decoder cuts the
+        same way, so the two paths stay bit-identical)."""
+        if x.shape[0] <= self.rows_at_once:
+            return forward(x)
+        out = x.new_empty(x.shape)  # the MLP maps hidden_size back to hidden_size
+        for start in range(0, x.shape[0], self.rows_at_once):
+            out[start:start + self.rows_at_once] = forward(x[start:start + self.rows_at_once])
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -145,7 +169,7 @@ class DecoderLayer(nn.Module):
         residual = _rows(residual, keep_rows)
         norm = self.post_attention_layernorm
         ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
-        return self.mlp.down_proj(ops.silu_and_mul(self.mlp.gate_up_proj(hidden))), residual
+        return self.mlp.forward_fused(hidden, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):

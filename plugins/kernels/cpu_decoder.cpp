@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -56,12 +57,15 @@ class Decoder {
  public:
   // layers[i] = [input norm, post-attention norm, qkv, qkv bias, o, o bias, gate_up, gate_up bias,
   // down, down bias] with None for an absent bias; the linears' weights are packed.
+  // mlp_rows_at_once: the MLP runs on at most this many rows at once, as the Python path does
+  // (servelab.model.llama.MLP.by_row_chunks).
   Decoder(const std::vector<std::vector<Optional>>& layers, at::Tensor embedding, at::Tensor final_norm,
           at::Tensor cos, at::Tensor sin, double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
-          int64_t head_dim)
+          int64_t head_dim, int64_t mlp_rows_at_once)
       : embedding_(std::move(embedding)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
         sin_(std::move(sin)), eps_(eps), scale_(scale), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
-        head_dim_(head_dim) {
+        head_dim_(head_dim), mlp_rows_at_once_(mlp_rows_at_once) {
+    TORCH_CHECK(mlp_rows_at_once > 0, "mlp_rows_at_once must be positive");
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 10, "a layer is 10 tensors (norms, then each linear's weight and bias)");
       for (int i : {0, 1, 2, 4, 6, 8}) TORCH_CHECK(t[i].has_value(), "layer tensor ", i, " is missing");
@@ -103,7 +107,7 @@ class Decoder {
       }
       hidden = layer.o(rows);
       add_rms_norm_(hidden, residual, layer.post_attention_norm, eps_);
-      hidden = layer.down(silu_and_mul(layer.gate_up(hidden)));
+      hidden = mlp(layer, hidden);
     }
     at::Tensor selected = keep_some ? hidden + residual
                                     : hidden.index_select(0, logits_indices) + residual.index_select(0, logits_indices);
@@ -111,10 +115,21 @@ class Decoder {
   }
 
  private:
+  at::Tensor mlp(const Layer& layer, const at::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (rows <= mlp_rows_at_once_) return layer.down(silu_and_mul(layer.gate_up(x)));
+    at::Tensor out = at::empty({rows, embedding_.size(1)}, x.options());
+    for (int64_t start = 0; start < rows; start += mlp_rows_at_once_) {
+      const int64_t count = std::min(mlp_rows_at_once_, rows - start);
+      out.narrow(0, start, count).copy_(layer.down(silu_and_mul(layer.gate_up(x.narrow(0, start, count)))));
+    }
+    return out;
+  }
+
   std::vector<Layer> layers_;
   at::Tensor embedding_, final_norm_, cos_, sin_;
   double eps_, scale_;
-  int64_t num_heads_, num_kv_heads_, head_dim_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, mlp_rows_at_once_;
 };
 
 }  // namespace
@@ -122,7 +137,7 @@ class Decoder {
 void register_decoder(pybind11::module& m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<const std::vector<std::vector<Optional>>&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                          double, double, int64_t, int64_t, int64_t>())
+                          double, double, int64_t, int64_t, int64_t, int64_t>())
       // No Python object is touched inside: other Python threads run meanwhile.
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -3,7 +3,8 @@ whose every row the C++ attention kernel attends.
 
 `native_decoder(kernels, model)` hands the C++ side the model's tensors once: the
 embedding, each layer's norms and packed linear weights (the `packed_weight` and `bias` of
-servelab.model.packed_linear.PackedLinear), the final norm and the rotary tables. It
+servelab.model.packed_linear.PackedLinear), the final norm, the rotary tables and how many
+rows the MLP takes at once. It
 answers None for a model it cannot run (linears not packed for oneDNN, norms with
 different epsilons, weights and rotary tables of different dtypes), which then keeps the
 Python path.
@@ -34,4 +35,5 @@ def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
     attention = model.layers[0].self_attn
     return kernels.Decoder(layers, model.embed_tokens.weight.detach(), model.norm.weight.detach(),
                            model.rotary.cos, model.rotary.sin, config.rms_norm_eps, attention.scale,
-                           attention.num_heads, attention.num_kv_heads, attention.head_dim)
+                           attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                           model.layers[0].mlp.rows_at_once)
