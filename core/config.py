@@ -88,7 +88,7 @@ class EngineSection:
     # On CPU, how many compiled oneDNN kernels (and torch's oneDNN computations) stay cached:
     # one per linear shape and row count, ~0.4-1 MiB of generated code each; an evicted one
     # is rebuilt in ~0.25 ms when its row count comes back (servelab.model.onednn_caches).
-    onednn_cache_capacity: int = attrs.field(default=64, validator=_positive)
+    onednn_cache_capacity: int = attrs.field(default=48, validator=_positive)
     # What logprobs report: "raw" (the model's log-softmax, before any logits processor, as
     # vLLM's default) or "processed" (after the request's logits processors, before temperature).
     logprobs_mode: str = "raw"
