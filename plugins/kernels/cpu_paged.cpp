@@ -544,6 +544,9 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next_item{0};
+  const int64_t tile = block_size * head_dim;  // elements of one (KV head, block) tile
+  // How far ahead a decode item requests its tiles, in tiles (see kPrefetchBytes).
+  const int64_t distance = std::max<int64_t>(1, kPrefetchBytes / (tile * static_cast<int64_t>(sizeof(scalar_t))));
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<float> q_rows, scores, acc, row, denominators;
@@ -560,7 +563,6 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       const int64_t b = work.seq, kv_head = work.kv_head;
       const int64_t first = starts[b], num_queries = starts[b + 1] - first, context = contexts[b];
       const index_t* table = tables + b * table_width;
-      const int64_t tile = block_size * head_dim;  // elements of one (KV head, block) tile
       const scalar_t* k_head = k_data + kv_head * num_blocks * tile;
       const scalar_t* v_head = v_data + kv_head * num_blocks * tile;
 #ifdef __AVX2__
@@ -585,16 +587,17 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       const int64_t used_blocks = (context + block_size - 1) / block_size;
       // The tile `distance` tiles after stream position `position` (this item's key blocks,
       // then its value blocks, then the next item's key blocks), or null past the stream.
-      const int64_t distance = std::max<int64_t>(1, kPrefetchBytes / (tile * static_cast<int64_t>(sizeof(scalar_t))));
-      const Item* following = claimed < num_items ? &items[claimed] : nullptr;
+      const bool has_next = claimed < num_items;
+      const int64_t next_blocks = has_next ? (contexts[items[claimed].seq] + block_size - 1) / block_size : 0;
+      const index_t* next_table = has_next ? tables + items[claimed].seq * table_width : nullptr;
+      const scalar_t* next_k_head = has_next ? k_data + items[claimed].kv_head * num_blocks * tile : nullptr;
       auto ahead = [&](int64_t position) -> const scalar_t* {
         position += distance;
         if (position < used_blocks) return k_head + table[position] * tile;
         position -= used_blocks;
         if (position < used_blocks) return v_head + table[position] * tile;
         position -= used_blocks;
-        if (following == nullptr || position >= (contexts[following->seq] + block_size - 1) / block_size) return nullptr;
-        return k_data + (following->kv_head * num_blocks + tables[following->seq * table_width + position]) * tile;
+        return position < next_blocks ? next_k_head + next_table[position] * tile : nullptr;
       };
       for (int64_t blk = 0; blk < used_blocks; ++blk) {
         const scalar_t* keys = k_head + table[blk] * tile;
