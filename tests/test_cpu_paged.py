@@ -213,13 +213,84 @@ def test_layer_ops_match_the_torch_ops(dtype, rows, hidden):
 
 
 @needs_compiler
+@pytest.mark.parametrize("out_features, in_features", [(64, 72), (120, 72), (211, 13), (176, 100), (1024, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_a_float64_reference(out_features, in_features, bias):
+    """The library's float32 matmul against torch's linear in float64: whole and padded last
+    panels, every remainder of rows a block takes (1-7), enough blocks to prefetch the next
+    panel (100 rows), no rows, leading dims and a strided input."""
+    from torch.nn import functional as F
+
+    kernels = kernel_build().wait()
+    generator = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    panels = kernels.pack_panels(weight)
+    width = kernels.panel_width()
+    assert panels.shape == (-(-out_features // width), in_features, width)
+    for rows in (0, 1, 2, 3, 5, 6, 7, 100):
+        x = torch.randn(rows, in_features, generator=generator)
+        expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        got = kernels.panel_linear(x, panels, b, out_features)
+        assert got.shape == (rows, out_features)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6 * in_features)
+    x = torch.randn(2, 3, 2 * in_features, generator=generator)[..., ::2]  # leading dims, every other feature
+    expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    torch.testing.assert_close(kernels.panel_linear(x, panels, b, out_features).double(), expected,
+                               rtol=1e-5, atol=1e-6 * in_features)
+
+
+@needs_compiler
+def test_panel_linear_refuses_mismatched_inputs():
+    kernels = kernel_build().wait()
+    panels = kernels.pack_panels(torch.randn(70, 16))
+    with pytest.raises(RuntimeError, match="x must be float32 with 16 features"):
+        kernels.panel_linear(torch.randn(3, 15), panels, None, 70)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        kernels.panel_linear(torch.randn(3, 16, dtype=torch.bfloat16), panels, None, 70)
+    with pytest.raises(RuntimeError, match="out_features 500 does not match"):
+        kernels.panel_linear(torch.randn(3, 16), panels, None, 500)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 tensor of 70 values"):
+        kernels.panel_linear(torch.randn(3, 16), panels, torch.randn(69), 70)
+
+
+@needs_compiler
+@pytest.mark.parametrize("moved", [True, False])
+def test_the_float32_linears_move_to_the_library_once_it_is_ready(llama_checkpoint, moved):
+    """Every packed linear of a float32 model, the tied or untied LM head too, moves to the
+    library's matmul at the first step that has the kernels, and the oneDNN copy is freed;
+    `panel_linears = false` keeps them all on oneDNN. Greedy tokens equal transformers'
+    either way (test_engine_greedy_matches_transformers runs the default)."""
+    from servelab.model.packed_linear import PackedLinear
+
+    llm = LLM(llama_checkpoint, max_model_len=64,
+              **{"attention.name": "cpu-paged", "attention.build": "wait", "attention.panel_linears": moved})
+    llm.generate([[5, 9, 13]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 2 * 4 + 1
+    assert all((m.panels is not None) is moved and (m.packed_weight is None) is moved for m in linears)
+
+
+def test_unpacking_a_onednn_weight_is_exact():
+    """use_panels reads a dropped weight back out of oneDNN's layout: to the bit."""
+    from torch import nn
+
+    from servelab.model.packed_linear import PackedLinear, can_prepack
+
+    if not can_prepack(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN linear packing")
+    linear = nn.Linear(100, 211)
+    assert torch.equal(PackedLinear(linear).unpacked_weight(), linear.weight.detach())
+
+
+@needs_compiler
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or os.environ.get("ATEN_CPU_CAPABILITY"),
                     reason="the CPU has no AVX-512: the rest of this file already runs the AVX2 build")
 def test_the_avx2_build_passes_too():
     """On an AVX-512 CPU, the kernels' AVX2 path (8-wide) is what AVX2-only CPUs run: build it
     (torch reports the capability ATEN_CPU_CAPABILITY names) and run this file's kernel checks on it."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    checks = "draft_rows or prompt_tiles or layer_ops or transformers or (TestCpuPaged and not Sdpa)"
+    checks = "draft_rows or prompt_tiles or layer_ops or panel or transformers or (TestCpuPaged and not Sdpa)"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

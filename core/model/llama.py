@@ -9,7 +9,9 @@ rotary embedding in place on the QKV projection, SiLU-and-multiply. Fewer, large
 Python dispatch per layer and fewer temporaries. The results agree to float rounding
 (the norms' sums of squares accumulate in another order). Such a backend may also run the
 same ops for the whole decoder in one native call (`backend.decoder_forward`), which
-answers None for the steps it leaves to this module.
+answers None for the steps it leaves to this module, and a float32 matmul that the
+oneDNN-packed linear layers move to (`backend.panel_kernels`, see
+servelab.model.packed_linear.use_panel_linears).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from servelab.model.model_config import ModelConfig
+from servelab.model.packed_linear import use_panel_linears
 from servelab.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -188,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
+        self._panel_kernels = None  # the backend library whose matmul the packed linears moved to
 
     @torch.inference_mode()
     def forward(
@@ -199,6 +203,10 @@ class LlamaForCausalLM(nn.Module):
         prepared: Any,
         logits_indices: torch.Tensor,  # [S] rows of the batch whose next-token logits are wanted
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, vocab] float32, hidden [S, hidden]
+        panel_kernels = getattr(backend, "panel_kernels", None)
+        if panel_kernels is not None and self._panel_kernels is not panel_kernels:
+            use_panel_linears(self, panel_kernels)
+            self._panel_kernels = panel_kernels
         ops = getattr(backend, "layer_ops", None)
         if ops is not None and self._fusable(input_ids):
             native = getattr(backend, "decoder_forward", None)

@@ -9,9 +9,17 @@ does, keeps that cost out of every step.
 `prepack_linears` swaps every nn.Linear under a module for a `PackedLinear` in place. The
 unpacked weight is dropped unless `keep_weights` names the layer: the LM head keeps it,
 since drafters and tied embeddings read it as a plain tensor.
+
+Once an attention backend's native library is loaded, float32 layers can move to its
+matmul (`use_panel_linears`, see plugins/kernels/cpu_linear.cpp): each weight is repacked
+into the library's panels and the oneDNN copy is freed, so the weights are held once. The
+library's kernel matches oneDNN at prompt sizes and is 1.1-1.7x faster at decode sizes
+(docs/performance.md).
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,8 +42,50 @@ class PackedLinear(nn.Module):
         if keep_weight:  # the same Parameter: a tied embedding stays tied
             self.weight = linear.weight
 
+        self.panels: torch.Tensor | None = None  # the weight as the library's panels, once moved there
+        self._kernels: Any = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return self._kernels.panel_linear(x, self.panels, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def use_panels(self, kernels: Any) -> bool:
+        """Move this layer onto `kernels`' float32 matmul (see PanelKernels); False, leaving
+        it on oneDNN, where the library has no such kernel or the layer does not fit it."""
+        if self.panels is not None:
+            return True
+        if kernels.panel_width() == 0 or self.packed_weight.dtype != torch.float32:
+            return False
+        weight = self.weight.detach() if hasattr(self, "weight") else self.unpacked_weight()
+        self.panels, self._kernels = kernels.pack_panels(weight), kernels
+        self.packed_weight = None
+        return True
+
+    def unpacked_weight(self) -> torch.Tensor:
+        """The plain [out, in] weight, read back out of oneDNN's layout (which no public API
+        exposes) as the layer's output for the identity: each output is one product by 1,
+        so the values are exact."""
+        identity = torch.eye(self.in_features, dtype=self.packed_weight.dtype)
+        return torch.ops.mkldnn._linear_pointwise(identity, self.packed_weight, None, "none", [], "").t().contiguous()
+
+
+class PanelKernels(Protocol):
+    """A native library's float32 matmul on weights packed its own way (cpu_linear.cpp)."""
+
+    def panel_width(self) -> int:
+        """Output features per panel (0: the library has no such kernel)."""
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def panel_linear(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor: ...
+
+
+def use_panel_linears(root: nn.Module, kernels: PanelKernels) -> int:
+    """Move every float32 PackedLinear under `root` onto `kernels`' matmul, one layer at a
+    time (so the two copies of one weight at most coexist); returns how many moved."""
+    return sum(module.use_panels(kernels) for module in root.modules() if isinstance(module, PackedLinear))
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:

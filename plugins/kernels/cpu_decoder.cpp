@@ -2,7 +2,7 @@
 // `cpu-paged` kernel attends (decodes, verified drafts, short chunks).
 //
 // It issues exactly the ops of the model's fused Python path (servelab.model.llama,
-// `_forward_fused`): the same oneDNN linear on the same packed weights, the same layer ops
+// `_forward_fused`): the same linear kernels on the same packed weights, the same layer ops
 // and the same attention kernel, in the same order, so its results are bit-identical to
 // that path. What it removes is the Python between them: module calls, argument parsing
 // and dispatch for ~13 ops a layer, which at small batches cost as much as the layer's
@@ -21,6 +21,9 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
 void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
              int64_t num_heads, int64_t head_dim);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+// cpu_linear.cpp
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t out_features);
 // cpu_paged.cpp
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                  const at::Tensor& slot_mapping);
@@ -43,9 +46,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight, c
 }
 
 struct Linear {
-  at::Tensor weight;
+  at::Tensor weight;  // packed for oneDNN, or 3-D: the panels of cpu_linear.cpp
   Optional bias;
-  at::Tensor operator()(const at::Tensor& x) const { return packed_linear(x, weight, bias); }
+  int64_t out_features;
+  at::Tensor operator()(const at::Tensor& x) const {
+    return weight.dim() == 3 ? panel_linear(x, weight, bias, out_features) : packed_linear(x, weight, bias);
+  }
 };
 
 struct Layer {
@@ -69,7 +75,10 @@ class Decoder {
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 10, "a layer is 10 tensors (norms, then each linear's weight and bias)");
       for (int i : {0, 1, 2, 4, 6, 8}) TORCH_CHECK(t[i].has_value(), "layer tensor ", i, " is missing");
-      layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3]}, {*t[4], t[5]}, {*t[6], t[7]}, {*t[8], t[9]}});
+      // Either packing keeps the input features as dim 1: the MLP's width is down's.
+      const int64_t hidden = embedding_.size(1), intermediate = t[8]->size(1);
+      layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3], (num_heads + 2 * num_kv_heads) * head_dim},
+                              {*t[4], t[5], hidden}, {*t[6], t[7], 2 * intermediate}, {*t[8], t[9], hidden}});
     }
   }
 

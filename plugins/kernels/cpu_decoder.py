@@ -2,7 +2,8 @@
 whose every row the C++ attention kernel attends.
 
 `native_decoder(kernels, model)` hands the C++ side the model's tensors once: the
-embedding, each layer's norms and packed linear weights (the `packed_weight` and `bias` of
+embedding, each layer's norms and packed linear weights (the `packed_weight`, or the
+`panels` once moved to the library's matmul, and `bias` of
 servelab.model.packed_linear.PackedLinear), the final norm, the rotary tables and how many
 rows the MLP takes at once. It
 answers None for a model it cannot run (linears not packed for oneDNN, norms with
@@ -24,13 +25,14 @@ def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
                for layer in model.layers]
     dtype = model.embed_tokens.weight.dtype
     if (model.embed_tokens.weight.device.type != "cpu"
-            or any(not hasattr(linear, "packed_weight") for group in linears for linear in group)
+            or any(not hasattr(linear, "panels") for group in linears for linear in group)
             or any(norm.eps != config.rms_norm_eps for norm in norms)
             or any(norm.weight.dtype != dtype for norm in norms)
             or model.rotary.cos.dtype != dtype):
         return None
     layers = [[layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-              + [tensor for linear in group for tensor in (linear.packed_weight, linear.bias)]
+              + [tensor for linear in group
+                 for tensor in (linear.packed_weight if linear.panels is None else linear.panels, linear.bias)]
               for layer, group in zip(model.layers, linears)]
     attention = model.layers[0].self_attn
     return kernels.Decoder(layers, model.embed_tokens.weight.detach(), model.norm.weight.detach(),

@@ -43,7 +43,10 @@ class CpuPagedOptions:
     layer_ops: the model runs its norms, rotary and SiLU-and-multiply on the library's
     fused ops once it is ready (false: torch's ops). native_decoder: with layer_ops, a step
     whose every row the kernel attends runs the whole decoder in one native call (false:
-    the model's Python loop over layers; the results are identical). The prefill_* options
+    the model's Python loop over layers; the results are identical). panel_linears: once
+    the library is ready, the model's float32 linear layers (packed for oneDNN) move to its
+    own matmul, weights repacked and the oneDNN copy freed (false: they stay on oneDNN).
+    The prefill_* options
     are torch-paged's, for the rows longer than max_kernel_query_len (0, the default: the
     kernel attends every row, prompts on its tiled path; a positive limit sends longer rows
     to torch-paged's scaled_dot_product_attention, and such steps to the Python loop).
@@ -54,6 +57,7 @@ class CpuPagedOptions:
                              validator=attrs.validators.in_(("cached", "background", "wait", "never")))
     layer_ops: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     native_decoder: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    panel_linears: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     prefill_group_size: int = attrs.field(default=16, validator=attrs.validators.gt(0))
     prefill_padding: float = attrs.field(default=1.25, validator=attrs.validators.ge(1.0))
     prefill_group_area: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
