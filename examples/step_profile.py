@@ -24,7 +24,7 @@ from servelab import LLM, SamplingParams
 from servelab.logging_setup import configure_logging
 
 CATEGORIES = {
-    "linear layers": ("mkldnn::_linear_pointwise", "aten::addmm", "aten::linear"),
+    "linear layers": ("mkldnn::_linear_pointwise", "aten::addmm", "aten::linear", "cpu_paged::linear"),
     "attention": ("cpu_paged::attend", "aten::index_select", "aten::bmm", "aten::_softmax", "aten::_embedding_bag", "aten::index_copy_",
                   "aten::masked_fill_", "aten::_scaled_dot_product", "aten::_efficient_attention"),
     "norms, rotary, SwiGLU, residual": ("aten::rms_norm", "aten::_fused_rms_norm", "aten::mul", "aten::add", "aten::cat",
@@ -65,6 +65,9 @@ def profile_variant(overrides: dict, batch: int, dtype: str) -> dict[str, float]
     vocab = engine.model_config.vocab_size
     for event in prof.key_averages(group_by_input_shape=True):
         ms = event.self_cpu_time_total / 1000 / steps
+        if event.key == "cpu_paged::lm_head":  # the LM head on the library's matmul
+            buckets["LM head"] += ms
+            continue
         if event.key in ("aten::mm", "mkldnn::_linear_pointwise") and any(
                 vocab in shape for shape in event.input_shapes if isinstance(shape, list)):
             buckets["LM head"] += ms

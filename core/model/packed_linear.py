@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from servelab.logging_setup import get_logger
 
@@ -44,21 +45,26 @@ class PackedLinear(nn.Module):
 
         self.panels: torch.Tensor | None = None  # the weight as the library's panels, once moved there
         self._kernels: Any = None
+        self._profile_name = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
-            return self._kernels.panel_linear(x, self.panels, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.panels is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if torch.autograd._profiler_enabled():  # a library call is invisible to torch's profiler otherwise
+            with record_function(self._profile_name):
+                return self._kernels.panel_linear(x, self.panels, self.bias, self.out_features)
+        return self._kernels.panel_linear(x, self.panels, self.bias, self.out_features)
 
-    def use_panels(self, kernels: Any) -> bool:
+    def use_panels(self, kernels: Any, profile_name: str = "cpu_paged::linear") -> bool:
         """Move this layer onto `kernels`' float32 matmul (see PanelKernels); False, leaving
-        it on oneDNN, where the library has no such kernel or the layer does not fit it."""
+        it on oneDNN, where the library has no such kernel or the layer is not float32.
+        `profile_name` names its calls in torch's profiler."""
         if self.panels is not None:
             return True
         if kernels.panel_width() == 0 or self.packed_weight.dtype != torch.float32:
             return False
         weight = self.weight.detach() if hasattr(self, "weight") else self.unpacked_weight()
-        self.panels, self._kernels = kernels.pack_panels(weight), kernels
+        self.panels, self._kernels, self._profile_name = kernels.pack_panels(weight), kernels, profile_name
         self.packed_weight = None
         return True
 
@@ -85,7 +91,8 @@ class PanelKernels(Protocol):
 def use_panel_linears(root: nn.Module, kernels: PanelKernels) -> int:
     """Move every float32 PackedLinear under `root` onto `kernels`' matmul, one layer at a
     time (so the two copies of one weight at most coexist); returns how many moved."""
-    return sum(module.use_panels(kernels) for module in root.modules() if isinstance(module, PackedLinear))
+    return sum(module.use_panels(kernels, "cpu_paged::lm_head" if name.endswith("lm_head") else "cpu_paged::linear")
+               for name, module in root.named_modules() if isinstance(module, PackedLinear))
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
