@@ -212,32 +212,44 @@ def test_layer_ops_match_the_torch_ops(dtype, rows, hidden):
         torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **tolerance)
 
 
+def _panel_kernels(dtype):
+    kernels = kernel_build().wait()
+    if str(dtype).removeprefix("torch.") not in kernels.panel_dtypes():
+        pytest.skip(f"no {dtype} matmul in the library on this CPU (bfloat16 needs AVX-512 BF16): such layers stay on oneDNN")
+    return kernels
+
+
 @needs_compiler
-@pytest.mark.parametrize("out_features, in_features", [(64, 72), (120, 72), (211, 13), (176, 100), (1024, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("out_features, in_features", [(64, 72), (120, 71), (211, 13), (176, 100), (1024, 512)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_matches_a_float64_reference(out_features, in_features, bias):
-    """The library's float32 matmul against torch's linear in float64: whole and padded last
-    panels, every remainder of rows a block takes (1-7), enough blocks to prefetch the next
-    panel (100 rows), no rows, leading dims and a strided input."""
+def test_panel_linear_matches_a_float64_reference(dtype, out_features, in_features, bias):
+    """The library's matmul against torch's linear in float64: whole and padded last panels,
+    an odd reduction (bf16 pads it to whole pairs), every remainder of rows a block takes
+    (1-7), enough blocks to prefetch the next panel (100 rows), no rows, leading dims and a
+    strided input. Float32 sums of `in_features` terms of ~1 drift by ~1e-7 x in_features at
+    most, and bf16 rounds its output to 8 bits, as oneDNN's does; a wrong weight, row or
+    column is off by ~1."""
     from torch.nn import functional as F
 
-    kernels = kernel_build().wait()
+    kernels = _panel_kernels(dtype)
     generator = torch.Generator().manual_seed(out_features + in_features)
-    weight = torch.randn(out_features, in_features, generator=generator)
-    b = torch.randn(out_features, generator=generator) if bias else None
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
     panels = kernels.pack_panels(weight)
     width = kernels.panel_width()
-    assert panels.shape == (-(-out_features // width), in_features, width)
-    for rows in (0, 1, 2, 3, 5, 6, 7, 100):
-        x = torch.randn(rows, in_features, generator=generator)
+    assert panels.shape[0] == -(-out_features // width) and panels.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-6 * in_features) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+
+    def check(x):
         expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
         got = kernels.panel_linear(x, panels, b, out_features)
-        assert got.shape == (rows, out_features)
-        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6 * in_features)
-    x = torch.randn(2, 3, 2 * in_features, generator=generator)[..., ::2]  # leading dims, every other feature
-    expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    torch.testing.assert_close(kernels.panel_linear(x, panels, b, out_features).double(), expected,
-                               rtol=1e-5, atol=1e-6 * in_features)
+        assert got.dtype == dtype and got.shape == (*x.shape[:-1], out_features)
+        torch.testing.assert_close(got.double(), expected, **tolerance)
+
+    for rows in (0, 1, 2, 3, 5, 6, 7, 100):
+        check(torch.randn(rows, in_features, generator=generator).to(dtype))
+    check(torch.randn(2, 3, 2 * in_features, generator=generator).to(dtype)[..., ::2])  # leading dims, strided
 
 
 @needs_compiler
@@ -252,18 +264,23 @@ def test_panel_linear_refuses_mismatched_inputs():
         kernels.panel_linear(torch.randn(3, 16), panels, None, 500)
     with pytest.raises(RuntimeError, match="bias must be a contiguous float32 tensor of 70 values"):
         kernels.panel_linear(torch.randn(3, 16), panels, torch.randn(69), 70)
+    with pytest.raises(RuntimeError, match="weight must be a 2-D float32 tensor"):
+        kernels.pack_panels(torch.randn(70, 16, dtype=torch.float64))
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("moved", [True, False])
-def test_the_float32_linears_move_to_the_library_once_it_is_ready(llama_checkpoint, moved):
-    """Every packed linear of a float32 model, the tied or untied LM head too, moves to the
-    library's matmul at the first step that has the kernels, and the oneDNN copy is freed;
-    `panel_linears = false` keeps them all on oneDNN. Greedy tokens equal transformers'
-    either way (test_engine_greedy_matches_transformers runs the default)."""
+def test_the_linears_move_to_the_library_once_it_is_ready(llama_checkpoint, dtype, moved):
+    """Every packed linear, the LM head too, moves to the library's matmul at the first step
+    that has the kernels, and the oneDNN copy is freed; `panel_linears = false` keeps them
+    all on oneDNN. Greedy tokens equal transformers' either way in float32
+    (test_engine_greedy_matches_transformers runs the default), and the native decoder stays
+    bit-identical to the Python loop in both dtypes (test_native_decoder_is_bit_identical...)."""
     from servelab.model.packed_linear import PackedLinear
 
-    llm = LLM(llama_checkpoint, max_model_len=64,
+    _panel_kernels(dtype)
+    llm = LLM(llama_checkpoint, max_model_len=64, dtype=str(dtype).removeprefix("torch."),
               **{"attention.name": "cpu-paged", "attention.build": "wait", "attention.panel_linears": moved})
     llm.generate([[5, 9, 13]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
@@ -271,15 +288,16 @@ def test_the_float32_linears_move_to_the_library_once_it_is_ready(llama_checkpoi
     assert all((m.panels is not None) is moved and (m.packed_weight is None) is moved for m in linears)
 
 
-def test_unpacking_a_onednn_weight_is_exact():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_unpacking_a_onednn_weight_is_exact(dtype):
     """use_panels reads a dropped weight back out of oneDNN's layout: to the bit."""
     from torch import nn
 
     from servelab.model.packed_linear import PackedLinear, can_prepack
 
-    if not can_prepack(torch.device("cpu"), torch.float32):
+    if not can_prepack(torch.device("cpu"), dtype):
         pytest.skip("this torch build has no oneDNN linear packing")
-    linear = nn.Linear(100, 211)
+    linear = nn.Linear(100, 211).to(dtype)
     assert torch.equal(PackedLinear(linear).unpacked_weight(), linear.weight.detach())
 
 

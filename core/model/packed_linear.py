@@ -10,11 +10,11 @@ does, keeps that cost out of every step.
 unpacked weight is dropped unless `keep_weights` names the layer: the LM head keeps it,
 since drafters and tied embeddings read it as a plain tensor.
 
-Once an attention backend's native library is loaded, float32 layers can move to its
-matmul (`use_panel_linears`, see plugins/kernels/cpu_linear.cpp): each weight is repacked
-into the library's panels and the oneDNN copy is freed, so the weights are held once. The
-library's kernel matches oneDNN at prompt sizes and is 1.1-1.7x faster at decode sizes
-(docs/performance.md).
+Once an attention backend's native library is loaded, the layers can move to its matmul
+(`use_panel_linears`, see plugins/kernels/cpu_linear.cpp; float32 everywhere it builds,
+bfloat16 on CPUs with AVX-512 BF16): each weight is repacked into the library's panels and
+the oneDNN copy is freed, so the weights are held once. The library's kernel is level with
+oneDNN at prompt sizes and faster at decode sizes (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -56,12 +56,15 @@ class PackedLinear(nn.Module):
         return self._kernels.panel_linear(x, self.panels, self.bias, self.out_features)
 
     def use_panels(self, kernels: Any, profile_name: str = "cpu_paged::linear") -> bool:
-        """Move this layer onto `kernels`' float32 matmul (see PanelKernels); False, leaving
-        it on oneDNN, where the library has no such kernel or the layer is not float32.
+        """Move this layer onto `kernels`' matmul (see PanelKernels); False, leaving it on
+        oneDNN, where the library has no kernel for the layer's dtype.
         `profile_name` names its calls in torch's profiler."""
         if self.panels is not None:
             return True
-        if kernels.panel_width() == 0 or self.packed_weight.dtype != torch.float32:
+        dtype = self.packed_weight.dtype
+        if str(dtype).removeprefix("torch.") not in kernels.panel_dtypes():
+            return False
+        if dtype == torch.bfloat16 and self.in_features % 2:  # the native decoder reads an MLP's width off its panels
             return False
         weight = self.weight.detach() if hasattr(self, "weight") else self.unpacked_weight()
         self.panels, self._kernels, self._profile_name = kernels.pack_panels(weight), kernels, profile_name
@@ -77,10 +80,10 @@ class PackedLinear(nn.Module):
 
 
 class PanelKernels(Protocol):
-    """A native library's float32 matmul on weights packed its own way (cpu_linear.cpp)."""
+    """A native library's matmul on weights packed its own way (cpu_linear.cpp)."""
 
-    def panel_width(self) -> int:
-        """Output features per panel (0: the library has no such kernel)."""
+    def panel_dtypes(self) -> list[str]:
+        """The weight dtypes it takes here ("float32", "bfloat16"; none: no such kernel)."""
 
     def pack_panels(self, weight: torch.Tensor) -> torch.Tensor: ...
 
@@ -89,8 +92,8 @@ class PanelKernels(Protocol):
 
 
 def use_panel_linears(root: nn.Module, kernels: PanelKernels) -> int:
-    """Move every float32 PackedLinear under `root` onto `kernels`' matmul, one layer at a
-    time (so the two copies of one weight at most coexist); returns how many moved."""
+    """Move every PackedLinear under `root` whose dtype `kernels` takes onto its matmul, one
+    layer at a time (so the two copies of one weight at most coexist); returns how many moved."""
     return sum(module.use_panels(kernels, "cpu_paged::lm_head" if name.endswith("lm_head") else "cpu_paged::linear")
                for name, module in root.named_modules() if isinstance(module, PackedLinear))
 

@@ -46,11 +46,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight, c
 }
 
 struct Linear {
-  at::Tensor weight;  // packed for oneDNN, or 3-D: the panels of cpu_linear.cpp
+  at::Tensor weight;  // packed for oneDNN (2-D), or the panels of cpu_linear.cpp (3-D or 4-D)
   Optional bias;
   int64_t out_features;
   at::Tensor operator()(const at::Tensor& x) const {
-    return weight.dim() == 3 ? panel_linear(x, weight, bias, out_features) : packed_linear(x, weight, bias);
+    return weight.dim() > 2 ? panel_linear(x, weight, bias, out_features) : packed_linear(x, weight, bias);
   }
 };
 
@@ -75,8 +75,10 @@ class Decoder {
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 10, "a layer is 10 tensors (norms, then each linear's weight and bias)");
       for (int i : {0, 1, 2, 4, 6, 8}) TORCH_CHECK(t[i].has_value(), "layer tensor ", i, " is missing");
-      // Either packing keeps the input features as dim 1: the MLP's width is down's.
-      const int64_t hidden = embedding_.size(1), intermediate = t[8]->size(1);
+      // The MLP's width is down's input features: dim 1 of a oneDNN weight or of float32
+      // panels, twice dim 1 of bfloat16 panels (pairs of steps; an odd width stays on oneDNN).
+      const at::Tensor& down = *t[8];
+      const int64_t hidden = embedding_.size(1), intermediate = down.dim() == 4 ? 2 * down.size(1) : down.size(1);
       layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3], (num_heads + 2 * num_kv_heads) * head_dim},
                               {*t[4], t[5], hidden}, {*t[6], t[7], 2 * intermediate}, {*t[8], t[9], hidden}});
     }

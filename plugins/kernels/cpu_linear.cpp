@@ -1,10 +1,13 @@
-// y = x W^T + b in float32 for the decoder's linear layers, W packed once into panels.
+// y = x W^T + b for the decoder's linear layers, W packed once into panels: float32 on
+// every vectorised build, bfloat16 where the CPU has AVX-512 BF16's dot product.
 //
-// A panel is kPanelVectors vectors of output columns over the whole reduction: [K][width]
-// floats, contiguous, so one panel streams from memory in order and then stays in L2 for
-// every block of rows. Each block of rows keeps its sums of one panel in registers (rows x
-// 4 vectors) and reads each weight once per block. The threads split the panels; a thread
-// working through many blocks of rows asks for its next panel while it computes this one.
+// A panel is 4 vectors of output columns over the whole reduction, contiguous, so one
+// panel streams from memory in order and then stays in L2 for every block of rows:
+// float32 [K][width]; bfloat16 [K/2][width][2], each pair of reduction steps side by side
+// as the dot-product instruction takes them. Each block of rows keeps its sums of one
+// panel in registers (rows x 4 vectors, float32) and reads each weight once per block. The
+// threads split the panels; a thread working through many blocks of rows asks for its
+// next panel while it computes this one.
 //
 // Against oneDNN on the same machine this mostly saves the per-call work around its kernel,
 // which at the decode batch sizes (1-64 rows) is a large part of a small matmul, and the
@@ -13,7 +16,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -32,8 +37,9 @@ constexpr int kMaxRows = Native::kWidth == 16 ? 6 : 3;
 constexpr int64_t kPrefetchFromBlocks = 4;
 
 #if defined(__AVX2__)
-// One block of rows times one panel. `columns` below the panel's width: the last panel of
-// a layer whose width is not a multiple, padded with zeros; only the real columns are stored.
+// The float32 block: one block of rows times one panel. `columns` below the panel's width:
+// the last panel of a layer whose width is not a multiple, padded with zeros; only the real
+// columns are stored.
 template <int kRows>
 inline void block(const float* x, int64_t x_stride, const float* panel, int64_t k_size, const float* bias,
                   int columns, float* y, int64_t y_stride, const char* prefetch, int64_t prefetch_every) {
@@ -80,80 +86,206 @@ void block_of(int rows, const float* x, int64_t x_stride, const float* panel, in
 }
 #endif
 
+#if defined(__AVX512F__)
+#define SERVELAB_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+constexpr bool kBuildsBf16 = true;
+
+// The bfloat16 block: as the float32 one, over pairs of reduction steps. `k_pairs` covers
+// an odd K's last step too: its pair is (x, 0) against the panel's zero padding.
+template <int kRows>
+SERVELAB_BF16_TARGET inline void block_bf16(const c10::BFloat16* x, int64_t x_stride, int64_t k_size,
+                                            const c10::BFloat16* panel, const c10::BFloat16* bias, int columns,
+                                            c10::BFloat16* y, int64_t y_stride, const char* prefetch,
+                                            int64_t prefetch_every) {
+  __m512 sums[kRows][kPanelVectors];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kPanelVectors; ++j) sums[r][j] = _mm512_setzero_ps();
+  // Whole pairs of steps, then an odd K's last step as the pair (x, 0).
+  const int64_t whole_pairs = k_size / 2;
+  for (int64_t kp = 0; kp < (k_size + 1) / 2; ++kp) {
+    const c10::BFloat16* w = panel + kp * 2 * kPanelWidth;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    if (prefetch != nullptr && kp % prefetch_every == 0) _mm_prefetch(prefetch + (kp / prefetch_every) * 64, _MM_HINT_T1);
+    const bool whole = kp < whole_pairs;
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      int32_t pair = 0;
+      if (whole)
+        std::memcpy(&pair, x + r * x_stride + 2 * kp, 4);
+      else
+        std::memcpy(&pair, x + r * x_stride + 2 * kp, 2);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      sums[r][0] = _mm512_dpbf16_ps(sums[r][0], a, w0);
+      sums[r][1] = _mm512_dpbf16_ps(sums[r][1], a, w1);
+      sums[r][2] = _mm512_dpbf16_ps(sums[r][2], a, w2);
+      sums[r][3] = _mm512_dpbf16_ps(sums[r][3], a, w3);
+    }
+  }
+  // Sums to bfloat16 (rounded to nearest even) with the bias added in float32; a padded
+  // panel's rows go through a buffer so only its real columns are stored.
+  alignas(64) c10::BFloat16 row[kPanelWidth];
+  for (int r = 0; r < kRows; ++r) {
+    c10::BFloat16* target = columns == kPanelWidth ? y + r * y_stride : row;
+    for (int j = 0; j < kPanelVectors; ++j) {
+      __m512 out = sums[r][j];
+      const int valid = std::min(16, columns - 16 * j);
+      if (bias != nullptr && valid > 0) {
+        const __m256i raw = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << valid) - 1), bias + 16 * j);
+        out = _mm512_add_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(target + 16 * j), (__m256i)_mm512_cvtneps_pbh(out));
+    }
+    if (columns != kPanelWidth) std::memcpy(y + r * y_stride, row, sizeof(c10::BFloat16) * columns);
+  }
+}
+
+template <int kRows>
+SERVELAB_BF16_TARGET void block_bf16_of(int rows, const c10::BFloat16* x, int64_t x_stride, int64_t k_size,
+                                        const c10::BFloat16* panel, const c10::BFloat16* bias, int columns,
+                                        c10::BFloat16* y, int64_t y_stride, const char* prefetch,
+                                        int64_t prefetch_every) {
+  if constexpr (kRows > 1) {
+    if (rows < kRows)
+      return block_bf16_of<kRows - 1>(rows, x, x_stride, k_size, panel, bias, columns, y, y_stride, prefetch,
+                                      prefetch_every);
+  }
+  block_bf16<kRows>(x, x_stride, k_size, panel, bias, columns, y, y_stride, prefetch, prefetch_every);
+}
+#else
+constexpr bool kBuildsBf16 = false;
+#endif
+
+bool has_bf16_dot_product() {
+  static const bool has = kBuildsBf16 && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// Runs block(row, rows, panel, columns, prefetch, every) over every block of rows and every
+// panel, the threads splitting the panels. `steps` is the block's loop length, over which
+// it spreads the requests for the thread's next panel (panel_bytes ahead).
+template <typename Block>
+void for_each_block(int64_t m, int64_t num_panels, int64_t n, int64_t panel_bytes, int64_t steps, const Block& block) {
+  const int64_t blocks = (m + kMaxRows - 1) / kMaxRows;
+  // The next panel's lines spread over this panel's blocks x steps: one line every `every`
+  // steps, each block taking its share.
+  const int64_t lines = panel_bytes / 64;
+  const int64_t every = std::max<int64_t>(1, blocks * steps / lines);
+  const int64_t lines_per_block = (steps + every - 1) / every;
+  at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      const int columns = static_cast<int>(std::min<int64_t>(kPanelWidth, n - p * kPanelWidth));
+      const bool ask_next = blocks >= kPrefetchFromBlocks && p + 1 < last;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t row = b * kMaxRows;
+        const bool asks = ask_next && b * lines_per_block < lines;
+        block(row, static_cast<int>(std::min<int64_t>(kMaxRows, m - row)), p, columns,
+              asks ? b * lines_per_block * 64 : int64_t{-1}, every);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // Output columns per panel; 0 where the library has no vector path (the linears then stay
 // on oneDNN).
 int64_t panel_width() { return kPanelWidth; }
 
-// W [N, K] float32 -> panels [ceil(N / width), K, width], the last one padded with zeros.
-at::Tensor pack_panels(const at::Tensor& weight) {
-  TORCH_CHECK(kPanelWidth > 0, "this build has no vectorised linear kernel");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight must be a 2-D float32 tensor");
-  const int64_t n = weight.size(0), k = weight.size(1), num_panels = (n + kPanelWidth - 1) / kPanelWidth;
-  at::Tensor padded = weight;
-  if (num_panels * kPanelWidth != n) {
-    padded = at::zeros({num_panels * kPanelWidth, k}, weight.options());
-    padded.narrow(0, 0, n).copy_(weight);
-  }
-  return padded.reshape({num_panels, kPanelWidth, k}).permute({0, 2, 1}).contiguous();
+// The weight dtypes pack_panels takes on this CPU: float32 with any vector path, bfloat16
+// with AVX-512 BF16.
+std::vector<std::string> panel_dtypes() {
+  std::vector<std::string> dtypes;
+  if (kPanelWidth > 0) dtypes.push_back("float32");
+  if (has_bf16_dot_product()) dtypes.push_back("bfloat16");
+  return dtypes;
 }
 
-// x [..., K] float32 -> x W^T + b [..., out_features] with W as pack_panels made it.
+// W [N, K] -> panels, the last one padded with zero columns: float32 [ceil(N / width), K,
+// width]; bfloat16 [ceil(N / width), ceil(K / 2), width, 2], an odd K padded with a zero step.
+at::Tensor pack_panels(const at::Tensor& weight) {
+  TORCH_CHECK(kPanelWidth > 0, "this build has no vectorised linear kernel");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || (bf16 && has_bf16_dot_product())),
+              "weight must be a 2-D float32 tensor", has_bf16_dot_product() ? " or bfloat16 tensor" : "");
+  const int64_t n = weight.size(0), k = weight.size(1), num_panels = (n + kPanelWidth - 1) / kPanelWidth;
+  const int64_t k_padded = bf16 ? (k + 1) / 2 * 2 : k;
+  at::Tensor padded = weight;
+  if (num_panels * kPanelWidth != n || k_padded != k) {
+    padded = at::zeros({num_panels * kPanelWidth, k_padded}, weight.options());
+    padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  }
+  if (!bf16) return padded.reshape({num_panels, kPanelWidth, k}).permute({0, 2, 1}).contiguous();
+  return padded.reshape({num_panels, kPanelWidth, k_padded / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [..., K] -> x W^T + b [..., out_features] in x's dtype, with W as pack_panels made it
+// from a weight of that dtype.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         int64_t out_features) {
   TORCH_CHECK(kPanelWidth > 0, "this build has no vectorised linear kernel");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelWidth && panels.is_contiguous() &&
-                  panels.scalar_type() == at::kFloat,
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(panels.dim() == (bf16 ? 4 : 3) && panels.size(2) == kPanelWidth && panels.is_contiguous() &&
+                  (panels.scalar_type() == at::kFloat || (bf16 && has_bf16_dot_product())),
               "panels must come from pack_panels");
-  const int64_t k_size = panels.size(1), num_panels = panels.size(0), n = out_features;
+  const int64_t num_panels = panels.size(0), n = out_features;
+  const int64_t k_size = x.size(-1);
+  const bool k_fits = bf16 ? (k_size + 1) / 2 == panels.size(1) : k_size == panels.size(1);
   TORCH_CHECK(n > (num_panels - 1) * kPanelWidth && n <= num_panels * kPanelWidth, "out_features ", n,
               " does not match ", num_panels, " panels of ", kPanelWidth);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k_size, "x must be float32 with ", k_size,
-              " features, got ", x.scalar_type(), " with ", x.size(-1));
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
-              "bias must be a contiguous float32 tensor of ", n, " values");
+  const char* dtype = bf16 ? "bfloat16" : "float32";
+  TORCH_CHECK(x.scalar_type() == panels.scalar_type() && k_fits, "x must be ", dtype, " with ",
+              bf16 ? 2 * panels.size(1) : panels.size(1), bf16 ? " (or one fewer)" : "", " features, got ",
+              x.scalar_type(), " with ", k_size);
+  TORCH_CHECK(!bias.has_value() ||
+                  (bias->scalar_type() == panels.scalar_type() && bias->numel() == n && bias->is_contiguous()),
+              "bias must be a contiguous ", dtype, " tensor of ", n, " values");
   at::Tensor rows = x.reshape({-1, k_size});
   if (rows.stride(1) != 1) rows = rows.contiguous();
-  const int64_t m = rows.size(0);
+  const int64_t m = rows.size(0), x_stride = rows.stride(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (m == 0) return out;
+  if (!bf16) {
 #if defined(__AVX2__)
-  const float* x_data = rows.data_ptr<float>();
-  const int64_t x_stride = rows.stride(0);
-  const float* w_data = panels.data_ptr<float>();
-  const float* b_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* y_data = out.data_ptr<float>();
-  const int64_t panel_floats = k_size * kPanelWidth;
-  const int64_t blocks = (m + kMaxRows - 1) / kMaxRows;
-  // The next panel's lines spread over this panel's blocks x K steps: one line every
-  // `every` steps, each block taking its share.
-  const int64_t lines = panel_floats * static_cast<int64_t>(sizeof(float)) / 64;
-  const int64_t every = std::max<int64_t>(1, blocks * k_size / lines);
-  const int64_t lines_per_block = (k_size + every - 1) / every;
-  at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p) {
-      const float* panel = w_data + p * panel_floats;
-      const int columns = static_cast<int>(std::min<int64_t>(kPanelWidth, n - p * kPanelWidth));
-      const bool ask_next = blocks >= kPrefetchFromBlocks && p + 1 < last;
-      const char* next = reinterpret_cast<const char*>(panel + panel_floats);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t row = b * kMaxRows;
-        const char* prefetch = ask_next && b * lines_per_block < lines ? next + b * lines_per_block * 64 : nullptr;
-        block_of<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, m - row)), x_data + row * x_stride, x_stride,
-                           panel, k_size, b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
-                           y_data + row * n + p * kPanelWidth, n, prefetch, every);
-      }
-    }
-  });
+    const float* x_data = rows.data_ptr<float>();
+    const float* w_data = panels.data_ptr<float>();
+    const float* b_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    float* y_data = out.data_ptr<float>();
+    const int64_t panel_floats = k_size * kPanelWidth;
+    for_each_block(m, num_panels, n, panel_floats * 4, k_size,
+                   [&](int64_t row, int rows_here, int64_t p, int columns, int64_t ahead, int64_t every) {
+                     const float* panel = w_data + p * panel_floats;
+                     const char* prefetch = ahead < 0 ? nullptr : reinterpret_cast<const char*>(panel + panel_floats) + ahead;
+                     block_of<kMaxRows>(rows_here, x_data + row * x_stride, x_stride, panel, k_size,
+                                        b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
+                                        y_data + row * n + p * kPanelWidth, n, prefetch, every);
+                   });
+#endif
+    return out;
+  }
+#if defined(__AVX512F__)
+  const auto* x_data = rows.data_ptr<c10::BFloat16>();
+  const auto* w_data = panels.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* b_data = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  auto* y_data = out.data_ptr<c10::BFloat16>();
+  const int64_t panel_values = panels.size(1) * 2 * kPanelWidth;
+  for_each_block(m, num_panels, n, panel_values * 2, panels.size(1),
+                 [&](int64_t row, int rows_here, int64_t p, int columns, int64_t ahead, int64_t every) {
+                   const c10::BFloat16* panel = w_data + p * panel_values;
+                   const char* prefetch = ahead < 0 ? nullptr : reinterpret_cast<const char*>(panel + panel_values) + ahead;
+                   block_bf16_of<kMaxRows>(rows_here, x_data + row * x_stride, x_stride, k_size, panel,
+                                           b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
+                                           y_data + row * n + p * kPanelWidth, n, prefetch, every);
+                 });
 #endif
   return out;
 }
 
 void register_linear(pybind11::module& m) {
   m.def("panel_width", &panel_width, "output columns per packed panel (0: no vectorised linear here)");
-  m.def("pack_panels", &pack_panels, "pack a float32 [N, K] weight into panels for panel_linear");
-  m.def("panel_linear", &panel_linear, "x W^T + b in float32 with W packed by pack_panels");
+  m.def("panel_dtypes", &panel_dtypes, "the weight dtypes pack_panels takes on this CPU");
+  m.def("pack_panels", &pack_panels, "pack a [N, K] weight into panels for panel_linear");
+  m.def("panel_linear", &panel_linear, "x W^T + b with W packed by pack_panels");
 }
