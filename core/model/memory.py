@@ -39,6 +39,11 @@ def release_freed_memory() -> None:
     its heap rather than unmapping, where they would count against the process's resident
     memory for its whole life."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return the heap's free pages to the OS (glibc's malloc_trim; nothing elsewhere)."""
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from servelab.logging_setup import get_logger
+from servelab.model.memory import trim_heap
 
 logger = get_logger(__name__)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -94,8 +95,13 @@ class PanelKernels(Protocol):
 def use_panel_linears(root: nn.Module, kernels: PanelKernels) -> int:
     """Move every PackedLinear under `root` whose dtype `kernels` takes onto its matmul, one
     layer at a time (so the two copies of one weight at most coexist); returns how many moved."""
-    return sum(module.use_panels(kernels, "cpu_paged::lm_head" if name.endswith("lm_head") else "cpu_paged::linear")
-               for name, module in root.named_modules() if isinstance(module, PackedLinear))
+    moved = 0
+    for name, module in root.named_modules():
+        if isinstance(module, PackedLinear) and module.panels is None:
+            if module.use_panels(kernels, "cpu_paged::lm_head" if name.endswith("lm_head") else "cpu_paged::linear"):
+                moved += 1
+                trim_heap()  # the freed oneDNN copy: glibc would keep it as a resident hole in its heap
+    return moved
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
