@@ -9,7 +9,7 @@ rotary embedding in place on the QKV projection, SiLU-and-multiply. Fewer, large
 Python dispatch per layer and fewer temporaries. The results agree to float rounding
 (the norms' sums of squares accumulate in another order). Such a backend may also run the
 same ops for the whole decoder in one native call (`backend.decoder_forward`), which
-answers None for the steps it leaves to this module, and a float32 matmul that the
+answers None for the steps it leaves to this module, and a matmul that the
 oneDNN-packed linear layers move to (`backend.panel_kernels`, see
 servelab.model.packed_linear.use_panel_linears).
 """

@@ -14,9 +14,9 @@ The same library offers the model fused layer ops (`layer_ops`: RMSNorm with the
 add, rotary in place, SiLU-and-multiply), which cut a decoder layer's small ops and their
 Python dispatch (`layer_ops = false` keeps torch's), and, for steps whose every row the
 kernel attends, the whole decoder in one native call (`decoder_forward`, see cpu_decoder;
-`native_decoder = false` keeps the Python loop over layers), and a float32 matmul the
-model's linear layers move to (`panel_kernels`, see cpu_linear.cpp; `panel_linears =
-false` keeps oneDNN's).
+`native_decoder = false` keeps the Python loop over layers), and a matmul the model's
+linear layers move to (`panel_kernels`, see cpu_linear.cpp; `panel_linears = false` keeps
+oneDNN's).
 
 The kernels compile on first use (see cpu_build) and are cached for later starts; an engine
 that starts before they are cached (or where they cannot be built) serves every row on
@@ -93,8 +93,8 @@ class CpuPagedAttention(TorchPagedAttention):
 
     @property
     def panel_kernels(self):
-        """The library's float32 matmul for the model's packed linear layers, once the
-        kernels are ready (see servelab.model.packed_linear.use_panel_linears)."""
+        """The library's matmul for the model's packed linear layers, once the kernels are
+        ready (see servelab.model.packed_linear.use_panel_linears)."""
         return self._kernels if self.cpu_options.panel_linears else None
 
     def decoder_forward(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
