@@ -215,7 +215,8 @@ def test_layer_ops_match_the_torch_ops(dtype, rows, hidden):
 def _panel_kernels(dtype):
     kernels = kernel_build().wait()
     if str(dtype).removeprefix("torch.") not in kernels.panel_dtypes():
-        pytest.skip(f"no {dtype} matmul in the library on this CPU (bfloat16 needs AVX-512 BF16): such layers stay on oneDNN")
+        pytest.skip(f"no {dtype} matmul in the library on this CPU (bfloat16 needs AVX-512 BF16): "
+                    "such layers stay on oneDNN")
     return kernels
 
 

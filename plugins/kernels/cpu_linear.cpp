@@ -106,7 +106,8 @@ SERVELAB_BF16_TARGET inline void block_bf16(const c10::BFloat16* x, int64_t x_st
     const c10::BFloat16* w = panel + kp * 2 * kPanelWidth;
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
                    w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
-    if (prefetch != nullptr && kp % prefetch_every == 0) _mm_prefetch(prefetch + (kp / prefetch_every) * 64, _MM_HINT_T1);
+    if (prefetch != nullptr && kp % prefetch_every == 0)
+      _mm_prefetch(prefetch + (kp / prefetch_every) * 64, _MM_HINT_T1);
     const bool whole = kp < whole_pairs;
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
@@ -161,9 +162,10 @@ bool has_bf16_dot_product() {
   return has;
 }
 
-// Runs block(row, rows, panel, columns, prefetch, every) over every block of rows and every
+// Runs block(row, rows, panel, columns, ahead, every) over every block of rows and every
 // panel, the threads splitting the panels. `steps` is the block's loop length, over which
-// it spreads the requests for the thread's next panel (panel_bytes ahead).
+// it spreads the requests for the thread's next panel: a block asks for a line of it every
+// `every` steps, from byte `ahead` of that panel on (-1: it asks for none).
 template <typename Block>
 void for_each_block(int64_t m, int64_t num_panels, int64_t n, int64_t panel_bytes, int64_t steps, const Block& block) {
   const int64_t blocks = (m + kMaxRows - 1) / kMaxRows;
@@ -257,7 +259,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
     for_each_block(m, num_panels, n, panel_floats * 4, k_size,
                    [&](int64_t row, int rows_here, int64_t p, int columns, int64_t ahead, int64_t every) {
                      const float* panel = w_data + p * panel_floats;
-                     const char* prefetch = ahead < 0 ? nullptr : reinterpret_cast<const char*>(panel + panel_floats) + ahead;
+                     const char* next = reinterpret_cast<const char*>(panel + panel_floats);
+                     const char* prefetch = ahead < 0 ? nullptr : next + ahead;
                      block_of<kMaxRows>(rows_here, x_data + row * x_stride, x_stride, panel, k_size,
                                         b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
                                         y_data + row * n + p * kPanelWidth, n, prefetch, every);
@@ -274,7 +277,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   for_each_block(m, num_panels, n, panel_values * 2, panels.size(1),
                  [&](int64_t row, int rows_here, int64_t p, int columns, int64_t ahead, int64_t every) {
                    const c10::BFloat16* panel = w_data + p * panel_values;
-                   const char* prefetch = ahead < 0 ? nullptr : reinterpret_cast<const char*>(panel + panel_values) + ahead;
+                   const char* next = reinterpret_cast<const char*>(panel + panel_values);
+                   const char* prefetch = ahead < 0 ? nullptr : next + ahead;
                    block_bf16_of<kMaxRows>(rows_here, x_data + row * x_stride, x_stride, k_size, panel,
                                            b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
                                            y_data + row * n + p * kPanelWidth, n, prefetch, every);

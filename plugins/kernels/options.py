@@ -46,11 +46,10 @@ class CpuPagedOptions:
     the model's Python loop over layers; the results are identical). panel_linears: once
     the library is ready, the model's linear layers (packed for oneDNN; float32, and
     bfloat16 where the CPU has AVX-512 BF16) move to its own matmul, weights repacked and
-    the oneDNN copy freed (false: they stay on oneDNN).
-    The prefill_* options
-    are torch-paged's, for the rows longer than max_kernel_query_len (0, the default: the
-    kernel attends every row, prompts on its tiled path; a positive limit sends longer rows
-    to torch-paged's scaled_dot_product_attention, and such steps to the Python loop).
+    the oneDNN copy freed (false: they stay on oneDNN). The prefill_* options are
+    torch-paged's, for the rows longer than max_kernel_query_len (0, the default: the kernel
+    attends every row, prompts on its tiled path; a positive limit sends longer rows to
+    torch-paged's scaled_dot_product_attention, and such steps to the Python loop).
     """
 
     max_kernel_query_len: int = attrs.field(default=0, validator=attrs.validators.ge(0))
