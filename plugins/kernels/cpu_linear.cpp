@@ -19,6 +19,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -35,6 +36,16 @@ constexpr int kMaxRows = Native::kWidth == 16 ? 6 : 3;
 // A thread asks for its next panel only when it has this many blocks of rows to spread the
 // requests over; with fewer, the hardware prefetcher keeps up and the requests only compete.
 constexpr int64_t kPrefetchFromBlocks = 4;
+
+// f(std::integral_constant<int, R>{}) with R = rows (1 to kRows): a block takes its row
+// count as a template argument, so that its sums stay in registers.
+template <int kRows, typename F>
+void with_rows(int rows, const F& f) {
+  if constexpr (kRows > 1) {
+    if (rows < kRows) return with_rows<kRows - 1>(rows, f);
+  }
+  f(std::integral_constant<int, kRows>{});
+}
 
 #if defined(__AVX2__)
 // The float32 block: one block of rows times one panel. `columns` below the panel's width:
@@ -74,16 +85,6 @@ inline void block(const float* x, int64_t x_stride, const float* panel, int64_t 
   }
 }
 
-template <int kRows>
-void block_of(int rows, const float* x, int64_t x_stride, const float* panel, int64_t k_size, const float* bias,
-              int columns, float* y, int64_t y_stride, const char* prefetch, int64_t prefetch_every) {
-  if constexpr (kRows > 1) {
-    if (rows < kRows)
-      return block_of<kRows - 1>(rows, x, x_stride, panel, k_size, bias, columns, y, y_stride, prefetch,
-                                 prefetch_every);
-  }
-  block<kRows>(x, x_stride, panel, k_size, bias, columns, y, y_stride, prefetch, prefetch_every);
-}
 #endif
 
 #if defined(__AVX512F__)
@@ -141,18 +142,6 @@ SERVELAB_BF16_TARGET inline void block_bf16(const c10::BFloat16* x, int64_t x_st
   }
 }
 
-template <int kRows>
-SERVELAB_BF16_TARGET void block_bf16_of(int rows, const c10::BFloat16* x, int64_t x_stride, int64_t k_size,
-                                        const c10::BFloat16* panel, const c10::BFloat16* bias, int columns,
-                                        c10::BFloat16* y, int64_t y_stride, const char* prefetch,
-                                        int64_t prefetch_every) {
-  if constexpr (kRows > 1) {
-    if (rows < kRows)
-      return block_bf16_of<kRows - 1>(rows, x, x_stride, k_size, panel, bias, columns, y, y_stride, prefetch,
-                                      prefetch_every);
-  }
-  block_bf16<kRows>(x, x_stride, k_size, panel, bias, columns, y, y_stride, prefetch, prefetch_every);
-}
 #else
 constexpr bool kBuildsBf16 = false;
 #endif
@@ -261,9 +250,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
                      const float* panel = w_data + p * panel_floats;
                      const char* next = reinterpret_cast<const char*>(panel + panel_floats);
                      const char* prefetch = ahead < 0 ? nullptr : next + ahead;
-                     block_of<kMaxRows>(rows_here, x_data + row * x_stride, x_stride, panel, k_size,
-                                        b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
-                                        y_data + row * n + p * kPanelWidth, n, prefetch, every);
+                     with_rows<kMaxRows>(rows_here, [&](auto r) {
+                       block<decltype(r)::value>(x_data + row * x_stride, x_stride, panel, k_size,
+                                                 b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
+                                                 y_data + row * n + p * kPanelWidth, n, prefetch, every);
+                     });
                    });
 #endif
     return out;
@@ -279,9 +270,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
                    const c10::BFloat16* panel = w_data + p * panel_values;
                    const char* next = reinterpret_cast<const char*>(panel + panel_values);
                    const char* prefetch = ahead < 0 ? nullptr : next + ahead;
-                   block_bf16_of<kMaxRows>(rows_here, x_data + row * x_stride, x_stride, k_size, panel,
-                                           b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
-                                           y_data + row * n + p * kPanelWidth, n, prefetch, every);
+                   with_rows<kMaxRows>(rows_here, [&](auto r) {
+                     block_bf16<decltype(r)::value>(x_data + row * x_stride, x_stride, k_size, panel,
+                                                    b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
+                                                    y_data + row * n + p * kPanelWidth, n, prefetch, every);
+                   });
                  });
 #endif
   return out;
