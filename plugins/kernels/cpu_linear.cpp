@@ -91,17 +91,17 @@ inline void block(const float* x, int64_t x_stride, const float* panel, int64_t 
 #define SERVELAB_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 constexpr bool kBuildsBf16 = true;
 
-// The bfloat16 block: as the float32 one, over pairs of reduction steps. `k_pairs` covers
-// an odd K's last step too: its pair is (x, 0) against the panel's zero padding.
+// The bfloat16 block: as the float32 one, over pairs of reduction steps (a vector of
+// weights is 16 columns x 2 steps); an odd K's last step is the pair (x, 0) against the
+// panel's zero padding.
 template <int kRows>
-SERVELAB_BF16_TARGET inline void block_bf16(const c10::BFloat16* x, int64_t x_stride, int64_t k_size,
-                                            const c10::BFloat16* panel, const c10::BFloat16* bias, int columns,
+SERVELAB_BF16_TARGET inline void block_bf16(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* panel,
+                                            int64_t k_size, const c10::BFloat16* bias, int columns,
                                             c10::BFloat16* y, int64_t y_stride, const char* prefetch,
                                             int64_t prefetch_every) {
   __m512 sums[kRows][kPanelVectors];
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kPanelVectors; ++j) sums[r][j] = _mm512_setzero_ps();
-  // Whole pairs of steps, then an odd K's last step as the pair (x, 0).
   const int64_t whole_pairs = k_size / 2;
   for (int64_t kp = 0; kp < (k_size + 1) / 2; ++kp) {
     const c10::BFloat16* w = panel + kp * 2 * kPanelWidth;
@@ -151,27 +151,33 @@ bool has_bf16_dot_product() {
   return has;
 }
 
-// Runs block(row, rows, panel, columns, ahead, every) over every block of rows and every
-// panel, the threads splitting the panels. `steps` is the block's loop length, over which
-// it spreads the requests for the thread's next panel: a block asks for a line of it every
-// `every` steps, from byte `ahead` of that panel on (-1: it asks for none).
-template <typename Block>
-void for_each_block(int64_t m, int64_t num_panels, int64_t n, int64_t panel_bytes, int64_t steps, const Block& block) {
+// y = x W^T + b over every block of rows and every panel, the threads splitting the panels:
+// block_with(std::integral_constant<int, R>, x, x stride, panel, K, bias, columns, y, y
+// stride, prefetch, every) runs one block of R rows. `steps` is a block's loop length
+// (K, or K's pairs), over which the blocks of a thread spread their requests for its next
+// panel: a line every `every` steps, each block its share (prefetch: null for none).
+template <typename T, typename BlockWith>
+void for_each_block(const T* x, int64_t x_stride, const T* weights, int64_t panel_values, int64_t k_size,
+                    int64_t steps, const T* bias, T* y, int64_t m, int64_t n, int64_t num_panels,
+                    const BlockWith& block_with) {
   const int64_t blocks = (m + kMaxRows - 1) / kMaxRows;
-  // The next panel's lines spread over this panel's blocks x steps: one line every `every`
-  // steps, each block taking its share.
-  const int64_t lines = panel_bytes / 64;
+  const int64_t lines = panel_values * static_cast<int64_t>(sizeof(T)) / 64;
   const int64_t every = std::max<int64_t>(1, blocks * steps / lines);
   const int64_t lines_per_block = (steps + every - 1) / every;
   at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
+      const T* panel = weights + p * panel_values;
+      const char* next = reinterpret_cast<const char*>(panel + panel_values);
       const int columns = static_cast<int>(std::min<int64_t>(kPanelWidth, n - p * kPanelWidth));
       const bool ask_next = blocks >= kPrefetchFromBlocks && p + 1 < last;
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t row = b * kMaxRows;
-        const bool asks = ask_next && b * lines_per_block < lines;
-        block(row, static_cast<int>(std::min<int64_t>(kMaxRows, m - row)), p, columns,
-              asks ? b * lines_per_block * 64 : int64_t{-1}, every);
+        const char* prefetch = ask_next && b * lines_per_block < lines ? next + b * lines_per_block * 64 : nullptr;
+        with_rows<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, m - row)), [&](auto count) {
+          block_with(count, x + row * x_stride, x_stride, panel, k_size,
+                     bias == nullptr ? nullptr : bias + p * kPanelWidth, columns, y + row * n + p * kPanelWidth, n,
+                     prefetch, every);
+        });
       }
     }
   });
@@ -233,49 +239,27 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
               "bias must be a contiguous ", dtype, " tensor of ", n, " values");
   at::Tensor rows = x.reshape({-1, k_size});
   if (rows.stride(1) != 1) rows = rows.contiguous();
-  const int64_t m = rows.size(0), x_stride = rows.stride(0);
+  const int64_t m = rows.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (m == 0) return out;
+  const int64_t x_stride = rows.stride(0);
   if (!bf16) {
 #if defined(__AVX2__)
-    const float* x_data = rows.data_ptr<float>();
-    const float* w_data = panels.data_ptr<float>();
-    const float* b_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-    float* y_data = out.data_ptr<float>();
-    const int64_t panel_floats = k_size * kPanelWidth;
-    for_each_block(m, num_panels, n, panel_floats * 4, k_size,
-                   [&](int64_t row, int rows_here, int64_t p, int columns, int64_t ahead, int64_t every) {
-                     const float* panel = w_data + p * panel_floats;
-                     const char* next = reinterpret_cast<const char*>(panel + panel_floats);
-                     const char* prefetch = ahead < 0 ? nullptr : next + ahead;
-                     with_rows<kMaxRows>(rows_here, [&](auto r) {
-                       block<decltype(r)::value>(x_data + row * x_stride, x_stride, panel, k_size,
-                                                 b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
-                                                 y_data + row * n + p * kPanelWidth, n, prefetch, every);
-                     });
-                   });
+    for_each_block(rows.data_ptr<float>(), x_stride, panels.data_ptr<float>(), k_size * kPanelWidth, k_size, k_size,
+                   bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, num_panels,
+                   [](auto count, auto... args) { block<decltype(count)::value>(args...); });
 #endif
     return out;
   }
 #if defined(__AVX512F__)
-  const auto* x_data = rows.data_ptr<c10::BFloat16>();
-  const auto* w_data = panels.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* b_data = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  auto* y_data = out.data_ptr<c10::BFloat16>();
-  const int64_t panel_values = panels.size(1) * 2 * kPanelWidth;
-  for_each_block(m, num_panels, n, panel_values * 2, panels.size(1),
-                 [&](int64_t row, int rows_here, int64_t p, int columns, int64_t ahead, int64_t every) {
-                   const c10::BFloat16* panel = w_data + p * panel_values;
-                   const char* next = reinterpret_cast<const char*>(panel + panel_values);
-                   const char* prefetch = ahead < 0 ? nullptr : next + ahead;
-                   with_rows<kMaxRows>(rows_here, [&](auto r) {
-                     block_bf16<decltype(r)::value>(x_data + row * x_stride, x_stride, k_size, panel,
-                                                    b_data == nullptr ? nullptr : b_data + p * kPanelWidth, columns,
-                                                    y_data + row * n + p * kPanelWidth, n, prefetch, every);
-                   });
-                 });
+  const int64_t k_pairs = panels.size(1);
+  for_each_block(rows.data_ptr<c10::BFloat16>(), x_stride, panels.data_ptr<c10::BFloat16>(),
+                 k_pairs * 2 * kPanelWidth, k_size, k_pairs,
+                 bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(), m, n,
+                 num_panels,
+                 [](auto count, auto... args) { block_bf16<decltype(count)::value>(args...); });
 #endif
   return out;
 }
