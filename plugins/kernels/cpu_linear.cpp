@@ -89,7 +89,6 @@ inline void block(const float* x, int64_t x_stride, const float* panel, int64_t 
 
 #if defined(__AVX512F__)
 #define SERVELAB_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-constexpr bool kBuildsBf16 = true;
 
 // The bfloat16 block: as the float32 one, over pairs of reduction steps (a vector of
 // weights is 16 columns x 2 steps); an odd K's last step is the pair (x, 0) against the
@@ -141,14 +140,15 @@ SERVELAB_BF16_TARGET inline void block_bf16(const c10::BFloat16* x, int64_t x_st
     if (columns != kPanelWidth) std::memcpy(y + r * y_stride, row, sizeof(c10::BFloat16) * columns);
   }
 }
-
-#else
-constexpr bool kBuildsBf16 = false;
 #endif
 
 bool has_bf16_dot_product() {
-  static const bool has = kBuildsBf16 && __builtin_cpu_supports("avx512bf16");
+#if defined(__AVX512F__)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
+#else
+  return false;
+#endif
 }
 
 // y = x W^T + b over every block of rows and every panel, the threads splitting the panels:
