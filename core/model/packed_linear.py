@@ -57,15 +57,10 @@ class PackedLinear(nn.Module):
         return self._kernels.panel_linear(x, self.panels, self.bias, self.out_features)
 
     def use_panels(self, kernels: Any, profile_name: str = "cpu_paged::linear") -> bool:
-        """Move this layer onto `kernels`' matmul (see PanelKernels); False, leaving it on
-        oneDNN, where the library has no kernel for the layer's dtype.
+        """Move this layer (still on oneDNN) onto `kernels`' matmul (see PanelKernels);
+        False, leaving it on oneDNN, where the library has no kernel for the layer's dtype.
         `profile_name` names its calls in torch's profiler."""
-        if self.panels is not None:
-            return True
-        dtype = self.packed_weight.dtype
-        if str(dtype).removeprefix("torch.") not in kernels.panel_dtypes():
-            return False
-        if dtype == torch.bfloat16 and self.in_features % 2:  # the native decoder reads an MLP's width off its panels
+        if str(self.packed_weight.dtype).removeprefix("torch.") not in kernels.panel_dtypes():
             return False
         weight = self.weight.detach() if hasattr(self, "weight") else self.unpacked_weight()
         self.panels, self._kernels, self._profile_name = kernels.pack_panels(weight), kernels, profile_name

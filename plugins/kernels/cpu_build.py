@@ -2,9 +2,10 @@
 
 The first build compiles cpu_paged.cpp, cpu_layer_ops.cpp, cpu_decoder.cpp and
 cpu_linear.cpp (about a minute on two cores); torch caches the library (under
-$TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so later starts only load it. The library's name carries the
-CPU's vector unit and a digest of the sources, so a cached library is loaded only where it
-was built from these very sources for this kind of CPU (`is_cached`), never rebuilt at start.
+$TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so later starts only load it.
+The library's name carries the CPU's vector unit and a digest of the sources, so a cached
+library is loaded only where it was built from these very sources for this kind of CPU
+(`is_cached`), never rebuilt at start.
 The compiler runs in a detached process (this module run as a script),
 watched from a background thread, so an engine serves on the torch path meanwhile, and a
 process that exits mid-build leaves neither a half-built library nor a held build lock

@@ -63,24 +63,25 @@ class Decoder {
  public:
   // layers[i] = [input norm, post-attention norm, qkv, qkv bias, o, o bias, gate_up, gate_up bias,
   // down, down bias] with None for an absent bias; the linears' weights are packed.
+  // out_features[i] = the output widths of layer i's qkv, o, gate_up and down.
   // mlp_rows_at_once: the MLP runs on at most this many rows at once, as the Python path does
   // (servelab.model.llama.MLP.by_row_chunks).
-  Decoder(const std::vector<std::vector<Optional>>& layers, at::Tensor embedding, at::Tensor final_norm,
-          at::Tensor cos, at::Tensor sin, double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
-          int64_t head_dim, int64_t mlp_rows_at_once)
+  Decoder(const std::vector<std::vector<Optional>>& layers, const std::vector<std::vector<int64_t>>& out_features,
+          at::Tensor embedding, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, double eps, double scale,
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t mlp_rows_at_once)
       : embedding_(std::move(embedding)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
         sin_(std::move(sin)), eps_(eps), scale_(scale), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
         head_dim_(head_dim), mlp_rows_at_once_(mlp_rows_at_once) {
     TORCH_CHECK(mlp_rows_at_once > 0, "mlp_rows_at_once must be positive");
-    for (const auto& t : layers) {
+    TORCH_CHECK(out_features.size() == layers.size(), "one list of output widths per layer");
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const auto& t = layers[i];
+      const auto& widths = out_features[i];
       TORCH_CHECK(t.size() == 10, "a layer is 10 tensors (norms, then each linear's weight and bias)");
-      for (int i : {0, 1, 2, 4, 6, 8}) TORCH_CHECK(t[i].has_value(), "layer tensor ", i, " is missing");
-      // The MLP's width is down's input features: dim 1 of a oneDNN weight or of float32
-      // panels, twice dim 1 of bfloat16 panels (pairs of steps; an odd width stays on oneDNN).
-      const at::Tensor& down = *t[8];
-      const int64_t hidden = embedding_.size(1), intermediate = down.dim() == 4 ? 2 * down.size(1) : down.size(1);
-      layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3], (num_heads + 2 * num_kv_heads) * head_dim},
-                              {*t[4], t[5], hidden}, {*t[6], t[7], 2 * intermediate}, {*t[8], t[9], hidden}});
+      TORCH_CHECK(widths.size() == 4, "a layer has 4 linears' output widths");
+      for (int j : {0, 1, 2, 4, 6, 8}) TORCH_CHECK(t[j].has_value(), "layer tensor ", j, " is missing");
+      layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3], widths[0]}, {*t[4], t[5], widths[1]},
+                              {*t[6], t[7], widths[2]}, {*t[8], t[9], widths[3]}});
     }
   }
 
@@ -147,8 +148,9 @@ class Decoder {
 
 void register_decoder(pybind11::module& m) {
   pybind11::class_<Decoder>(m, "Decoder")
-      .def(pybind11::init<const std::vector<std::vector<Optional>>&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                          double, double, int64_t, int64_t, int64_t, int64_t>())
+      .def(pybind11::init<const std::vector<std::vector<Optional>>&, const std::vector<std::vector<int64_t>>&,
+                          at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, int64_t, int64_t, int64_t,
+                          int64_t>())
       // No Python object is touched inside: other Python threads run meanwhile.
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -3,7 +3,7 @@ whose every row the C++ attention kernel attends.
 
 `native_decoder(kernels, model)` hands the C++ side the model's tensors once: the
 embedding, each layer's norms and packed linear weights (the `packed_weight`, or the
-`panels` once moved to the library's matmul, and `bias` of
+`panels` once moved to the library's matmul, `bias` and `out_features` of
 servelab.model.packed_linear.PackedLinear), the final norm, the rotary tables and how many
 rows the MLP takes at once. It
 answers None for a model it cannot run (linears not packed for oneDNN, norms with
@@ -35,7 +35,8 @@ def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
                  for tensor in (linear.packed_weight if linear.panels is None else linear.panels, linear.bias)]
               for layer, group in zip(model.layers, linears)]
     attention = model.layers[0].self_attn
-    return kernels.Decoder(layers, model.embed_tokens.weight.detach(), model.norm.weight.detach(),
+    out_features = [[linear.out_features for linear in group] for group in linears]
+    return kernels.Decoder(layers, out_features, model.embed_tokens.weight.detach(), model.norm.weight.detach(),
                            model.rotary.cos, model.rotary.sin, config.rms_norm_eps, attention.scale,
                            attention.num_heads, attention.num_kv_heads, attention.head_dim,
                            model.layers[0].mlp.rows_at_once)
