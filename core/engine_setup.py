@@ -8,12 +8,19 @@ from typing import Any
 import attrs
 import torch
 
-from servelab.config import EngineSection, build_options
+from servelab.distributed.layout import local_model_config
+from servelab.config import EngineConfig, EngineSection, build_options
 from servelab.errors import ConfigError
-from servelab.interfaces import AttentionContext, TargetModel
+from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
+                                 DrafterContext, ForkingAllocator, ForkingScheduler, LMHeadRunner, LogitsProcessorContext, SchedulerContext, TargetModel)
+from servelab.logits_pipeline import LogitsPipeline
 from servelab.model.loader import DTYPES
-from servelab.registry import build_policy
 from servelab.model.model_config import ModelConfig
+from servelab.model.onednn_caches import limit_onednn_caches
+from servelab.model.source import CheckpointSource, ModelSource
+from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
+from servelab.sampler import filtered_probs
+from servelab.speculation import Speculator
 
 _DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -50,11 +57,10 @@ def resolve_limits(engine: EngineSection, model: ModelConfig) -> EngineLimits:
 
 def target_model(source: Any, runner: Any, engine: EngineSection) -> TargetModel | None:
     """What drafters may read of the target: its LM head (None for the simulator)."""
-    lm_head = getattr(runner, "lm_head", None)
-    if lm_head is None:
+    if not isinstance(runner, LMHeadRunner):
         return None
     config = source.model_config
-    return TargetModel(hidden_size=config.hidden_size, vocab_size=config.vocab_size, lm_head=lm_head,
+    return TargetModel(hidden_size=config.hidden_size, vocab_size=config.vocab_size, lm_head=runner.lm_head,
                        path=str(source.path) if source.path is not None else None,
                        dtype=DTYPES[engine.dtype], device=torch.device(engine.device))
 
@@ -63,8 +69,6 @@ def load_aux_model(spec: str, num_blocks: int, engine: EngineSection, registry: 
                    max_positions: int) -> Any:
     """Another checkpoint (a draft model) in the engine's dtype and device, with its own KV
     cache of `num_blocks` blocks and its own instance of the engine's attention backend."""
-    from servelab.model.source import CheckpointSource
-
     source = CheckpointSource(spec)
     config = source.model_config
     if config.max_position_embeddings < max_positions:
@@ -78,3 +82,132 @@ def load_aux_model(spec: str, num_blocks: int, engine: EngineSection, registry: 
         block_size=engine.block_size, num_blocks=num_blocks, dtype=DTYPES[engine.dtype],
         device=torch.device(engine.device)))
     return source.build_runner(backend, engine, num_blocks, max_positions)
+
+
+@attrs.frozen
+class EnginePolicies:
+    """What an engine is built from: the model source, its limits, one policy of each kind
+    and the model runner."""
+
+    source: ModelSource
+    limits: EngineLimits
+    allocator: Any
+    scheduler: Any
+    attention: Any
+    runner: Any
+    speculator: Speculator | None
+    logits_pipeline: LogitsPipeline
+
+
+def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
+                   source: ModelSource | None) -> EnginePolicies:
+    """Every policy the config names, the model and its runner. Names and options are
+    checked before the (slow) model load."""
+    selected = {kind: _select(registry, kind, section) for kind, section in _policy_sections(config)}
+    source = source or CheckpointSource(config.engine.model)
+    engine = config.engine
+    # Under tensor parallelism each rank holds its share of the heads: KV memory and the
+    # attention backend are sized by what one rank holds.
+    shard_config = local_model_config(source.model_config, engine.tensor_parallel_size)
+    limits = resolve_limits(engine, shard_config)
+    device = torch.device(engine.device)
+    allocator = build_policy(*selected["allocators"], AllocatorContext(
+        num_blocks=limits.num_kv_blocks, block_size=engine.block_size, max_model_len=limits.max_model_len))
+    scheduler = build_policy(*selected["schedulers"], SchedulerContext(
+        allocator=allocator, max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
+        max_model_len=limits.max_model_len, clock=clock))
+    attention_context = AttentionContext(
+        num_heads=shard_config.num_heads, num_kv_heads=shard_config.num_kv_heads, head_dim=shard_config.head_dim,
+        block_size=engine.block_size, num_blocks=limits.num_kv_blocks, dtype=DTYPES[engine.dtype], device=device)
+    attention = build_policy(*selected["attention"], attention_context)
+    _check_pairing(config, attention, allocator)
+    if device.type == "cpu":  # before the first oneDNN kernel: then it is too late
+        limit_onednn_caches(engine.onednn_cache_capacity)
+    if engine.tensor_parallel_size > 1 and isinstance(source, CheckpointSource):
+        runner = _start_tensor_parallel(source, engine, limits, selected["attention"], attention_context, attention)
+    else:
+        runner = source.build_runner(attention, engine, limits.num_kv_blocks, limits.max_model_len)
+    speculator = None
+    if "drafters" in selected:
+        speculator = _build_speculator(config, registry, source, runner, limits, selected["drafters"], allocator)
+    pipeline = _build_logits_pipeline(config, registry, source, device)
+    return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline)
+
+
+def _start_tensor_parallel(source: CheckpointSource, engine: EngineSection, limits: EngineLimits,
+                           attention: tuple[RegisteredPolicy, Any], context: AttentionContext, backend: Any) -> Any:
+    from servelab.distributed.runner import start_tensor_parallel
+    from servelab.distributed.shard_runner import ShardSpec
+
+    spec = ShardSpec(model_path=str(source.path), engine=engine, attention=attention[0], attention_options=attention[1],
+                     attention_context=context, num_blocks=limits.num_kv_blocks, max_positions=limits.max_model_len,
+                     size=engine.tensor_parallel_size)
+    return start_tensor_parallel(spec, source.model_config.vocab_size, engine.tensor_parallel_timeout_s,
+                                 backend=backend)
+
+
+def _policy_sections(config: EngineConfig):
+    yield "allocators", config.allocator
+    yield "schedulers", config.scheduler
+    yield "attention", config.attention
+    if config.drafter is not None:
+        yield "drafters", config.drafter
+
+
+_SECTION_OF_KIND = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention"}
+
+
+def _select(registry: PluginRegistry, kind: str, section: Any) -> tuple[RegisteredPolicy, Any]:
+    registered = registry.select(kind, section.name)
+    return registered, build_options(registered.plugin.options, section.options, _SECTION_OF_KIND[kind], section.name)
+
+
+def _check_pairing(config: EngineConfig, attention: Any, allocator: Any) -> None:
+    needs_contiguous = isinstance(attention, ContiguousBlockTablesBackend) and attention.requires_contiguous_block_tables
+    if needs_contiguous and not (isinstance(allocator, ContiguousAllocator) and allocator.contiguous_block_tables):
+        raise ConfigError(
+            f"attention {config.attention.name!r} reads each sequence's K/V as one contiguous run of blocks, "
+            f"but allocator {config.allocator.name!r} hands out block tables that are not contiguous: "
+            f"choose allocator 'naive' (contiguous reservations), or attention 'torch-paged' (any block table)")
+
+
+def _build_speculator(config: EngineConfig, registry: PluginRegistry, source: ModelSource, runner: Any,
+                      limits: EngineLimits, selected: tuple[RegisteredPolicy, Any], allocator: Any) -> Speculator:
+    engine = config.engine
+    context = DrafterContext(
+        vocab_size=source.model_config.vocab_size, max_model_len=limits.max_model_len,
+        max_num_seqs=engine.max_num_seqs, block_size=engine.block_size, num_kv_blocks=limits.num_kv_blocks,
+        seed=engine.seed, filtered_probs=filtered_probs, target=target_model(source, runner, engine),
+        load_model=lambda spec, num_blocks: load_aux_model(spec, num_blocks, engine, registry, config.attention,
+                                                           limits.max_model_len))
+    drafter = build_policy(*selected, context)
+    return Speculator(config.drafter.name, drafter, allocator, limits.max_model_len, source.model_config.vocab_size)
+
+
+def _build_logits_pipeline(config: EngineConfig, registry: PluginRegistry, source: ModelSource,
+                           device: torch.device) -> LogitsPipeline:
+    """Every installed logits processor; requests select which ones they use."""
+    section = config.logits_processors
+    installed = registry.policies("logits_processors")
+    unknown = sorted(set(section.options) - set(installed))
+    if unknown:
+        raise ConfigError(f"[logits_processors] has options for unknown processor {unknown[0]!r}; "
+                          f"installed: {', '.join(installed) or 'none'}")
+    context = LogitsProcessorContext(vocab_size=source.model_config.vocab_size,
+                                     eos_token_ids=frozenset(source.model_config.eos_token_ids),
+                                     tokenizer=source.tokenizer, device=device)
+    processors = {}
+    for name, registered in installed.items():
+        options = build_options(registered.plugin.options, section.options.get(name, {}), "logits_processors", name)
+        processors[name] = build_policy(registered, options, context)
+    return LogitsPipeline(processors, section.default)
+
+
+def fork_refusal(config: EngineConfig, allocator: Any, scheduler: Any) -> str | None:
+    """Why these policies cannot sample n > 1 (by forking a prompt's KV), or None."""
+    lacking = []
+    if not isinstance(allocator, ForkingAllocator):
+        lacking.append(f"allocator {config.allocator.name!r} cannot fork (choose naive, paged, radix or hash)")
+    if not isinstance(scheduler, ForkingScheduler):
+        lacking.append(f"scheduler {config.scheduler.name!r} cannot fork")
+    return " and ".join(lacking) or None

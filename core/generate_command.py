@@ -63,19 +63,22 @@ def generate(config: EngineConfig, prompts: list[str], params: SamplingParams) -
 
 
 def _stream_one(engine, prompt: str, params: SamplingParams) -> None:
-    from servelab.model.tokenizer import IncrementalDecoder
+    from servelab.detokenize import IncrementalText
 
     request_id = engine.add_request(prompt, params)
-    decoder = IncrementalDecoder(engine.tokenizer)
-    generated: list[int] = []
+    text = IncrementalText(engine.tokenizer, params.stop)
+    holdback = max(text.longest_stop - 1, 0)  # what a stop string completed later could still claim
+    shown = 0
     while engine.has_unfinished():
         result = engine.step()
-        generated.extend(result.new_token_ids.get(request_id, ()))
-        sys.stdout.write(decoder.update(generated))
-        sys.stdout.flush()
+        text.append(result.new_token_ids.get(request_id, ()))
         for output in result.finished:
-            sys.stdout.write("\n")
+            sys.stdout.write(output.text[shown:] + "\n")
             print(_summary(output), file=sys.stderr)
+        if not result.finished and len(text.text) - holdback > shown:
+            sys.stdout.write(text.text[shown: len(text.text) - holdback])
+            shown = len(text.text) - holdback
+        sys.stdout.flush()
 
 
 def _summary(output: RequestOutput) -> str:

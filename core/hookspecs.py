@@ -135,3 +135,45 @@ def servelab_request_finished(engine: Any, output: Any) -> None:
         def servelab_request_finished(engine, output):
             print(output.request_id, output.finish_reason, len(output.token_ids))
     """
+
+
+# Step and runner events: what a profiler or a calibration needs to see of a step,
+# without wrapping the engine's methods.
+
+
+@hookspec
+def servelab_step_started(engine: Any) -> None:
+    """Called as each engine step begins, before anything of it runs.
+
+    Example::
+
+        @servelab.hookimpl
+        def servelab_step_started(engine):
+            self.started = time.process_time()
+    """
+
+
+@hookspec
+def servelab_step_planned(engine: Any, plan: Any) -> None:
+    """Called with the step's StepPlan once it is scheduled and not empty, before the
+    runner prepares it (each sequence's num_computed_tokens is still the step's start).
+
+    Example::
+
+        @servelab.hookimpl
+        def servelab_step_planned(engine, plan):
+            print([num_new for _, num_new in plan.scheduled])
+    """
+
+
+@hookspec
+def servelab_runner_executed(engine: Any, plan: Any, inputs: Any) -> None:
+    """Called after the model runner executed a step, with the plan and the inputs it
+    prepared (servelab.interfaces.StepInputs; the runner's own type).
+
+    Example::
+
+        @servelab.hookimpl
+        def servelab_runner_executed(engine, plan, inputs):
+            print(len(inputs.sampled_seq_rows), "sequences sampled")
+    """

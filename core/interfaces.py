@@ -23,30 +23,45 @@ __all__ = [
     "AttentionContext",
     "AttentionMetadata",
     "ContiguousAllocator",
+    "ContiguousBlockTablesBackend",
     "Draft",
     "Drafter",
     "DrafterContext",
+    "FinishAwareRouter",
     "ForkingAllocator",
     "ForkingScheduler",
+    "HiddenStateDrafter",
     "KVAllocator",
+    "LMHeadRunner",
+    "LayerOpsBackend",
     "LogitsProcessor",
     "LogitsProcessorContext",
-    "ProcessorRequest",
     "ModelRunnerLike",
+    "NativeDecoderBackend",
+    "PanelKernelsBackend",
     "PrefixCachingAllocator",
     "PrefixSummary",
+    "PreparingProcessor",
+    "ProcessorRequest",
+    "ReleasingDrafter",
+    "ReleasingProcessor",
     "ReplicaSnapshot",
     "RouteRequest",
     "Router",
     "RouterContext",
+    "Runner",
     "Scheduler",
     "SchedulerContext",
     "SchedulerStats",
+    "SelfSelectingProcessor",
     "Sequence",
     "SequenceStatus",
+    "StepInputs",
     "StepPlan",
     "TargetModel",
+    "ValidatingProcessor",
     "prefix_block_hashes",
+    "sampling_rows",
 ]
 
 
@@ -214,6 +229,9 @@ class StepPlan:
     scheduled: tuple[tuple[Sequence, int], ...]
     # Sequences preempted by recompute this step (their blocks were freed).
     preempted: tuple[Sequence, ...] = ()
+    # Copy-on-write: KV blocks (source, destination) to copy before anything writes this
+    # step. Schedulers leave it empty; the engine fills it from a ForkingAllocator.
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -303,6 +321,7 @@ class ModelRunnerLike(Protocol):
     """A loaded model with its own KV cache (see DrafterContext.load_model)."""
 
     vocab_size: int
+    device: Any  # torch.device of its logits
 
     def prepare(self, plan: "StepPlan", allocator: KVAllocator) -> Any:
         """Input tensors for `plan`, slots taken from `allocator`'s block tables."""
@@ -590,3 +609,165 @@ class LogitsProcessor(Protocol):
 
     def rollback(self, state: Any, num_tokens: int) -> None:
         """Forget the last `num_tokens` accepted tokens."""
+
+
+# ---------------------------------------------------------------- optional capabilities
+# Every optional member the engine, the model or a wing relies on is declared here, so a
+# plugin author can see the whole contract. Each is found with isinstance (a
+# runtime-checkable Protocol): a member that is absent is a capability the plugin lacks.
+
+
+@runtime_checkable
+class ValidatingProcessor(Protocol):
+    """A logits processor that refuses some requests before they are queued."""
+
+    def validate(self, params: Any) -> None:
+        """Raise RequestError naming what this processor cannot serve."""
+
+
+@runtime_checkable
+class PreparingProcessor(Protocol):
+    """A logits processor that prepares something per request off the step loop."""
+
+    def prepare(self, params: Any) -> Any:
+        """A concurrent.futures.Future whose result becomes ProcessorRequest.prepared, or None."""
+
+
+@runtime_checkable
+class SelfSelectingProcessor(Protocol):
+    """A logits processor that SamplingParams fields select (the built-ins)."""
+
+    def is_requested(self, params: Any) -> bool:
+        """True when `params` ask for this processor."""
+
+
+@runtime_checkable
+class ReleasingProcessor(Protocol):
+    """A logits processor whose states hold something to let go of."""
+
+    def release(self, state: Any) -> None:
+        """The request finished, was aborted or failed."""
+
+
+@runtime_checkable
+class ReleasingDrafter(Protocol):
+    """A drafter keeping per-sequence state."""
+
+    def release(self, request_id: str) -> None:
+        """The sequence finished, was aborted or preempted."""
+
+
+@runtime_checkable
+class HiddenStateDrafter(Protocol):
+    """A drafter that reads the target's hidden states (when `needs_hidden_states` is True)."""
+
+    needs_hidden_states: bool
+
+    def propose(self, seqs: Seq[Sequence], hidden_states: "torch.Tensor") -> Mapping[str, "Draft | Seq[int]"]:
+        """Drafts per request id; hidden_states[i] is behind seqs[i]'s last token."""
+
+
+@runtime_checkable
+class ContiguousBlockTablesBackend(Protocol):
+    """An attention backend that reads each sequence's K/V as one contiguous run of blocks
+    (when `requires_contiguous_block_tables` is True): only a ContiguousAllocator serves it."""
+
+    requires_contiguous_block_tables: bool
+
+
+@runtime_checkable
+class LayerOpsBackend(Protocol):
+    """An attention backend offering the model fused element-wise ops (servelab.model.llama.LayerOps),
+    or None while they are not ready."""
+
+    @property
+    def layer_ops(self) -> Any: ...
+
+
+@runtime_checkable
+class NativeDecoderBackend(Protocol):
+    """An attention backend that can run the whole decoder of a step in one native call."""
+
+    def decoder_forward(self, model: Any, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: Any,
+                        prepared: Any, logits_indices: "torch.Tensor") -> "torch.Tensor | None":
+        """The final-normed hidden states of the wanted rows, or None to decline this step."""
+
+
+@runtime_checkable
+class PanelKernelsBackend(Protocol):
+    """An attention backend whose library has a matmul the model's packed linears may move
+    to (servelab.model.packed_linear.use_panel_linears), or None while it is not ready."""
+
+    @property
+    def panel_kernels(self) -> Any: ...
+
+
+@runtime_checkable
+class FinishAwareRouter(Protocol):
+    """A router that keeps its own view of what it routed where."""
+
+    def request_finished(self, request_id: str, replica_id: int) -> None:
+        """A request it routed finished, failed or was aborted (called once)."""
+
+
+# ---------------------------------------------------------------- the model runner
+
+
+def sampling_rows(plan: StepPlan) -> tuple[list[int], list[int]]:
+    """Which rows of `plan.scheduled` sample this step, and how many logits rows each
+    needs: a sequence samples once its scheduled tokens reach its last verified token,
+    with one row for that token and one per draft scheduled after it."""
+    rows: list[int] = []
+    num_rows: list[int] = []
+    for row, (seq, num_new) in enumerate(plan.scheduled):
+        past_end = seq.num_computed_tokens + num_new - len(seq.prompt_token_ids) - len(seq.output_token_ids)
+        if past_end >= 0:
+            rows.append(row)
+            num_rows.append(past_end + 1)
+    return rows, num_rows
+
+
+@runtime_checkable
+class StepInputs(Protocol):
+    """What the engine reads of the inputs a runner prepared for a step."""
+
+    sampled_seq_rows: list[int]  # sampling_rows(plan)[0]
+    num_logits_rows: list[int]  # sampling_rows(plan)[1]
+    # (plan row, first prompt position, count) of the prompt positions whose logits follow
+    # the sampling rows (prompt logprobs); () when none were asked for.
+    prompt_logits: tuple[tuple[int, int, int], ...]
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the engine needs of a model runner: the single-process one, the tensor-parallel
+    one and the simulator's all state it."""
+
+    device: Any  # torch.device of the logits
+    supports_prompt_logprobs: bool  # prepare(..., prompt_logprobs=True) adds prompt positions' rows
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def prepare(self, plan: StepPlan, allocator: KVAllocator, prompt_logprobs: bool = False) -> StepInputs:
+        """The step's inputs, slots taken from `allocator`'s block tables."""
+
+    def execute(self, inputs: Any) -> "torch.Tensor":
+        """float32 logits [sum(inputs.num_logits_rows) (+ prompt rows), vocab]."""
+
+    def execute_with_hidden(self, inputs: Any) -> "tuple[torch.Tensor, torch.Tensor]":
+        """The logits and the final-normed hidden states [rows, hidden] they came from."""
+
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination), in order (copy-on-write)."""
+
+    def close(self) -> None:
+        """Release what outlives the step loop (other ranks); idempotent."""
+
+
+@runtime_checkable
+class LMHeadRunner(Protocol):
+    """A runner whose model has an output head drafters may use (servelab.interfaces.TargetModel)."""
+
+    def lm_head(self, hidden: "torch.Tensor") -> "torch.Tensor":
+        """float32 logits of final-normed hidden states."""

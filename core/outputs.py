@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from typing import Callable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 from servelab.interfaces import AllocatorStats, SchedulerStats, Sequence
 
@@ -132,38 +132,46 @@ def request_output(request_id: str, prompt: str | None, seqs: Seq[Sequence],
     errors = [s.error for s in seqs if s.error is not None]
     first_token_times = [s.first_token_time for s in seqs if s.first_token_time is not None]
     finish_times = [s.finish_time for s in seqs if s.finish_time is not None]
+    texts: dict[int, str] = {}  # token id -> its text, for every logprob of the request
     return RequestOutput(
         request_id=request_id,
         prompt=prompt,
         prompt_token_ids=first.prompt_token_ids,
-        outputs=[_completion(s, decode) for s in seqs],
+        outputs=[_completion(s, decode, texts) for s in seqs],
         metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, min(first_token_times, default=None),
                                max(finish_times, default=None), sum(s.num_preemptions for s in seqs),
                                sum(s.num_draft_tokens for s in seqs), sum(s.num_accepted_tokens for s in seqs),
                                sum(s.num_sampling_steps for s in seqs)),
-        prompt_logprobs=_with_text(first.prompt_logprobs, decode),
+        prompt_logprobs=with_token_text(first.prompt_logprobs, decode, texts),
         error=errors[0] if errors else None,
     )
 
 
-def _completion(seq: Sequence, decode: Callable[[list[int]], str]) -> CompletionOutput:
+def _completion(seq: Sequence, decode: Callable[[list[int]], str], texts: dict[int, str]) -> CompletionOutput:
     text = seq.stop_text if seq.stop_text is not None else decode(seq.output_token_ids)
     logprobs = seq.logprobs[: len(seq.output_token_ids)] if seq.logprobs is not None else None
     return CompletionOutput(seq.completion_index, list(seq.output_token_ids), text, seq.finish_reason,
-                            _with_text(logprobs, decode))
+                            with_token_text(logprobs, decode, texts))
 
 
-def _with_text(positions: list | None, decode: Callable[[list[int]], str]) -> list | None:
-    """Logprobs with each token's text filled in."""
+def with_token_text(positions: Seq[PositionLogprobs | None] | None, decode: Callable[[list[int]], str],
+                    texts: dict[int, str] | None = None) -> list[PositionLogprobs | None] | None:
+    """Logprobs with each token's text filled in, each token id decoded once (`texts`
+    caches them across calls). The one place token text is made, for the engine's
+    outputs and the server's streamed logprobs alike."""
     if positions is None:
         return None
-    texts: dict[int, str] = {}
+    texts = {} if texts is None else texts
+    filled: list[PositionLogprobs | None] = []
     for position in positions:
-        for token_id in position or ():
+        if position is None:
+            filled.append(None)
+            continue
+        for token_id in position:
             if token_id not in texts:
                 texts[token_id] = decode([token_id])
-    return [None if position is None else
-            {t: attrs.evolve(lp, decoded_token=texts[t]) for t, lp in position.items()} for position in positions]
+        filled.append({t: attrs.evolve(lp, decoded_token=texts[t]) for t, lp in position.items()})
+    return filled
 
 
 @attrs.frozen
@@ -193,3 +201,35 @@ class StepReport:
     def overhead_seconds(self) -> float:
         """Engine time outside the model forward and sampling."""
         return self.schedule_seconds + self.prepare_seconds + self.update_seconds
+
+
+@attrs.frozen
+class StepResult:
+    """What a step produced: new tokens per sequence, and the requests it finished.
+
+    `new_token_ids` is keyed by sequence id: the request id, or "{request_id}#{i}" for
+    completion i > 0 of a request with SamplingParams.n > 1.
+    """
+
+    new_token_ids: dict[str, list[int]]
+    finished: list[RequestOutput]
+    # SamplingParams.logprobs: the logprobs of those new tokens, for the sequences that asked.
+    new_logprobs: dict[str, list[PositionLogprobs]] = attrs.field(factory=dict)
+    # SamplingParams.prompt_logprobs: by request id, in the step that scored the whole prompt.
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = attrs.field(factory=dict)
+
+
+class StageTimer:
+    """Wall-clock seconds of each stage of a step: `mark(x)` ends a stage and returns x."""
+
+    def __init__(self, timer: Callable[[], float]) -> None:
+        self._timer = timer
+        self._marks = [timer()]
+
+    def mark(self, value: Any) -> Any:
+        self._marks.append(self._timer())
+        return value
+
+    @property
+    def seconds(self) -> tuple[float, ...]:
+        return tuple(b - a for a, b in zip(self._marks, self._marks[1:]))

@@ -24,7 +24,7 @@ def build_router(config: EngineConfig, registry: PluginRegistry, context: Router
     registered = registry.select("routers", section.name)
     options = build_options(registered.plugin.options, section.options, "router", section.name)
     router = build_policy(registered, options, context)
-    if not callable(getattr(router, "route", None)):
+    if not isinstance(router, Router):
         raise PluginError(f"router {section.name!r} from distribution {registered.distribution!r} "
                           f"built {type(router).__name__}, which has no route(request, replicas) method")
     return router

@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 import torch
 
-from servelab.interfaces import AttentionMetadata, KVAllocator, StepPlan
+from servelab.interfaces import AttentionMetadata, KVAllocator, Runner, StepPlan, sampling_rows
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import zeros_on_huge_pages
 
@@ -38,7 +38,7 @@ def new_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     supports_prompt_logprobs = True  # prepare(..., prompt_logprobs=True) adds prompt positions' logits rows
 
     def __init__(self, model: LlamaForCausalLM, backend: Any, num_blocks: int, block_size: int,
@@ -61,23 +61,21 @@ class ModelRunner:
         query_lens: list[int] = []
         context_lens: list[int] = []
         tables: list[Any] = []
-        sampled_rows: list[int] = []
-        num_logits_rows: list[int] = []
-        logits_indices: list[int] = []
-        num_tokens = 0
-        for row, (seq, num_new) in enumerate(plan.scheduled):
+        sampled_rows, num_logits_rows = sampling_rows(plan)
+        for seq, num_new in plan.scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
             token_ids.extend(seq.token_slice(start, end))
             query_lens.append(num_new)
             context_lens.append(end)
             tables.append(allocator.block_table(seq.request_id))
-            if end >= seq.num_tokens:  # reaches the last verified token: samples (and verifies drafts)
-                sampled_rows.append(row)
-                num_logits_rows.append(end - seq.num_tokens + 1)
-                first = num_tokens + seq.num_tokens - 1 - start
-                logits_indices.extend(range(first, num_tokens + num_new))
-            num_tokens += num_new
+        num_tokens = len(token_ids)
+        # A sampling row's logits rows are its last scheduled tokens: its last verified
+        # token and the drafts after it.
+        ends = np.cumsum(query_lens).tolist()
+        logits_indices: list[int] = []
+        for row, count in zip(sampled_rows, num_logits_rows):
+            logits_indices.extend(range(ends[row] - count, ends[row]))
         prompt_logits = self._prompt_logits_rows(plan, query_lens, logits_indices) if prompt_logprobs else ()
         query_lens_np = np.asarray(query_lens, dtype=np.int64)
         context_lens_np = np.asarray(context_lens, dtype=np.int64)
@@ -167,6 +165,9 @@ class ModelRunner:
         prepared = self.backend.prepare(inputs.attention)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend, prepared,
                           inputs.logits_indices)
+
+    def close(self) -> None:
+        """Nothing outlives this process's step loop."""
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final-normed hidden states."""

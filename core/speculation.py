@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from servelab.errors import ConfigError
-from servelab.interfaces import Draft, ForkingAllocator, Sequence
+from servelab.interfaces import Draft, ForkingAllocator, HiddenStateDrafter, ReleasingDrafter, Sequence
 from servelab.logging_setup import get_logger
 from servelab.verification import Verified, verify
 
@@ -57,7 +57,7 @@ class Speculator:
         self.allocator = allocator
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.needs_hidden_states = bool(getattr(drafter, "needs_hidden_states", False))
+        self.needs_hidden_states = isinstance(drafter, HiddenStateDrafter) and bool(drafter.needs_hidden_states)
         self._probs: dict[str, torch.Tensor | None] = {}
         self._hidden: dict[str, torch.Tensor] = {}  # seq id -> target hidden state behind its last token
         self._drafted: list[Sequence] = []
@@ -153,6 +153,5 @@ class Speculator:
     def release(self, seq_id: str) -> None:
         """`seq_id` finished, was aborted or preempted."""
         self._hidden.pop(seq_id, None)
-        release = getattr(self.drafter, "release", None)
-        if release is not None:
-            release(seq_id)
+        if isinstance(self.drafter, ReleasingDrafter):
+            self.drafter.release(seq_id)

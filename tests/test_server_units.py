@@ -13,6 +13,7 @@ import pytest
 from servelab.errors import RequestError
 from servelab.interfaces import AllocatorStats, SchedulerStats
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
 from servelab.server.chat import ChatTemplate
 from servelab.server.engine_loop import AsyncEngine, EngineUnavailable, NewRequest, ThreadConnection
@@ -127,22 +128,23 @@ class WordTokenizer:
         return " ".join(f"w{t}" for t in token_ids if t != 2)
 
 
-def output(token_ids, finish_reason):
-    return CompletionOutput(0, list(token_ids), "", finish_reason)
+def output(token_ids, finish_reason, text):
+    """A finished completion as the engine sends it: its text decoded (and cut at a stop string)."""
+    return CompletionOutput(0, list(token_ids), text, finish_reason)
 
 
 def test_deltas_hold_back_what_a_stop_string_could_claim():
     streamer = TextStreamer(WordTokenizer(), stop=["w5 w6"])
     sent = [streamer.feed([3], None), streamer.feed([4], None), streamer.feed([5], None)]
     assert "".join(sent) == "w3 w4"[: len("w3 w4 w5") - 4]  # the last 4 characters wait
-    final = streamer.feed([6], output([3, 4, 5, 6], "stop"))
+    final = streamer.feed([6], output([3, 4, 5, 6], "stop", "w3 w4 "))
     assert "".join(sent) + final == "w3 w4 " and streamer.emitted == "w3 w4 "
 
 
 def test_deltas_without_stop_strings_send_everything_and_end_on_the_full_text():
     streamer = TextStreamer(WordTokenizer(), stop=[])
     assert [streamer.feed([t], None) for t in (3, 2, 4)] == ["w3", "", " w4"]
-    assert streamer.feed([7], output([3, 2, 4, 7], "length")) == " w7"
+    assert streamer.feed([7], output([3, 2, 4, 7], "length", "w3 w4 w7")) == " w7"
 
 
 # ---------------------------------------------------------------- the engine loop
@@ -162,6 +164,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace(vocab_size=100)
         self.limits = SimpleNamespace(max_model_len=64)
         self.config = SimpleNamespace(engine=SimpleNamespace(max_logprobs=20))
+        self.registry = PluginRegistry()  # observers only: no policies
 
     def validate_request(self, prompt, params):
         if prompt == "bad":

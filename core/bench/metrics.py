@@ -141,8 +141,7 @@ def _kv_waste_fraction(report, block_size: int) -> float:
     """Slots reserved but empty, plus free slots unusable for the next request, over the pool."""
     stats = report.allocator_stats
     total_slots = stats.num_blocks * block_size
-    unusable = getattr(stats, "num_free_slots_unusable", 0)
-    return (stats.num_token_slots_reserved_empty + unusable) / total_slots if total_slots else 0.0
+    return stats.num_wasted_slots / total_slots if total_slots else 0.0
 
 
 def _mean(values) -> float | None:

@@ -24,6 +24,7 @@ from servelab.distributed.launch import (WorkerSet, backend_for, cpu_threads_per
                                          launched_by_torchrun)
 from servelab.distributed.shard_runner import ShardSpec, build_shard_runner, lm_head, pack_inputs, rank_device, serve
 from servelab.errors import DistributedError
+from servelab.interfaces import Runner
 from servelab.logging_setup import get_logger
 from servelab.runner import ModelInputs, ModelRunner
 
@@ -69,9 +70,11 @@ class _Ranks:
                 pass
 
 
-class TensorParallelRunner:
+class TensorParallelRunner(Runner):
     """ModelRunner's interface (prepare, execute, execute_with_hidden, copy_blocks, lm_head,
     vocab_size, device, kv_caches) over N ranks."""
+
+    supports_prompt_logprobs = False  # the prompt rows would need every rank's vocabulary columns
 
     def __init__(self, local: ModelRunner, comm: Communicator, ranks: _Ranks, vocab_size: int,
                  threads: int = 0) -> None:
@@ -106,7 +109,9 @@ class TensorParallelRunner:
     def tensor_parallel_size(self) -> int:
         return self.comm.size
 
-    def prepare(self, plan: Any, allocator: Any) -> ModelInputs:
+    def prepare(self, plan: Any, allocator: Any, prompt_logprobs: bool = False) -> ModelInputs:
+        if prompt_logprobs:
+            raise ValueError("tensor parallelism does not score prompts (supports_prompt_logprobs is False)")
         return self.local.prepare(plan, allocator)
 
     def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:

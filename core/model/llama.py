@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from servelab.interfaces import LayerOpsBackend, NativeDecoderBackend, PanelKernelsBackend
 from servelab.model.model_config import ModelConfig
 from servelab.model.packed_linear import use_panel_linears
 from servelab.model.rope import RotaryEmbedding, apply_rotary
@@ -203,15 +204,16 @@ class LlamaForCausalLM(nn.Module):
         prepared: Any,
         logits_indices: torch.Tensor,  # [S] rows of the batch whose next-token logits are wanted
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, vocab] float32, hidden [S, hidden]
-        panel_kernels = getattr(backend, "panel_kernels", None)
+        has_panels, has_ops, has_decoder = _capabilities(backend)
+        panel_kernels = backend.panel_kernels if has_panels else None
         if panel_kernels is not None and self._panel_kernels is not panel_kernels:
             use_panel_linears(self, panel_kernels)
             self._panel_kernels = panel_kernels
-        ops = getattr(backend, "layer_ops", None)
+        ops = backend.layer_ops if has_ops else None
         if ops is not None and self._fusable(input_ids):
-            native = getattr(backend, "decoder_forward", None)
-            selected = None if native is None else native(self, input_ids, positions, kv_caches, prepared,
-                                                          logits_indices)
+            selected = None
+            if has_decoder:
+                selected = backend.decoder_forward(self, input_ids, positions, kv_caches, prepared, logits_indices)
             if selected is None:
                 selected = self._forward_fused(input_ids, positions, kv_caches, backend, prepared, logits_indices, ops)
         else:
@@ -239,6 +241,18 @@ class LlamaForCausalLM(nn.Module):
                                                    prepared, ops, keep_rows if i == last else None)
         selected = hidden + residual if keep_rows is not None else hidden[logits_indices] + residual[logits_indices]
         return ops.rms_norm(selected, self.norm.weight, self.norm.eps)
+
+
+_CAPABILITIES: dict[type, tuple[bool, bool, bool]] = {}
+
+
+def _capabilities(backend: Any) -> tuple[bool, bool, bool]:
+    """What a backend offers the model (panel matmul, layer ops, native decoder), once per class."""
+    kind = type(backend)
+    if kind not in _CAPABILITIES:
+        _CAPABILITIES[kind] = (isinstance(backend, PanelKernelsBackend), isinstance(backend, LayerOpsBackend),
+                               isinstance(backend, NativeDecoderBackend))
+    return _CAPABILITIES[kind]
 
 
 def _kept_rows(input_ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:

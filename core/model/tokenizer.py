@@ -47,21 +47,3 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
-
-
-class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas for streaming and stop
-    strings, holding back text that ends in an incomplete UTF-8 sequence."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self.text = ""
-
-    def update(self, token_ids: list[int]) -> str:
-        """Decode all of `token_ids`; return the text added since the last call."""
-        text = self._tokenizer.decode(token_ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.text):] if text.startswith(self.text) else text
-        self.text = text
-        return delta

@@ -121,9 +121,7 @@ class EngineCore:
         self._send = send
         self._counter = StepCounter()
         self._last_snapshot = EMPTY_SNAPSHOT
-        registry = getattr(engine, "registry", None)
-        if registry is not None:
-            registry.register(self._counter)
+        engine.registry.register(self._counter)
 
     def run(self) -> None:
         in_flight: set[str] = set()  # request ids

@@ -161,9 +161,7 @@ def _engine_main(config: Any, commands: Any, outputs: Any, verbosity: int | None
     try:
         EngineCore(engine, receive, send).run()
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()  # tensor parallelism: the other ranks stop with the engine
+        engine.close()  # tensor parallelism: the other ranks stop with the engine
 
 
 def _portable(exc: Exception) -> Exception:

@@ -15,7 +15,8 @@ from typing import Any, AsyncIterator, Sequence as Seq
 import attrs
 import structlog
 
-from servelab.outputs import CompletionOutput, RequestOutput
+from servelab.detokenize import IncrementalText
+from servelab.outputs import CompletionOutput, RequestOutput, with_token_text
 from servelab.sampling_params import SamplingParams
 from servelab.server.codec import CodecFailure
 from servelab.server.engine_loop import AsyncEngine, NewRequest, RequestEvent
@@ -52,57 +53,37 @@ class TextStreamer:
     (longest stop string - 1) characters, which a stop string completed by the next
     token could still claim: a stop string never reaches the client.
 
-    Decoding is incremental (as vLLM's detokenizer does it): each call decodes a window
-    of the last few tokens, not the whole output, so a long output costs O(1) per token.
+    Decoding is incremental (servelab.detokenize, the engine's stop strings use the same):
+    each call decodes a window of the last few tokens, so a long output costs O(1) per token.
     """
 
     def __init__(self, tokenizer: Any, stop: Seq[str]) -> None:
         self._tokenizer = tokenizer
-        self._stop = tuple(stop)
-        self._holdback = max((len(s) for s in self._stop), default=1) - 1
-        self.token_ids: list[int] = []
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._text = IncrementalText(tokenizer, ()) if tokenizer is not None else None
         self.emitted = ""
-        self._text = ""  # the decoded text so far
-        self._prefix_offset = 0  # the window decode_new reads: tokens[prefix_offset:] ...
-        self._read_offset = 0  # ... of which those before read_offset are already in _text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._text.token_ids if self._text is not None else []
 
     def feed(self, new_token_ids: Seq[int], completion: CompletionOutput | None) -> str:
         """The text to send now for these new tokens (and the finished completion, if any)."""
-        self.token_ids.extend(new_token_ids)
+        if self._text is None:
+            return ""
         if completion is not None:
             text = self.final_text(completion)
-        elif self._tokenizer is None:
-            return ""
         else:
-            self._decode_new()
-            text = self._text[: max(0, len(self._text) - self._holdback)]
+            self._text.append(new_token_ids)
+            text = self._text.text[: max(0, len(self._text.text) - self._holdback)]
         delta = text[len(self.emitted):]
         self.emitted += delta
         return delta
 
-    def _decode_new(self) -> None:
-        """Extend _text by the new tokens' text, unless it ends in an incomplete character."""
-        window = self.token_ids[self._prefix_offset:]
-        known = self._tokenizer.decode(window[: self._read_offset - self._prefix_offset])
-        text = self._tokenizer.decode(window)
-        if len(text) > len(known) and not text.endswith("\ufffd"):
-            self._text += text[len(known):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-
     def final_text(self, completion: CompletionOutput) -> str:
-        """The completion's text, cut before the earliest stop string when one ended it.
-
-        (Decoded here rather than taken from the engine, whose text is empty for a
-        request with stop strings that ended on EOS or a stop token id.)
-        """
-        if self._tokenizer is None:
-            return ""
-        text = self._tokenizer.decode(list(completion.token_ids))
-        if completion.finish_reason == "stop" and self._stop:
-            found = [at for at in (text.find(s) for s in self._stop) if at >= 0]
-            if found:
-                text = text[: min(found)]
-        return text
+        """The completion's text as the engine decoded it, cut before the stop string
+        that ended it, if one did."""
+        return completion.text if self._tokenizer is not None else ""
 
 
 @attrs.define
@@ -227,17 +208,8 @@ class Generation:
 
     def _with_text(self, positions: Seq[Any]) -> list[Any]:
         """Logprobs with each token's text filled in (decoded once per token id)."""
-        texts = self._token_texts
-        result = []
-        for position in positions:
-            if position is None:
-                result.append(None)
-                continue
-            for token_id in position:
-                if token_id not in texts:
-                    texts[token_id] = self._tokenizer.decode([token_id]) if self._tokenizer is not None else ""
-            result.append({t: attrs.evolve(lp, decoded_token=texts[t]) for t, lp in position.items()})
-        return result
+        decode = self._tokenizer.decode if self._tokenizer is not None else (lambda token_ids: "")
+        return with_token_text(positions, decode, self._token_texts)
 
     async def _next_events(self) -> tuple[list[ChoiceDelta], list[RequestOutput]]:
         """The next event and every one already queued: their text deltas (merged into one

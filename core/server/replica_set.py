@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Sequence as Seq
 import structlog
 
 from servelab.errors import ServelabError
-from servelab.interfaces import AllocatorStats, ReplicaSnapshot, RouteRequest, SchedulerStats
+from servelab.interfaces import AllocatorStats, FinishAwareRouter, ReplicaSnapshot, RouteRequest, SchedulerStats
 from servelab.server.detokenizer import Decode
 from servelab.server.engine_core import EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
 from servelab.server.engine_loop import AsyncEngine, Events
@@ -154,9 +154,8 @@ class ReplicaSet:
         self._group_left[group] -= 1
         if self._group_left[group] == 0:
             del self._group_left[group]
-            request_finished = getattr(self.router, "request_finished", None)
-            if request_finished is not None:
-                request_finished(group, owner)
+            if isinstance(self.router, FinishAwareRouter):
+                self.router.request_finished(group, owner)
 
     def _replica_failed(self, index: int, message: str) -> None:
         self.dead.add(index)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from servelab.testing.contract import PolicyContract
+from servelab.testing.attention_pairing import needs_contiguous_tables
 
 GQA = [(4, 4), (4, 2), (8, 2), (8, 1)]  # (query heads, KV heads): ratios 1, 2, 4, 8
 # (tokens already cached, new tokens): a prefill, decodes, chunks on top of a cache, a
@@ -105,7 +106,7 @@ class AttentionBackendContract(PolicyContract):
         name, registry = self.policy_section()
         probe = self.make(AttentionContext(num_heads=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=4,
                                            dtype=torch.float32, device=torch.device(self.device)))
-        partners = {"allocator": "naive"} if getattr(probe, "requires_contiguous_block_tables", False) else None
+        partners = {"allocator": "naive"} if needs_contiguous_tables(probe) else None
         check_against_reference(self.kind, name, registry, case, partners=partners, device=self.device)
 
 

@@ -27,6 +27,7 @@ import torch
 
 from servelab.interfaces import AttentionContext, AttentionMetadata
 from servelab.testing.contract import check
+from servelab.testing.attention_pairing import needs_contiguous_tables
 
 DENSE = "attention output equals dense causal attention (within dtype tolerance)"
 WRITES_ONLY_ITS_SLOTS = "forward writes only the slots of the slot mapping"
@@ -87,7 +88,7 @@ class BatchCheck:
         self.backend = make_backend(AttentionContext(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
             num_blocks=self.num_blocks, dtype=dtype, device=self.device))
-        self.contiguous = bool(getattr(self.backend, "requires_contiguous_block_tables", False))
+        self.contiguous = needs_contiguous_tables(self.backend)
         shape = tuple(self.backend.kv_cache_shape())
         self.block_dim = self.backend.kv_cache_block_dim()
         check(shape[self.block_dim] == self.num_blocks, "kv_cache_block_dim() indexes the cache's blocks",

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import attrs
 import pytest
 
-from servelab.interfaces import Drafter, DrafterContext, Sequence
+from servelab.interfaces import Drafter, DrafterContext, ReleasingDrafter, Sequence
 from servelab.sampling_params import SamplingParams
 from servelab.testing.contract import PolicyContract, check, exercising
 
@@ -78,7 +78,8 @@ class DrafterContract(PolicyContract):
         return self.make(DrafterContext(vocab_size=self.vocab_size, max_model_len=self.max_model_len))
 
     def max_drafts(self) -> int:
-        k = self.num_speculative_tokens or getattr(self._options, "num_speculative_tokens", None)
+        declared = attrs.asdict(self._options) if attrs.has(type(self._options)) else {}
+        k = self.num_speculative_tokens or declared.get("num_speculative_tokens")
         check(k, AT_MOST_K, "the contract cannot tell k: set `num_speculative_tokens = k` on the contract class "
                             "(the drafter's options declare no positive num_speculative_tokens)")
         return k
@@ -134,10 +135,9 @@ class DrafterContract(PolicyContract):
 
     def release(self, drafter: Any, request_id: str) -> None:
         """What the engine does when a sequence finishes or is preempted."""
-        release = getattr(drafter, "release", None)
-        if release is not None:
+        if isinstance(drafter, ReleasingDrafter):
             with exercising(RELEASE):
-                release(request_id)
+                drafter.release(request_id)
 
     def test_release_forgets_a_sequence(self):
         """Sequences finish (or are preempted) and new ones reuse their ids, as a preempted

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from servelab.interfaces import LogitsProcessor, LogitsProcessorContext, ProcessorRequest
+from servelab.interfaces import (LogitsProcessor, LogitsProcessorContext, PreparingProcessor, ProcessorRequest,
+                                 SelfSelectingProcessor)
 from servelab.sampling_params import SamplingParams
 from servelab.testing.contract import PolicyContract, check, exercising
 
@@ -76,9 +77,8 @@ class LogitsProcessorContract(PolicyContract):
     def new_state(self, processor: Any, params: SamplingParams, request_id: str = "req") -> Any:
         """A state created as the engine creates it (after `prepare`, where defined)."""
         prepared = None
-        prepare = getattr(processor, "prepare", None)
-        if prepare is not None:
-            future = prepare(params)
+        if isinstance(processor, PreparingProcessor):
+            future = processor.prepare(params)
             prepared = future.result(timeout=120) if future is not None else None
         return processor.new_state(ProcessorRequest(request_id, params, tuple(self.prompt), prepared))
 
@@ -113,13 +113,13 @@ class LogitsProcessorContract(PolicyContract):
         check(isinstance(processor, LogitsProcessor), IMPLEMENTS, f"{type(processor).__name__}")
 
     def test_no_effect_when_not_requested(self, processor):
-        is_requested = getattr(processor, "is_requested", None)
-        check(is_requested is None or not is_requested(SamplingParams()), NOT_REQUESTED)
+        check(not isinstance(processor, SelfSelectingProcessor) or not processor.is_requested(SamplingParams()),
+              NOT_REQUESTED)
 
     def test_requests_select_it(self, processor):
         name = self.plugin_name
         for params in self._requests():
-            by_field = getattr(processor, "is_requested", lambda p: False)(params)
+            by_field = isinstance(processor, SelfSelectingProcessor) and processor.is_requested(params)
             check(by_field or (name is not None and name in params.logits_processors), REQUESTED, repr(params))
 
     def test_batch_independent(self, processor):

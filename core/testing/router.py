@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from servelab.interfaces import (PrefixSummary, ReplicaSnapshot, RouteRequest, Router, RouterContext,
+from servelab.interfaces import (FinishAwareRouter, PrefixSummary, ReplicaSnapshot, RouteRequest, Router, RouterContext,
                                  prefix_block_hashes)
 from servelab.routing import route_problem
 from servelab.testing.contract import PolicyContract, check, exercising
@@ -107,10 +107,9 @@ class ToyFleet:
                     self._finished(request_id, replica.replica_id)
 
     def _finished(self, request_id: str, replica_id: int) -> None:
-        hook = getattr(self.router, "request_finished", None)
-        if hook is not None:
+        if isinstance(self.router, FinishAwareRouter):
             with exercising("request_finished accepts every request it routed"):
-                hook(request_id, replica_id)
+                self.router.request_finished(request_id, replica_id)
 
 
 def check_choice(choice: Any, request: RouteRequest, replicas: list[ReplicaSnapshot]) -> None:

@@ -50,7 +50,7 @@ class DraftModelDrafter:
         self._verified: dict[str, int] = {}
         self._fed: dict[str, list[int]] = {}
         self._generators: dict[str, torch.Generator] = {}
-        self._default_generator = torch.Generator(device=getattr(self.runner, "device", "cpu")).manual_seed(context.seed)
+        self._default_generator = torch.Generator(device=self.runner.device).manual_seed(context.seed)
 
     def release(self, request_id: str) -> None:
         self.allocator.free(request_id)

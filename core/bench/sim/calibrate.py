@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import attrs
 import numpy as np
 
+import servelab
 from servelab.bench.driver import StepRecorder, run_workload
 from servelab.bench.repetitions import offline, reset_prefix_cache
 from servelab.bench.sim.cost_model import CostModel
@@ -45,23 +46,28 @@ KINDS = {
 }
 
 
-class _RecordingRunner:
-    """Wraps the real runner and notes every step's shape."""
+class StepTimer:
+    """An observer plugin noting, for every step that ran the model, its shape (the
+    features the simulator sees) and the CPU time of the whole step."""
 
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-        self.device = runner.device
-        self.shapes: list[SimInputs] = []
+    def __init__(self) -> None:
+        self.recording = False
+        self.timed: list[tuple[SimInputs, float]] = []
+        self._started = 0.0
+        self._shape: SimInputs | None = None
 
-    def prepare(self, plan, allocator):
-        self.shapes.append(plan_shape(plan))  # the same features the simulator sees
-        return self.runner.prepare(plan, allocator)
+    @servelab.hookimpl
+    def servelab_step_started(self, engine: Any) -> None:
+        self._started, self._shape = time.process_time(), None
 
-    def execute(self, inputs):
-        return self.runner.execute(inputs)
+    @servelab.hookimpl
+    def servelab_step_planned(self, engine: Any, plan: Any) -> None:
+        self._shape = plan_shape(plan)
 
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
+    @servelab.hookimpl
+    def servelab_step_finished(self, engine: Any, report: Any) -> None:
+        if self.recording and self._shape is not None:
+            self.timed.append((self._shape, time.process_time() - self._started))
 
 
 @attrs.frozen
@@ -120,6 +126,8 @@ def measure(config: EngineConfig, workloads: list[Workload], repeats: int = 7) -
     registry = PluginRegistry.from_entry_points()
     recorder = StepRecorder()
     registry.register(recorder)
+    timer = StepTimer()
+    registry.register(timer)
     with one_thread():
         engine = LLMEngine(config, registry)
         recorder.clock = engine.clock
@@ -128,17 +136,7 @@ def measure(config: EngineConfig, workloads: list[Workload], repeats: int = 7) -
         for workload in workloads:
             reset_prefix_cache(engine)
             run_workload(engine, recorder, offline(workload), "warm-up")
-        runner = engine.runner = _RecordingRunner(engine.runner)
-        step, timed = engine.step, []
-
-        def timed_step():
-            shapes, started = len(runner.shapes), time.process_time()
-            result = step()
-            if len(runner.shapes) > shapes:  # a step that ran the model
-                timed.append((runner.shapes[-1], time.process_time() - started))
-            return result
-
-        engine.step = timed_step
+        timer.recording, timed = True, timer.timed
         runs: list[list] = [[] for _ in workloads]
         walls: list[list[float]] = [[] for _ in workloads]
         outputs = [0] * len(workloads)

@@ -20,7 +20,7 @@ from servelab.bench.sim.runner import VirtualClock
 from servelab.bench.sim.source import SimSource
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
-from servelab.interfaces import AllocatorStats, RouteRequest, RouterContext
+from servelab.interfaces import AllocatorStats, FinishAwareRouter, RouteRequest, RouterContext
 from servelab.registry import PluginRegistry
 from servelab.routing import build_router, checked_route, replica_snapshot, router_section
 from servelab.sampling_params import SamplingParams
@@ -89,7 +89,7 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
     replica_of: dict[int, int] = {}
     outputs: dict[int, Any] = {}
     by_replica: list[list[Any]] = [[] for _ in replicas]
-    finished_hook = getattr(fleet.router, "request_finished", None)
+    finished_hook = fleet.router.request_finished if isinstance(fleet.router, FinishAwareRouter) else None
     cursor = 0
     while len(outputs) < len(pending):
         busy = [r for r in replicas if r.engine.has_unfinished()]

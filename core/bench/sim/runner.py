@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from servelab.bench.sim.cost_model import CostModel
-from servelab.interfaces import KVAllocator, StepPlan
+from servelab.interfaces import KVAllocator, Runner, StepPlan, sampling_rows
 
 
 class VirtualClock:
@@ -33,6 +33,7 @@ class SimInputs:
     context_lens: list[int]
     sampled_seq_rows: list[int]
     num_logits_rows: list[int]  # per sampled sequence: 1 + its scheduled drafts
+    prompt_logits: tuple = ()  # the simulator scores no prompts
 
 
 def plan_shape(plan: StepPlan) -> SimInputs:
@@ -40,26 +41,24 @@ def plan_shape(plan: StepPlan) -> SimInputs:
     scheduled = plan.scheduled
     query_lens = [num_new for _, num_new in scheduled]
     context_lens = [seq.num_computed_tokens + num_new for seq, num_new in scheduled]
-    # Logits rows past each sequence's last verified token (+ 1); <= 0 when it does not sample yet.
-    past_end = [end - len(seq.prompt_token_ids) - len(seq.output_token_ids) + 1
-                for (seq, _), end in zip(scheduled, context_lens)]
-    sampled = [row for row, rows in enumerate(past_end) if rows > 0]
-    num_rows = [past_end[row] for row in sampled]
+    sampled, num_rows = sampling_rows(plan)
     return SimInputs(query_lens, context_lens, sampled, num_rows)
 
 
-class SimRunner:
+class SimRunner(Runner):
     """Costs each step with the roofline and returns all-zero logits over a one-token
     vocabulary, so greedy sampling yields token 0 and every policy runs unchanged."""
 
     device = torch.device("cpu")
+    supports_prompt_logprobs = False
+    vocab_size = 1
 
     def __init__(self, cost_model: CostModel, clock: VirtualClock) -> None:
         self.cost_model = cost_model
         self.clock = clock
         self.total_seconds = 0.0
 
-    def prepare(self, plan: StepPlan, allocator: KVAllocator) -> SimInputs:
+    def prepare(self, plan: StepPlan, allocator: KVAllocator, prompt_logprobs: bool = False) -> SimInputs:
         return plan_shape(plan)
 
     def execute(self, inputs: SimInputs) -> torch.Tensor:
@@ -68,5 +67,11 @@ class SimRunner:
         self.total_seconds += cost.seconds
         return torch.zeros(sum(inputs.num_logits_rows), 1)
 
+    def execute_with_hidden(self, inputs: SimInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("the simulator has no hidden states: drafters that read them cannot be simulated")
+
     def copy_blocks(self, copies: Any) -> None:
         """Copy-on-write copies cost nothing worth modelling here."""
+
+    def close(self) -> None:
+        """Nothing to release."""

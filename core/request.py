@@ -1,0 +1,144 @@
+"""One request in the engine: everything it owns from intake to release, on one record.
+
+A request is n sequences (SamplingParams.n; completion 0 is the request's own, the
+others are forked from it once its prompt is computed), and per sequence its random
+generator (seeded requests), its text (stop strings) and its logits processors' states;
+plus what the request waits for before it is queued (processor preparation, such as
+grammar compilation) and its prompt logprobs so far. `release()` lets go of all of it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Callable, Collection, Iterator
+
+import attrs
+
+from servelab.detokenize import IncrementalText
+from servelab.errors import RequestError
+from servelab.interfaces import Sequence, SequenceStatus
+from servelab.sampling_params import SamplingParams
+
+
+@attrs.frozen
+class RequestSpec:
+    """What a caller asks for: one prompt (text or token ids) and how to sample it."""
+
+    prompt: str | list[int]
+    params: SamplingParams | None = None
+    request_id: str | None = None
+    priority: int = 0
+    arrival_time: float | None = None  # on the engine's clock; None: now
+
+
+@attrs.define(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None  # the prompt's text, when it came as text
+    params: SamplingParams
+    sequences: list[Sequence]  # by completion index
+    generators: list[Any]  # per sequence: its torch.Generator, or None (the engine's default)
+    texts: list[IncrementalText | None]  # per sequence, when it has stop strings
+    processor_states: list[dict[str, Any]]  # per sequence: processor name -> state
+    preparing: dict[str, Future] = attrs.field(factory=dict)  # processor name -> its preparation
+    unforked: bool = False  # n > 1 and its first tokens not sampled yet
+    logits_work: bool = False  # processors or logprobs: leaves the plain sampling path
+    scoring_prompt: bool = False  # prompt logprobs still being collected
+    released: bool = False
+
+    @property
+    def first(self) -> Sequence:
+        return self.sequences[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.sequences)
+
+    def fail(self, error: str, now: float) -> None:
+        """Every sequence ends with finish_reason "error"."""
+        for seq in self.sequences:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason, seq.error, seq.finish_time = "error", error, now
+
+    def release(self, release_sequence: Callable[[Sequence, dict[str, Any]], None]) -> None:
+        """Let go of what each sequence holds outside this record (drafter and processor
+        states, through `release_sequence`) and of the rest; idempotent."""
+        if self.released:
+            return
+        self.released = True
+        for future in self.preparing.values():
+            future.cancel()
+        self.preparing = {}
+        for seq, states in zip(self.sequences, self.processor_states):
+            release_sequence(seq, states)
+        self.generators = [None] * len(self.sequences)
+        self.texts = [None] * len(self.sequences)
+        self.processor_states = [{} for _ in self.sequences]
+
+
+def request_id_of(seq: Sequence) -> str:
+    """The id of the request a sequence belongs to (completion i > 0 is "{request_id}#{i}")."""
+    return seq.request_id if seq.completion_index == 0 else seq.request_id.rpartition("#")[0]
+
+
+class RequestTable:
+    """The engine's requests in flight, by request id."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, Request] = {}
+        self._preparing: dict[str, Request] = {}  # those waiting for a processor's preparation
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._requests.values()))
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def of(self, seq: Sequence) -> Request:
+        return self._requests[request_id_of(seq)]
+
+    def add(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        if request.preparing:
+            self._preparing[request.request_id] = request
+
+    def remove(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        self._preparing.pop(request.request_id, None)
+
+    def prepared_now(self) -> list[Request]:
+        """The requests whose preparations have all finished; they stop counting as preparing."""
+        done = [r for r in self._preparing.values() if all(f.done() for f in r.preparing.values())]
+        for request in done:
+            del self._preparing[request.request_id]
+        return done
+
+    def check_free(self, request_id: str, n: int, taken: Collection[str] = ()) -> None:
+        """RequestError unless a request `request_id` with n sequences clashes with none in
+        flight (a sequence id of completion i > 0 is "{request_id}#{i}") or in `taken`."""
+        owner, _, index = request_id.rpartition("#")
+        clash = (request_id in self._requests or request_id in taken
+                 or any(f"{request_id}#{i}" in self._requests for i in range(1, n))
+                 or (index.isdecimal() and len(index) < 10 and owner in self._requests
+                     and int(index) < len(self._requests[owner].sequences)))
+        if clash:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+
+    def sequences(self) -> Iterator[Sequence]:
+        for request in self._requests.values():
+            yield from request.sequences
+
+    def preparing(self) -> list[Request]:
+        return list(self._preparing.values())
+
+    def has_preparing(self) -> bool:
+        return bool(self._preparing)
+
+    def num_preparing(self) -> int:
+        return len(self._preparing)
