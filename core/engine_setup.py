@@ -11,11 +11,10 @@ import torch
 from servelab.config import EngineSection, build_options
 from servelab.errors import ConfigError
 from servelab.interfaces import AttentionContext, TargetModel
+from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
-from servelab.registry import build_policy
 from servelab.model.model_config import ModelConfig
-
-_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from servelab.registry import build_policy
 
 
 @attrs.frozen
@@ -36,10 +35,11 @@ def resolve_limits(engine: EngineSection, model: ModelConfig) -> EngineLimits:
             f"[engine] max_model_len={max_model_len} exceeds the model's sliding_window={model.sliding_window}, "
             f"which servelab does not implement; set max_model_len <= {model.sliding_window}")
     max_num_batched_tokens = engine.max_num_batched_tokens or max(2048, max_model_len)
-    block_bytes = model.kv_bytes_per_token(_DTYPE_SIZES[engine.dtype]) * engine.block_size
     # Past what max_num_seqs sequences of max_model_len can hold, more blocks sit idle.
-    useful_blocks = engine.max_num_seqs * -(-max_model_len // engine.block_size)
-    num_kv_blocks = engine.num_kv_blocks or min(engine.kv_cache_memory // block_bytes, useful_blocks)
+    useful_blocks = engine.max_num_seqs * blocks_for(max_model_len, engine.block_size)
+    num_kv_blocks = engine.num_kv_blocks or min(
+        kv_pool_blocks(engine.kv_cache_memory, model.kv_bytes_per_token(DTYPE_BYTES[engine.dtype]), engine.block_size),
+        useful_blocks)
     if num_kv_blocks * engine.block_size < max_model_len:
         raise ConfigError(
             f"the KV cache holds {num_kv_blocks} blocks x {engine.block_size} = "
