@@ -14,6 +14,7 @@ from servelab.interfaces import AttentionContext, TargetModel
 from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
 from servelab.model.model_config import ModelConfig
+from servelab.plugin_types import KINDS
 from servelab.registry import build_policy
 
 
@@ -72,7 +73,7 @@ def load_aux_model(spec: str, num_blocks: int, engine: EngineSection, registry: 
             f"model {spec!r} handles {config.max_position_embeddings} positions, fewer than "
             f"max_model_len={max_positions}; lower [engine] max_model_len or choose another model")
     registered = registry.select("attention", attention.name)
-    options = build_options(registered.plugin.options, attention.options, "attention", attention.name)
+    options = build_options(registered.plugin.options, attention.options, KINDS["attention"].section, attention.name)
     backend = build_policy(registered, options, AttentionContext(
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         block_size=engine.block_size, num_blocks=num_blocks, dtype=DTYPES[engine.dtype],
