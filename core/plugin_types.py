@@ -109,6 +109,7 @@ def kinds_table(kinds: Iterable[PolicyKind]) -> dict[str, PolicyKind]:
 
 
 KINDS: dict[str, PolicyKind] = kinds_table([
+    # key, config section, noun in errors, record class, what the factory builds, and gets
     PolicyKind("allocators", "allocator", "allocator", "AllocatorPlugin",
                interfaces.KVAllocator, interfaces.AllocatorContext, default="paged"),
     PolicyKind("schedulers", "scheduler", "scheduler", "SchedulerPlugin",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Any, Sequence as Seq
+from typing import Sequence as Seq
 
 import attrs
 
