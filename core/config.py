@@ -34,6 +34,9 @@ from typing import Any, Mapping
 import attrs
 
 from servelab.errors import ConfigError
+from servelab.model.kv_sizing import DTYPE_BYTES
+from servelab.options import positive_int
+from servelab.plugin_types import KINDS, PolicyKind
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,10 +44,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_MODEL = "builtin:tiny"
-DTYPES = ("float32", "bfloat16", "float16")
-POLICY_SECTIONS = ("allocator", "scheduler", "drafter", "attention", "router")
-DEFAULT_POLICIES = {"allocator": "paged", "scheduler": "continuous", "attention": "cpu-paged"}
-DEFAULT_ROUTER = "round-robin"
+DTYPES = tuple(DTYPE_BYTES)
+# Read off the policy kinds table (servelab.plugin_types.KINDS):
+SELECTABLE_KINDS: tuple[PolicyKind, ...] = tuple(k for k in KINDS.values() if k.selectable)
+POLICY_SECTIONS = tuple(k.section for k in SELECTABLE_KINDS)  # sections that choose a policy by name
+DEFAULT_POLICIES = {k.section: k.default for k in SELECTABLE_KINDS if k.default is not None and not k.optional}
+DEFAULT_ROUTER = KINDS["routers"].default
+SECTIONS = ("engine", *POLICY_SECTIONS, *(k.section for k in KINDS.values() if not k.selectable))
 LOGPROBS_MODES = ("raw", "processed")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -61,11 +67,7 @@ def parse_memory(value: int | str) -> int:
     return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
 
 
-def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"[engine] {attribute.name} must be a positive integer, got {value!r}")
+_positive = positive_int("engine", optional=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -110,7 +112,7 @@ class EngineSection:
 
 @attrs.frozen
 class PolicySection:
-    """A `[allocator]` / `[scheduler]` / `[drafter]` / `[attention]` section."""
+    """A section choosing one policy of its kind: `[allocator]`, `[scheduler]`, ..."""
 
     name: str
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
@@ -125,27 +127,36 @@ class LogitsProcessorsSection:
     options: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict, converter=dict)
 
 
-@attrs.frozen(kw_only=True)
-class EngineConfig:
-    """The whole configuration. Build with `from_toml`, `from_dict` or `load`."""
+def _policy_field(kind: PolicyKind) -> Any:
+    if kind.optional:
+        return attrs.field(default=None)
+    return attrs.field(factory=lambda: PolicySection(kind.default))
 
-    engine: EngineSection = attrs.field(factory=EngineSection)
-    allocator: PolicySection = attrs.field(factory=lambda: PolicySection(DEFAULT_POLICIES["allocator"]))
-    scheduler: PolicySection = attrs.field(factory=lambda: PolicySection(DEFAULT_POLICIES["scheduler"]))
-    attention: PolicySection = attrs.field(factory=lambda: PolicySection(DEFAULT_POLICIES["attention"]))
-    drafter: PolicySection | None = None
-    router: PolicySection | None = None  # how a fleet of replicas of this engine routes requests
-    logits_processors: LogitsProcessorsSection = attrs.field(factory=LogitsProcessorsSection)
+
+@attrs.frozen(kw_only=True, these={
+    "engine": attrs.field(factory=EngineSection),
+    **{kind.section: _policy_field(kind) for kind in SELECTABLE_KINDS},
+    "logits_processors": attrs.field(factory=LogitsProcessorsSection),
+})
+class EngineConfig:
+    """The whole configuration. Build with `from_toml`, `from_dict` or `load`.
+
+    Attributes: `engine` (an EngineSection); one PolicySection per policy kind a config
+    selects, named by its section (`allocator`, `scheduler`, `drafter`, `attention`,
+    `router`: the rows of servelab.plugin_types.KINDS), which holds the kind's default
+    policy, or None for an optional kind the config leaves out (`drafter`: none;
+    `router`: fleets use DEFAULT_ROUTER); `logits_processors` (a LogitsProcessorsSection).
+    """
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":
         if not isinstance(data, Mapping):
             raise ConfigError(f"config must be a table of sections, got {type(data).__name__}")
-        unknown = set(data) - {"engine", *POLICY_SECTIONS, "logits_processors"}
+        unknown = set(data) - set(SECTIONS)
         if unknown:
             raise ConfigError(
                 f"unknown config section(s) {', '.join(sorted(map(repr, unknown)))}; "
-                f"valid sections: engine, {', '.join(POLICY_SECTIONS)}, logits_processors"
+                f"valid sections: {', '.join(SECTIONS)}"
             )
         kwargs: dict[str, Any] = {"engine": _engine_section(data.get("engine", {}))}
         for section in POLICY_SECTIONS:

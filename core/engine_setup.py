@@ -12,17 +12,18 @@ from servelab.distributed.layout import local_model_config
 from servelab.config import EngineConfig, EngineSection, build_options
 from servelab.errors import ConfigError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
-                                 DrafterContext, ForkingAllocator, ForkingScheduler, LMHeadRunner, LogitsProcessorContext, SchedulerContext, TargetModel)
+                                 DrafterContext, ForkingAllocator, ForkingScheduler, LMHeadRunner,
+                                 LogitsProcessorContext, SchedulerContext, TargetModel)
 from servelab.logits_pipeline import LogitsPipeline
+from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
 from servelab.model.model_config import ModelConfig
 from servelab.model.onednn_caches import limit_onednn_caches
 from servelab.model.source import CheckpointSource, ModelSource
+from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
 from servelab.sampler import filtered_probs
 from servelab.speculation import Speculator
-
-_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @attrs.frozen
@@ -43,10 +44,11 @@ def resolve_limits(engine: EngineSection, model: ModelConfig) -> EngineLimits:
             f"[engine] max_model_len={max_model_len} exceeds the model's sliding_window={model.sliding_window}, "
             f"which servelab does not implement; set max_model_len <= {model.sliding_window}")
     max_num_batched_tokens = engine.max_num_batched_tokens or max(2048, max_model_len)
-    block_bytes = model.kv_bytes_per_token(_DTYPE_SIZES[engine.dtype]) * engine.block_size
     # Past what max_num_seqs sequences of max_model_len can hold, more blocks sit idle.
-    useful_blocks = engine.max_num_seqs * -(-max_model_len // engine.block_size)
-    num_kv_blocks = engine.num_kv_blocks or min(engine.kv_cache_memory // block_bytes, useful_blocks)
+    useful_blocks = engine.max_num_seqs * blocks_for(max_model_len, engine.block_size)
+    num_kv_blocks = engine.num_kv_blocks or min(
+        kv_pool_blocks(engine.kv_cache_memory, model.kv_bytes_per_token(DTYPE_BYTES[engine.dtype]), engine.block_size),
+        useful_blocks)
     if num_kv_blocks * engine.block_size < max_model_len:
         raise ConfigError(
             f"the KV cache holds {num_kv_blocks} blocks x {engine.block_size} = "
@@ -76,7 +78,7 @@ def load_aux_model(spec: str, num_blocks: int, engine: EngineSection, registry: 
             f"model {spec!r} handles {config.max_position_embeddings} positions, fewer than "
             f"max_model_len={max_positions}; lower [engine] max_model_len or choose another model")
     registered = registry.select("attention", attention.name)
-    options = build_options(registered.plugin.options, attention.options, "attention", attention.name)
+    options = build_options(registered.plugin.options, attention.options, KINDS["attention"].section, attention.name)
     backend = build_policy(registered, options, AttentionContext(
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         block_size=engine.block_size, num_blocks=num_blocks, dtype=DTYPES[engine.dtype],
@@ -154,12 +156,9 @@ def _policy_sections(config: EngineConfig):
         yield "drafters", config.drafter
 
 
-_SECTION_OF_KIND = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention"}
-
-
 def _select(registry: PluginRegistry, kind: str, section: Any) -> tuple[RegisteredPolicy, Any]:
     registered = registry.select(kind, section.name)
-    return registered, build_options(registered.plugin.options, section.options, _SECTION_OF_KIND[kind], section.name)
+    return registered, build_options(registered.plugin.options, section.options, KINDS[kind].section, section.name)
 
 
 def _check_pairing(config: EngineConfig, attention: Any, allocator: Any) -> None:
@@ -198,7 +197,8 @@ def _build_logits_pipeline(config: EngineConfig, registry: PluginRegistry, sourc
                                      tokenizer=source.tokenizer, device=device)
     processors = {}
     for name, registered in installed.items():
-        options = build_options(registered.plugin.options, section.options.get(name, {}), "logits_processors", name)
+        options = build_options(registered.plugin.options, section.options.get(name, {}),
+                                KINDS["logits_processors"].section, name)
         processors[name] = build_policy(registered, options, context)
     return LogitsPipeline(processors, section.default)
 

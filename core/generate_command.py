@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from servelab.arrivals import NOW, Arrival, serve_arrivals
 from servelab.config import EngineConfig
 from servelab.errors import ServelabError
 from servelab.outputs import RequestOutput
@@ -50,14 +51,16 @@ def generate(config: EngineConfig, prompts: list[str], params: SamplingParams) -
     if len(prompts) == 1:
         _stream_one(engine, prompts[0], params)
         return
-    request_ids = [engine.add_request(prompt, params) for prompt in prompts]
-    finished: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for output in engine.step().finished:
-            finished[output.request_id] = output
-    for index, request_id in enumerate(request_ids, 1):
-        output = finished[request_id]
-        print(f"--- prompt {index}/{len(prompts)}: {json.dumps(output.prompt)}")
+    outputs: dict[int, RequestOutput] = {}
+
+    def finished(arrival: Arrival[int], _engine: int, output: RequestOutput) -> None:
+        outputs[arrival.item] = output
+
+    serve_arrivals([engine], [Arrival(NOW, i) for i in range(len(prompts))],
+                   lambda arrival: (0, engine.add_request(prompts[arrival.item], params)), finished)
+    for index in range(len(prompts)):
+        output = outputs[index]
+        print(f"--- prompt {index + 1}/{len(prompts)}: {json.dumps(output.prompt)}")
         print(output.text)
         print(_summary(output), file=sys.stderr)
 

@@ -60,6 +60,8 @@ __all__ = [
     "StepPlan",
     "TargetModel",
     "ValidatingProcessor",
+    "ROOT_BLOCK_HASH",
+    "chained_block_hash",
     "prefix_block_hashes",
     "sampling_rows",
 ]
@@ -459,15 +461,26 @@ class AttentionBackend(Protocol):
 # ---------------------------------------------------------------- routing
 
 
+ROOT_BLOCK_HASH = 0x5E4E1AB  # the parent of block 0 (a constant: str hashes vary per process)
+
+
+def chained_block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
+    """The name of a KV block holding `tokens` right after the prefix named `parent_hash`
+    (ROOT_BLOCK_HASH for block 0): it stands for the whole prefix the block ends, not for
+    its own tokens alone. Integers and tuples of integers hash the same in every process,
+    so a router and a replica in another process agree on it; the `hash` allocator names
+    its cached blocks with it."""
+    return hash((parent_hash, tokens))
+
+
 def prefix_block_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids`: hash i covers tokens
-    [0, (i + 1) * block_size), so two prompts share hash i exactly when they share those
-    tokens. Integers and tuples of integers hash the same in every process, so a router
-    and a replica in another process agree on them."""
+    """Chained hashes (`chained_block_hash`) of the full blocks of `token_ids`: hash i
+    covers tokens [0, (i + 1) * block_size), so two prompts share hash i exactly when they
+    share those tokens."""
     hashes = []
-    parent = 0
+    parent = ROOT_BLOCK_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        parent = chained_block_hash(parent, tuple(token_ids[start:start + block_size]))
         hashes.append(parent)
     return hashes
 

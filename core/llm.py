@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence as Seq
 
+from servelab.arrivals import NOW, Arrival, serve_arrivals
 from servelab.config import EngineConfig
 from servelab.engine import LLMEngine
 from servelab.errors import RequestError
@@ -60,19 +61,25 @@ class LLM:
         priorities = _as_priority_list(priority, len(prompt_list))
         for prompt, sampling in zip(prompt_list, params_list):  # validate all before queueing any
             self.engine.validate_request(prompt, sampling)
-        request_ids = [self.engine.add_request(p, sp, priority=rank)
-                       for p, sp, rank in zip(prompt_list, params_list, priorities)]
-        finished: dict[str, RequestOutput] = {}
+        outputs: dict[int, RequestOutput] = {}
+        admitted: dict[int, str] = {}
+
+        def admit(arrival: Arrival[int]) -> tuple[int, str]:
+            i = arrival.item
+            admitted[i] = self.engine.add_request(prompt_list[i], params_list[i], priority=priorities[i])
+            return 0, admitted[i]
+
+        def finished(arrival: Arrival[int], _engine: int, output: RequestOutput) -> None:
+            outputs[arrival.item] = output
+
         try:
-            while len(finished) < len(request_ids):
-                for output in self.engine.step().finished:
-                    finished[output.request_id] = output
+            serve_arrivals([self.engine], [Arrival(NOW, i) for i in range(len(prompt_list))], admit, finished)
         except BaseException:
-            for request_id in request_ids:
-                if request_id not in finished:
+            for i, request_id in admitted.items():
+                if i not in outputs:
                     self.engine.abort(request_id)
             raise
-        return [finished[r] for r in request_ids]
+        return [outputs[i] for i in range(len(prompt_list))]
 
 
 def _as_prompt_list(prompts: Any) -> list[Prompt]:

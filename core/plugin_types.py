@@ -1,18 +1,23 @@
-"""The typed records registration hooks return: one per policy a plugin provides."""
+"""The policy kinds, in one table, and the typed records registration hooks return.
+
+Everything spelled per kind elsewhere is read off `KINDS`: the registry's hook names
+and error words, the config's sections and defaults, the record classes below. Adding a
+kind is a row here, its Protocol (and context record) in `servelab.interfaces` and its
+registration hookspec in `servelab.hookspecs`.
+"""
 
 from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
+from servelab import interfaces
 from servelab.errors import PluginError
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
-
-POLICY_KINDS = ("allocators", "schedulers", "drafters", "attention", "routers", "logits_processors")
 
 
 def _check_name(instance: Any, attribute: attrs.Attribute, value: str) -> None:
@@ -50,31 +55,88 @@ class PolicyPlugin:
         return getattr(module, attribute)
 
 
-@attrs.frozen(kw_only=True)
-class AllocatorPlugin(PolicyPlugin):
-    """A KV allocator: factory(options, AllocatorContext) -> KVAllocator."""
+@attrs.frozen
+class PolicyKind:
+    """One kind of policy: every word and name the rest of servelab uses for it.
+
+    `key` names the kind in the registry (`registry.policies("allocators")`) and in its
+    hook, `servelab_register_<key>`; `section` is its config section (`[allocator]`);
+    `noun` is what error messages call one ("unknown attention backend 'x'").
+    `selectable`: a config chooses one by name in `section` (logits processors are not
+    chosen: every installed one is built, and each request picks its own). `default`:
+    the policy used when the config names none (None: no policy of this kind).
+    `optional`: without a section the config holds None (the drafter: off; the router:
+    read only by fleets, which fall back to `default`); otherwise the section defaults
+    to `default`.
+    """
+
+    key: str
+    section: str
+    noun: str
+    record_name: str  # the class of its registration records, e.g. "AllocatorPlugin"
+    protocol: type  # what its factory builds (servelab.interfaces)
+    context: type  # what its factory is called with (servelab.interfaces)
+    default: str | None = None
+    selectable: bool = True
+    optional: bool = False
+    record: type = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "record", _record_class(self))
+
+    @property
+    def hook_name(self) -> str:
+        return f"servelab_register_{self.key}"
 
 
-@attrs.frozen(kw_only=True)
-class SchedulerPlugin(PolicyPlugin):
-    """A scheduler: factory(options, SchedulerContext) -> Scheduler."""
+def _record_class(kind: PolicyKind) -> type:
+    """The kind's PolicyPlugin subclass (named `kind.record_name`, living in this module)."""
+    namespace = {"__doc__": f"A{'n' if kind.noun[0] in 'aeiou' else ''} {kind.noun}: factory(options, "
+                            f"{kind.context.__name__}) -> {kind.protocol.__name__}.",
+                 "__module__": __name__, "__qualname__": kind.record_name}
+    return attrs.frozen(kw_only=True)(type(kind.record_name, (PolicyPlugin,), namespace))
 
 
-@attrs.frozen(kw_only=True)
-class DrafterPlugin(PolicyPlugin):
-    """A drafter: factory(options, DrafterContext) -> Drafter."""
+def kinds_table(kinds: Iterable[PolicyKind]) -> dict[str, PolicyKind]:
+    """`kinds` by key, refusing a key or section used twice."""
+    table: dict[str, PolicyKind] = {}
+    for kind in kinds:
+        clash = next((k for k in table.values() if kind.key == k.key or kind.section == k.section), None)
+        if clash is not None:
+            raise PluginError(f"policy kind {kind.key!r} clashes with {clash.key!r} (key or config section)")
+        table[kind.key] = kind
+    return table
 
 
-@attrs.frozen(kw_only=True)
-class AttentionPlugin(PolicyPlugin):
-    """An attention backend: factory(options, AttentionContext) -> AttentionBackend."""
+KINDS: dict[str, PolicyKind] = kinds_table([
+    # key, config section, noun in errors, record class, what the factory builds, and gets
+    PolicyKind("allocators", "allocator", "allocator", "AllocatorPlugin",
+               interfaces.KVAllocator, interfaces.AllocatorContext, default="paged"),
+    PolicyKind("schedulers", "scheduler", "scheduler", "SchedulerPlugin",
+               interfaces.Scheduler, interfaces.SchedulerContext, default="continuous"),
+    PolicyKind("drafters", "drafter", "drafter", "DrafterPlugin",
+               interfaces.Drafter, interfaces.DrafterContext, optional=True),
+    PolicyKind("attention", "attention", "attention backend", "AttentionPlugin",
+               interfaces.AttentionBackend, interfaces.AttentionContext, default="cpu-paged"),
+    PolicyKind("routers", "router", "router", "RouterPlugin",
+               interfaces.Router, interfaces.RouterContext, default="round-robin", optional=True),
+    PolicyKind("logits_processors", "logits_processors", "logits processor", "LogitsProcessorPlugin",
+               interfaces.LogitsProcessor, interfaces.LogitsProcessorContext, selectable=False),
+])
 
 
-@attrs.frozen(kw_only=True)
-class RouterPlugin(PolicyPlugin):
-    """A request router over engine replicas: factory(options, RouterContext) -> Router."""
+def kind_of_section(section: str, kinds: Mapping[str, PolicyKind] = KINDS) -> PolicyKind:
+    """The kind whose config section is `section` ("allocator" -> the allocators)."""
+    for kind in kinds.values():
+        if kind.section == section:
+            return kind
+    raise PluginError(f"no policy kind has the config section [{section}]; sections are "
+                      f"{', '.join(k.section for k in kinds.values())}")
 
 
-@attrs.frozen(kw_only=True)
-class LogitsProcessorPlugin(PolicyPlugin):
-    """A logits processor: factory(options, LogitsProcessorContext) -> LogitsProcessor."""
+# The names the table implies, for the code and plugins that import them.
+POLICY_KINDS: tuple[str, ...] = tuple(KINDS)
+RECORDS: dict[str, type] = {kind.record_name: kind.record for kind in KINDS.values()}
+globals().update(RECORDS)  # AllocatorPlugin, SchedulerPlugin, ... importable from here
+
+__all__ = ["KINDS", "NoOptions", "POLICY_KINDS", "PolicyKind", "PolicyPlugin", "kind_of_section", *RECORDS]

@@ -9,37 +9,28 @@ from __future__ import annotations
 
 import warnings
 from importlib import metadata
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import attrs
 import pluggy
 
 from servelab import hookspecs
 from servelab.errors import PluginError, ServelabError
-from servelab.plugin_types import POLICY_KINDS, PolicyPlugin
+from servelab.plugin_types import POLICY_KINDS  # noqa: F401 (importable from here, as before)
+from servelab.plugin_types import KINDS, PolicyKind, PolicyPlugin
 
 ENTRY_POINT_GROUP = "servelab.plugins"
 RUNTIME_DISTRIBUTION = "<runtime>"
-
-_REGISTER_HOOKS = {
-    "allocators": "servelab_register_allocators",
-    "schedulers": "servelab_register_schedulers",
-    "drafters": "servelab_register_drafters",
-    "attention": "servelab_register_attention",
-    "routers": "servelab_register_routers",
-    "logits_processors": "servelab_register_logits_processors",
-}
-_SINGULAR = {"allocators": "allocator", "schedulers": "scheduler", "drafters": "drafter", "attention": "attention backend",
-             "routers": "router", "logits_processors": "logits processor"}
 
 
 @attrs.frozen
 class RegisteredPolicy:
     """A policy record together with the distribution that provided it."""
 
-    kind: str
+    kind: str  # the kind's key ("allocators")
     plugin: PolicyPlugin
     distribution: str
+    noun: str = attrs.field(default=attrs.Factory(lambda self: KINDS[self.kind].noun, takes_self=True))
 
     @property
     def name(self) -> str:
@@ -49,9 +40,17 @@ class RegisteredPolicy:
 class PluginRegistry:
     """A pluggy manager plus the catalogue of policies its plugins register."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: Mapping[str, PolicyKind] = KINDS, specs: Iterable[Any] = (hookspecs,)) -> None:
+        """`kinds`: the policy kinds (a test may pass a copy of the table with a kind of its
+        own, and `specs` holding that kind's hookspec); each needs its registration hook."""
+        self.kinds = dict(kinds)
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
-        self.manager.add_hookspecs(hookspecs)
+        for spec in specs:
+            self.manager.add_hookspecs(spec)
+        missing = [kind.hook_name for kind in self.kinds.values() if not hasattr(self.manager.hook, kind.hook_name)]
+        if missing:
+            raise PluginError(f"policy kinds without a registration hookspec: {', '.join(missing)} "
+                              f"(add it to servelab.hookspecs)")
         self._distribution_of: dict[int, str] = {}
         self._catalogue: dict[str, dict[str, RegisteredPolicy]] | None = None
 
@@ -98,10 +97,10 @@ class PluginRegistry:
 
     def policies(self, kind: str) -> dict[str, RegisteredPolicy]:
         """All policies of `kind` by name; two providers of one name is an error."""
-        if kind not in POLICY_KINDS:
-            raise PluginError(f"unknown policy kind {kind!r}; kinds are {', '.join(POLICY_KINDS)}")
+        if kind not in self.kinds:
+            raise PluginError(f"unknown policy kind {kind!r}; kinds are {', '.join(self.kinds)}")
         if self._catalogue is None:
-            self._catalogue = {k: self._collect(k) for k in POLICY_KINDS}
+            self._catalogue = {k: self._collect(k) for k in self.kinds}
         return self._catalogue[kind]
 
     def select(self, kind: str, name: str) -> RegisteredPolicy:
@@ -114,26 +113,27 @@ class PluginRegistry:
             hint = f"installed: {listing}"
         else:
             hint = "none is installed (install the servelab package, or a plugin package that provides one)"
-        raise PluginError(f"unknown {_SINGULAR[kind]} {name!r}; {hint}")
+        raise PluginError(f"unknown {self.kinds[kind].noun} {name!r}; {hint}")
 
     def _collect(self, kind: str) -> dict[str, RegisteredPolicy]:
         found: dict[str, RegisteredPolicy] = {}
-        hook_caller = getattr(self.manager.hook, _REGISTER_HOOKS[kind])
+        policy_kind = self.kinds[kind]
+        hook_caller = getattr(self.manager.hook, policy_kind.hook_name)
         for impl in hook_caller.get_hookimpls():
             distribution = self._distribution_of.get(id(impl.plugin), RUNTIME_DISTRIBUTION)
             for record in impl.function() or ():
                 if not isinstance(record, PolicyPlugin):
                     raise PluginError(
                         f"{impl.plugin_name} ({distribution}) returned {record!r} from "
-                        f"{_REGISTER_HOOKS[kind]}; expected PolicyPlugin records"
+                        f"{policy_kind.hook_name}; expected PolicyPlugin records"
                     )
                 if record.name in found:
                     other = found[record.name].distribution
                     raise PluginError(
-                        f"two plugins register the {_SINGULAR[kind]} {record.name!r}: "
+                        f"two plugins register the {policy_kind.noun} {record.name!r}: "
                         f"distribution {other!r} and distribution {distribution!r}; uninstall one"
                     )
-                found[record.name] = RegisteredPolicy(kind, record, distribution)
+                found[record.name] = RegisteredPolicy(kind, record, distribution, policy_kind.noun)
         return found
 
     def describe(self) -> dict[str, list[dict[str, str]]]:
@@ -143,7 +143,7 @@ class PluginRegistry:
                 {"name": p.name, "distribution": p.distribution, "description": p.plugin.description}
                 for p in sorted(self.policies(kind).values(), key=lambda p: p.name)
             ]
-            for kind in POLICY_KINDS
+            for kind in self.kinds
         }
 
 
@@ -160,6 +160,6 @@ def build_policy(registered: RegisteredPolicy, options: Any, context: Any) -> An
         raise
     except Exception as exc:
         raise PluginError(
-            f"{_SINGULAR[registered.kind]} {registered.name!r} from distribution "
+            f"{registered.noun} {registered.name!r} from distribution "
             f"{registered.distribution!r} failed to load: {type(exc).__name__}: {exc}"
         ) from exc

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from servelab.config import DEFAULT_ROUTER, EngineConfig, PolicySection, build_options
 from servelab.errors import ConfigError, PluginError
 from servelab.interfaces import PrefixSummary, ReplicaSnapshot, RouteRequest, Router, RouterContext, SequenceStatus
+from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, build_policy
 
 
@@ -22,7 +23,7 @@ def build_router(config: EngineConfig, registry: PluginRegistry, context: Router
         raise ConfigError(f"a fleet needs at least one replica, got {context.num_replicas}")
     section = router_section(config)
     registered = registry.select("routers", section.name)
-    options = build_options(registered.plugin.options, section.options, "router", section.name)
+    options = build_options(registered.plugin.options, section.options, KINDS["routers"].section, section.name)
     router = build_policy(registered, options, context)
     if not isinstance(router, Router):
         raise PluginError(f"router {section.name!r} from distribution {registered.distribution!r} "

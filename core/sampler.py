@@ -37,8 +37,8 @@ def sample(
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """The argmax of each row [S, vocab] (the first one on ties, as torch's).
 
-    On the CPU numpy's vectorised argmax runs ~10x faster than torch's on serving-sized
-    batches, and it was most of a greedy step's sampling time."""
+    On the CPU numpy's vectorised argmax is much cheaper than torch's at serving batch
+    sizes (docs/performance.md, "Greedy sampling through numpy's argmax")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()

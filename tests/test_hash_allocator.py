@@ -109,3 +109,20 @@ def test_reset_prefix_cache_drops_unheld_blocks_and_keeps_held_ones(cls):
     assert compute(alloc, "a2", X0 + X1 + [9]) == 0, "a's prefix was dropped"
     assert compute(alloc, "b2", Y0 + Z1 + [8]) == 8, "b still holds its blocks: they stay cached"
     assert stats.num_prefix_lookups == 2, "the statistics keep counting across a reset"
+
+
+def test_a_router_summary_of_the_cached_blocks_matches_the_routers_hashes_of_the_prompt():
+    from servelab.interfaces import ReplicaSnapshot, RouteRequest, RouterContext, prefix_block_hashes
+    from servelab.plugins.routers.prefix_affinity import PrefixAffinityOptions, PrefixAffinityRouter
+
+    alloc = make()
+    prompt = X0 + X1 + Y0 + [9]
+    compute(alloc, "x", prompt)
+    summary = alloc.prefix_summary()
+    assert summary.block_hashes == frozenset(prefix_block_hashes(prompt, 4))
+    assert summary.cached_tokens(X0 + X1 + Z1) == 8 and summary.cached_tokens(Y0 + X1) == 0
+
+    router = PrefixAffinityRouter(PrefixAffinityOptions(), RouterContext(num_replicas=2, block_size=4))
+    replicas = [ReplicaSnapshot(replica_id=0, block_size=4),
+                ReplicaSnapshot(replica_id=1, block_size=4, prefix_summary=summary)]
+    assert router.route(RouteRequest("r", X0 + X1 + [5]), replicas) == 1, "the replica that caches the prefix"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"servelab": ROOT / "core", "servelab.plugins": ROOT / "plugins"}
-PLUGIN_MAY_IMPORT = {"servelab", "servelab.interfaces", "servelab.errors", "servelab.plugin_types"}
+PLUGIN_MAY_IMPORT = {"servelab", "servelab.interfaces", "servelab.errors", "servelab.options", "servelab.plugin_types"}
 
 
 def module_name(path: Path) -> str:

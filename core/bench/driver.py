@@ -1,6 +1,6 @@
-"""Driving an engine through a workload in real time: requests are added at their
-arrival offsets while the engine steps; every step and every finished request is
-recorded for the metrics."""
+"""Driving an engine through a workload in real (or simulated) time: requests are added
+at their arrival offsets while the engine steps (servelab.arrivals, the loop the fleet
+simulator shares); every step and every finished request is recorded for the metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import attrs
 
+from servelab.arrivals import Arrival, serve_arrivals
 from servelab.hookspecs import hookimpl
 from servelab.outputs import RequestOutput, StepReport
 from servelab.sampling_params import SamplingParams
@@ -59,43 +60,36 @@ def run_workload(engine: Any, recorder: StepRecorder, workload: Workload, config
 def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: str,
          progress: Callable[[int], None] | None) -> RunRecord:
     clock = engine.clock
-    pending = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival_time)
-    ids: dict[str, int] = {}
     outputs: dict[int, RequestOutput] = {}
     recorder.reports.clear()
     stats_before = engine.allocator.stats()
     preemptions_before = engine.scheduler.stats().num_preemptions
     start = clock()
-    cursor = 0
-    while len(outputs) < len(pending):
-        now = clock()
-        # Absolute times on both sides: (start + a) - start can round below a.
-        while cursor < len(pending) and start + pending[cursor][1].arrival_time <= now:
-            index, request = pending[cursor]
-            params = request_params(request)
-            request_id = engine.add_request(request.prompt_token_ids, params,
-                                            arrival_time=start + request.arrival_time)
-            ids[request_id] = index
-            cursor += 1
-        if engine.has_unfinished():
-            for output in engine.step().finished:
-                outputs[ids[output.request_id]] = output
-                if progress:
-                    progress(1)
-        elif cursor < len(pending):
-            next_arrival = start + pending[cursor][1].arrival_time
-            if hasattr(clock, "advance_to"):  # simulated time jumps to the next arrival
-                clock.advance_to(next_arrival)
-            else:
-                time.sleep(max(0.0, min(0.05, next_arrival - clock())))
+
+    def admit(arrival: Arrival) -> tuple[int, str]:
+        request = workload.requests[arrival.item]
+        return 0, engine.add_request(request.prompt_token_ids, request_params(request), arrival_time=arrival.time)
+
+    def finished(arrival: Arrival, _engine: int, output: RequestOutput) -> None:
+        outputs[arrival.item] = output
+        if progress:
+            progress(1)
+
+    serve_arrivals([engine], workload_arrivals(workload, start), admit, finished)
     end = clock()
     return RunRecord(
         config_name=config_name, start_time=start, end_time=end,
-        outputs=[outputs[i] for i in range(len(pending))], steps=list(recorder.reports),
+        outputs=[outputs[i] for i in range(len(workload.requests))], steps=list(recorder.reports),
         allocator_stats_before=stats_before, allocator_stats_after=engine.allocator.stats(),
         preemptions=engine.scheduler.stats().num_preemptions - preemptions_before,
         block_size=engine.config.engine.block_size,
     )
+
+
+def workload_arrivals(workload: Workload, start: float) -> list[Arrival[int]]:
+    """Each request's index in the workload, due at `start` plus its arrival offset
+    (absolute times: (start + a) - start can round below a)."""
+    return [Arrival(start + request.arrival_time, index) for index, request in enumerate(workload.requests)]
 
 
 def request_params(request: Any) -> SamplingParams:

@@ -9,6 +9,7 @@ import torch
 
 from servelab.errors import CheckpointError
 from servelab.model import builtin
+from servelab.model.kv_sizing import DTYPE_BYTES
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import release_freed_memory
 from servelab.model.model_config import ModelConfig
@@ -17,7 +18,7 @@ from servelab.model.rope import RotaryEmbedding
 from servelab.model.tokenizer import Tokenizer
 from servelab.model.weights import load_weights, read_checkpoint_tensors
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}  # `[engine] dtype` -> torch.dtype
 
 
 @attrs.frozen

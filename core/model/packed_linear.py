@@ -1,8 +1,7 @@
 """Linear layers with weights pre-packed for oneDNN's CPU matmul kernels.
 
-torch's default CPU linear goes through MKL's GEMM, which on this project's AMD machines
-runs 2-2.6x slower than oneDNN at every batch size we serve (measured on the decoder's
-four projections, 1-64 rows, fp32 and bf16; see docs/performance.md). oneDNN wants its
+torch's default CPU linear goes through MKL's GEMM, which on this project's machines is
+slower than oneDNN at every batch size served (docs/performance.md). oneDNN wants its
 weights in its own blocked layout: packing them once at load time, as vLLM's CPU build
 does, keeps that cost out of every step.
 

@@ -154,17 +154,9 @@ class PolicyContract:
 def _runtime_plugin(kind: str, factory: Callable[..., Any], options: Any) -> Any:
     """A plugin object registering `factory` (called with `options`) as UNDER_TEST."""
     import servelab
-    from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, LogitsProcessorPlugin,
-                                       RouterPlugin, SchedulerPlugin)
+    from servelab.plugin_types import KINDS
 
-    record_type, hook = {
-        "allocators": (AllocatorPlugin, "servelab_register_allocators"),
-        "schedulers": (SchedulerPlugin, "servelab_register_schedulers"),
-        "drafters": (DrafterPlugin, "servelab_register_drafters"),
-        "attention": (AttentionPlugin, "servelab_register_attention"),
-        "routers": (RouterPlugin, "servelab_register_routers"),
-        "logits_processors": (LogitsProcessorPlugin, "servelab_register_logits_processors"),
-    }[kind]
+    record_type, hook = KINDS[kind].record, KINDS[kind].hook_name
     record = record_type(name=UNDER_TEST, factory=lambda _options, context: factory(options, context),
                          description="the policy a conformance contract is testing")
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import attrs
 
+from servelab.plugin_types import KINDS
 from servelab.testing.contract import check, exercising
 from servelab.testing.tiny_model import tiny_checkpoint
 
 REFERENCE = {"allocator": "paged", "scheduler": "continuous", "attention": "torch-paged"}
-SECTION_OF_KIND = {"allocators": "allocator", "schedulers": "scheduler", "attention": "attention"}
 VOCAB_SIZE = 211  # the tiny "llama" checkpoint's
 BLOCK_SIZE = 8
 SAME_TOKENS = "tokens identical to the reference policies"
@@ -156,7 +156,7 @@ def check_against_reference(kind: str, name: str, registry: Any, case_name: str,
     the reference tokens for CASES[case_name]. `partners` swaps other reference policies
     too, by section ({"allocator": "naive"} for a backend that needs contiguous tables)."""
     case = CASES[case_name]
-    policies = dict(REFERENCE, **(partners or {}), **{SECTION_OF_KIND[kind]: name})
+    policies = dict(REFERENCE, **(partners or {}), **{KINDS[kind].section: name})
     overrides = dict(case.overrides + case.policy_only, **engine)
     got = _generate(policies, overrides, registry, case, case.n)
     expected = reference_completions(case_name)

@@ -1,9 +1,10 @@
 """The hash allocator: paged blocks plus a hash-keyed prefix cache (vLLM's automatic
 prefix caching).
 
-Every full block of computed tokens is named by a hash chained through its parent:
+Every full block of computed tokens is named by a hash chained through its parent
+(`servelab.interfaces.chained_block_hash`, the one routers use):
 
-    hash(block i) = hash((hash(block i - 1), tokens of block i))      block 0: parent ROOT
+    hash(block i) = hash((hash(block i - 1), tokens of block i))      block 0: parent ROOT_BLOCK_HASH
 
 so a block's name stands for the whole prefix it ends, not for its own tokens alone:
 "X0 X1" and "Y0 X1" share the tokens of block 1 but not its name. A lookup walks a new
@@ -28,11 +29,11 @@ from typing import Any
 
 import attrs
 
-from servelab.interfaces import AllocatorContext, Sequence
+from servelab.interfaces import ROOT_BLOCK_HASH, AllocatorContext, PrefixSummary, Sequence, chained_block_hash
 from servelab.plugins.allocators.paged import SeqBlocks
 from servelab.plugins.allocators.prefix_lookups import PrefixCachingPagedAllocator
 
-ROOT_HASH = 0x5E4E1AB  # the parent hash of block 0 (a constant: str hashes vary per process)
+ROOT_HASH = ROOT_BLOCK_HASH  # the parent hash of block 0
 
 
 @attrs.frozen
@@ -44,9 +45,7 @@ class CachedBlock:
     tokens: tuple[int, ...]
 
 
-def chained_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
-    """The name of a block holding `tokens` right after the prefix named `parent_hash`."""
-    return hash((parent_hash, tokens))
+chained_hash = chained_block_hash  # the routers' hash too, so PrefixSummary matches prefix_block_hashes
 
 
 class HashAllocator(PrefixCachingPagedAllocator):
@@ -99,6 +98,10 @@ class HashAllocator(PrefixCachingPagedAllocator):
             elif cached != table[index]:
                 self._share_cached(table, index, cached)
             state.num_cached_blocks = index + 1
+
+    def prefix_summary(self) -> PrefixSummary:
+        """What this cache holds, as a router reads it (`ReplicaSnapshot.prefix_summary`)."""
+        return PrefixSummary(self.block_size, self._block_of)
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached block no sequence holds (held ones stay cached)."""

@@ -13,14 +13,9 @@ When the child appends token 10, block 5 is shared, so it is copied first (copy-
 
 Full shared blocks are never written again, so they are never copied.
 
-Free blocks are handed out lowest id first. Decode attention reads each sequence's blocks
-from wherever they sit in the cache; a FIFO free list hands back freed blocks in the order
-they were freed, which over many requests scatters every new sequence over the whole
-cache, while lowest-first keeps the blocks in use packed at the low end and those of one
-sequence closer together. Measured on the CPU (`builtin:tiny-random`, the 64-request
-skewed workload run six times on each of two engines in one process, alternating): FIFO's
-throughput fell 8-12% from its first runs to its last, lowest-first's did not, and
-lowest-first was 1.065x FIFO in fp32 (1.00-1.12 run by run) and 1.04x in bf16.
+Free blocks are handed out lowest id first, which keeps the blocks in use packed (and one
+sequence's close together), where a FIFO free list scatters them over the whole cache and
+slows decode attention (docs/performance.md, "Lowest-id-first block allocation").
 """
 
 from __future__ import annotations

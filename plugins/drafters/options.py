@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
 from servelab.errors import ConfigError
+from servelab.options import non_negative_int, positive_int
 
-
-def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"[drafter] {attribute.name} must be a positive integer, got {value!r}")
-
-
-def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"[drafter] {attribute.name} must be an integer >= 0, got {value!r}")
+_positive = positive_int("drafter")
+_non_negative = non_negative_int("drafter")
 
 
 @attrs.frozen(kw_only=True)

@@ -2,21 +2,25 @@
 
 import attrs
 
+from servelab.options import boolean, non_negative_int, number_at_least, one_of, positive_int
+
+_positive = positive_int("attention")
+
 
 @attrs.frozen
 class TorchPagedOptions:
     """How `torch-paged` groups a step's sequences: bigger groups mean fewer calls, smaller
     ones less padding and a gathered K/V that stays in the CPU's cache."""
 
-    decode_group_size: int = attrs.field(default=64, validator=attrs.validators.gt(0))  # sequences per decode group, at most
+    decode_group_size: int = attrs.field(default=64, validator=_positive)  # sequences per decode group, at most
     # Padded context tokens per decode group, at most (a longer sequence sits alone). The
     # gathered K and V of a group take tokens * kv_heads * head_dim * 2 * dtype size bytes.
-    decode_group_tokens: int = attrs.field(default=2048, validator=attrs.validators.gt(0))
-    prefill_group_size: int = attrs.field(default=16, validator=attrs.validators.gt(0))  # per multi-token group, at most
+    decode_group_tokens: int = attrs.field(default=2048, validator=_positive)
+    prefill_group_size: int = attrs.field(default=16, validator=_positive)  # per multi-token group, at most
     # A multi-token group's padded query x context area stays within this factor of the
     # area its sequences need, and within prefill_group_area (query x context pairs).
-    prefill_padding: float = attrs.field(default=1.25, validator=attrs.validators.ge(1.0))
-    prefill_group_area: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+    prefill_padding: float = attrs.field(default=1.25, validator=number_at_least("attention", 1.0))
+    prefill_group_area: int = attrs.field(default=1 << 20, validator=_positive)
 
 
 @attrs.frozen
@@ -25,8 +29,8 @@ class CupyPagedOptions:
     keys attended by separate CUDA blocks, then merged. "auto" splits only when a step has
     too few (sequence, KV head) blocks to fill the GPU; "always" and "never" force it."""
 
-    partition_size: int = attrs.field(default=512, validator=attrs.validators.gt(0))  # keys per partition
-    split_k: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "always", "never")))
+    partition_size: int = attrs.field(default=512, validator=_positive)  # keys per partition
+    split_k: str = attrs.field(default="auto", validator=one_of("attention", ("auto", "always", "never")))
 
 
 @attrs.frozen
@@ -52,12 +56,12 @@ class CpuPagedOptions:
     torch-paged's scaled_dot_product_attention, and such steps to the Python loop).
     """
 
-    max_kernel_query_len: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    max_kernel_query_len: int = attrs.field(default=0, validator=non_negative_int("attention"))
     build: str = attrs.field(default="cached",
-                             validator=attrs.validators.in_(("cached", "background", "wait", "never")))
-    layer_ops: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    native_decoder: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    panel_linears: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    prefill_group_size: int = attrs.field(default=16, validator=attrs.validators.gt(0))
-    prefill_padding: float = attrs.field(default=1.25, validator=attrs.validators.ge(1.0))
-    prefill_group_area: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+                             validator=one_of("attention", ("cached", "background", "wait", "never")))
+    layer_ops: bool = attrs.field(default=True, validator=boolean("attention"))
+    native_decoder: bool = attrs.field(default=True, validator=boolean("attention"))
+    panel_linears: bool = attrs.field(default=True, validator=boolean("attention"))
+    prefill_group_size: int = attrs.field(default=16, validator=_positive)
+    prefill_padding: float = attrs.field(default=1.25, validator=number_at_least("attention", 1.0))
+    prefill_group_area: int = attrs.field(default=1 << 20, validator=_positive)

@@ -149,7 +149,7 @@ class TorchPagedAttention:
         self.context = context
         self.block_size = context.block_size
         # Gather buffers for K and V, reused by every group and layer: a fresh tensor per
-        # gather costs its page faults, which made the gather ~4x slower than the copy.
+        # gather pays its page faults (docs/performance.md, "The reference backend").
         self._workspace: list[torch.Tensor] = []
 
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -162,7 +162,7 @@ class TorchPagedAttention:
     # ------------------------------------------------------------ per step
 
     def prepare(self, metadata: AttentionMetadata) -> _Prepared:
-        # Indices are built on the host with numpy (a torch op costs ~10x more per call) and
+        # Indices are built on the host with numpy (cheaper per call than torch ops) and
         # moved to the device once per group; every layer of the step reuses them.
         options = self.options
         query_lens, context_lens = metadata.query_lens_list, metadata.context_lens_list
@@ -261,8 +261,8 @@ class TorchPagedAttention:
     def _gather(self, which: int, cache: torch.Tensor, rows: torch.Tensor, num_seqs: int,
                 context: int) -> torch.Tensor:
         """[kvh, G, context, d] of a group's K (which=0) or V (which=1), in a reused buffer.
-        One index_select over dim 0 of a 2-D view copies whole (head, block) rows; on CPU it
-        runs ~3x faster than indexing dim 1 or advanced indexing."""
+        One index_select over dim 0 of a 2-D view copies whole (head, block) rows, the
+        fastest gather on the CPU (docs/performance.md, "The reference backend")."""
         num_kv_heads, _, block_size, head_dim = cache.shape
         source = cache.view(-1, block_size * head_dim)
         buffers = self._workspace
@@ -278,8 +278,7 @@ class TorchPagedAttention:
                        decode: _Decode, scale: float) -> torch.Tensor:
         """Per group: gather K (a cache-sized copy), scores and softmax in float32, into the
         step's flat weights. Then one embedding_bag sums the weighted V rows straight from
-        the cache, with no copy of V (measured: 1.2x the contiguous read, against 1.5x with
-        K and V both gathered for scaled_dot_product_attention)."""
+        the cache, with no copy of V (cheaper than gathering V too; docs/performance.md)."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key_cache.shape[0]
         weights = torch.empty(decode.num_weights, dtype=query.dtype, device=query.device)

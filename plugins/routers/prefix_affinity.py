@@ -15,12 +15,11 @@ from typing import Sequence
 import attrs
 
 from servelab.interfaces import ReplicaSnapshot, RouteRequest, RouterContext, prefix_block_hashes
+from servelab.options import non_negative_int
 from servelab.plugins.routers.least_loaded import least_loaded
 
 
-def _non_negative(instance, attribute, value) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+_non_negative = non_negative_int("router")
 
 
 @attrs.frozen

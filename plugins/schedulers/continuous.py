@@ -28,22 +28,17 @@ from typing import Any
 
 import attrs
 
-from servelab.errors import ConfigError
 from servelab.interfaces import SchedulerContext, Sequence, StepPlan
+from servelab.options import one_of
 from servelab.plugins.schedulers.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit
 
 POLICIES = ("prefill-first", "decode-first")
 
 
-def _policy(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value not in POLICIES:
-        raise ConfigError(f"[scheduler] policy must be one of {', '.join(map(repr, POLICIES))}, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class ContinuousOptions(QueueOptions):
     # Who gets the token budget first: new prompts or running decodes.
-    policy: str = attrs.field(default="prefill-first", validator=_policy)
+    policy: str = attrs.field(default="prefill-first", validator=one_of("scheduler", POLICIES))
 
 
 class ContinuousScheduler(QueueScheduler):

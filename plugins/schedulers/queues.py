@@ -34,11 +34,7 @@ from servelab.interfaces import (
     SequenceStatus,
     StepPlan,
 )
-
-
-def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"[scheduler] {attribute.name} must be a number >= 0, got {value!r}")
+from servelab.options import non_negative_number
 
 
 @attrs.frozen(kw_only=True)
@@ -46,7 +42,7 @@ class QueueOptions:
     """Options every built-in scheduler takes."""
 
     # Seconds of waiting worth one priority level (0: strict priority, no aging).
-    priority_aging_s: float = attrs.field(default=10.0, validator=_non_negative)
+    priority_aging_s: float = attrs.field(default=10.0, validator=non_negative_number("scheduler"))
 
 
 def check_whole_prompts_fit(name: str, context: SchedulerContext) -> None:

@@ -34,6 +34,7 @@ from servelab.bench.sim.hardware import CPU_HERE_TERMS, STEP_FEATURES, Accelerat
 from servelab.bench.sim.runner import SimInputs, VirtualClock, plan_shape
 from servelab.bench.sim.source import SimSource
 from servelab.config import EngineConfig
+from servelab.model.kv_sizing import DTYPE_BYTES
 from servelab.registry import PluginRegistry
 from servelab.workload import Workload
 
@@ -151,7 +152,7 @@ def measure(config: EngineConfig, workloads: list[Workload], repeats: int = 7) -
                 walls[index].append(record.end_time - record.start_time)
                 outputs[index] = sum(len(o.token_ids) for o in record.outputs)
     cost = CostModel(engine.model_config, Accelerator("probe", 1.0, 1.0, 1.0, 0.0, terms=CPU_HERE_TERMS),
-                     dtype_bytes=4 if config.engine.dtype == "float32" else 2)
+                     dtype_bytes=DTYPE_BYTES[config.engine.dtype])
     return [_measured(workload, cost, runs[i], walls[i], outputs[i]) for i, workload in enumerate(workloads)]
 
 
@@ -199,7 +200,7 @@ def simulate(config: EngineConfig, workload: Workload, profile: Accelerator) -> 
 
     shape = CheckpointSource(config.engine.model).model_config
     clock = VirtualClock()
-    source = SimSource(shape, profile, clock, dtype_bytes=4 if config.engine.dtype == "float32" else 2)
+    source = SimSource(shape, profile, clock, dtype_bytes=DTYPE_BYTES[config.engine.dtype])
     registry = PluginRegistry.from_entry_points()
     recorder = StepRecorder(clock)
     registry.register(recorder)

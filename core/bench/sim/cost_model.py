@@ -31,6 +31,7 @@ from servelab.bench.sim.hardware import GIB, Accelerator, Interconnect, intercon
 from servelab.bench.sim.shapes import num_parameters
 from servelab.distributed.layout import check_shardable, local_model_config
 from servelab.errors import ConfigError
+from servelab.model.kv_sizing import DTYPE_BYTES, kv_pool_blocks
 from servelab.model.model_config import ModelConfig
 
 KV_MEMORY_FRACTION = 0.9  # of the memory left after weights and runtime: TensorRT-LLM's and vLLM's default
@@ -50,8 +51,9 @@ class StepCost:
 class CostModel:
     """Step costs of one model shape on one accelerator, and the KV pool it leaves."""
 
-    def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = 2, tensor_parallel: int = 1,
-                 link: Interconnect | None = None, memory_utilization: float = KV_MEMORY_FRACTION) -> None:
+    def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = DTYPE_BYTES["bfloat16"],
+                 tensor_parallel: int = 1, link: Interconnect | None = None,
+                 memory_utilization: float = KV_MEMORY_FRACTION) -> None:
         """`memory_utilization` is the share of the memory weights and runtime leave that
         the KV pool takes; `link` joins the `tensor_parallel` devices (default: the
         accelerator's interconnect)."""
@@ -168,7 +170,7 @@ class CostModel:
 
     def kv_blocks(self, block_size: int) -> int:
         """Blocks of `block_size` tokens the KV pool holds; a ConfigError when none fit."""
-        blocks = int(max(0.0, self.kv_pool_bytes()) // (self.kv_bytes_per_token * block_size))
+        blocks = kv_pool_blocks(self.kv_pool_bytes(), self.kv_bytes_per_token, block_size)
         if blocks < 1:
             hw, weights = self.hardware, self.resident_weight_bytes
             # the fewest devices whose shares leave room for KV

@@ -1,20 +1,20 @@
 """Simulated fleets: N replicas of one engine config, each with its own virtual clock,
 cost model and unchanged scheduler and allocator, behind the config's router.
 
-A discrete-event loop keeps the replicas in step: the next event is either the next
-arrival, which the router places using every replica's load snapshot at that instant,
-or the step of the replica whose clock is furthest behind among those with work; a
-replica's step runs from its clock's time and moves only its clock forward, so steps
-on different replicas overlap in simulated time as they would on separate devices."""
+The bench's loop (servelab.arrivals) keeps the replicas in step: the next event is
+either the next arrival, which the router places using every replica's load snapshot at
+that instant, or the step of the replica whose clock is furthest behind among those with
+work; a replica's step runs from its clock's time and moves only its clock forward, so
+steps on different replicas overlap in simulated time as they would on separate devices."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import attrs
 
-from servelab.bench.driver import RunRecord, StepRecorder
+from servelab.arrivals import Arrival, serve_arrivals
+from servelab.bench.driver import RunRecord, StepRecorder, workload_arrivals
 from servelab.bench.metrics import SLO, summarize
 from servelab.bench.sim.runner import VirtualClock
 from servelab.bench.sim.source import SimSource
@@ -84,41 +84,33 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
         r.recorder.reports.clear()
     before = [r.engine.allocator.stats() for r in replicas]
     preemptions_before = [r.engine.scheduler.stats().num_preemptions for r in replicas]
-    pending = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival_time)
-    index_of: dict[str, int] = {}
+    num_requests = len(workload.requests)
     replica_of: dict[int, int] = {}
     outputs: dict[int, Any] = {}
     by_replica: list[list[Any]] = [[] for _ in replicas]
     finished_hook = fleet.router.request_finished if isinstance(fleet.router, FinishAwareRouter) else None
-    cursor = 0
-    while len(outputs) < len(pending):
-        busy = [r for r in replicas if r.engine.has_unfinished()]
-        stepper = min(busy, key=lambda r: (r.clock.now, r.replica_id)) if busy else None
-        arrival = start + pending[cursor][1].arrival_time if cursor < len(pending) else math.inf
-        if stepper is None or arrival <= stepper.clock.now:
-            for r in replicas:
-                if not r.engine.has_unfinished():
-                    r.clock.advance_to(arrival)  # an idle replica waits for work in simulated time
-            index, request = pending[cursor]
-            request_id = f"req-{index}"
-            snapshots = [replica_snapshot(r.engine, r.replica_id) for r in replicas]
-            route = RouteRequest(request_id, request.prompt_token_ids, request.max_tokens, arrival)
-            choice = checked_route(fleet.router, fleet.router_name, route, snapshots)
-            replicas[choice].engine.add_request(
-                request.prompt_token_ids, SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True),
-                request_id=request_id, arrival_time=arrival)
-            index_of[request_id] = index
-            replica_of[index] = choice
-            cursor += 1
-            continue
-        for output in stepper.engine.step().finished:
-            index = index_of[output.request_id]
-            outputs[index] = output
-            by_replica[stepper.replica_id].append(output)
-            if finished_hook is not None:
-                finished_hook(output.request_id, stepper.replica_id)
-            if progress:
-                progress(1)
+
+    def admit(arrival: Arrival) -> tuple[int, str]:
+        """Route the request on every replica's load at its arrival (idle clocks are there)."""
+        request, request_id = workload.requests[arrival.item], f"req-{arrival.item}"
+        snapshots = [replica_snapshot(r.engine, r.replica_id) for r in replicas]
+        route = RouteRequest(request_id, request.prompt_token_ids, request.max_tokens, arrival.time)
+        choice = checked_route(fleet.router, fleet.router_name, route, snapshots)
+        replicas[choice].engine.add_request(
+            request.prompt_token_ids, SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True),
+            request_id=request_id, arrival_time=arrival.time)
+        replica_of[arrival.item] = choice
+        return choice, request_id
+
+    def finished(arrival: Arrival, replica: int, output: Any) -> None:
+        outputs[arrival.item] = output
+        by_replica[replica].append(output)
+        if finished_hook is not None:
+            finished_hook(output.request_id, replica)
+        if progress:
+            progress(1)
+
+    serve_arrivals([r.engine for r in replicas], workload_arrivals(workload, start), admit, finished)
     end = max(r.clock.now for r in replicas)
     after = [r.engine.allocator.stats() for r in replicas]
     per_replica = [
@@ -130,11 +122,11 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
         for r in replicas]
     steps = sorted((step for record in per_replica for step in record.steps), key=lambda item: item[0])
     run = RunRecord(config_name=fleet.name, start_time=start, end_time=end,
-                    outputs=[outputs[i] for i in range(len(pending))], steps=steps,
+                    outputs=[outputs[i] for i in range(num_requests)], steps=steps,
                     allocator_stats_before=_total(before), allocator_stats_after=_total(after),
                     preemptions=sum(record.preemptions for record in per_replica),
                     block_size=fleet.config.engine.block_size)
-    return FleetRecord(run, [replica_of[i] for i in range(len(pending))], per_replica)
+    return FleetRecord(run, [replica_of[i] for i in range(num_requests)], per_replica)
 
 
 def fleet_metrics(record: FleetRecord, slo: SLO, num_replicas: int, router: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from servelab.bench.sim.runner import VirtualClock
 from servelab.bench.sim.source import SimSource
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
+from servelab.model.kv_sizing import blocks_for
 from servelab.model.model_config import ModelConfig
 from servelab.registry import PluginRegistry
 from servelab.workload import GENERATORS, build_workload, parse_spec
@@ -50,7 +51,7 @@ def memory_plan(cost: CostModel, block_size: int, context_len: int) -> MemoryPla
     hw = cost.hardware
     free = hw.memory_bytes - hw.reserved_bytes - cost.resident_weight_bytes
     num_blocks = cost.kv_blocks(block_size)  # a ConfigError naming the fix when nothing fits
-    per_sequence = -(-context_len // block_size)
+    per_sequence = blocks_for(context_len, block_size)
     return MemoryPlan(
         memory_bytes=hw.memory_bytes, reserved_bytes=hw.reserved_bytes, weight_bytes=cost.resident_weight_bytes,
         free_bytes=free, memory_utilization=cost.memory_utilization, kv_pool_bytes=cost.kv_pool_bytes(),

@@ -10,6 +10,7 @@ from servelab.bench.sim.hardware import Accelerator, Interconnect, accelerator, 
 from servelab.bench.sim.runner import SimRunner, VirtualClock
 from servelab.bench.sim.shapes import model_shape
 from servelab.config import EngineConfig, EngineSection
+from servelab.model.kv_sizing import DTYPE_BYTES
 from servelab.model.model_config import ModelConfig
 
 
@@ -17,8 +18,9 @@ class SimSource:
     tokenizer = None
     path: Path | None = None
 
-    def __init__(self, shape: ModelConfig, hardware: Accelerator, clock: VirtualClock, dtype_bytes: int = 2,
-                 link: Interconnect | None = None, memory_utilization: float = KV_MEMORY_FRACTION) -> None:
+    def __init__(self, shape: ModelConfig, hardware: Accelerator, clock: VirtualClock,
+                 dtype_bytes: int = DTYPE_BYTES["bfloat16"], link: Interconnect | None = None,
+                 memory_utilization: float = KV_MEMORY_FRACTION) -> None:
         """The engine's config chooses the tensor parallelism (`[engine]
         tensor_parallel_size`); `link` joins its devices (default: the accelerator's
         interconnect) and `memory_utilization` sizes the KV pool."""
