@@ -1,21 +1,25 @@
-"""Architecture rules, checked on the source: core never imports the built-in plugins,
-plugins reach core only through its public contract, discovery stays torch-free, and
-every module imports cleanly with warnings as errors."""
+"""Architecture rules, checked on the source: the engine core never imports its wings
+nor the built-in plugins, plugins reach the core only through its public contract,
+discovery stays torch-free, and every module imports cleanly with warnings as errors."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"servelab": ROOT / "core", "servelab.plugins": ROOT / "plugins"}
+# Import package -> folder, as pyproject.toml maps them (setuptools package-dir).
+PACKAGES = {name: ROOT / folder for name, folder in
+            tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items()}
+WINGS = ("servelab.cli", "servelab.server", "servelab.bench", "servelab.testing", "servelab.distributed")
 PLUGIN_MAY_IMPORT = {"servelab", "servelab.interfaces", "servelab.errors", "servelab.options", "servelab.plugin_types"}
 
 
 def module_name(path: Path) -> str:
-    for package, folder in PACKAGES.items():
+    for package, folder in sorted(PACKAGES.items(), key=lambda item: -len(str(item[1]))):  # the deepest folder
         if folder in path.parents:
             parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -25,7 +29,9 @@ def module_name(path: Path) -> str:
 
 
 def modules(package: str) -> list[Path]:
-    return sorted(PACKAGES[package].rglob("*.py"))
+    """The files of `package` and of every package under it, wherever they are mapped."""
+    files = {p for folder in PACKAGES.values() for p in folder.rglob("*.py")}
+    return sorted(p for p in files if module_name(p) == package or module_name(p).startswith(package + "."))
 
 
 def imported_modules(source: str, name: str, is_package: bool) -> list[str]:
@@ -63,6 +69,15 @@ def is_in_plugins(module: str) -> bool:
     return module == "servelab.plugins" or module.startswith("servelab.plugins.")
 
 
+def wing_of(module: str) -> str | None:
+    return next((w for w in WINGS if module == w or module.startswith(w + ".")), None)
+
+
+def core_modules() -> list[Path]:
+    """The engine core: the `servelab` package without its wings and the plugins."""
+    return [p for p in modules("servelab") if wing_of(module_name(p)) is None and not is_in_plugins(module_name(p))]
+
+
 def imports_of(path: Path) -> list[str]:
     return imported_modules(path.read_text(), module_name(path), path.name == "__init__.py")
 
@@ -77,9 +92,22 @@ def test_import_scanner_sees_every_form():
 
 def test_core_never_imports_the_plugins_package():
     violations = [f"{module_name(p)} imports {m}" for p in modules("servelab") for m in imports_of(p)
-                  if is_in_plugins(m)]
+                  if is_in_plugins(m) and not is_in_plugins(module_name(p))]
     assert modules("servelab")
     assert violations == []
+
+
+def test_the_engine_core_never_imports_its_wings():
+    core = core_modules()
+    assert {"servelab.engine", "servelab.interfaces", "servelab.model.llama"} <= {module_name(p) for p in core}
+    assert all(p.is_relative_to(ROOT / "core" / "engine") for p in core)  # one folder holds the core
+    violations = [f"{module_name(p)} imports {m}" for p in core for m in imports_of(p) if wing_of(m)]
+    assert violations == []
+
+
+def test_wings_are_folders_beside_the_core():
+    for wing in WINGS:
+        assert PACKAGES[wing].parent == ROOT / "core" and PACKAGES[wing] != PACKAGES["servelab"], wing
 
 
 def test_plugins_import_only_the_public_contract():
@@ -106,7 +134,7 @@ def test_plugin_discovery_does_not_import_torch():
 
 
 def test_every_module_imports_with_warnings_as_errors():
-    names = sorted(module_name(p) for package in PACKAGES for p in modules(package))
+    names = sorted({module_name(p) for p in modules("servelab")})
     assert "servelab.plugins.kernels.torch_paged" in names and "servelab.model.llama" in names
     code = (
         "import importlib, traceback\n"
@@ -123,15 +151,9 @@ def test_every_module_imports_with_warnings_as_errors():
 
 def test_every_package_directory_is_listed_in_pyproject():
     """A wheel ships only the packages pyproject lists; editable installs would hide a gap."""
-    import tomllib
-
-    root = Path(__file__).resolve().parent.parent
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = set()
-    for top, prefix in (("core", "servelab"), ("plugins", "servelab.plugins")):
-        for init in (root / top).rglob("__init__.py"):
-            relative = init.parent.relative_to(root / top).parts
-            found.add(".".join((prefix, *relative)))
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {module_name(init) for package in PACKAGES for init in PACKAGES[package].rglob("__init__.py")}
+    assert "servelab.testing" in found and "servelab.plugins.kernels" in found
     assert found - listed == set(), "packages missing from pyproject.toml"
 
 
@@ -154,6 +176,6 @@ def literal_probes(source: str) -> list[str]:
 
 
 def test_no_undeclared_member_probes():
-    found = {(module_name(p), name) for package in PACKAGES for p in modules(package)
+    found = {(module_name(p), name) for p in modules("servelab")
              for name in literal_probes(p.read_text())}
     assert found - set(PROBES_ALLOWED) == set()

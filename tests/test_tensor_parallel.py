@@ -17,7 +17,7 @@ import torch
 
 from servelab import LLM, ConfigError, SamplingParams
 from servelab.distributed.comm import Communicator
-from servelab.distributed.layout import ShardLayout
+from servelab.model.shard_layout import ShardLayout
 from servelab.distributed.sharded_model import build_shard, parameter_bytes
 from servelab.errors import DistributedError
 from servelab.model.loader import Checkpoint, load_model

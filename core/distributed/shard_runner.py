@@ -12,7 +12,7 @@ import torch
 
 from servelab.config import EngineSection
 from servelab.distributed.comm import Communicator
-from servelab.distributed.layout import ShardLayout
+from servelab.model.shard_layout import ShardLayout
 from servelab.distributed.sharded_model import build_shard
 from servelab.interfaces import AttentionContext, AttentionMetadata
 from servelab.model.loader import DTYPES, Checkpoint

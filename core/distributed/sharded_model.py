@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from servelab.distributed.comm import Communicator
-from servelab.distributed.layout import ShardLayout
+from servelab.model.shard_layout import ShardLayout
 from servelab.errors import CheckpointError
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.loader import DTYPES, Checkpoint, allocate_parameters

@@ -4,7 +4,8 @@ speed workload, alternating fresh processes so both see the same machine.
     python examples/measurements/before_after.py --before bc08919 --rounds 3
 
 The older commit is exported (`git archive`) into a temporary directory laid out as the
-installed package (core/ as servelab/, plugins/ as servelab/plugins/) and put first on
+installed package (each folder where that commit's pyproject.toml maps a package: core/
+or core/engine/ as servelab/, plugins/ as servelab/plugins/, ...) and put first on
 PYTHONPATH for its processes; the installed entry points then load its plugins. Each
 process builds its kernels if needed, warms up, generates the workload once (output
 tokens/s) and one 64-token batch-1 request three times (median TPOT). Prints each round
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 CHILD = r'''
@@ -46,13 +48,15 @@ print("RESULT", json.dumps({"throughput": throughput, "tpot_ms": sorted(tpots)[1
 
 
 def export_as_package(commit: str, target: Path) -> None:
-    """The commit's core/ and plugins/ laid out as the `servelab` package under target."""
+    """The commit's packages laid out as the `servelab` package under target."""
     source = target / "source"
     source.mkdir()
-    archive = subprocess.run(["git", "archive", commit, "core", "plugins"], capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "archive", commit, "core", "plugins", "pyproject.toml"], capture_output=True,
+                             check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
-    shutil.copytree(source / "core", target / "servelab")
-    shutil.copytree(source / "plugins", target / "servelab" / "plugins")
+    package_dir = tomllib.loads((source / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(package_dir.items(), key=lambda item: item[0].count(".")):
+        shutil.copytree(source / folder, target.joinpath(*package.split(".")), dirs_exist_ok=True)
 
 
 def run(dtype: str, pythonpath: str | None) -> dict:

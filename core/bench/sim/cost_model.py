@@ -13,7 +13,7 @@ unless a decode-only step replays a CUDA graph, the launch of every kernel, whic
 device's work hides once it is longer.
 
 Under tensor parallelism every figure is one device's, its shard as
-servelab.distributed.layout splits the model, plus the collectives that join the
+servelab.model.shard_layout splits the model, plus the collectives that join the
 devices over a named interconnect (hardware.INTERCONNECTS): an all-reduce of the
 activations after the embedding and after each layer's two row-parallel projections,
 and the LM head's logits gathered to the device that samples.
@@ -29,7 +29,7 @@ import attrs
 
 from servelab.bench.sim.hardware import GIB, Accelerator, Interconnect, interconnect
 from servelab.bench.sim.shapes import num_parameters
-from servelab.distributed.layout import check_shardable, local_model_config
+from servelab.model.shard_layout import check_shardable, local_model_config
 from servelab.errors import ConfigError
 from servelab.model.kv_sizing import DTYPE_BYTES, kv_pool_blocks
 from servelab.model.model_config import ModelConfig
@@ -65,7 +65,7 @@ class CostModel:
         self.dtype_bytes = dtype_bytes
         self.memory_utilization = memory_utilization
         # Under tensor parallelism every figure below is one device's: its shard of the
-        # heads, the MLP and the vocabulary (servelab.distributed.layout), whose kernels run
+        # heads, the MLP and the vocabulary (servelab.model.shard_layout), whose kernels run
         # in lockstep with the others', plus the collectives that join them.
         self.tensor_parallel = tensor_parallel
         self.link = link or interconnect(hardware.interconnect)

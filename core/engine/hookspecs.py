@@ -358,3 +358,18 @@ def servelab_runner_executed(engine: Any, plan: Any, inputs: Any) -> None:
         def servelab_runner_executed(engine, plan, inputs):
             print(len(inputs.sampled_seq_rows), "sequences sampled")
     """
+
+
+@hookspec(firstresult=True)
+def servelab_tensor_parallel_runner(spec: Any) -> Any:
+    """A runner spreading the model over spec.engine.tensor_parallel_size ranks
+    (servelab.engine_setup.TensorParallelSpec), or None. servelab.distributed provides
+    the built-in one, over torch.distributed; the engine calls this only when
+    tensor_parallel_size > 1.
+
+    Example::
+
+        @servelab.hookimpl
+        def servelab_tensor_parallel_runner(spec):
+            return MyRunner(spec.source.path, spec.engine.tensor_parallel_size)  # a servelab.interfaces.Runner
+    """

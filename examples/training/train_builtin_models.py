@@ -1,7 +1,7 @@
 """Training the embedded models: `builtin:tiny`, `builtin:tiny-draft` and tiny's Medusa heads.
 
-    python -m servelab.model.train --out core/model/assets          # the shipped assets
-    python -m servelab.model.train --out /tmp/x --target-steps 20   # a quick look
+    python examples/training/train_builtin_models.py --out core/engine/model/assets   # the shipped assets
+    python examples/training/train_builtin_models.py --out /tmp/x --target-steps 20    # a quick look
 
 Everything is trained on the CPU in plain torch (no `transformers` needed) from text that
 ships with Python itself, so the assets are reproducible from the interpreter alone:
@@ -649,7 +649,7 @@ def retune_copying(out: Path, s: TrainSettings, name: str, seed: int, log=print)
 
 def main(argv: list[str] | None = None) -> int:
     defaults = TrainSettings()
-    parser = argparse.ArgumentParser(prog="python -m servelab.model.train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python examples/training/train_builtin_models.py", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory to write tiny/ and tiny-draft/ into")
     parser.add_argument("--target-steps", type=int, default=defaults.target_steps)
     parser.add_argument("--draft-steps", type=int, default=defaults.draft_steps)

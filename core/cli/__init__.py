@@ -175,7 +175,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from servelab.generate_command import generate, read_prompts_file
+    from servelab.cli.generate import generate, read_prompts_file
     from servelab.sampling_params import SamplingParams
 
     config = load_config(args)  # config errors come before torch is even imported

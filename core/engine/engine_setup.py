@@ -8,7 +8,6 @@ from typing import Any
 import attrs
 import torch
 
-from servelab.distributed.layout import local_model_config
 from servelab.config import EngineConfig, EngineSection, build_options
 from servelab.errors import ConfigError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
@@ -19,6 +18,7 @@ from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
 from servelab.model.model_config import ModelConfig
 from servelab.model.onednn_caches import limit_onednn_caches
+from servelab.model.shard_layout import local_model_config
 from servelab.model.source import CheckpointSource, ModelSource
 from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
@@ -126,7 +126,9 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
     if device.type == "cpu":  # before the first oneDNN kernel: then it is too late
         limit_onednn_caches(engine.onednn_cache_capacity)
     if engine.tensor_parallel_size > 1 and isinstance(source, CheckpointSource):
-        runner = _start_tensor_parallel(source, engine, limits, selected["attention"], attention_context, attention)
+        runner = _start_tensor_parallel(registry, TensorParallelSpec(
+            source, engine, *selected["attention"], attention_context, limits.num_kv_blocks, limits.max_model_len,
+            attention))
     else:
         runner = source.build_runner(attention, engine, limits.num_kv_blocks, limits.max_model_len)
     speculator = None
@@ -136,16 +138,27 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
     return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline)
 
 
-def _start_tensor_parallel(source: CheckpointSource, engine: EngineSection, limits: EngineLimits,
-                           attention: tuple[RegisteredPolicy, Any], context: AttentionContext, backend: Any) -> Any:
-    from servelab.distributed.runner import start_tensor_parallel
-    from servelab.distributed.shard_runner import ShardSpec
+@attrs.frozen
+class TensorParallelSpec:
+    """What a runner over several ranks is built from (servelab_tensor_parallel_runner)."""
 
-    spec = ShardSpec(model_path=str(source.path), engine=engine, attention=attention[0], attention_options=attention[1],
-                     attention_context=context, num_blocks=limits.num_kv_blocks, max_positions=limits.max_model_len,
-                     size=engine.tensor_parallel_size)
-    return start_tensor_parallel(spec, source.model_config.vocab_size, engine.tensor_parallel_timeout_s,
-                                 backend=backend)
+    source: CheckpointSource
+    engine: EngineSection
+    attention: RegisteredPolicy
+    attention_options: Any
+    attention_context: AttentionContext  # one rank's share of the heads
+    num_blocks: int
+    max_positions: int
+    backend: Any  # rank 0's attention backend
+
+
+def _start_tensor_parallel(registry: PluginRegistry, spec: TensorParallelSpec) -> Any:
+    runner = registry.hook.servelab_tensor_parallel_runner(spec=spec)
+    if runner is None:
+        raise ConfigError(f"[engine] tensor_parallel_size={spec.engine.tensor_parallel_size} needs a plugin that "
+                          f"runs the model over several ranks (servelab.distributed, registered by servelab's "
+                          f"entry points); this registry has none")
+    return runner
 
 
 def _policy_sections(config: EngineConfig):

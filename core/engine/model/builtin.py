@@ -1,7 +1,7 @@
 """Built-in models that need no download.
 
 `builtin:tiny` (the default model) and `builtin:tiny-draft` are small trained Llamas shipped
-as package data in `servelab/model/assets/` (trained by `servelab.model.train` on Python's
+as package data in `servelab/model/assets/` (trained by examples/training/train_builtin_models.py on Python's
 own documentation and standard-library sources; see `assets/README.md`); tiny's directory
 also holds its Medusa heads (`medusa.safetensors`, `medusa_config.json`).
 

@@ -1,0 +1,22 @@
+"""Tensor parallelism as a plugin of the engine: the runner for [engine]
+tensor_parallel_size > 1. The engine asks through servelab_tensor_parallel_runner and
+never imports this package; torch.distributed loads only when a spec arrives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import servelab
+
+
+@servelab.hookimpl
+def servelab_tensor_parallel_runner(spec: Any) -> Any:
+    from servelab.distributed.runner import start_tensor_parallel
+    from servelab.distributed.shard_runner import ShardSpec
+
+    engine = spec.engine
+    shard = ShardSpec(model_path=str(spec.source.path), engine=engine, attention=spec.attention,
+                      attention_options=spec.attention_options, attention_context=spec.attention_context,
+                      num_blocks=spec.num_blocks, max_positions=spec.max_positions, size=engine.tensor_parallel_size)
+    return start_tensor_parallel(shard, spec.source.model_config.vocab_size, engine.tensor_parallel_timeout_s,
+                                 backend=spec.backend)
