@@ -11,18 +11,23 @@ run past max_model_len.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence as Seq
+from typing import Any, Mapping, Sequence as Seq
 
 import attrs
 
+from servelab.errors import ConfigError
 from servelab.interfaces import DrafterContext, Sequence
-from servelab.options import positive_int
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"[drafter] {attribute.name} must be a positive integer, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
 class LookupOptions:
-    num_speculative_tokens: int = attrs.field(default=3, validator=positive_int("drafter"))  # k: most tokens proposed
-    max_ngram: int = attrs.field(default=3, validator=positive_int("drafter"))  # longest suffix looked up (then shorter ones)
+    num_speculative_tokens: int = attrs.field(default=3, validator=_positive)  # k: most tokens proposed
+    max_ngram: int = attrs.field(default=3, validator=_positive)  # longest suffix looked up (then shorter ones)
 
 
 class RepeatLookupDrafter:

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import attrs
 
-from servelab.errors import RequestError
-from servelab.options import positive_int
+from servelab.errors import ConfigError, RequestError
+
+
+def _at_least_one(instance, attribute, value):
+    if value < 1:
+        raise ConfigError(f"[logits_processors] ngram_size must be >= 1, got {value}")
 
 
 @attrs.frozen(kw_only=True)
 class NoRepeatOptions:
-    ngram_size: int = attrs.field(default=3, validator=positive_int("logits_processors"))  # n, unless a request sets its own
+    ngram_size: int = attrs.field(default=3, validator=_at_least_one)  # n, unless a request sets its own
 
 
 @attrs.define

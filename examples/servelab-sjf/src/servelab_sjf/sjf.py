@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import attrs
 
@@ -33,7 +33,11 @@ from servelab.interfaces import (
     SequenceStatus,
     StepPlan,
 )
-from servelab.options import non_negative_number
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"[scheduler] {attribute.name} must be a number >= 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -41,7 +45,7 @@ class SJFOptions:
     """Options of the `sjf` scheduler ([scheduler] keys in a config)."""
 
     # Tokens of expected work one second of waiting is worth; 0 = pure SJF (long jobs may starve).
-    aging_tokens_per_s: float = attrs.field(default=50.0, validator=non_negative_number("scheduler"))
+    aging_tokens_per_s: float = attrs.field(default=50.0, validator=_non_negative)
 
 
 class SJFScheduler:
