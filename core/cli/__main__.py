@@ -1,6 +1,8 @@
 """`python -m servelab.cli`: the `servelab` command."""
 
+import sys
+
 from servelab.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
