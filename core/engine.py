@@ -726,3 +726,7 @@ class LLMEngine:
             num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens,
         )
         hook(engine=self, report=report)
+
+    def num_preparing_requests(self) -> int:
+        """Requests waiting for a logits processor's preparation (grammar compilation)."""
+        return len(self._pending)

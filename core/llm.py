@@ -92,6 +92,8 @@ def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, (list, tuple)):
+        raise RequestError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
     if len(params) != count:
         raise RequestError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt")
@@ -102,6 +104,8 @@ def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
 
 
 def _as_priority_list(priority: Any, count: int) -> list[int]:
+    if not isinstance(priority, (int, list, tuple)) or isinstance(priority, bool):
+        raise RequestError(f"priority must be an int or a list of ints, got {type(priority).__name__}")
     values = [priority] * count if isinstance(priority, int) else list(priority)
     if len(values) != count:
         raise RequestError(f"got {len(values)} priorities for {count} prompts; give one, or one per prompt")

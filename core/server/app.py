@@ -33,8 +33,8 @@ from servelab.server.engine_loop import AdmissionFailed, AsyncEngine, EngineUnav
 from servelab.server.generation import EngineFailure, Generation
 from servelab.server.limits import RequestLimits, parse_body, read_body
 from servelab.server.metrics import ServerMetrics
-from servelab.server.protocol import (UNBOUNDED_MAX_TOKENS, ApiError, GenerationRequest, PromptBounds, bad_request,
-                                      check_model, parse_chat, parse_completion, request_error)
+from servelab.server.protocol import (ApiError, GenerationRequest, PromptBounds, bad_request, check_model,
+                                      check_response_size, parse_chat, parse_completion, request_error)
 from servelab.server.responses import chat_body, chat_chunks, completion_body, completion_chunks
 
 logger = structlog.get_logger(__name__)
@@ -62,7 +62,7 @@ class ServerState:
     def bounds(self) -> PromptBounds:
         info = self.engine.info
         return PromptBounds(self.max_model_len, self.limits.prompt_chars(self.max_model_len), info.vocab_size,
-                            info.max_logprobs)
+                            info.max_logprobs, self.limits.caps)
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -171,15 +171,16 @@ async def _encoded(encode: Awaitable[Any], field: str) -> Any:
 
 def _check_context(prompts: list[list[int]], parsed: GenerationRequest, state: ServerState, field: str) -> None:
     """400 when a prompt and max_tokens together do not fit the context (vLLM's rule)."""
-    max_tokens = parsed.params.max_tokens
+    max_tokens = parsed.max_tokens
     for prompt in prompts:
         if len(prompt) > state.max_model_len:
             raise bad_request(f"{field} has {len(prompt)} tokens, more than max_model_len={state.max_model_len}",
                               field)
-        if max_tokens != UNBOUNDED_MAX_TOKENS and len(prompt) + max_tokens > state.max_model_len:
+        if max_tokens is not None and len(prompt) + max_tokens > state.max_model_len:
             raise bad_request(f"{field} has {len(prompt)} tokens and max_tokens is {max_tokens}: "
                               f"{len(prompt) + max_tokens} tokens do not fit max_model_len={state.max_model_len}",
                               "max_tokens")
+    check_response_size([len(prompt) for prompt in prompts], parsed, state.bounds)
 
 
 async def _completions(request: Request, state: ServerState) -> Response:
@@ -197,7 +198,8 @@ async def _completions(request: Request, state: ServerState) -> Response:
 async def _chat_completions(request: Request, state: ServerState) -> Response:
     arrival_time = state.engine.clock()
     parsed = parse_chat(await _body(request, state), state.bounds)
-    prompt = await _encoded(state.codec.encode_chat(list(parsed.messages)), "messages")
+    prompt = await _encoded(state.codec.encode_chat(list(parsed.messages), state.bounds.max_prompt_chars),
+                            "messages")
     _check_context([prompt], parsed, state, "messages")
     generation = await _start(state, parsed, [prompt], "messages", "chatcmpl", "chat.completions", arrival_time)
     if parsed.stream:
@@ -221,10 +223,8 @@ async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[An
                             f"(limit {state.max_waiting}); retry later", type="rate_limit_error",
                        code="overloaded", headers={"Retry-After": "1"})
     echo_texts = None
-    if parsed.echo:  # the prompt as given, or its token ids decoded
-        tokenizer = state.codec.tokenizer
-        echo_texts = [p if isinstance(p, str) else tokenizer.decode(list(p)) if tokenizer is not None else ""
-                      for p in parsed.prompts]
+    if parsed.echo:  # the prompt as given, or its token ids decoded (on the codec's pool)
+        echo_texts = await state.codec.decode_prompts(parsed.prompts)
     generation = Generation(state.engine, state.codec.tokenizer, prompts, parsed.params, parsed.n,
                             f"{id_prefix}-{uuid.uuid4().hex}", endpoint, echo_texts)
     try:

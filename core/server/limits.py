@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 import attrs
 
+from servelab.server.caps import RequestCaps
 from servelab.server.protocol import ApiError, bad_request, brief
 
 CHARS_PER_TOKEN_BOUND = 16  # prompt characters allowed per token of context (see max_prompt_chars)
@@ -29,6 +30,7 @@ class RequestLimits:
     max_json_depth: int = 32
     body_timeout: float = 30.0  # seconds from the request's headers to its last body byte
     max_prompt_chars: int | None = None  # None: CHARS_PER_TOKEN_BOUND x max_model_len
+    caps: RequestCaps = RequestCaps()  # what one request may ask for (counts and sizes)
 
     def prompt_chars(self, max_model_len: int) -> int:
         """Characters a prompt (or a chat's messages together) may hold before tokenization:
