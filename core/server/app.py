@@ -1,7 +1,7 @@
 """The ASGI application (Starlette): OpenAI-compatible routes over the engine loop.
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models
-    GET  /health                GET  /metrics
+    GET  /health                GET  /ready                    GET  /metrics
 
 `/v1/*` requires `Authorization: Bearer <key>` when the server has an API key; `/health`
 and `/metrics` never do. Errors are OpenAI-shaped JSON bodies (see protocol.py), unknown
@@ -27,10 +27,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from servelab.errors import RequestError
+from servelab.errors import OverloadedError, RequestError
 from servelab.server.codec import CodecFailure, TextCodec
 from servelab.server.engine_loop import AdmissionFailed, AsyncEngine, EngineUnavailable
-from servelab.server.generation import EngineFailure, Generation
+from servelab.plugins.logits_processors.options import NO_NEXT_TOKEN
+from servelab.server.generation import EngineFailure, Generation, RequestFailed
 from servelab.server.limits import RequestLimits, parse_body, read_body
 from servelab.server.metrics import ServerMetrics
 from servelab.server.protocol import (ApiError, GenerationRequest, PromptBounds, bad_request, check_model,
@@ -56,6 +57,7 @@ class ServerState:
     api_key: str | None = None
     limits: RequestLimits = attrs.field(factory=RequestLimits)
     draining: bool = False  # set on SIGTERM: admission stops, in-flight requests finish
+    liveness_timeout: float = 30.0  # /health is 503 once the engine's loop is not heard from this long with work queued
     stop_ray: bool = False  # the replicas run on a local Ray started by this server
 
     @property
@@ -77,6 +79,7 @@ def build_app(state: ServerState) -> Starlette:
 
     routes = [
         Route("/health", _health, methods=["GET"]),
+        Route("/ready", _ready, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/v1/models", _guarded(_models), methods=["GET"]),
         Route("/v1/completions", _guarded(_completions), methods=["POST"]),
@@ -135,11 +138,38 @@ def _check_api_key(request: Request, api_key: str | None) -> None:
                        code="invalid_api_key")
 
 
+def _liveness(state: ServerState) -> str | None:
+    """Why the server is not live (None: it is): shutting down, the engine failed, or the
+    engine's step loop has not turned for liveness_timeout seconds while work is queued."""
+    engine = state.engine
+    if engine.error is not None:
+        return engine.error
+    if engine.stopping or state.draining:
+        return "shutting down"
+    stalled = engine.stalled_seconds()
+    if stalled > state.liveness_timeout:
+        return (f"the engine's step loop has not turned for {stalled:.1f} s while requests wait "
+                f"(liveness timeout {state.liveness_timeout:g} s)")
+    return None
+
+
 async def _health(request: Request) -> Response:
-    state = _state(request)
-    if state.engine.error is not None or state.engine.stopping or state.draining:
-        return JSONResponse({"status": "unavailable", "error": state.engine.error}, status_code=503)
+    """Liveness: 503 when the server should be restarted (or is going away)."""
+    problem = _liveness(_state(request))
+    if problem is not None:
+        return JSONResponse({"status": "unavailable", "error": problem}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+async def _ready(request: Request) -> Response:
+    """Readiness: 200 when a new request would be taken now (live, and the queue has room)."""
+    state = _state(request)
+    problem = _liveness(state)
+    if problem is None and state.engine.num_waiting >= state.max_waiting:
+        problem = f"the queue is full: {state.engine.num_waiting} sequences wait (limit {state.max_waiting})"
+    if problem is not None:
+        return JSONResponse({"status": "not_ready", "error": problem}, status_code=503)
+    return JSONResponse({"status": "ready"})
 
 
 async def _metrics(request: Request) -> Response:
@@ -154,7 +184,9 @@ async def _models(request: Request, state: ServerState) -> Response:
 
 async def _body(request: Request, state: ServerState) -> dict[str, Any]:
     raw = await read_body(request.stream(), request.headers.get("content-length"), state.limits)
-    body = parse_body(raw, state.limits)
+    # parsing and checking every value is proportional to the body: on a thread, not the event loop
+    body = parse_body(raw, state.limits) if len(raw) < _INLINE_BYTES else await asyncio.to_thread(
+        parse_body, raw, state.limits)
     check_model(body, state.model_name)
     return body
 
@@ -192,7 +224,7 @@ async def _completions(request: Request, state: ServerState) -> Response:
     if parsed.stream:
         return _sse(completion_chunks(generation, state.model_name))
     await _run_to_end(generation, request)
-    return JSONResponse(completion_body(generation, state.model_name, parsed.return_token_ids))
+    return await _json(completion_body(generation, state.model_name, parsed.return_token_ids))
 
 
 async def _chat_completions(request: Request, state: ServerState) -> Response:
@@ -205,7 +237,7 @@ async def _chat_completions(request: Request, state: ServerState) -> Response:
     if parsed.stream:
         return _sse(chat_chunks(generation, state.model_name))
     await _run_to_end(generation, request)
-    return JSONResponse(chat_body(generation, state.model_name, parsed.return_token_ids))
+    return await _json(chat_body(generation, state.model_name, parsed.return_token_ids))
 
 
 async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[Any], prompt_field: str,
@@ -229,6 +261,9 @@ async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[An
                             f"{id_prefix}-{uuid.uuid4().hex}", endpoint, echo_texts)
     try:
         await generation.start(arrival_time)
+    except OverloadedError as exc:
+        raise ApiError(429, str(exc), parsed.structured_field, type="rate_limit_error", code="overloaded",
+                       headers={"Retry-After": "1"}) from None
     except RequestError as exc:
         raise request_error(exc, prompt_field, parsed.structured_field) from None
     except AdmissionFailed as exc:
@@ -260,6 +295,11 @@ async def _run_to_end(generation: Generation, request: Request) -> None:
         raise ApiError(499, "the client closed the request")
     try:
         work.result()
+    except RequestFailed as exc:
+        if NO_NEXT_TOKEN in str(exc):  # the client's grammar left its output nowhere to go
+            raise ApiError(400, f"structured output: {NO_NEXT_TOKEN} for this output (its constraint cannot be "
+                                f"met): {exc}", "response_format", code="grammar_dead_end") from None
+        raise ApiError(500, str(exc), type="server_error") from None
     except EngineFailure as exc:
         raise ApiError(500, str(exc), type="server_error") from None
     except CodecFailure as exc:
@@ -286,6 +326,20 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+_INLINE_BYTES = 64 * 1024  # bodies and responses smaller than this are handled on the event loop
+
+
+async def _json(body: dict[str, Any]) -> Response:
+    """A JSON response, encoded on a thread when it is large (echo with logprobs)."""
+    encoded = dump_json(body) if _small(body) else await asyncio.to_thread(dump_json, body)
+    return Response(encoded, media_type="application/json")
+
+
+def _small(body: dict[str, Any]) -> bool:
+    choices = body.get("choices", ())
+    return len(choices) <= 4 and all(not choice.get("logprobs") for choice in choices)
 
 
 def _dump_json_stdlib(value: Any) -> bytes:

@@ -140,6 +140,11 @@ class EngineCore:
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the loop, admitted groups included
         self._intake = Intake(engine, lambda command: self._inbox.put(command))
+        self._processors = list(getattr(getattr(engine, "logits_pipeline", None), "processors", {}).values())
+        # xgrammar's import and the JSON-object grammar, off the loop before the first request needs them
+        warm = [p.warm_up for p in self._processors if hasattr(p, "warm_up")]
+        if warm:
+            threading.Thread(target=lambda: [w() for w in warm], name="servelab-warm-up", daemon=True).start()
 
     def run(self) -> None:
         in_flight: set[str] = set()  # request ids
@@ -152,6 +157,10 @@ class EngineCore:
             self._refuse_until_stopped()
         finally:
             self._intake.close()
+            for processor in self._processors:  # a grammar compiling now is killed, not waited for
+                close = getattr(processor, "close", None)
+                if close is not None:
+                    close()
 
     def _read_commands(self) -> None:
         """Commands from the connection: adds to the intake, the rest to the loop, in order

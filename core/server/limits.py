@@ -101,21 +101,43 @@ def _too_deep(limits: RequestLimits) -> ApiError:
 
 
 def _check_values(body: Any, max_depth: int) -> None:
-    """Depth and Unicode of every value, without recursion (the depth is the client's choice)."""
-    pending: list[tuple[Any, int, str]] = [(body, 1, "")]
+    """Depth and Unicode of every value, without recursion (the depth is the client's choice).
+    A value's path is spelled out only for the error: walking stays one tuple per value."""
+    pending: list[tuple[Any, int, Any]] = [(body, 1, None)]  # (value, depth, (parent entry, key))
     while pending:
-        value, depth, where = pending.pop()
+        entry = pending.pop()
+        value, depth, _ = entry
         if isinstance(value, str):
-            _check_text(value, where)
-        elif isinstance(value, (dict, list)):
+            if not _is_unicode(value):
+                _check_text(value, _path(entry))
+        elif isinstance(value, dict):
             if depth > max_depth:
                 raise bad_request(f"the request body nests deeper than {max_depth} levels", None, "invalid_json")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                path = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
-                if isinstance(key, str):
-                    _check_text(key, path)
-                pending.append((item, depth + 1, path.lstrip(".")))
+            for key, item in value.items():
+                child = (item, depth + 1, (entry, key))
+                if not _is_unicode(key):
+                    _check_text(key, _path(child))
+                pending.append(child)
+        elif isinstance(value, list):
+            if depth > max_depth:
+                raise bad_request(f"the request body nests deeper than {max_depth} levels", None, "invalid_json")
+            pending.extend((item, depth + 1, (entry, index)) for index, item in enumerate(value))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(entry: tuple[Any, int, Any]) -> str:
+    parts = []
+    while entry[2] is not None:
+        entry, key = entry[2]
+        parts.append(f".{key}" if isinstance(key, str) else f"[{key}]")
+    return "".join(reversed(parts)).lstrip(".")
 
 
 def _check_text(text: str, where: str) -> None:

@@ -47,6 +47,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                        help=f"a per-request limit (repeatable; docs/serving.md lists them): "
                             f"{', '.join(RequestCaps.names())}")
+    serve.add_argument("--liveness-timeout", type=float, default=30.0,
+                       help="/health answers 503 once the engine's loop has not turned for this many seconds "
+                            "while requests wait (default 30)")
     serve.add_argument("--tokenizer-workers", type=int, default=2,
                        help="threads that tokenize prompts and render chat templates (default 2)")
     serve.add_argument("--engine-threads", type=int, default=None,
@@ -67,7 +70,8 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
                          served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                          shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
                          limits=limits, tokenizer_workers=args.tokenizer_workers,
-                         engine_threads=args.engine_threads, replicas=args.replicas, ray_address=args.ray_address)
+                         engine_threads=args.engine_threads, replicas=args.replicas, ray_address=args.ray_address,
+                         liveness_timeout=args.liveness_timeout)
 
 
 def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
