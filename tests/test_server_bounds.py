@@ -40,10 +40,19 @@ def http(server):
         yield client
 
 
+_PROBES: dict[str, httpx.Client] = {}
+
+
 def _health_ms(server) -> float:
-    start = time.perf_counter()
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-    return (time.perf_counter() - start) * 1000
+    """/health's answer time on a kept-alive connection (the median of three: a probe's own
+    client shares the two cores too)."""
+    probe = _PROBES.setdefault(server.url, httpx.Client(base_url=server.url, timeout=10))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        assert probe.get("/health").status_code == 200
+        times.append((time.perf_counter() - start) * 1000)
+    return sorted(times)[1]
 
 
 def _normal_seconds(http) -> float:
