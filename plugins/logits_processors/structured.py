@@ -382,16 +382,10 @@ class StructuredOutputProcessor:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         bitmask = self._bitmask[:rows]
         bitmask.fill_(-1)  # all allowed: rows no token of the request can follow stay unmasked
-        live = []
         for row, state in enumerate(states):
             # After a refused token or EOS (a tentatively accepted draft) the row is never used.
             if not state.dead and not state.matcher.is_terminated():
                 state.matcher.fill_next_token_bitmask(bitmask, row)
-                live.append(row)
-        if live and not bool(bitmask[live].any(dim=1).all()):
-            # sampling from a row the grammar emptied would break the constraint: the pipeline
-            # fails the request of each such row alone (it retries row by row)
-            raise RuntimeError(NO_NEXT_TOKEN)
         logits = logits.contiguous()
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
         return logits
