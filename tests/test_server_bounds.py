@@ -142,13 +142,45 @@ def test_a_normal_request_beside_the_hostile_ones_is_not_slowed_more_than_2x(ser
 
 
 def test_structured_output_honours_its_constraint_and_dead_ends_are_refused(server, http):
-    answer = http.post("/v1/completions", json={"prompt": "w5", "guided_choice": ["w7 w8", "w9"], "max_tokens": 8})
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["choices"][0]["text"] in ("w7 w8", "w9")
+    # xgrammar sees the vocabulary as the tokens' strings ("w7", "w8"): this word-level
+    # tokenizer's spaces come from its decoder, so only single-word choices are reachable
+    for seed in range(6):
+        answer = http.post("/v1/completions", json={"prompt": "w5", "guided_choice": ["w7", "w9"], "max_tokens": 8,
+                                                    "temperature": 1.0, "seed": seed})
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        assert choice["text"] in ("w7", "w9") and choice["finish_reason"] == "stop", choice
     empty = http.post("/v1/completions", json={"prompt": "w5", "guided_regex": "[^\\x00-\\U0010FFFF]",
                                                "max_tokens": 4})
     assert empty.status_code == 400, empty.text
     assert empty.json()["error"]["param"] == "guided_regex"
+
+
+# "w7" is the only token the regex allows first; then it needs a space, which no token
+# spells: a dead end, which must fail the request rather than sample a token anyway
+DEAD_END = {"prompt": "w5", "guided_regex": "w7 w8", "max_tokens": 8}
+
+
+def test_a_grammar_that_dead_ends_fails_its_request_alone(server, http):
+    beside = {"prompt": "w5 w6", "max_tokens": 12, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=beside) as other:
+        lines = other.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        failed = http.post("/v1/completions", json=DEAD_END)
+        assert failed.status_code == 400, failed.text
+        error = failed.json()["error"]
+        assert error["code"] == "grammar_dead_end" and error["param"] == "guided_regex", error
+        assert "the grammar allows no next token" in error["message"], error
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 12  # the other request went on
+    with http.stream("POST", "/v1/completions", json={**DEAD_END, "stream": True}) as stream:
+        payloads = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    error = json.loads(payloads[-2])["error"]
+    assert error["code"] == "grammar_dead_end" and "the grammar allows no next token" in error["message"], error
+    text = "".join(c["text"] for payload in payloads[:-2] for c in json.loads(payload)["choices"])
+    assert text in ("", "w7"), text  # nothing past the dead end was sampled
 
 
 def test_ready_and_health_are_separate_and_answer(server):

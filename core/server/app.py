@@ -222,8 +222,8 @@ async def _completions(request: Request, state: ServerState) -> Response:
     _check_context(prompts, parsed, state, "prompt")
     generation = await _start(state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time)
     if parsed.stream:
-        return _sse(completion_chunks(generation, state.model_name))
-    await _run_to_end(generation, request)
+        return _sse(completion_chunks(generation, state.model_name), parsed.structured_field)
+    await _run_to_end(generation, request, parsed.structured_field)
     return await _json(completion_body(generation, state.model_name, parsed.return_token_ids))
 
 
@@ -235,8 +235,8 @@ async def _chat_completions(request: Request, state: ServerState) -> Response:
     _check_context([prompt], parsed, state, "messages")
     generation = await _start(state, parsed, [prompt], "messages", "chatcmpl", "chat.completions", arrival_time)
     if parsed.stream:
-        return _sse(chat_chunks(generation, state.model_name))
-    await _run_to_end(generation, request)
+        return _sse(chat_chunks(generation, state.model_name), parsed.structured_field)
+    await _run_to_end(generation, request, parsed.structured_field)
     return await _json(chat_body(generation, state.model_name, parsed.return_token_ids))
 
 
@@ -274,7 +274,7 @@ async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[An
     return generation
 
 
-async def _run_to_end(generation: Generation, request: Request) -> None:
+async def _run_to_end(generation: Generation, request: Request, structured_field: str | None) -> None:
     """Run a non-streaming request; a client that disconnects first aborts it."""
 
     async def consume() -> None:
@@ -295,15 +295,17 @@ async def _run_to_end(generation: Generation, request: Request) -> None:
         raise ApiError(499, "the client closed the request")
     try:
         work.result()
-    except RequestFailed as exc:
-        if NO_NEXT_TOKEN in str(exc):  # the client's grammar left its output nowhere to go
-            raise ApiError(400, f"structured output: {NO_NEXT_TOKEN} for this output (its constraint cannot be "
-                                f"met): {exc}", "response_format", code="grammar_dead_end") from None
-        raise ApiError(500, str(exc), type="server_error") from None
-    except EngineFailure as exc:
-        raise ApiError(500, str(exc), type="server_error") from None
-    except CodecFailure as exc:
-        raise ApiError(500, str(exc), type="server_error") from None
+    except (EngineFailure, CodecFailure) as exc:
+        raise _failure(exc, structured_field) from None
+
+
+def _failure(exc: Exception, structured_field: str | None) -> ApiError:
+    """A request that failed after it started: the client's grammar reaching a dead end is
+    a 400 on its field (code "grammar_dead_end"); anything else is the server's 500."""
+    if isinstance(exc, RequestFailed) and NO_NEXT_TOKEN in str(exc):
+        return ApiError(400, f"{exc}: no token of the vocabulary continues the output within its constraint",
+                        structured_field, code="grammar_dead_end")
+    return ApiError(500, str(exc), type="server_error")
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -311,13 +313,13 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict[str, Any]], structured_field: str | None = None) -> StreamingResponse:
     async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 yield b"data: " + dump_json(chunk) + b"\n\n"
         except (EngineFailure, CodecFailure) as exc:
-            error = ApiError(500, str(exc), type="server_error").body()
+            error = _failure(exc, structured_field).body()
             yield b"data: " + dump_json(error) + b"\n\n"
         except Exception as exc:  # the stream has begun: the error can only be an event
             logger.exception("stream.failed")

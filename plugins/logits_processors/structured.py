@@ -13,9 +13,10 @@ first), grammars that failed too (a repeat is refused at once), and concurrent r
 with one schema share one compilation. Each request's state is an xgrammar
 GrammarMatcher; every step its next-token bitmask is applied to its logits row (a
 batched bitmask for all structured rows of the step). A row the grammar leaves no token
-fails its request ("the grammar allows no next token") instead of sampling a token the
-grammar forbids; fields that could cause that (min_tokens, bad_words) are refused with
-a grammar at admission.
+(a state no token of the vocabulary can continue, though the grammar has not ended)
+fails its request, `finish_reason="error"` with "structured output: the grammar allows no
+next token", instead of sampling a token the grammar forbids; fields that could cause
+that (min_tokens, bad_words) are refused with a grammar at admission.
 
 Speculative decoding accepts drafts tentatively: a draft the grammar forbids was masked
 out of the row that verifies it (so verification rejects it), and the rows after it are
@@ -77,6 +78,10 @@ class _Waiter:
 
 class _Cancelled(Exception):
     pass
+
+
+class GrammarDeadEnd(RuntimeError):
+    """A sequence's grammar allows no next token (and it has not ended): its request fails."""
 
 
 class CompilerProcess:
@@ -382,10 +387,18 @@ class StructuredOutputProcessor:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         bitmask = self._bitmask[:rows]
         bitmask.fill_(-1)  # all allowed: rows no token of the request can follow stay unmasked
+        live = []
         for row, state in enumerate(states):
             # After a refused token or EOS (a tentatively accepted draft) the row is never used.
+            # A grammar in an accepting state allows its stop tokens: its row is not empty.
             if not state.dead and not state.matcher.is_terminated():
                 state.matcher.fill_next_token_bitmask(bitmask, row)
+                live.append(row)
+        if live and not bool(bitmask[live].any(dim=1).all()):
+            # A row the grammar left no token (no token spells what the grammar needs next):
+            # sampling it anyway would break the constraint. The pipeline retries row by row,
+            # so this fails only the requests of the empty rows.
+            raise GrammarDeadEnd(f"structured output: {NO_NEXT_TOKEN}")
         logits = logits.contiguous()
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
         return logits
