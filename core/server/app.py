@@ -220,7 +220,7 @@ async def _completions(request: Request, state: ServerState) -> Response:
     parsed = parse_completion(await _body(request, state), state.bounds)
     prompts = await _encoded(state.codec.encode_prompts(parsed.prompts), "prompt")
     _check_context(prompts, parsed, state, "prompt")
-    generation = await _start(state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time)
+    generation = await _start(request, state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time)
     if parsed.stream:
         return _sse(completion_chunks(generation, state.model_name), parsed.structured_field)
     await _run_to_end(generation, request, parsed.structured_field)
@@ -233,15 +233,16 @@ async def _chat_completions(request: Request, state: ServerState) -> Response:
     prompt = await _encoded(state.codec.encode_chat(list(parsed.messages), state.bounds.max_prompt_chars),
                             "messages")
     _check_context([prompt], parsed, state, "messages")
-    generation = await _start(state, parsed, [prompt], "messages", "chatcmpl", "chat.completions", arrival_time)
+    generation = await _start(request, state, parsed, [prompt], "messages", "chatcmpl", "chat.completions",
+                              arrival_time)
     if parsed.stream:
         return _sse(chat_chunks(generation, state.model_name), parsed.structured_field)
     await _run_to_end(generation, request, parsed.structured_field)
     return await _json(chat_body(generation, state.model_name, parsed.return_token_ids))
 
 
-async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[Any], prompt_field: str,
-                 id_prefix: str, endpoint: str, arrival_time: float) -> Generation:
+async def _start(request: Request, state: ServerState, parsed: GenerationRequest, prompts: list[Any],
+                 prompt_field: str, id_prefix: str, endpoint: str, arrival_time: float) -> Generation:
     """Admission control, then queue every choice; 400 / 429 / 500 / 503 as ApiError."""
     if state.draining:  # it began before the signal and was tokenized since
         raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
@@ -260,7 +261,9 @@ async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[An
     generation = Generation(state.engine, state.codec.tokenizer, prompts, parsed.params, parsed.n,
                             f"{id_prefix}-{uuid.uuid4().hex}", endpoint, echo_texts)
     try:
-        await generation.start(arrival_time)
+        # a client that leaves while its request is validated or its grammar compiles
+        # cancels it there (the compilation stops once no request waits for it)
+        await _unless_disconnected(request, generation.start(arrival_time))
     except OverloadedError as exc:
         raise ApiError(429, str(exc), parsed.structured_field, type="rate_limit_error", code="overloaded",
                        headers={"Retry-After": "1"}) from None
@@ -281,22 +284,27 @@ async def _run_to_end(generation: Generation, request: Request, structured_field
         async for _ in generation.deltas():
             pass
 
-    work = asyncio.ensure_future(consume())
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()  # its generator's finally aborts the engine requests
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
-        raise ApiError(499, "the client closed the request")
-    try:
-        work.result()
+        await _unless_disconnected(request, consume())  # its generator's finally aborts the engine requests
     except (EngineFailure, CodecFailure) as exc:
         raise _failure(exc, structured_field) from None
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or ApiError 499 once the client disconnects first (`work` cancelled)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ApiError(499, "the client closed the request")
+    return task.result()
 
 
 def _failure(exc: Exception, structured_field: str | None) -> ApiError:

@@ -170,6 +170,8 @@ class EngineCore:
                 kind, command_id, payload = command
                 if kind == "add":
                     self._intake.submit(command_id, payload)
+                    # the loop may sleep on the inbox: it wakes to send heartbeats while this prepares
+                    self._inbox.put(("wake", None, None))
                     continue
                 if kind == "abort":
                     self._intake.cancel(payload)
@@ -228,7 +230,7 @@ class EngineCore:
                     resolved.append((command_id, payload))
                 elif kind == "abort":
                     self._abort(payload, in_flight, finished)
-                else:
+                elif kind == "stop":
                     stop = True
             if stop:
                 self._abort(list(in_flight), in_flight, finished)

@@ -178,8 +178,9 @@ class AsyncEngine:
             previous = events.get(finished.request_id)
             events[finished.request_id] = (attrs.evolve(previous, output=finished) if previous is not None
                                            else RequestEvent(output=finished))
-        if events or output.failure is not None or not output.resolved:
-            self._detokenizer.put(events, output.snapshot, output.failure)  # then _deliver, on the event loop
+        # then _deliver, on the event loop (an output that only answers admissions brings a
+        # snapshot too: a refused or cancelled request leaves the waiting count there)
+        self._detokenizer.put(events, output.snapshot, output.failure)
 
     def _on_exit(self, message: str) -> None:
         self._detokenizer.put({}, self.snapshot, message)

@@ -3,7 +3,8 @@
 xgrammar cannot interrupt a compilation, so it runs here, in a process of its own that
 the engine kills when a compilation passes its time budget or loses its last waiter.
 Messages are length-prefixed pickles on stdin / stdout: first the tokenizer's
-`TokenizerInfo.serialize_json()`, then `(kind, spec)` per grammar, each answered with
+`TokenizerInfo.serialize_json()`, answered ("ready", None) once the compiler is built
+(the time budgets start then), then `(kind, spec)` per grammar, each answered with
 ("ok", CompiledGrammar.serialize_json()) or ("error", message).
 """
 
@@ -70,6 +71,7 @@ def main() -> None:
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     info = xgrammar.TokenizerInfo.deserialize_json(read_message(requests))
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    write_message(replies, ("ready", None))
     while True:
         try:
             kind, spec = read_message(requests)

@@ -67,6 +67,7 @@ class _Job:
     result: Future = attrs.field(factory=Future)  # the CompiledGrammar
     waiters: int = 0
     started: bool = False
+    bounded: bool = True  # counts among max_pending_compiles (the warm-up does not)
     cancelled: threading.Event = attrs.field(factory=threading.Event)
 
 
@@ -78,6 +79,13 @@ class _Waiter:
 
 class _Cancelled(Exception):
     pass
+
+
+class _StartTimeout(Exception):
+    pass
+
+
+START_TIMEOUT_S = 120.0  # the compiler process's start-up (importing xgrammar), outside any grammar's budget
 
 
 class GrammarDeadEnd(RuntimeError):
@@ -92,10 +100,15 @@ class CompilerProcess:
         self._process: subprocess.Popen | None = None
 
     def compile(self, kind: str, spec: str, timeout: float, cancelled: threading.Event) -> tuple[str, str]:
-        """("ok", serialized grammar) or ("error", message); TimeoutError / _Cancelled kill the process."""
-        process = self._start()
+        """("ok", serialized grammar) or ("error", message); TimeoutError / _Cancelled kill the
+        process. The budget starts once the process is ready: its start-up (importing
+        xgrammar, reading the vocabulary) is not the grammar's."""
+        process = self._start(cancelled)
         grammar_worker.write_message(process.stdin, (kind, spec))
-        deadline = time.monotonic() + timeout
+        return self._reply(time.monotonic() + timeout, cancelled, TimeoutError)
+
+    def _reply(self, deadline: float, cancelled: threading.Event, late: type[Exception]) -> Any:
+        process = self._process
         while True:
             if cancelled.is_set():
                 self.kill()
@@ -103,7 +116,7 @@ class CompilerProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise TimeoutError()
+                raise late()
             ready, _, _ = select.select([process.stdout], [], [], min(left, 0.05))
             if ready:
                 try:
@@ -112,7 +125,7 @@ class CompilerProcess:
                     self.kill()
                     raise RuntimeError("the grammar compiler process died") from None
 
-    def _start(self) -> subprocess.Popen:
+    def _start(self, cancelled: threading.Event) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:
             bootstrap = ("import os, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]; "
                          "from servelab.plugins.logits_processors.grammar_worker import main; main()")
@@ -120,6 +133,11 @@ class CompilerProcess:
                                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
                                              env={**os.environ, "OMP_NUM_THREADS": "1"})
             grammar_worker.write_message(self._process.stdin, self._info)
+            try:
+                self._reply(time.monotonic() + START_TIMEOUT_S, cancelled, _StartTimeout)  # ("ready", None)
+            except _StartTimeout:
+                raise RuntimeError(f"the grammar compiler process did not start within {START_TIMEOUT_S:g} s") \
+                    from None
         return self._process
 
     def kill(self) -> None:
@@ -165,7 +183,7 @@ class StructuredOutputProcessor:
             if self.tokenizer is not None:
                 from servelab.structured import StructuredOutput
 
-                self.prepare(_Params(StructuredOutput.json_object())).result(timeout=60)
+                self._ticket(_Params(StructuredOutput.json_object()), bounded=False).result(timeout=START_TIMEOUT_S)
         except Exception:  # no xgrammar, or no tokenizer: the first structured request says so
             pass
 
@@ -214,6 +232,11 @@ class StructuredOutputProcessor:
     def prepare(self, params: Any) -> Future:
         """The compiled grammar, as a Future of this request's own: cancelling it (or dropping
         it) leaves the compilation, which is cancelled once no request waits for it."""
+        return self._ticket(params, bounded=True)
+
+    def _ticket(self, params: Any, bounded: bool) -> Future:
+        """prepare's Future; `bounded` False for the server's own warm-up, which takes no
+        client's place among max_pending_compiles."""
         structured = params.structured
         key = (structured.kind, structured.spec)
         ticket: Future = Future()
@@ -227,11 +250,12 @@ class StructuredOutputProcessor:
                 return ticket
             job = self._jobs.get(key)
             if job is None:
-                if len(self._jobs) >= self.options.max_pending_compiles:
-                    raise OverloadedError(f"structured output: {len(self._jobs)} grammars are compiling or waiting "
+                pending = sum(job.bounded for job in self._jobs.values())
+                if bounded and pending >= self.options.max_pending_compiles:
+                    raise OverloadedError(f"structured output: {pending} grammars are compiling or waiting "
                                           f"to (max_pending_compiles = {self.options.max_pending_compiles}); "
                                           f"retry later")
-                job = self._jobs[key] = _Job(key)
+                job = self._jobs[key] = _Job(key, bounded=bounded)
                 self._queue.append(job)
                 self._start_dispatcher()
                 self._lock.notify_all()
