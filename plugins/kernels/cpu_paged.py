@@ -92,10 +92,9 @@ class CpuPagedAttention(TorchPagedAttention):
                   "cached": "the kernels are not built on this machine yet; one background build (paused while "
                             "other work keeps the CPUs busy) prepares them for the next start, or run "
                             "`python -m servelab.plugins.kernels.cpu_build` once"}[build]
-        if build == "cached":  # a whole run on the slower path: worth a line whatever the verbosity
-            logger.warning("attention.path", path="torch-paged fallback", reason=reason)
-        else:
-            logger.info("attention.path", path="torch-paged fallback", reason=reason)
+        # info, not a warning: a library stays silent on a normal start (a machine's first
+        # run is on this path), and a warning would land on an unconfigured program's stdout
+        logger.info("attention.path", path="torch-paged fallback", reason=reason)
 
     @property
     def kernels_ready(self) -> bool:
