@@ -74,6 +74,51 @@ def test_frequency_and_presence_penalties_follow_vllms_definition(llm, hf_model)
     assert output.token_ids == tokens[len(prompt):]
 
 
+def test_penalties_with_rollbacks_match_transformers_and_vllms_definition():
+    """The tallies the penalties keep (updated token by token, rolled back exactly) give
+    transformers' repetition penalty and vLLM's frequency / presence formula on random
+    logits, at every step of a random run of accepts and rollbacks over four rows."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from servelab.interfaces import LogitsProcessorContext, ProcessorRequest
+    from servelab.plugins.logits_processors.penalties import (FrequencyPenalty, PresencePenalty,
+                                                              RepetitionPenalty)
+
+    rng = random.Random(11)
+    context = LogitsProcessorContext(vocab_size=VOCAB, eos_token_ids=frozenset({2}))
+    params = [SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+              for r, f, p in ((1.8, 0.9, 0.6), (0.7, -0.5, 1.5), (1.3, 1.2, -1.0), (2.0, 0.1, 0.2))]
+    batch = prompts([5, 1, 12, 3], seed=11)
+    processors = [RepetitionPenalty(None, context), FrequencyPenalty(None, context), PresencePenalty(None, context)]
+    states = [[p.new_state(ProcessorRequest(f"r{i}", params[i], tuple(batch[i]), None)) for i in range(4)]
+              for p in processors]
+    outputs = [[] for _ in range(4)]
+    for _ in range(60):
+        for i in range(4):
+            if outputs[i] and rng.random() < 0.3:  # a rejected draft: forget the last few tokens
+                k = rng.randint(1, len(outputs[i]))
+                del outputs[i][-k:]
+                for processor, row in zip(processors, states):
+                    processor.rollback(row[i], k)
+            token = rng.choice([rng.randrange(3, 12), rng.randrange(VOCAB)])  # repeats, and new tokens
+            outputs[i].append(token)
+            for processor, row in zip(processors, states):
+                processor.accept(row[i], token)
+        logits = torch.randn(4, VOCAB) * 3
+        for processor, row in zip(processors, states):
+            got = processor.apply(logits.clone(), row)
+            for i in range(4):
+                if isinstance(processor, RepetitionPenalty):
+                    expected = RepetitionPenaltyLogitsProcessor(params[i].repetition_penalty)(
+                        torch.tensor([batch[i] + outputs[i]]), logits[i: i + 1].clone())[0]
+                else:
+                    counts = torch.bincount(torch.tensor(outputs[i], dtype=torch.int64), minlength=VOCAB).float()
+                    expected = logits[i] - (params[i].frequency_penalty * counts
+                                            if isinstance(processor, FrequencyPenalty)
+                                            else params[i].presence_penalty * (counts > 0).float())
+                torch.testing.assert_close(got[i], expected, rtol=0, atol=1e-5)
+
+
 def test_min_tokens_matches_transformers_min_new_tokens(llm, hf_model):
     prompt = prompts([8])[0]
     plain = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
@@ -227,7 +272,7 @@ def test_a_request_waiting_for_its_processor_does_not_hold_up_others(llama_check
 
 
 def test_processor_params_are_validated(llm):
-    with pytest.raises(RequestError, match="repetition_penalty must be > 0"):
+    with pytest.raises(RequestError, match="repetition_penalty must be in"):
         SamplingParams(repetition_penalty=0)
     with pytest.raises(RequestError, match="presence_penalty must be in"):
         SamplingParams(presence_penalty=3)

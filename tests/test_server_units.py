@@ -165,13 +165,24 @@ class FakeEngine:
         self.limits = SimpleNamespace(max_model_len=64)
         self.config = SimpleNamespace(engine=SimpleNamespace(max_logprobs=20))
         self.registry = PluginRegistry()  # observers only: no policies
+        self.logits_pipeline = SimpleNamespace(processors={})
 
-    def validate_request(self, prompt, params):
-        if prompt == "bad":
+    def prepare_requests(self, specs):
+        """The engine's admission API: records prepared off the loop, then admitted."""
+        if any(spec.prompt == "bad" for spec in specs):
             raise RequestError("prompt is bad")
+        return [SimpleNamespace(request_id=spec.request_id, params=spec.params, preparing={}) for spec in specs]
 
-    def add_request(self, prompt, params, request_id, arrival_time):
-        self.requests[request_id] = (params, [])
+    def admit(self, records):
+        for record in records:
+            self.requests[record.request_id] = (record.params, [])
+        return [record.request_id for record in records]
+
+    def discard(self, records):
+        pass
+
+    def num_preparing_requests(self):
+        return 0
 
     def abort(self, request_id):
         return self._retire(request_id, "abort") if request_id in self.requests else None

@@ -101,3 +101,29 @@ def test_structured_output_refuses_what_cannot_work(llm, llama_checkpoint):
         StructuredOutput.json("{nope")
     with pytest.raises(RequestError, match="needs a tokenizer"):
         LLM(llama_checkpoint, max_model_len=64).generate([5], SamplingParams(structured=StructuredOutput.regex("a")))
+
+
+def test_a_grammar_that_dead_ends_fails_its_request_alone(llama_checkpoint, tmp_path):
+    """A word-level tokenizer's tokens ("w7", "w8") hold no space: after "w7" the regex
+    "w7 w8" needs one, which no token spells. The request ends with finish_reason "error"
+    naming the dead end instead of sampling a token the grammar forbids; a request in the
+    same batch, and a valid choice, end normally."""
+    import shutil
+
+    from conftest_server import add_word_tokenizer
+
+    path = tmp_path / "worded"
+    shutil.copytree(llama_checkpoint, path)
+    add_word_tokenizer(path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    llm = LLM(str(path), max_model_len=64)
+    dead_end = SamplingParams(max_tokens=8, temperature=1.0, seed=1, structured=StructuredOutput.regex("w7 w8"))
+    choice = SamplingParams(max_tokens=8, temperature=1.0, seed=2, structured=StructuredOutput.regex("(w7)|(w9)"))
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    failed, chosen, other = llm.generate(["w5", "w5 w6", "w5 w6 w7"], [dead_end, choice, plain])
+    assert failed.finish_reason == "error", failed
+    assert "structured output: the grammar allows no next token" in failed.error
+    assert failed.token_ids == [7]  # the one token the grammar allowed, nothing after it
+    assert chosen.finish_reason == "stop" and chosen.text in ("w7", "w9"), chosen
+    assert other.finish_reason == "length" and len(other.token_ids) == 8
+    assert not llm.engine.has_unfinished()

@@ -15,6 +15,7 @@ from servelab.arrivals import NOW, Arrival, serve_arrivals
 from servelab.config import EngineConfig
 from servelab.errors import ServelabError
 from servelab.outputs import RequestOutput
+from servelab.request import RequestSpec
 from servelab.sampling_params import SamplingParams
 
 
@@ -46,10 +47,9 @@ def generate(config: EngineConfig, prompts: list[str], params: SamplingParams) -
     engine = LLMEngine(config)
     if engine.tokenizer is None:
         raise ServelabError(f"model {config.engine.model!r} has no tokenizer.json; cannot take a text prompt")
-    for prompt in prompts:  # every prompt is checked before any is queued
-        engine.validate_request(prompt, params)
+    records = engine.prepare_requests([RequestSpec(prompt, params) for prompt in prompts])  # all checked first
     if len(prompts) == 1:
-        _stream_one(engine, prompts[0], params)
+        _stream_one(engine, records[0], params)
         return
     outputs: dict[int, RequestOutput] = {}
 
@@ -57,7 +57,7 @@ def generate(config: EngineConfig, prompts: list[str], params: SamplingParams) -
         outputs[arrival.item] = output
 
     serve_arrivals([engine], [Arrival(NOW, i) for i in range(len(prompts))],
-                   lambda arrival: (0, engine.add_request(prompts[arrival.item], params)), finished)
+                   lambda arrival: (0, engine.admit([records[arrival.item]])[0]), finished)
     for index in range(len(prompts)):
         output = outputs[index]
         print(f"--- prompt {index + 1}/{len(prompts)}: {json.dumps(output.prompt)}")
@@ -65,10 +65,10 @@ def generate(config: EngineConfig, prompts: list[str], params: SamplingParams) -
         print(_summary(output), file=sys.stderr)
 
 
-def _stream_one(engine, prompt: str, params: SamplingParams) -> None:
+def _stream_one(engine, record, params: SamplingParams) -> None:
     from servelab.detokenize import IncrementalText
 
-    request_id = engine.add_request(prompt, params)
+    request_id = engine.admit([record])[0]
     text = IncrementalText(engine.tokenizer, params.stop)
     holdback = max(text.longest_stop - 1, 0)  # what a stop string completed later could still claim
     shown = 0

@@ -103,12 +103,14 @@ class LLMEngine:
         """The records of requests, each checked once and its preparation started, all or
         none (RequestError). Changes nothing in the engine, so it may run on another
         thread than the step loop; `admit` then queues them."""
-        checked = [self.intake.check(spec.prompt, spec.params) for spec in specs]
+        checked = self.intake.check_all(specs)
         built: list[Request] = []
+        shared: dict[int, dict] = {}  # the prompts of one request share their params: prepared once
         try:
             for spec, token_ids in zip(specs, checked):
                 arrival = spec.arrival_time if spec.arrival_time is not None else self.clock()
-                built.append(self.intake.build(spec, token_ids, spec.request_id or self.new_request_id(), arrival))
+                built.append(self.intake.build(spec, token_ids, spec.request_id or self.new_request_id(), arrival,
+                                               shared))
         except BaseException:
             self.discard(built)
             raise

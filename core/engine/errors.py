@@ -23,3 +23,7 @@ class RequestError(ServelabError, ValueError):
 
 class DistributedError(ServelabError):
     """A tensor-parallel rank died, hung or failed to start (the message names the rank)."""
+
+
+class OverloadedError(RequestError):
+    """A request that is valid but cannot be taken now (a bounded queue is full); retry later."""

@@ -11,7 +11,7 @@ for it while the others run).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence as Seq
 
 import torch
 
@@ -63,6 +63,19 @@ class Intake:
 
     def check(self, prompt: str | list[int], params: SamplingParams | None) -> list[int]:
         """The prompt's token ids, or RequestError naming what is wrong; changes nothing."""
+        self.check_params(params)
+        return self.encode(prompt)
+
+    def check_all(self, specs: Seq[RequestSpec]) -> list[list[int]]:
+        """`check` for each; params shared by several prompts (one object) are checked once."""
+        seen: set[int] = set()
+        for spec in specs:
+            if id(spec.params) not in seen:
+                self.check_params(spec.params)
+                seen.add(id(spec.params))
+        return [self.encode(spec.prompt) for spec in specs]
+
+    def check_params(self, params: SamplingParams | None) -> None:
         if params is not None:
             if not isinstance(params, SamplingParams):
                 raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -75,7 +88,6 @@ class Intake:
                 raise RequestError(f"n={params.n} samples by forking the prompt's KV, but {self.fork_refusal}")
             if params.has_logits_work or self.pipeline.defaults:
                 self._check_logits_work(params)
-        return self.encode(prompt)
 
     def _check_logits_work(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -87,9 +99,11 @@ class Intake:
                                f"cannot score prompts")
         self.pipeline.validate(params)
 
-    def build(self, spec: RequestSpec, token_ids: list[int], request_id: str, arrival_time: float) -> Request:
-        """The record of a checked request, its preparation started; RequestError (with
-        nothing left behind) when a processor refuses it."""
+    def build(self, spec: RequestSpec, token_ids: list[int], request_id: str, arrival_time: float,
+              shared: dict[int, dict] | None = None) -> Request:
+        """The record of a checked request, its preparation started (or taken from `shared`,
+        by params object, when another prompt of the same request started it); RequestError
+        (with nothing left behind) when a processor refuses it."""
         params = spec.params or SamplingParams()
         n = params.n
         seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", token_ids, params, arrival_time,
@@ -101,13 +115,15 @@ class Intake:
         request = Request(request_id, spec.prompt if isinstance(spec.prompt, str) else None, params, seqs,
                           generators, texts, [{} for _ in seqs], unforked=n > 1)
         if params.has_logits_work or self.pipeline.defaults:
-            self._start_logits_work(request)
+            self._start_logits_work(request, {} if shared is None else shared)
         return request
 
-    def _start_logits_work(self, request: Request) -> None:
+    def _start_logits_work(self, request: Request, shared: dict[int, dict]) -> None:
         params = request.params
         request.logits_work = True
-        request.preparing = self.pipeline.prepare(params)
+        if id(params) not in shared:
+            shared[id(params)] = self.pipeline.prepare(params)
+        request.preparing = dict(shared[id(params)])
         if not request.preparing:
             self.create_states(request, {})
         if params.logprobs is not None:
@@ -120,8 +136,9 @@ class Intake:
     def finish_preparation(self, request: Request) -> None:
         """Once every preparation is done: the processors' states (RequestError when one failed)."""
         futures, request.preparing = request.preparing, {}
-        errors = [f"logits processor {name!r} failed to prepare: {future.exception()}"
-                  for name, future in futures.items() if future.exception() is not None]
+        errors = [f"logits processor {name!r} failed to prepare: "
+                  f"{'cancelled' if future.cancelled() else future.exception()}"
+                  for name, future in futures.items() if future.cancelled() or future.exception() is not None]
         if errors:
             raise RequestError(errors[0])
         self.create_states(request, {name: future.result() for name, future in futures.items()})

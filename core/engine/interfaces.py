@@ -23,6 +23,7 @@ __all__ = [
     "AttentionContext",
     "AttentionMetadata",
     "ContiguousAllocator",
+    "ClosingProcessor",
     "ContiguousBlockTablesBackend",
     "Draft",
     "Drafter",
@@ -60,6 +61,7 @@ __all__ = [
     "StepPlan",
     "TargetModel",
     "ValidatingProcessor",
+    "WarmingProcessor",
     "ROOT_BLOCK_HASH",
     "chained_block_hash",
     "prefix_block_hashes",
@@ -660,6 +662,22 @@ class ReleasingProcessor(Protocol):
 
     def release(self, state: Any) -> None:
         """The request finished, was aborted or failed."""
+
+
+@runtime_checkable
+class WarmingProcessor(Protocol):
+    """A logits processor with slow one-time set-up (an import, a first compilation) that a
+    server runs on a thread of its own at start, before the first request needs it."""
+
+    def warm_up(self) -> None: ...
+
+
+@runtime_checkable
+class ClosingProcessor(Protocol):
+    """A logits processor holding something that outlives a request (a compiler process)."""
+
+    def close(self) -> None:
+        """The engine is stopping: end it now, without waiting for work in progress."""
 
 
 @runtime_checkable

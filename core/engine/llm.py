@@ -11,6 +11,7 @@ from servelab.engine import LLMEngine
 from servelab.errors import RequestError
 from servelab.outputs import RequestOutput
 from servelab.registry import PluginRegistry
+from servelab.request import RequestSpec
 from servelab.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -59,14 +60,15 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
         priorities = _as_priority_list(priority, len(prompt_list))
-        for prompt, sampling in zip(prompt_list, params_list):  # validate all before queueing any
-            self.engine.validate_request(prompt, sampling)
+        # every prompt is checked (once) before any is queued
+        records = self.engine.prepare_requests([RequestSpec(p, sp, priority=rank)
+                                                for p, sp, rank in zip(prompt_list, params_list, priorities)])
         outputs: dict[int, RequestOutput] = {}
         admitted: dict[int, str] = {}
 
         def admit(arrival: Arrival[int]) -> tuple[int, str]:
             i = arrival.item
-            admitted[i] = self.engine.add_request(prompt_list[i], params_list[i], priority=priorities[i])
+            admitted[i] = self.engine.admit([records[i]])[0]
             return 0, admitted[i]
 
         def finished(arrival: Arrival[int], _engine: int, output: RequestOutput) -> None:
@@ -78,6 +80,7 @@ class LLM:
             for i, request_id in admitted.items():
                 if i not in outputs:
                     self.engine.abort(request_id)
+            self.engine.discard([record for i, record in enumerate(records) if i not in admitted])
             raise
         return [outputs[i] for i in range(len(prompt_list))]
 
@@ -99,6 +102,8 @@ def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, (list, tuple)):
+        raise RequestError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
     if len(params) != count:
         raise RequestError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt")
@@ -109,6 +114,8 @@ def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
 
 
 def _as_priority_list(priority: Any, count: int) -> list[int]:
+    if not isinstance(priority, (int, list, tuple)) or isinstance(priority, bool):
+        raise RequestError(f"priority must be an int or a list of ints, got {type(priority).__name__}")
     values = [priority] * count if isinstance(priority, int) else list(priority)
     if len(values) != count:
         raise RequestError(f"got {len(values)} priorities for {count} prompts; give one, or one per prompt")

@@ -66,9 +66,7 @@ class Request:
         if self.released:
             return
         self.released = True
-        for future in self.preparing.values():
-            future.cancel()
-        self.preparing = {}
+        self.preparing = {}  # other prompts of the same request may share these: not cancelled here
         for seq, states in zip(self.sequences, self.processor_states):
             release_sequence(seq, states)
         self.generators = [None] * len(self.sequences)

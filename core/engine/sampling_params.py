@@ -36,7 +36,21 @@ def _as_args(value):
         return ()
     if isinstance(value, dict):
         value = value.items()
-    return tuple(sorted(value))
+    try:
+        return tuple(sorted(value, key=lambda item: item[0]))
+    except (TypeError, ValueError, IndexError, KeyError):
+        raise RequestError(f"extra_args must map string names to values, got {_brief(value)}") from None
+
+
+GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (as vLLM): dividing logits by less overflows them
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-5, 1e5  # beyond them the logits overflow to inf or NaN
+
+
+def _as_temperature(value):
+    """A temperature below GREEDY_TEMPERATURE (a denormal one included) means greedy."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < GREEDY_TEMPERATURE:
+        return 0.0
+    return value
 
 
 def _as_tuple(value):
@@ -44,7 +58,10 @@ def _as_tuple(value):
         return ()
     if isinstance(value, (str, int)):
         return (value,)
-    return tuple(value)
+    try:
+        return tuple(value)
+    except TypeError:  # not a sequence: kept whole, so validation names it
+        return (value,)
 
 
 @attrs.frozen(kw_only=True)
@@ -61,7 +78,7 @@ class SamplingParams:
 
     n: int = 1
     max_tokens: int = 16
-    temperature: float = 1.0
+    temperature: float = attrs.field(default=1.0, converter=_as_temperature)
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
@@ -120,8 +137,10 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise RequestError(f"{name} must be a finite number, got {_brief(value)}")
-        if self.repetition_penalty <= 0:
-            raise RequestError(f"repetition_penalty must be > 0, got {_brief(self.repetition_penalty)}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise RequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                               f"{MAX_REPETITION_PENALTY:g}] (outside it the logits overflow), "
+                               f"got {_brief(self.repetition_penalty)}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise RequestError(f"{name} must be in [-2, 2], got {_brief(getattr(self, name))}")

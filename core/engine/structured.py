@@ -41,7 +41,10 @@ class StructuredOutput:
             return cls("json", schema)
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"structured output json schema must be an object, got {type(schema).__name__}")
-        return cls("json", json.dumps(schema, sort_keys=True))
+        try:
+            return cls("json", json.dumps(schema, sort_keys=True))
+        except (TypeError, ValueError) as exc:  # a value JSON cannot hold, or keys it cannot sort
+            raise RequestError(f"structured output json schema is not JSON: {exc}") from None
 
     @classmethod
     def json_object(cls) -> "StructuredOutput":

@@ -1,7 +1,7 @@
 """The ASGI application (Starlette): OpenAI-compatible routes over the engine loop.
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models
-    GET  /health                GET  /metrics
+    GET  /health                GET  /ready                    GET  /metrics
 
 `/v1/*` requires `Authorization: Bearer <key>` when the server has an API key; `/health`
 and `/metrics` never do. Errors are OpenAI-shaped JSON bodies (see protocol.py), unknown
@@ -27,14 +27,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from servelab.errors import RequestError
+from servelab.errors import OverloadedError, RequestError
 from servelab.server.codec import CodecFailure, TextCodec
 from servelab.server.engine_loop import AdmissionFailed, AsyncEngine, EngineUnavailable
-from servelab.server.generation import EngineFailure, Generation
+from servelab.plugins.logits_processors.options import NO_NEXT_TOKEN
+from servelab.server.generation import EngineFailure, Generation, RequestFailed
 from servelab.server.limits import RequestLimits, parse_body, read_body
 from servelab.server.metrics import ServerMetrics
-from servelab.server.protocol import (UNBOUNDED_MAX_TOKENS, ApiError, GenerationRequest, PromptBounds, bad_request,
-                                      check_model, parse_chat, parse_completion, request_error)
+from servelab.server.protocol import (ApiError, GenerationRequest, PromptBounds, bad_request, check_model,
+                                      check_response_size, parse_chat, parse_completion, request_error)
 from servelab.server.responses import chat_body, chat_chunks, completion_body, completion_chunks
 
 logger = structlog.get_logger(__name__)
@@ -56,13 +57,14 @@ class ServerState:
     api_key: str | None = None
     limits: RequestLimits = attrs.field(factory=RequestLimits)
     draining: bool = False  # set on SIGTERM: admission stops, in-flight requests finish
+    liveness_timeout: float = 30.0  # /health is 503 once the engine's loop is not heard from this long with work queued
     stop_ray: bool = False  # the replicas run on a local Ray started by this server
 
     @property
     def bounds(self) -> PromptBounds:
         info = self.engine.info
         return PromptBounds(self.max_model_len, self.limits.prompt_chars(self.max_model_len), info.vocab_size,
-                            info.max_logprobs)
+                            info.max_logprobs, self.limits.caps)
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -77,6 +79,7 @@ def build_app(state: ServerState) -> Starlette:
 
     routes = [
         Route("/health", _health, methods=["GET"]),
+        Route("/ready", _ready, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/v1/models", _guarded(_models), methods=["GET"]),
         Route("/v1/completions", _guarded(_completions), methods=["POST"]),
@@ -135,11 +138,38 @@ def _check_api_key(request: Request, api_key: str | None) -> None:
                        code="invalid_api_key")
 
 
+def _liveness(state: ServerState) -> str | None:
+    """Why the server is not live (None: it is): shutting down, the engine failed, or the
+    engine's step loop has not turned for liveness_timeout seconds while work is queued."""
+    engine = state.engine
+    if engine.error is not None:
+        return engine.error
+    if engine.stopping or state.draining:
+        return "shutting down"
+    stalled = engine.stalled_seconds()
+    if stalled > state.liveness_timeout:
+        return (f"the engine's step loop has not turned for {stalled:.1f} s while requests wait "
+                f"(liveness timeout {state.liveness_timeout:g} s)")
+    return None
+
+
 async def _health(request: Request) -> Response:
-    state = _state(request)
-    if state.engine.error is not None or state.engine.stopping or state.draining:
-        return JSONResponse({"status": "unavailable", "error": state.engine.error}, status_code=503)
+    """Liveness: 503 when the server should be restarted (or is going away)."""
+    problem = _liveness(_state(request))
+    if problem is not None:
+        return JSONResponse({"status": "unavailable", "error": problem}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+async def _ready(request: Request) -> Response:
+    """Readiness: 200 when a new request would be taken now (live, and the queue has room)."""
+    state = _state(request)
+    problem = _liveness(state)
+    if problem is None and state.engine.num_waiting >= state.max_waiting:
+        problem = f"the queue is full: {state.engine.num_waiting} sequences wait (limit {state.max_waiting})"
+    if problem is not None:
+        return JSONResponse({"status": "not_ready", "error": problem}, status_code=503)
+    return JSONResponse({"status": "ready"})
 
 
 async def _metrics(request: Request) -> Response:
@@ -154,7 +184,9 @@ async def _models(request: Request, state: ServerState) -> Response:
 
 async def _body(request: Request, state: ServerState) -> dict[str, Any]:
     raw = await read_body(request.stream(), request.headers.get("content-length"), state.limits)
-    body = parse_body(raw, state.limits)
+    # parsing and checking every value is proportional to the body: on a thread, not the event loop
+    body = parse_body(raw, state.limits) if len(raw) < _INLINE_BYTES else await asyncio.to_thread(
+        parse_body, raw, state.limits)
     check_model(body, state.model_name)
     return body
 
@@ -171,15 +203,16 @@ async def _encoded(encode: Awaitable[Any], field: str) -> Any:
 
 def _check_context(prompts: list[list[int]], parsed: GenerationRequest, state: ServerState, field: str) -> None:
     """400 when a prompt and max_tokens together do not fit the context (vLLM's rule)."""
-    max_tokens = parsed.params.max_tokens
+    max_tokens = parsed.max_tokens
     for prompt in prompts:
         if len(prompt) > state.max_model_len:
             raise bad_request(f"{field} has {len(prompt)} tokens, more than max_model_len={state.max_model_len}",
                               field)
-        if max_tokens != UNBOUNDED_MAX_TOKENS and len(prompt) + max_tokens > state.max_model_len:
+        if max_tokens is not None and len(prompt) + max_tokens > state.max_model_len:
             raise bad_request(f"{field} has {len(prompt)} tokens and max_tokens is {max_tokens}: "
                               f"{len(prompt) + max_tokens} tokens do not fit max_model_len={state.max_model_len}",
                               "max_tokens")
+    check_response_size([len(prompt) for prompt in prompts], parsed, state.bounds)
 
 
 async def _completions(request: Request, state: ServerState) -> Response:
@@ -187,27 +220,29 @@ async def _completions(request: Request, state: ServerState) -> Response:
     parsed = parse_completion(await _body(request, state), state.bounds)
     prompts = await _encoded(state.codec.encode_prompts(parsed.prompts), "prompt")
     _check_context(prompts, parsed, state, "prompt")
-    generation = await _start(state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time)
+    generation = await _start(request, state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time)
     if parsed.stream:
-        return _sse(completion_chunks(generation, state.model_name))
-    await _run_to_end(generation, request)
-    return JSONResponse(completion_body(generation, state.model_name, parsed.return_token_ids))
+        return _sse(completion_chunks(generation, state.model_name), parsed.structured_field)
+    await _run_to_end(generation, request, parsed.structured_field)
+    return await _json(completion_body(generation, state.model_name, parsed.return_token_ids))
 
 
 async def _chat_completions(request: Request, state: ServerState) -> Response:
     arrival_time = state.engine.clock()
     parsed = parse_chat(await _body(request, state), state.bounds)
-    prompt = await _encoded(state.codec.encode_chat(list(parsed.messages)), "messages")
+    prompt = await _encoded(state.codec.encode_chat(list(parsed.messages), state.bounds.max_prompt_chars),
+                            "messages")
     _check_context([prompt], parsed, state, "messages")
-    generation = await _start(state, parsed, [prompt], "messages", "chatcmpl", "chat.completions", arrival_time)
+    generation = await _start(request, state, parsed, [prompt], "messages", "chatcmpl", "chat.completions",
+                              arrival_time)
     if parsed.stream:
-        return _sse(chat_chunks(generation, state.model_name))
-    await _run_to_end(generation, request)
-    return JSONResponse(chat_body(generation, state.model_name, parsed.return_token_ids))
+        return _sse(chat_chunks(generation, state.model_name), parsed.structured_field)
+    await _run_to_end(generation, request, parsed.structured_field)
+    return await _json(chat_body(generation, state.model_name, parsed.return_token_ids))
 
 
-async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[Any], prompt_field: str,
-                 id_prefix: str, endpoint: str, arrival_time: float) -> Generation:
+async def _start(request: Request, state: ServerState, parsed: GenerationRequest, prompts: list[Any],
+                 prompt_field: str, id_prefix: str, endpoint: str, arrival_time: float) -> Generation:
     """Admission control, then queue every choice; 400 / 429 / 500 / 503 as ApiError."""
     if state.draining:  # it began before the signal and was tokenized since
         raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
@@ -221,14 +256,17 @@ async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[An
                             f"(limit {state.max_waiting}); retry later", type="rate_limit_error",
                        code="overloaded", headers={"Retry-After": "1"})
     echo_texts = None
-    if parsed.echo:  # the prompt as given, or its token ids decoded
-        tokenizer = state.codec.tokenizer
-        echo_texts = [p if isinstance(p, str) else tokenizer.decode(list(p)) if tokenizer is not None else ""
-                      for p in parsed.prompts]
+    if parsed.echo:  # the prompt as given, or its token ids decoded (on the codec's pool)
+        echo_texts = await state.codec.decode_prompts(parsed.prompts)
     generation = Generation(state.engine, state.codec.tokenizer, prompts, parsed.params, parsed.n,
                             f"{id_prefix}-{uuid.uuid4().hex}", endpoint, echo_texts)
     try:
-        await generation.start(arrival_time)
+        # a client that leaves while its request is validated or its grammar compiles
+        # cancels it there (the compilation stops once no request waits for it)
+        await _unless_disconnected(request, generation.start(arrival_time))
+    except OverloadedError as exc:
+        raise ApiError(429, str(exc), parsed.structured_field, type="rate_limit_error", code="overloaded",
+                       headers={"Retry-After": "1"}) from None
     except RequestError as exc:
         raise request_error(exc, prompt_field, parsed.structured_field) from None
     except AdmissionFailed as exc:
@@ -239,31 +277,43 @@ async def _start(state: ServerState, parsed: GenerationRequest, prompts: list[An
     return generation
 
 
-async def _run_to_end(generation: Generation, request: Request) -> None:
+async def _run_to_end(generation: Generation, request: Request, structured_field: str | None) -> None:
     """Run a non-streaming request; a client that disconnects first aborts it."""
 
     async def consume() -> None:
         async for _ in generation.deltas():
             pass
 
-    work = asyncio.ensure_future(consume())
+    try:
+        await _unless_disconnected(request, consume())  # its generator's finally aborts the engine requests
+    except (EngineFailure, CodecFailure) as exc:
+        raise _failure(exc, structured_field) from None
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or ApiError 499 once the client disconnects first (`work` cancelled)."""
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():
-            work.cancel()  # its generator's finally aborts the engine requests
+        if not task.done():
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
+                await task
+    if task.cancelled():
         raise ApiError(499, "the client closed the request")
-    try:
-        work.result()
-    except EngineFailure as exc:
-        raise ApiError(500, str(exc), type="server_error") from None
-    except CodecFailure as exc:
-        raise ApiError(500, str(exc), type="server_error") from None
+    return task.result()
+
+
+def _failure(exc: Exception, structured_field: str | None) -> ApiError:
+    """A request that failed after it started: the client's grammar reaching a dead end is
+    a 400 on its field (code "grammar_dead_end"); anything else is the server's 500."""
+    if isinstance(exc, RequestFailed) and NO_NEXT_TOKEN in str(exc):
+        return ApiError(400, f"{exc}: no token of the vocabulary continues the output within its constraint",
+                        structured_field, code="grammar_dead_end")
+    return ApiError(500, str(exc), type="server_error")
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -271,13 +321,13 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict[str, Any]], structured_field: str | None = None) -> StreamingResponse:
     async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 yield b"data: " + dump_json(chunk) + b"\n\n"
         except (EngineFailure, CodecFailure) as exc:
-            error = ApiError(500, str(exc), type="server_error").body()
+            error = _failure(exc, structured_field).body()
             yield b"data: " + dump_json(error) + b"\n\n"
         except Exception as exc:  # the stream has begun: the error can only be an event
             logger.exception("stream.failed")
@@ -286,6 +336,20 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+_INLINE_BYTES = 64 * 1024  # bodies and responses smaller than this are handled on the event loop
+
+
+async def _json(body: dict[str, Any]) -> Response:
+    """A JSON response, encoded on a thread when it is large (echo with logprobs)."""
+    encoded = dump_json(body) if _small(body) else await asyncio.to_thread(dump_json, body)
+    return Response(encoded, media_type="application/json")
+
+
+def _small(body: dict[str, Any]) -> bool:
+    choices = body.get("choices", ())
+    return len(choices) <= 4 and all(not choice.get("logprobs") for choice in choices)
 
 
 def _dump_json_stdlib(value: Any) -> bytes:

@@ -51,14 +51,24 @@ class TextCodec:
         encoded = iter(await self.run(self.tokenizer.encode_batch, texts))
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template rendered and tokenized (RequestError when the template refuses)."""
+    async def decode_prompts(self, prompts: Seq[str | list[int]]) -> list[str]:
+        """Each prompt's text: as given, or its token ids decoded ("" without a tokenizer)."""
+        if all(isinstance(p, str) for p in prompts) or self.tokenizer is None:
+            return [p if isinstance(p, str) else "" for p in prompts]
+        return await self.run(lambda: [p if isinstance(p, str) else self.tokenizer.decode(list(p)) for p in prompts])
+
+    async def encode_chat(self, messages: list[dict[str, str]], max_chars: int | None = None) -> list[int]:
+        """The chat template rendered and tokenized (RequestError when the template refuses,
+        or renders more than `max_chars` characters)."""
         if self.tokenizer is None:
             raise RequestError("messages: this checkpoint has no tokenizer.json, so it cannot take chat messages")
-        return await self.run(self._render_and_encode, messages)
+        return await self.run(self._render_and_encode, messages, max_chars)
 
-    def _render_and_encode(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render_and_encode(self, messages: list[dict[str, str]], max_chars: int | None = None) -> list[int]:
         rendered = self.chat_template.render(messages)
+        if max_chars is not None and len(rendered.text) > max_chars:  # a template may add much to each message
+            raise RequestError(f"messages: the rendered chat has {len(rendered.text)} characters, more than this "
+                               f"server tokenizes ({max_chars})")
         return self.tokenizer.encode_batch([rendered.text], add_special_tokens=rendered.add_special_tokens)[0]
 
     def close(self) -> None:

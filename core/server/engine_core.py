@@ -13,12 +13,21 @@ Commands are plain tuples so that they pickle cheaply:
     ("abort", None, [request_id, ...])       unknown ids are ignored
     ("stop", None, None)                      abort whatever is in flight, send it, return
 
+Nothing per request runs on the step loop beyond its admission: an add is validated (and
+its logits processors' per-request preparation, a grammar's compilation, awaited) on the
+intake thread (intake.py), and only a group that passed reaches the loop. While work is
+queued the loop sends at least one CoreOutput every HEARTBEAT_SECONDS (an empty one if
+need be), so the front end can tell a stalled loop from a busy one (`/health`).
+
 An exception out of a step (or the loop around it) is the engine's death: the last
 CoreOutput carries `failure`, and every later add is refused until "stop".
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from typing import Any, Callable
 
 import attrs
@@ -26,11 +35,12 @@ import structlog
 
 import servelab
 from servelab.errors import RequestError, ServelabError
-from servelab.interfaces import AllocatorStats, SchedulerStats, SequenceStatus
+from servelab.interfaces import AllocatorStats, ClosingProcessor, SchedulerStats, SequenceStatus, WarmingProcessor
 from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
 
 logger = structlog.get_logger(__name__)
+HEARTBEAT_SECONDS = 0.5  # while work is queued, the loop sends something at least this often
 
 
 class EngineUnavailable(ServelabError):
@@ -62,6 +72,7 @@ class EngineSnapshot:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_running_tokens: int = 0  # context tokens of running sequences (for routers; 0 unless asked for)
+    num_preparing: int = 0  # requests being validated or waiting for a grammar, not yet in the scheduler
 
 
 @attrs.frozen
@@ -121,15 +132,69 @@ class EngineCore:
         self._send = send
         self._counter = StepCounter()
         self._last_snapshot = EMPTY_SNAPSHOT
+        self._last_sent = time.monotonic()
         engine.registry.register(self._counter)
+        from servelab.server.intake import Intake
+
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the loop, admitted groups included
+        self._intake = Intake(engine, lambda command: self._inbox.put(command))
+        self._processors = list(engine.logits_pipeline.processors.values())
+        # xgrammar's import and the JSON-object grammar, off the loop before the first request needs them
+        warm = [p.warm_up for p in self._processors if isinstance(p, WarmingProcessor)]
+        if warm:
+            threading.Thread(target=lambda: [w() for w in warm], name="servelab-warm-up", daemon=True).start()
 
     def run(self) -> None:
         in_flight: set[str] = set()  # request ids
+        reader = threading.Thread(target=self._read_commands, name="servelab-commands", daemon=True)
+        reader.start()
         try:
             self._serve(in_flight)
         except Exception as exc:  # a broken engine must not hang its clients
             self._fail(exc)
             self._refuse_until_stopped()
+        finally:
+            self._intake.close()
+            for processor in self._processors:  # a grammar compiling now is killed, not waited for
+                if isinstance(processor, ClosingProcessor):
+                    processor.close()
+
+    def _read_commands(self) -> None:
+        """Commands from the connection: adds to the intake, the rest to the loop, in order
+        (an abort reaches the intake first, so a group it held never reaches the loop)."""
+        while True:
+            for command in self._receive(True):
+                kind, command_id, payload = command
+                if kind == "add":
+                    self._intake.submit(command_id, payload)
+                    # the loop may sleep on the inbox: it wakes to send heartbeats while this prepares
+                    self._inbox.put(("wake", None, None))
+                    continue
+                if kind == "abort":
+                    self._intake.cancel(payload)
+                self._inbox.put(command)
+                if kind == "stop":
+                    self._intake.close()
+                    return
+
+    def _take(self, block: bool) -> list[Command]:
+        """The loop's commands: with `block`, waiting for one (up to a heartbeat while the
+        intake holds requests, so that the loop keeps telling the front end it is alive)."""
+        taken = []
+        if block:
+            try:
+                taken.append(self._inbox.get(timeout=HEARTBEAT_SECONDS if self._intake.num_preparing else None))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                taken.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return taken
+
+    def _send_output(self, output: CoreOutput) -> None:
+        self._last_sent = time.monotonic()
+        self._send(output)
 
     def snapshot(self) -> EngineSnapshot:
         counter = self._counter
@@ -137,9 +202,10 @@ class EngineCore:
         if self._count_running_tokens:
             running_tokens = sum(seq.num_tokens for seq in self.engine.unfinished_sequences()
                                  if seq.status is SequenceStatus.RUNNING)
+        preparing = self._intake.num_preparing + self.engine.num_preparing_requests()
         self._last_snapshot = EngineSnapshot(self.engine.scheduler.stats(), self.engine.allocator.stats(),
                                              counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens,
-                                             running_tokens)
+                                             running_tokens, preparing)
         return self._last_snapshot
 
     def _serve(self, in_flight: set[str]) -> None:
@@ -149,21 +215,24 @@ class EngineCore:
             finished: list[RequestOutput] = []
             resolved: list[tuple[int, BaseException | None]] = []
             stop = False
-            for kind, command_id, payload in self._receive(not engine.has_unfinished()):
-                if kind == "add" and not stop:
-                    resolved.append((command_id, self._add(payload, in_flight)))
-                elif kind == "add":
+            for kind, command_id, payload in self._take(not engine.has_unfinished()):
+                if kind == "admit" and not stop:
+                    resolved.append((command_id, self._admit(payload, in_flight)))
+                elif kind == "admit":
+                    self.engine.discard(payload.records)
                     resolved.append((command_id, EngineUnavailable("the server is shutting down")))
+                elif kind == "refuse":
+                    resolved.append((command_id, payload))
                 elif kind == "abort":
                     self._abort(payload, in_flight, finished)
-                else:
+                elif kind == "stop":
                     stop = True
             if stop:
                 self._abort(list(in_flight), in_flight, finished)
-                self._send(CoreOutput(tokens, finished, self.snapshot(), resolved))
+                self._send_output(CoreOutput(tokens, finished, self.snapshot(), resolved))
                 return
             if resolved:  # answer admissions before the (slow) step, so requests count as started early
-                self._send(CoreOutput({}, finished, self.snapshot(), resolved))
+                self._send_output(CoreOutput({}, finished, self.snapshot(), resolved))
                 finished = []
             logprobs: dict[str, list[Any]] = {}
             prompt_logprobs: dict[str, list[Any]] = {}
@@ -174,25 +243,27 @@ class EngineCore:
                 for output in result.finished:
                     in_flight.discard(output.request_id)
             if tokens or finished or prompt_logprobs:
-                self._send(CoreOutput(tokens, finished, self.snapshot(), logprobs=logprobs,
-                                      prompt_logprobs=prompt_logprobs))
+                self._send_output(CoreOutput(tokens, finished, self.snapshot(), logprobs=logprobs,
+                                             prompt_logprobs=prompt_logprobs))
+            elif (engine.has_unfinished() or self._intake.num_preparing) and \
+                    time.monotonic() - self._last_sent > HEARTBEAT_SECONDS:
+                self._send_output(CoreOutput({}, [], self.snapshot()))  # the loop turns: a heartbeat
 
-    def _add(self, requests: list[NewRequest], in_flight: set[str]) -> BaseException | None:
-        try:
-            for request in requests:  # all or none
-                self.engine.validate_request(request.prompt, request.params)
-            for request in requests:
-                self.engine.add_request(request.prompt, request.params, request_id=request.request_id,
-                                        arrival_time=request.arrival_time)
-                in_flight.add(request.request_id)
-        except RequestError as exc:
+    def _admit(self, group: Any, in_flight: set[str]) -> BaseException | None:
+        """Queue a group the intake validated (and prepared), unless it was aborted meanwhile."""
+        if not self._intake.take(group):
+            self.engine.discard(group.records)
+            return EngineUnavailable("the request was aborted before it was admitted")
+        try:  # checked and prepared on the intake's thread: queueing them is all that is left
+            in_flight.update(self.engine.admit(group.records))
+        except RequestError as exc:  # an id already in flight: admit took none of them
             return exc
         except Exception as exc:  # a fault while taking this group in fails this group alone
-            logger.exception("request.admission_failed", request_ids=[r.request_id for r in requests])
-            for request in requests:
-                if request.request_id in in_flight:
-                    self.engine.abort(request.request_id)
-                    in_flight.discard(request.request_id)
+            logger.exception("request.admission_failed", request_ids=[r.request_id for r in group.requests])
+            for record in group.records:
+                if record.request_id in in_flight:
+                    self.engine.abort(record.request_id)
+                    in_flight.discard(record.request_id)
             return AdmissionFailed(f"{type(exc).__name__}: {exc}")
         return None
 
@@ -214,10 +285,10 @@ class EngineCore:
     def _refuse_until_stopped(self) -> None:
         while True:
             refused = []
-            for kind, command_id, _ in self._receive(True):
+            for kind, command_id, _ in self._take(True):
                 if kind == "stop":
                     return
-                if kind == "add":
+                if kind in ("admit", "refuse"):
                     refused.append((command_id, EngineUnavailable("the engine has failed")))
             if refused:
                 self._send(CoreOutput({}, [], self._last_snapshot, refused))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any, Callable, Iterable, Sequence as Seq
 
 import attrs
@@ -75,6 +76,7 @@ class AsyncEngine:
         self.error: str | None = None  # set when the engine failed
         self.stopping = False
         self._started_connection = False
+        self._last_heard = time.monotonic()  # the core's last output (its loop turned), or work sent to an idle one
 
     @property
     def info(self) -> EngineInfo:
@@ -113,6 +115,8 @@ class AsyncEngine:
             self.num_waiting += request.params.n
             self.num_waiting_tokens += tokens
         command_id = next(self._command_ids)
+        if not self._pending and len(self._queues) == len(requests):  # an idle core: its clock starts now
+            self._last_heard = time.monotonic()
         accepted = self._pending[command_id] = self._loop.create_future()
         self.connection.send(("add", command_id, list(requests)))
         try:
@@ -128,6 +132,14 @@ class AsyncEngine:
         finally:
             self._pending.pop(command_id, None)
         return events
+
+    def stalled_seconds(self) -> float:
+        """Seconds since the core was last heard from while work is queued in it (0 when
+        none is): a core that steps, or waits for a grammar, sends at least a heartbeat
+        every engine_core.HEARTBEAT_SECONDS."""
+        if not self._queues and not self._pending:
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_heard)
 
     @property
     def num_in_flight(self) -> int:
@@ -155,6 +167,7 @@ class AsyncEngine:
     # ------------------------------------------------------------ the connection's thread
 
     def _on_output(self, output: CoreOutput) -> None:
+        self._last_heard = time.monotonic()
         for command_id, error in output.resolved:
             self._call_soon(self._resolve, command_id, error)
         events: Events = {sequence_id: RequestEvent(tuple(token_ids), tuple(output.logprobs.get(sequence_id, ())))
@@ -165,8 +178,9 @@ class AsyncEngine:
             previous = events.get(finished.request_id)
             events[finished.request_id] = (attrs.evolve(previous, output=finished) if previous is not None
                                            else RequestEvent(output=finished))
-        if events or output.failure is not None or not output.resolved:
-            self._detokenizer.put(events, output.snapshot, output.failure)  # then _deliver, on the event loop
+        # then _deliver, on the event loop (an output that only answers admissions brings a
+        # snapshot too: a refused or cancelled request leaves the waiting count there)
+        self._detokenizer.put(events, output.snapshot, output.failure)
 
     def _on_exit(self, message: str) -> None:
         self._detokenizer.put({}, self.snapshot, message)

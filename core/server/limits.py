@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any, AsyncIterator
 
 import attrs
 
+from servelab.server.caps import RequestCaps
 from servelab.server.protocol import ApiError, bad_request, brief
 
 CHARS_PER_TOKEN_BOUND = 16  # prompt characters allowed per token of context (see max_prompt_chars)
@@ -29,6 +31,7 @@ class RequestLimits:
     max_json_depth: int = 32
     body_timeout: float = 30.0  # seconds from the request's headers to its last body byte
     max_prompt_chars: int | None = None  # None: CHARS_PER_TOKEN_BOUND x max_model_len
+    caps: RequestCaps = RequestCaps()  # what one request may ask for (counts and sizes)
 
     def prompt_chars(self, max_model_len: int) -> int:
         """Characters a prompt (or a chat's messages together) may hold before tokenization:
@@ -86,7 +89,7 @@ def parse_body(raw: bytes, limits: RequestLimits) -> dict[str, Any]:
                           "invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
-    _check_values(body, limits.max_json_depth)
+    _check_values(body, limits.max_json_depth, _may_hold_surrogates(raw))
     return body
 
 
@@ -98,22 +101,77 @@ def _too_deep(limits: RequestLimits) -> ApiError:
     return bad_request(f"the request body nests deeper than {limits.max_json_depth} levels", None, "invalid_json")
 
 
-def _check_values(body: Any, max_depth: int) -> None:
-    """Depth and Unicode of every value, without recursion (the depth is the client's choice)."""
-    pending: list[tuple[Any, int, str]] = [(body, 1, "")]
+def _check_values(body: Any, max_depth: int, check_unicode: bool = True) -> None:
+    """Depth of every container and, with `check_unicode`, Unicode of every string, without
+    recursion (the depth is the client's choice)."""
+    _check_depth(body, max_depth)
+    if check_unicode:
+        _check_unicode(body)
+
+
+_CONTAINERS = (dict, list)
+
+
+def _check_depth(body: Any, max_depth: int) -> None:
+    """Containers only, one nesting level at a time: a megabyte of small objects costs tens
+    of milliseconds, not a tuple per value."""
+    level = [body] if type(body) in _CONTAINERS else []
+    depth = 1
+    while level:
+        if depth > max_depth:
+            raise bad_request(f"the request body nests deeper than {max_depth} levels", None, "invalid_json")
+        children: list[Any] = []
+        for value in level:
+            children.extend([item for item in (value.values() if type(value) is dict else value)
+                             if type(item) in _CONTAINERS])
+        level = children
+        depth += 1
+
+
+# json.loads yields a lone surrogate only from a "\\udXXX" escape, or (it decodes with
+# "surrogatepass") from UTF-8 bytes ED A0..BF, or from a body in UTF-16 / UTF-32
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    if json.detect_encoding(raw) != "utf-8":
+        return True
+    return b"\xed" in raw or _SURROGATE_ESCAPE.search(raw) is not None
+
+
+def _check_unicode(body: Any) -> None:
+    """Every string and key valid Unicode; a value's path is spelled out only for the error."""
+    pending: list[tuple[Any, Any]] = [(body, None)]  # (value, (parent entry, key))
     while pending:
-        value, depth, where = pending.pop()
+        entry = pending.pop()
+        value = entry[0]
         if isinstance(value, str):
-            _check_text(value, where)
-        elif isinstance(value, (dict, list)):
-            if depth > max_depth:
-                raise bad_request(f"the request body nests deeper than {max_depth} levels", None, "invalid_json")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                path = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
-                if isinstance(key, str):
-                    _check_text(key, path)
-                pending.append((item, depth + 1, path.lstrip(".")))
+            if not _is_unicode(value):
+                _check_text(value, _path(entry))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = (item, (entry, key))
+                if not _is_unicode(key):
+                    _check_text(key, _path(child))
+                pending.append(child)
+        elif isinstance(value, list):
+            pending.extend((item, (entry, index)) for index, item in enumerate(value))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(entry: tuple[Any, Any]) -> str:
+    parts = []
+    while entry[1] is not None:
+        entry, key = entry[1]
+        parts.append(f".{key}" if isinstance(key, str) else f"[{key}]")
+    return "".join(reversed(parts)).lstrip(".")
 
 
 def _check_text(text: str, where: str) -> None:

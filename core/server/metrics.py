@@ -150,7 +150,7 @@ class ServerMetrics:
     def _refresh_gauges(self, snapshot: EngineSnapshot) -> None:
         scheduler, kv = snapshot.scheduler, snapshot.allocator
         self.requests_running.set(scheduler.num_running)
-        self.requests_waiting.set(scheduler.num_waiting)
+        self.requests_waiting.set(scheduler.num_waiting + snapshot.num_preparing)
         self.preemptions.set(scheduler.num_preemptions)
         self.kv_usage.set(kv.num_used_blocks / kv.num_blocks if kv.num_blocks else 0.0)
         for state, count in (("total", kv.num_blocks), ("used", kv.num_used_blocks),

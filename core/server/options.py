@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 from servelab.errors import ServelabError
+from servelab.server.caps import RequestCaps
 from servelab.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
 from servelab.server.serve import ServerOptions
 
@@ -43,6 +44,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-prompt-chars", type=int, default=None,
                        help=f"longer prompts get 400 before tokenization (default {CHARS_PER_TOKEN_BOUND} "
                             f"x max_model_len)")
+    serve.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                       help=f"a per-request limit (repeatable; docs/serving.md lists them): "
+                            f"{', '.join(RequestCaps.names())}")
+    serve.add_argument("--liveness-timeout", type=float, default=30.0,
+                       help="/health answers 503 once the engine's loop has not turned for this many seconds "
+                            "while requests wait (default 30)")
     serve.add_argument("--tokenizer-workers", type=int, default=2,
                        help="threads that tokenize prompts and render chat templates (default 2)")
     serve.add_argument("--engine-threads", type=int, default=None,
@@ -57,12 +64,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
 def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerOptions:
     """ServerOptions from parsed arguments; ServelabError for a bad value (an empty key included)."""
     limits = RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
-                           body_timeout=args.body_timeout, max_prompt_chars=args.max_prompt_chars)
+                           body_timeout=args.body_timeout, max_prompt_chars=args.max_prompt_chars,
+                           caps=RequestCaps().with_settings(args.limit))
     return ServerOptions(host=args.host, port=args.port, api_key=api_key(args, environ),
                          served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                          shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
                          limits=limits, tokenizer_workers=args.tokenizer_workers,
-                         engine_threads=args.engine_threads, replicas=args.replicas, ray_address=args.ray_address)
+                         engine_threads=args.engine_threads, replicas=args.replicas, ray_address=args.ray_address,
+                         liveness_timeout=args.liveness_timeout)
 
 
 def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:

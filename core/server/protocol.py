@@ -20,6 +20,7 @@ import attrs
 
 from servelab.errors import RequestError
 from servelab.sampling_params import SamplingParams
+from servelab.server.caps import RequestCaps
 from servelab.structured import StructuredOutput
 
 MAX_N = 64  # choices per request
@@ -78,6 +79,7 @@ class PromptBounds:
     max_prompt_chars: int
     vocab_size: int
     max_logprobs: int = 20  # the engine's max_logprobs
+    caps: RequestCaps = RequestCaps()  # the per-request quantity limits
 
 
 def request_error(exc: RequestError, prompt_field: str, structured_field: str | None = None) -> ApiError:
@@ -105,6 +107,7 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM's extra: token ids in non-streaming choices
     echo: bool = False  # completions: the prompt comes first in each choice (with its logprobs when asked)
     structured_field: str | None = None  # the body field that asked for structured output
+    max_tokens: int | None = None  # as asked; None: until the context is full (chat without a limit)
 
 
 def check_model(body: dict[str, Any], served_model: str) -> None:
@@ -119,10 +122,14 @@ def check_model(body: dict[str, Any], served_model: str) -> None:
 def parse_completion(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
     """`POST /v1/completions`: prompt is a string, a token-id list, or a list of either."""
     _refuse_unsupported(body, chat=False)
+    caps = bounds.caps
     prompts = _prompts(body.get("prompt", _MISSING))
+    if len(prompts) > caps.max_prompts:
+        raise _over_limit(f"prompt has {len(prompts)} prompts", "max_prompts", caps.max_prompts, "prompt")
+    n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
+    _check_sequences(len(prompts), n, caps)
     for prompt in prompts:
         _check_prompt_size(prompt, bounds, "prompt")
-    n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
     logprobs = _integer(body, "logprobs", None, minimum=0, maximum=bounds.max_logprobs)
     echo = _boolean(body, "echo")
     # echo with logprobs scores the prompt too, as vLLM does
@@ -130,17 +137,23 @@ def parse_completion(body: dict[str, Any], bounds: PromptBounds) -> GenerationRe
     params, structured_field = _sampling_params(body, 16, n, bounds, extra)
     return GenerationRequest(prompts, params, n, _boolean(body, "stream"),
                              return_token_ids=_boolean(body, "return_token_ids"), echo=echo,
-                             structured_field=structured_field)
+                             structured_field=structured_field, max_tokens=params.max_tokens)
 
 
 def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
     """`POST /v1/chat/completions`: messages are {"role", "content"} with text content."""
     _refuse_unsupported(body, chat=True)
-    messages = _messages(body.get("messages", _MISSING))
-    _check_prompt_size("".join(m["content"] for m in messages), bounds, "messages")
+    messages = _messages(body.get("messages", _MISSING), bounds.caps)
+    # what the template will render, at least: every role and content, and a separator each
+    size = sum(len(m["content"]) + len(m["role"]) + MESSAGE_OVERHEAD_CHARS for m in messages)
+    if size > bounds.max_prompt_chars:
+        raise bad_request(f"messages have {size} characters (content, roles and {MESSAGE_OVERHEAD_CHARS} a message), "
+                          f"more than this server tokenizes ({bounds.max_prompt_chars}, for "
+                          f"max_model_len={bounds.max_model_len})", "messages")
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
+    _check_sequences(1, n, bounds.caps)
     top_logprobs = _integer(body, "top_logprobs", None, minimum=0, maximum=bounds.max_logprobs)
     wants_logprobs = _boolean(body, "logprobs")
     if top_logprobs is not None and not wants_logprobs:
@@ -148,8 +161,44 @@ def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
     # Chat's default is "until the context is full"; the engine stops at max_model_len.
     extra = {"logprobs": (top_logprobs or 0) if wants_logprobs else None}
     params, structured_field = _sampling_params(body, None, n, bounds, extra)
+    max_tokens = None if body.get("max_tokens") is None else params.max_tokens
     return GenerationRequest((), params, n, _boolean(body, "stream"), messages,
-                             return_token_ids=_boolean(body, "return_token_ids"), structured_field=structured_field)
+                             return_token_ids=_boolean(body, "return_token_ids"), structured_field=structured_field,
+                             max_tokens=max_tokens)
+
+
+MESSAGE_OVERHEAD_CHARS = 8  # characters a chat message costs before its content (the template's own text)
+
+
+def _over_limit(what: str, limit: str, value: int, param: str | None) -> ApiError:
+    """A 400 naming the limit a request passed (`servelab serve --limit NAME=VALUE`)."""
+    return bad_request(f"{what}, more than this server allows ({limit} = {value})", param, "limit_exceeded")
+
+
+def _check_sequences(num_prompts: int, n: int, caps: RequestCaps) -> None:
+    if num_prompts * n > caps.max_sequences:
+        raise _over_limit(f"{num_prompts} prompts x n={n} = {num_prompts * n} sequences", "max_sequences",
+                          caps.max_sequences, "n")
+
+
+def check_response_size(prompt_lengths: list[int], request: GenerationRequest, bounds: PromptBounds) -> None:
+    """400 when the logprobs a request asks for would make a response larger than
+    max_logprob_entries: prompts x n x positions (echoed prompt + output) x (top-k + 1)."""
+    params = request.params
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return
+    entries = 0
+    for length in prompt_lengths:
+        outputs = request.max_tokens if request.max_tokens is not None else max(0, bounds.max_model_len - length)
+        if params.logprobs is not None:
+            entries += request.n * outputs * (params.logprobs + 1)
+        if params.prompt_logprobs is not None:
+            entries += request.n * length * (params.prompt_logprobs + 1)
+    limit = bounds.caps.max_logprob_entries
+    if entries > limit:
+        field = "top_logprobs" if request.messages else "logprobs"
+        raise _over_limit(f"the logprobs asked for come to {entries} entries (prompts x n x positions x "
+                          f"(top-k + 1))", "max_logprob_entries", limit, field)
 
 
 _MISSING = object()
@@ -177,9 +226,11 @@ def _prompts(prompt: Any) -> tuple[Any, ...]:
     raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
 
 
-def _messages(messages: Any) -> tuple[dict[str, str], ...]:
+def _messages(messages: Any, caps: RequestCaps) -> tuple[dict[str, str], ...]:
     if messages is _MISSING or not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > caps.max_messages:
+        raise _over_limit(f"messages has {len(messages)} messages", "max_messages", caps.max_messages, "messages")
     parsed = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
@@ -211,7 +262,10 @@ def _content(content: Any, where: str) -> str:
 def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: int, bounds: PromptBounds,
                      extra: dict[str, Any]) -> tuple[SamplingParams, str | None]:
     """The request's SamplingParams, and the field that asked for structured output (if any)."""
+    caps = bounds.caps
     max_tokens = _integer(body, "max_tokens", default_max_tokens, minimum=1)
+    if max_tokens is not None and max_tokens > bounds.max_model_len:  # before any arithmetic on it
+        raise bad_request(f"max_tokens is {max_tokens}, more than max_model_len={bounds.max_model_len}", "max_tokens")
     top_k = _integer(body, "top_k", -1)
     if not (top_k in (-1, 0) or 1 <= top_k <= bounds.vocab_size):  # 0 disables it too, as in vLLM
         raise bad_request(f"top_k must be -1 (disabled) or in 1..{bounds.vocab_size} (the vocabulary), "
@@ -222,20 +276,24 @@ def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: in
         "top_k": top_k,
         "min_p": _number(body, "min_p", 0.0),
         "seed": _seed(body, n),
-        "stop": _stop(body.get("stop")),
-        "stop_token_ids": _token_ids(body, "stop_token_ids"),
+        "stop": _stop(body.get("stop"), caps),
+        "stop_token_ids": _token_ids(body, "stop_token_ids", caps.max_stop_token_ids),
         "ignore_eos": _boolean(body, "ignore_eos"),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0),
         "presence_penalty": _number(body, "presence_penalty", 0.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0),
-        "logit_bias": _logit_bias(body.get("logit_bias")),
+        "logit_bias": _logit_bias(body.get("logit_bias"), caps, bounds.vocab_size),
         "min_tokens": _integer(body, "min_tokens", 0, minimum=0),
-        "bad_words": _strings(body, "bad_words"),
-        "logits_processors": _strings(body, "logits_processors"),
+        "bad_words": _strings(body, "bad_words", caps.max_bad_words, "max_bad_words", caps.max_bad_word_chars,
+                              "max_bad_word_chars"),
+        "logits_processors": _strings(body, "logits_processors", caps.max_logits_processors,
+                                      "max_logits_processors"),
         "extra_args": _object(body, "extra_args"),
         **extra,
     }
-    structured_field, values["structured"] = _structured(body)
+    structured_field, values["structured"] = _structured(body, caps)
+    if structured_field is not None:
+        _check_structured_conflicts(values, structured_field)
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
     else:
@@ -246,18 +304,44 @@ def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: in
         raise request_error(exc, "prompt", structured_field) from None
 
 
-def _logit_bias(value: Any) -> dict[int, float]:
+_STRUCTURED_CONFLICTS = {
+    "min_tokens": "min_tokens bans the end of the output until it has that many tokens, which a grammar may "
+                  "need sooner",
+    "bad_words": "bad_words can ban the only tokens the grammar allows",
+}
+
+
+def _check_structured_conflicts(values: dict[str, Any], structured_field: str) -> None:
+    """Fields that can leave a grammar no token to allow are refused with it, at admission:
+    structured output never returns text that violates its constraint."""
+    for name, why in _STRUCTURED_CONFLICTS.items():
+        if values.get(name):
+            raise bad_request(f"{name} cannot be combined with {structured_field}: {why}", name,
+                              "conflicting_fields")
+
+
+_MAX_TOKEN_ID_DIGITS = 10  # token ids are below 2**31
+
+
+def _logit_bias(value: Any, caps: RequestCaps, vocab_size: int) -> dict[int, float]:
     """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (keys are strings in JSON)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise bad_request(f"logit_bias must be an object mapping token ids to numbers, got {brief(value)}",
                           "logit_bias")
+    if len(value) > caps.max_logit_bias:
+        raise _over_limit(f"logit_bias has {len(value)} entries", "max_logit_bias", caps.max_logit_bias, "logit_bias")
     bias = {}
     for key, amount in value.items():
-        token = key if _is_int(key) else int(key) if isinstance(key, str) and key.isdigit() else None
+        # ASCII digits only: str.isdigit accepts "²", which int() refuses; and a bounded length,
+        # because int() refuses more than 4,300 digits (and a token id has at most ten)
+        token = key if _is_int(key) else (int(key) if isinstance(key, str) and key.isascii() and key.isdigit()
+                                          and len(key) <= _MAX_TOKEN_ID_DIGITS else None)
         if token is None:
             raise bad_request(f"logit_bias keys must be token ids, got {brief(key)}", "logit_bias")
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})", "logit_bias")
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
             raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {brief(amount)} for token "
                               f"{token}", "logit_bias")
@@ -274,16 +358,23 @@ def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
-def _strings(body: dict[str, Any], name: str) -> tuple[str, ...]:
+def _strings(body: dict[str, Any], name: str, max_count: int, count_limit: str, max_chars: int | None = None,
+             chars_limit: str = "") -> tuple[str, ...]:
     value = body.get(name)
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
         raise bad_request(f"{name} must be a list of non-empty strings, got {brief(value)}", name)
+    if len(value) > max_count:
+        raise _over_limit(f"{name} has {len(value)} entries", count_limit, max_count, name)
+    if max_chars is not None:
+        longest = max(value, key=len)
+        if len(longest) > max_chars:
+            raise _over_limit(f"{name} holds a {len(longest)}-character string", chars_limit, max_chars, name)
     return tuple(value)
 
 
-def _structured(body: dict[str, Any]) -> tuple[str | None, StructuredOutput | None]:
+def _structured(body: dict[str, Any], caps: RequestCaps) -> tuple[str | None, StructuredOutput | None]:
     """OpenAI's response_format, or one of vLLM's guided_* fields (at most one of them)."""
     given = [name for name in _STRUCTURED_FIELDS if body.get(name) is not None
              and not (name == "response_format" and body[name] == {"type": "text"})]
@@ -293,6 +384,7 @@ def _structured(body: dict[str, Any]) -> tuple[str | None, StructuredOutput | No
         raise bad_request(f"give one of {', '.join(given)}, not several: each constrains the whole output", given[1])
     field = given[0]
     value = body[field]
+    _check_structured_size(field, value, caps)
     try:
         if field == "response_format":
             return field, _response_format(value)
@@ -310,6 +402,46 @@ def _structured(body: dict[str, Any]) -> tuple[str | None, StructuredOutput | No
         return field, (StructuredOutput.regex(value) if field == "guided_regex" else StructuredOutput.grammar(value))
     except RequestError as exc:
         raise bad_request(str(exc), field) from None
+
+
+def _check_structured_size(field: str, value: Any, caps: RequestCaps) -> None:
+    """The grammar's size bounds its compilation: its text, its choices and enum values."""
+    if field == "guided_choice" and isinstance(value, list):
+        if len(value) > caps.max_choices:
+            raise _over_limit(f"guided_choice has {len(value)} choices", "max_choices", caps.max_choices, field)
+        size = sum(len(c) + 3 for c in value if isinstance(c, str))  # each becomes "(c)|"
+    elif isinstance(value, str):
+        size = len(value)
+    else:
+        size, choices = _schema_size(value)
+        if choices > caps.max_choices:
+            raise _over_limit(f"{field} has {choices} enum / const values", "max_choices", caps.max_choices, field)
+    if size > caps.max_grammar_chars:
+        raise _over_limit(f"{field} is {size} characters", "max_grammar_chars", caps.max_grammar_chars, field)
+
+
+def _schema_size(schema: Any) -> tuple[int, int]:
+    """(characters of its JSON text, at least; enum and const values) of a parsed schema,
+    without recursion (the body's depth limit already bounds its nesting)."""
+    size = choices = 0
+    pending = [schema]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            size += 2 + 4 * len(value)
+            for key, item in value.items():
+                size += len(key) if isinstance(key, str) else 0
+                if key == "enum" and isinstance(item, list):
+                    choices += len(item)
+                elif key == "const":
+                    choices += 1
+                pending.append(item)
+        elif isinstance(value, list):
+            size += 2 + len(value)
+            pending.extend(value)
+        else:
+            size += len(value) if isinstance(value, str) else 4
+    return size, choices
 
 
 def _response_format(value: Any) -> StructuredOutput:
@@ -378,28 +510,37 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _stop(value: Any) -> tuple[str, ...]:
+def _stop(value: Any, caps: RequestCaps) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
         raise bad_request(f"stop must be a non-empty string or a list of them, got {brief(value)}", "stop")
+    if len(value) > caps.max_stop:
+        raise _over_limit(f"stop has {len(value)} strings", "max_stop", caps.max_stop, "stop")
+    longest = max(map(len, value), default=0)
+    if longest > caps.max_stop_chars:
+        raise _over_limit(f"stop holds a {longest}-character string", "max_stop_chars", caps.max_stop_chars, "stop")
     return tuple(value)
 
 
-def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
+def _token_ids(body: dict[str, Any], name: str, max_count: int) -> tuple[int, ...]:
     value = body.get(name)
     if value is None:
         return ()
     if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
         raise bad_request(f"{name} must be a list of non-negative integers, got {brief(value)}", name)
+    if len(value) > max_count:
+        raise _over_limit(f"{name} has {len(value)} entries", "max_stop_token_ids", max_count, name)
     return tuple(value)
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """Fields servelab cannot honour are errors unless they hold their neutral value."""
-    neutral = {"suffix": ("",), "tools": ([],), "functions": ([],)}
+    neutral = {"suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+               # tool calling is not served; prompt logprobs come with echo and logprobs (completions)
+               "function_call": ("none", "auto"), "parallel_tool_calls": (), "prompt_logprobs": ()}
     for name, allowed in neutral.items():
         value = body.get(name)
         if value is not None and not any(value == a and type(value) is type(a) for a in allowed):

@@ -115,6 +115,10 @@ class ReplicaSet:
     def num_waiting(self) -> int:
         return sum(replica.num_waiting for index, replica in enumerate(self.replicas) if index not in self.dead)
 
+    def stalled_seconds(self) -> float:
+        """The longest any live replica's loop has not been heard from while it had work."""
+        return max((self.replicas[i].stalled_seconds() for i in self.live_replicas()), default=0.0)
+
     @property
     def snapshot(self) -> EngineSnapshot:
         """Every replica's counters summed (a dead replica's last ones included)."""
@@ -183,4 +187,4 @@ def sum_snapshots(snapshots: Seq[EngineSnapshot]) -> EngineSnapshot:
                                prefix_hit_tokens=sum(a.prefix_hit_tokens for a in kv))
     return EngineSnapshot(scheduler, allocator, sum(s.num_steps for s in snapshots),
                           sum(s.num_draft_tokens for s in snapshots), sum(s.num_accepted_tokens for s in snapshots),
-                          sum(s.num_running_tokens for s in snapshots))
+                          sum(s.num_running_tokens for s in snapshots), sum(s.num_preparing for s in snapshots))

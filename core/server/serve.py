@@ -54,11 +54,13 @@ class ServerOptions:
     engine_threads: int | None = None  # torch threads of the engine process; None: one core left to this one
     replicas: int | None = None  # run this many engine replicas as Ray actors (None: one engine process)
     ray_address: str | None = None  # the Ray cluster to join; None: start a local Ray for the replicas
+    liveness_timeout: float = 30.0  # /health: 503 once the engine's loop is silent this long with work queued
 
     def __attrs_post_init__(self) -> None:
         positive = {"--max-waiting": self.max_waiting, "--header-timeout": self.header_timeout,
                     "--body-timeout": self.limits.body_timeout, "--max-body-bytes": self.limits.max_body_bytes,
-                    "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers}
+                    "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers,
+                    "--liveness-timeout": self.liveness_timeout}
         if self.engine_threads is not None:
             positive["--engine-threads"] = self.engine_threads
         if self.replicas is not None:
@@ -147,7 +149,8 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     return ServerState(engine=engine, metrics=metrics, codec=codec,
                        model_name=options.served_model_name or config.engine.model,
                        max_model_len=engine.info.max_model_len, max_waiting=options.max_waiting,
-                       api_key=options.api_key, limits=options.limits, stop_ray=stop_ray)
+                       api_key=options.api_key, limits=options.limits, stop_ray=stop_ray,
+                       liveness_timeout=options.liveness_timeout)
 
 
 def default_engine_threads() -> int:

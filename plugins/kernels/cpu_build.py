@@ -11,6 +11,14 @@ watched from a background thread, so an engine serves on the torch path meanwhil
 process that exits mid-build leaves neither a half-built library nor a held build lock
 behind. Without a compiler the build fails once, says so in one log line, and the torch
 path keeps serving.
+
+The detached build leaves nothing behind that nobody asked for: at most one builder per
+cache (an flock next to the library, taken by the watchdog before anything starts; the
+next starts see it held and start nothing), bounded in time, ended by SIGTERM, and never
+importing a `servelab/` folder of the directory it was started from (its interpreter
+runs without the working directory on sys.path, from the cache's directory).
+`python -m servelab.plugins.kernels.cpu_build` is the explicit build step: it builds in
+the foreground and returns when the library is ready (exit 0) or could not be built.
 """
 
 from __future__ import annotations
@@ -96,7 +104,7 @@ class KernelBuild:
                 return
         try:
             subprocess.Popen(_background_command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=_safe_directory())
         except OSError:  # no interpreter to start at exit: the next start tries again
             pass
 
@@ -124,7 +132,12 @@ class KernelBuild:
     def _build(self, background: bool) -> None:
         try:
             command = _background_command() if background else [sys.executable, "-c", _BOOTSTRAP]
-            compiled = subprocess.run(command, capture_output=True, text=True, start_new_session=True)
+            compiled = subprocess.run(command, capture_output=True, text=True, start_new_session=True,
+                                      stdin=subprocess.DEVNULL, cwd=_safe_directory())
+            if background and compiled.returncode == EXIT_LOCKED:
+                self.error = "another process is building the kernels"
+                logger.info("cpu_paged.build_in_progress_elsewhere", fallback="torch-paged attention")
+                return
             if compiled.returncode != 0:
                 raise RuntimeError((compiled.stderr.strip() or compiled.stdout.strip() or "build failed")
                                    .splitlines()[-1])
@@ -199,7 +212,10 @@ def _watch_for_stale_locks(period: float = 30.0) -> None:
 # at default priority made the command 4x slower (12 s instead of 3). Even so, it is stopped
 # outright while other processes keep the CPUs busy (yielding_build, run as a script so that
 # it imports nothing of servelab or torch).
-_BOOTSTRAP = "import runpy; runpy.run_module('servelab.plugins.kernels.cpu_build', run_name='__main__')"
+# `python -c` puts the working directory first on sys.path, where a `servelab/` checkout
+# would shadow the installed package: the bootstrap takes it off before importing anything.
+_BOOTSTRAP = ("import os, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]; "
+              "import runpy; runpy.run_module('servelab.plugins.kernels.cpu_build', run_name='__main__')")
 _BACKGROUND_BOOTSTRAP = """
 import os
 try:  # Linux: run only on otherwise idle cores
@@ -210,17 +226,35 @@ os.environ["MAX_JOBS"] = "1"
 """ + _BOOTSTRAP
 
 
+EXIT_LOCKED = 75  # yielding_build.EXIT_LOCKED: another builder holds this cache's lock
+
+
+def _build_directory() -> Path | None:
+    from torch.utils import cpp_extension
+
+    try:
+        return Path(cpp_extension._get_build_directory(_flags()[0], verbose=False))
+    except (OSError, AttributeError):
+        return None
+
+
+def _safe_directory() -> str:
+    """Where build processes run: the library's build directory (never the user's)."""
+    directory = _build_directory()
+    return str(directory) if directory is not None and directory.is_dir() else "/"
+
+
 def _background_command() -> list[str]:
     command = [sys.executable, str(Path(__file__).with_name("yielding_build.py"))]
-    try:  # a build stopped for long must not look like a killed one (STALE_LOCK_SECONDS)
-        from torch.utils import cpp_extension
-
-        command += ["--keep-fresh", str(Path(cpp_extension._get_build_directory(_flags()[0], verbose=False)) / "lock")]
-    except (OSError, AttributeError):
-        pass
+    directory = _build_directory()
+    if directory is not None:
+        # torch's lock, kept fresh while the build is stopped (so it never looks like a killed
+        # build's, STALE_LOCK_SECONDS), and the one-builder-per-cache lock
+        command += ["--keep-fresh", str(directory / "lock"), "--lock", str(directory / "servelab-builder.lock")]
     return command + [sys.executable, "-c", _BACKGROUND_BOOTSTRAP]
 
 
 if __name__ == "__main__":
     threading.Thread(target=_watch_for_stale_locks, daemon=True).start()
     load_library()
+    print(f"servelab: cpu-paged kernels built: {_flags()[0]}", file=sys.stderr)

@@ -70,15 +70,31 @@ class CpuPagedAttention(TorchPagedAttention):
             # The default backend everywhere: on another device it is torch-paged.
             logger.info("cpu_paged.not_cpu", device=str(context.device), fallback="torch-paged attention")
             return
-        if self.cpu_options.build == "wait":
+        build = self.cpu_options.build
+        if build == "wait":
             self._kernels = self._build.wait()
-        elif self.cpu_options.build == "cached":
+        elif build == "cached":
             self._kernels = self._build.load_cached()
             if self._kernels is None:
-                logger.info("cpu_paged.building_for_next_start", fallback="torch-paged attention for this run")
                 self._build.start_later()
-        elif self.cpu_options.build == "background":
+        elif build == "background":
             self._build.start(background=True)
+        self._say_which_path(build)
+
+    def _say_which_path(self, build: str) -> None:
+        """One line at start-up: the attention path this run takes, and why."""
+        if self._kernels is not None:
+            logger.info("attention.path", path="cpu-paged C++ kernels", reason=f"build={build!r}: library loaded")
+            return
+        reason = {"never": "build='never' keeps every row on torch-paged",
+                  "background": "build='background': the kernels are compiling; the run switches once they land",
+                  "wait": f"the kernels could not be built ({self._build.error})",
+                  "cached": "the kernels are not built on this machine yet; one background build (paused while "
+                            "other work keeps the CPUs busy) prepares them for the next start, or run "
+                            "`python -m servelab.plugins.kernels.cpu_build` once"}[build]
+        # info, not a warning: a library stays silent on a normal start (a machine's first
+        # run is on this path), and a warning would land on an unconfigured program's stdout
+        logger.info("attention.path", path="torch-paged fallback", reason=reason)
 
     @property
     def kernels_ready(self) -> bool:

@@ -7,10 +7,19 @@ batch-64 decode step took 186-310 ms beside the build against 11-12 ms alone. So
 stops the build and every process it started (SIGSTOP) while other processes use more than
 half a core, and continues them (SIGCONT) once the others have been quiet for a while.
 Linux only (it reads /proc); elsewhere the build just runs.
+
+A program that exits must leave nothing running that nobody asked for, so the watchdog is
+bounded every way it can outlive its use: at most one per cache (`--lock PATH`, an flock
+held for the build's life; a second watchdog on the same lock exits at once with
+EXIT_LOCKED), at most `--deadline` seconds in all and MAX_STOPPED_SECONDS stopped in a row
+(a machine that never goes quiet: the build is killed and the next start tries again),
+and SIGTERM / SIGINT / SIGHUP kill the build and end the watchdog. SERVELAB_BUILD_YIELD=0
+turns the stopping off (a CI machine whose only other work is its own tests).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import signal
@@ -21,6 +30,10 @@ import time
 BUSY_CORES = 0.5  # other processes' use that stops the build, in cores
 QUIET_SECONDS = 2.0  # how long others must stay under it before the build continues (plus up to a second)
 INTERVAL_SECONDS = 0.25
+DEADLINE_SECONDS = 1800.0  # the whole build, stopped time included (a build takes about a minute)
+MAX_STOPPED_SECONDS = 600.0  # stopped this long in a row: the machine never goes quiet, give up
+EXIT_LOCKED = 75  # another watchdog holds the cache's build lock (EX_TEMPFAIL)
+EXIT_GAVE_UP = 124  # the deadline passed, or the build stayed stopped too long
 
 
 def busy_ticks() -> int:
@@ -72,50 +85,115 @@ def _signal(pids: list[int], signum: int) -> None:
             pass
 
 
-def run_yielding(command: list[str], keep_fresh: str | None = None) -> int:
-    """Run `command`, stopped (it and everything it starts) while other work keeps the CPUs
-    busy; returns its exit status. `keep_fresh`: a file (the build's lock) whose modification
-    time is renewed while the build is stopped, so that no one takes it for the leftover of
-    a killed build."""
-    child = subprocess.Popen(command, start_new_session=True)
-    if not os.path.exists("/proc/stat"):
-        return child.wait()
-    limit = BUSY_CORES * os.sysconf("SC_CLK_TCK") * INTERVAL_SECONDS
-    stopped, quiet_since = False, None
-    before = (busy_ticks(), tree(child.pid)[1])
+def take_lock(path: str):
+    """The open lock file, held (flock) until this process ends; None when another process holds it."""
+    import fcntl
+
+    handle = open(path, "a")
     try:
-        while child.poll() is None:
-            time.sleep(INTERVAL_SECONDS)
-            members, ours = tree(child.pid)
-            busy = busy_ticks()
-            others = (busy - before[0]) - (ours - before[1])
-            before = (busy, ours)
-            if others > limit:
-                quiet_since = None
-                stopped = True
-            elif stopped:
-                # Two builds watching each other would stop and resume in step forever: a random
-                # wait on top of QUIET_SECONDS lets one of them go first.
-                quiet_since = quiet_since or time.monotonic() + random.uniform(0.0, 1.0)
-                stopped = time.monotonic() - quiet_since < QUIET_SECONDS
-                if not stopped:
-                    _signal(members, signal.SIGCONT)
-            if stopped:  # every time: a job started just before the stop is caught by the next
-                _signal(members, signal.SIGSTOP)
-                if keep_fresh:
-                    try:
-                        os.utime(keep_fresh)
-                    except OSError:  # not taken yet, or gone
-                        pass
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        handle.close()
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return None
+        raise
+    return handle
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated(signum)
+
+
+def _kill_tree(root: int) -> None:
+    """The build and everything it started: continued (a stopped process cannot die of
+    SIGTERM until then), terminated, and killed if still there a moment later."""
+    members = tree(root)[0]
+    _signal(members, signal.SIGCONT)
+    _signal(members, signal.SIGTERM)
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end and tree(root)[0]:
+        time.sleep(0.05)
+    _signal(tree(root)[0] + members, signal.SIGKILL)
+
+
+def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | None = None,
+                 deadline: float = DEADLINE_SECONDS, max_stopped: float = MAX_STOPPED_SECONDS) -> int:
+    """Run `command`, stopped (it and everything it starts) while other work keeps the CPUs
+    busy; returns its exit status (EXIT_LOCKED without running it when `lock` is held
+    elsewhere, EXIT_GAVE_UP when it was killed for taking too long). `keep_fresh`: a file
+    (torch's build lock) whose modification time is renewed while the build is stopped,
+    so that no one takes it for the leftover of a killed build."""
+    held = take_lock(lock) if lock else None
+    if lock and held is None:
+        return EXIT_LOCKED
+    previous = {signum: signal.signal(signum, _terminate) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    child = None
+    try:
+        child = subprocess.Popen(command, start_new_session=True)
+        return _watch(child, keep_fresh, deadline, max_stopped)
+    except _Terminated as exc:
+        return 128 + exc.args[0]
     finally:
-        if child.poll() is None:  # this watchdog is going away: leave nothing stopped behind
-            _signal(tree(child.pid)[0], signal.SIGCONT)
+        if child is not None and child.poll() is None:  # leave nothing behind, stopped or running
+            _kill_tree(child.pid)
+            child.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if held is not None:
+            held.close()
+
+
+def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max_stopped: float) -> int:
+    started = time.monotonic()
+    yielding = os.path.exists("/proc/stat") and os.environ.get("SERVELAB_BUILD_YIELD", "1") != "0"
+    limit = BUSY_CORES * os.sysconf("SC_CLK_TCK") * INTERVAL_SECONDS if yielding else 0
+    stopped, quiet_since, stopped_since = False, None, None
+    before = (busy_ticks(), tree(child.pid)[1]) if yielding else (0, 0)
+    while child.poll() is None:
+        time.sleep(INTERVAL_SECONDS)
+        now = time.monotonic()
+        if now - started > deadline or (stopped_since is not None and now - stopped_since > max_stopped):
+            return EXIT_GAVE_UP  # the caller kills the build
+        if not yielding:
+            continue
+        members, ours = tree(child.pid)
+        busy = busy_ticks()
+        others = (busy - before[0]) - (ours - before[1])
+        before = (busy, ours)
+        if others > limit:
+            quiet_since = None
+            stopped = True
+        elif stopped:
+            # Two builds watching each other would stop and resume in step forever: a random
+            # wait on top of QUIET_SECONDS lets one of them go first.
+            quiet_since = quiet_since or now + random.uniform(0.0, 1.0)
+            stopped = now - quiet_since < QUIET_SECONDS
+            if not stopped:
+                _signal(members, signal.SIGCONT)
+        stopped_since = (stopped_since or now) if stopped else None
+        if stopped:  # every time: a job started just before the stop is caught by the next
+            _signal(members, signal.SIGSTOP)
+            if keep_fresh:
+                try:
+                    os.utime(keep_fresh)
+                except OSError:  # not taken yet, or gone
+                    pass
     return child.returncode
 
 
-if __name__ == "__main__":  # yielding_build.py [--keep-fresh PATH] COMMAND...
-    arguments = sys.argv[1:]
-    fresh = None
-    if arguments[:1] == ["--keep-fresh"]:
-        fresh, arguments = arguments[1], arguments[2:]
-    sys.exit(run_yielding(arguments, fresh))
+def main(arguments: list[str]) -> int:
+    """yielding_build.py [--keep-fresh PATH] [--lock PATH] [--deadline S] [--max-stopped S] COMMAND..."""
+    options = {"--keep-fresh": None, "--lock": None, "--deadline": str(DEADLINE_SECONDS),
+               "--max-stopped": str(MAX_STOPPED_SECONDS)}
+    while arguments[:1] and arguments[0] in options:
+        options[arguments[0]], arguments = arguments[1], arguments[2:]
+    return run_yielding(arguments, options["--keep-fresh"], options["--lock"], float(options["--deadline"]),
+                        float(options["--max-stopped"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

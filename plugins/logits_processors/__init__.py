@@ -3,6 +3,7 @@ structured output (xgrammar). Each is selected by its SamplingParams field."""
 
 import servelab
 from servelab.plugin_types import LogitsProcessorPlugin
+from servelab.plugins.logits_processors.options import StructuredOptions
 
 _HERE = "servelab.plugins.logits_processors"
 
@@ -23,5 +24,6 @@ def servelab_register_logits_processors():
         LogitsProcessorPlugin(name="presence_penalty", factory=f"{_HERE}.penalties:PresencePenalty",
                               description="subtracts presence_penalty from every token already in the output"),
         LogitsProcessorPlugin(name="structured", factory=f"{_HERE}.structured:StructuredOutputProcessor",
+                              options=StructuredOptions,
                               description="JSON schema / regex / EBNF via xgrammar token bitmasks (runs last)"),
     ]

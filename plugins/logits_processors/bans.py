@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any, Sequence as Seq
 
 import attrs
@@ -68,9 +71,13 @@ class BadWordsState:
 
 
 class BadWords:
+    CACHE_SIZE = 64  # bad-word lists whose tokenization is kept
+
     def __init__(self, options: Any, context: Any) -> None:
         self.tokenizer = context.tokenizer
         self.vocab_size = context.vocab_size
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, ...], tuple[tuple[int, ...], ...]] = OrderedDict()
 
     def is_requested(self, params: Any) -> bool:
         return bool(params.bad_words)
@@ -79,14 +86,32 @@ class BadWords:
         if self.tokenizer is None:
             raise RequestError("bad_words need a tokenizer; this checkpoint has none")
 
+    def prepare(self, params: Any) -> Future:
+        """The bad words' token sequences, tokenized once per request (one batch call, which
+        runs without the GIL) wherever admission prepares it, not on the step loop: a request's
+        sequences share them, and a repeated list is found in a small cache."""
+        future: Future = Future()
+        key = params.bad_words
+        with self._lock:
+            sequences = self._cache.get(key)
+            if sequences is not None:
+                self._cache.move_to_end(key)
+        if sequences is None:
+            texts = [text for word in key for text in (word, " " + word.lstrip())]
+            encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+            sequences = tuple(sorted({tuple(ids) for ids in encoded if ids and max(ids) < self.vocab_size}))
+            with self._lock:
+                self._cache[key] = sequences
+                while len(self._cache) > self.CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        future.set_result(sequences)
+        return future
+
     def new_state(self, request: Any) -> BadWordsState:
-        sequences = set()
-        for word in request.params.bad_words:
-            for text in (word, " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids and max(ids) < self.vocab_size:
-                    sequences.add(ids)
-        return BadWordsState(tuple(sorted(sequences)))
+        sequences = request.prepared
+        if sequences is None:  # a caller that did not prepare
+            sequences = self.prepare(request.params).result()
+        return BadWordsState(sequences)
 
     def apply(self, logits: torch.Tensor, states: Seq[BadWordsState]) -> torch.Tensor:
         rows, tokens = [], []

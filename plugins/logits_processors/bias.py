@@ -21,14 +21,19 @@ class LogitBias:
             if token_id >= self.vocab_size:
                 raise RequestError(f"logit_bias token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
 
-    def new_state(self, request: Any) -> tuple[tuple[int, float], ...]:
-        return request.params.logit_bias  # nothing changes as tokens are accepted
+    def new_state(self, request: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bias as two tensors (token ids, amounts), built once per request: a step
+        concatenates them, whatever their size, instead of rebuilding Python lists."""
+        bias = request.params.logit_bias
+        return (torch.tensor([token_id for token_id, _ in bias], dtype=torch.int64),
+                torch.tensor([amount for _, amount in bias], dtype=torch.float32))
 
     def apply(self, logits: torch.Tensor, states: Seq[Any]) -> torch.Tensor:
-        rows = [row for row, bias in enumerate(states) for _ in bias]
-        tokens = [token_id for bias in states for token_id, _ in bias]
-        amounts = [amount for bias in states for _, amount in bias]
-        logits[torch.tensor(rows), torch.tensor(tokens)] += torch.tensor(amounts, dtype=logits.dtype)
+        counts = torch.tensor([len(tokens) for tokens, _ in states], dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(len(states)), counts).to(logits.device)
+        tokens = torch.cat([tokens for tokens, _ in states]).to(logits.device)
+        amounts = torch.cat([amounts for _, amounts in states]).to(device=logits.device, dtype=logits.dtype)
+        logits.index_put_((rows, tokens), amounts, accumulate=True)
         return logits
 
     def accept(self, state: Any, token_id: int) -> None:

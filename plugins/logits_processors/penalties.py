@@ -5,6 +5,10 @@
   multiplied by r.
 - frequency_penalty f: logit -= f * (times the token occurs in the output).
 - presence_penalty p: logit -= p for every token that occurs in the output.
+
+Each request's state is a TokenTally (its distinct tokens and their counts as tensors,
+updated token by token), so a step costs the new tokens in Python and one batched
+indexing operation over every row's distinct tokens in torch.
 """
 
 from __future__ import annotations
@@ -14,14 +18,13 @@ from typing import Any, Sequence as Seq
 import attrs
 import torch
 
-from servelab.plugins.logits_processors.history import OutputHistory
+from servelab.plugins.logits_processors.tally import TokenTally
 
 
 @attrs.define
 class PenaltyState:
     value: float  # the request's penalty
-    history: OutputHistory = attrs.field(factory=OutputHistory)
-    prompt_tokens: frozenset[int] = frozenset()
+    tally: TokenTally = attrs.field(factory=TokenTally)  # output tokens (repetition: and the prompt's)
 
 
 class _Penalty:
@@ -38,67 +41,52 @@ class _Penalty:
         return PenaltyState(float(getattr(request.params, self.field)))
 
     def accept(self, state: PenaltyState, token_id: int) -> None:
-        state.history.accept(token_id)
+        state.tally.accept(token_id)
 
     def rollback(self, state: PenaltyState, num_tokens: int) -> None:
-        state.history.rollback(num_tokens)
-
-    def _entries(self, states: Seq[PenaltyState]) -> tuple[list[int], list[int], list[float]]:
-        raise NotImplementedError
+        state.tally.rollback(num_tokens)
 
     def apply(self, logits: torch.Tensor, states: Seq[PenaltyState]) -> torch.Tensor:
-        rows, tokens, amounts = self._entries(states)
-        if rows:
-            self._update(logits, torch.tensor(rows), torch.tensor(tokens),
-                         torch.tensor(amounts, dtype=logits.dtype, device=logits.device))
+        sizes = [state.tally.size for state in states]
+        if not any(sizes):
+            return logits
+        logits = logits.contiguous()
+        device = logits.device
+        ids = torch.cat([state.tally.ids for state in states]).to(device)
+        counts = torch.cat([state.tally.counts for state in states]).to(device=device, dtype=logits.dtype)
+        sizes_tensor = torch.tensor(sizes, device=device)
+        rows = torch.repeat_interleave(torch.arange(len(states), device=device), sizes_tensor)
+        values = torch.repeat_interleave(torch.tensor([state.value for state in states], dtype=logits.dtype,
+                                                      device=device), sizes_tensor)
+        self._update(logits.view(-1), rows * logits.shape[1] + ids, counts, values)
         return logits
 
-    def _update(self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, amounts: torch.Tensor) -> None:
-        logits[rows, tokens] -= amounts
+    def _update(self, flat: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
+                values: torch.Tensor) -> None:
+        """Penalise `flat[positions]` (each row's distinct tokens: no position twice)."""
+        raise NotImplementedError
 
 
 class FrequencyPenalty(_Penalty):
     field, neutral = "frequency_penalty", 0.0
 
-    def _entries(self, states):
-        rows, tokens, amounts = [], [], []
-        for row, state in enumerate(states):
-            for token_id, count in state.history.counts.items():
-                rows.append(row)
-                tokens.append(token_id)
-                amounts.append(state.value * count)
-        return rows, tokens, amounts
+    def _update(self, flat, positions, counts, values):
+        flat[positions] -= values * counts
 
 
 class PresencePenalty(_Penalty):
     field, neutral = "presence_penalty", 0.0
 
-    def _entries(self, states):
-        rows, tokens, amounts = [], [], []
-        for row, state in enumerate(states):
-            for token_id in state.history.counts:
-                rows.append(row)
-                tokens.append(token_id)
-                amounts.append(state.value)
-        return rows, tokens, amounts
+    def _update(self, flat, positions, counts, values):
+        flat[positions] -= values  # every token in the tally occurs at least once
 
 
 class RepetitionPenalty(_Penalty):
     field, neutral = "repetition_penalty", 1.0
 
     def new_state(self, request: Any) -> PenaltyState:
-        return PenaltyState(float(request.params.repetition_penalty),
-                            prompt_tokens=frozenset(request.prompt_token_ids))
+        return PenaltyState(float(request.params.repetition_penalty), TokenTally(request.prompt_token_ids))
 
-    def _entries(self, states):
-        rows, tokens, amounts = [], [], []
-        for row, state in enumerate(states):
-            seen = state.prompt_tokens.union(state.history.counts)
-            rows.extend([row] * len(seen))
-            tokens.extend(seen)
-            amounts.extend([state.value] * len(seen))
-        return rows, tokens, amounts
-
-    def _update(self, logits, rows, tokens, amounts):
-        values = logits[rows, tokens]
-        logits[rows, tokens] = torch.where(values > 0, values / amounts, values * amounts)
+    def _update(self, flat, positions, counts, values):
+        seen = flat[positions]
+        flat[positions] = torch.where(seen > 0, seen / values, seen * values)

@@ -1,10 +1,22 @@
 """Structured output through xgrammar: JSON schema, any JSON object, regex, EBNF.
 
-A request's grammar is compiled against the tokenizer on a worker thread (`prepare`):
-the request waits for it, other requests keep stepping. Compiled grammars are cached
-per (kind, spec), and concurrent requests with one schema share one compilation. Each
-request's state is an xgrammar GrammarMatcher; every step its next-token bitmask is
-applied to its logits row (a batched bitmask for all structured rows of the step).
+A request's grammar is compiled against the tokenizer before the request reaches the
+step loop (`prepare`, awaited by the server's intake; the engine's own call then finds
+it cached). Compilation runs in a process of its own (grammar_worker.py), one grammar
+at a time, within a time budget (`compile_timeout_s`: past it the request is refused,
+and the compiler killed and restarted), and it is cancelled (killed) when the last
+request waiting for it goes away. At most `max_pending_compiles` distinct grammars wait
+or compile at once (beyond: OverloadedError, a 429), so structured requests cannot pile
+up behind one; plain requests never wait for the compiler at all. Compiled grammars are
+cached (at most `cache_size` of them and `cache_bytes` bytes, least recently used
+first), grammars that failed too (a repeat is refused at once), and concurrent requests
+with one schema share one compilation. Each request's state is an xgrammar
+GrammarMatcher; every step its next-token bitmask is applied to its logits row (a
+batched bitmask for all structured rows of the step). A row the grammar leaves no token
+(a state no token of the vocabulary can continue, though the grammar has not ended)
+fails its request, `finish_reason="error"` with "structured output: the grammar allows no
+next token", instead of sampling a token the grammar forbids; fields that could cause
+that (min_tokens, bad_words) are refused with a grammar at admission.
 
 Speculative decoding accepts drafts tentatively: a draft the grammar forbids was masked
 out of the row that verifies it (so verification rejects it), and the rows after it are
@@ -13,19 +25,26 @@ never used. The state counts such tokens as "dead" so rollback stays exact.
 
 from __future__ import annotations
 
-import json
-import re
+import collections
+import os
+import select
+import subprocess
+import sys
 import threading
+import time
+import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Sequence as Seq
 
 import attrs
 import torch
 
-from servelab.errors import RequestError
+from servelab.errors import OverloadedError, RequestError
+from servelab.plugins.logits_processors import grammar_worker
+from servelab.plugins.logits_processors.options import NO_NEXT_TOKEN, StructuredOptions
 
-CACHE_SIZE = 256  # compiled grammars kept
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "grammar": "grammar"}
 
 
 def _xgrammar():
@@ -42,33 +61,158 @@ class GrammarState:
     dead: int = 0  # tokens accepted after one the grammar refused (a rejected draft and those after it)
 
 
+@attrs.define(eq=False)
+class _Job:
+    key: tuple[str, str]
+    result: Future = attrs.field(factory=Future)  # the CompiledGrammar
+    waiters: int = 0
+    started: bool = False
+    bounded: bool = True  # counts among max_pending_compiles (the warm-up does not)
+    cancelled: threading.Event = attrs.field(factory=threading.Event)
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    job: _Job
+    released: bool = False
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _StartTimeout(Exception):
+    pass
+
+
+START_TIMEOUT_S = 120.0  # the compiler process's start-up (importing xgrammar), outside any grammar's budget
+
+
+class GrammarDeadEnd(RuntimeError):
+    """A sequence's grammar allows no next token (and it has not ended): its request fails."""
+
+
+class CompilerProcess:
+    """The grammar worker process: started on first use, killed to cancel or time out."""
+
+    def __init__(self, tokenizer_info_json: str) -> None:
+        self._info = tokenizer_info_json
+        self._process: subprocess.Popen | None = None
+
+    def compile(self, kind: str, spec: str, timeout: float, cancelled: threading.Event) -> tuple[str, str]:
+        """("ok", serialized grammar) or ("error", message); TimeoutError / _Cancelled kill the
+        process. The budget starts once the process is ready: its start-up (importing
+        xgrammar, reading the vocabulary) is not the grammar's."""
+        process = self._start(cancelled)
+        grammar_worker.write_message(process.stdin, (kind, spec))
+        return self._reply(time.monotonic() + timeout, cancelled, TimeoutError)
+
+    def _reply(self, deadline: float, cancelled: threading.Event, late: type[Exception]) -> Any:
+        process = self._process
+        while True:
+            if cancelled.is_set():
+                self.kill()
+                raise _Cancelled()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise late()
+            ready, _, _ = select.select([process.stdout], [], [], min(left, 0.05))
+            if ready:
+                try:
+                    return grammar_worker.read_message(process.stdout)
+                except EOFError:
+                    self.kill()
+                    raise RuntimeError("the grammar compiler process died") from None
+
+    def _start(self, cancelled: threading.Event) -> subprocess.Popen:
+        if self._process is None or self._process.poll() is not None:
+            bootstrap = ("import os, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]; "
+                         "from servelab.plugins.logits_processors.grammar_worker import main; main()")
+            self._process = subprocess.Popen([sys.executable, "-c", bootstrap], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
+                                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+            grammar_worker.write_message(self._process.stdin, self._info)
+            try:
+                self._reply(time.monotonic() + START_TIMEOUT_S, cancelled, _StartTimeout)  # ("ready", None)
+            except _StartTimeout:
+                raise RuntimeError(f"the grammar compiler process did not start within {START_TIMEOUT_S:g} s") \
+                    from None
+        return self._process
+
+    def kill(self) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        if process is not None:
+            for stream in (process.stdin, process.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
 class StructuredOutputProcessor:
-    def __init__(self, options: Any, context: Any) -> None:
+    def __init__(self, options: StructuredOptions | None, context: Any) -> None:
+        self.options = options or StructuredOptions()
         self.vocab_size = context.vocab_size
         self.tokenizer = context.tokenizer
         self.eos_token_ids = sorted(context.eos_token_ids)
-        self._compiler = None
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._executor: ThreadPoolExecutor | None = None
+        self._tokenizer_info = None
+        self._lock = threading.Condition()
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # key -> CompiledGrammar
+        self._cache_bytes = 0
+        self._refused: OrderedDict[tuple[str, str], RequestError] = OrderedDict()  # key -> why (bounded)
+        self._valid: OrderedDict[tuple[str, str], None] = OrderedDict()  # specs that parsed (bounded)
+        self._jobs: dict[tuple[str, str], _Job] = {}  # waiting or compiling
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._dispatcher: threading.Thread | None = None
+        self._compiler: CompilerProcess | None = None
+        self._closed = False
         self._bitmask: torch.Tensor | None = None
 
     def is_requested(self, params: Any) -> bool:
         return params.structured is not None
 
+    def warm_up(self) -> None:
+        """Import xgrammar and compile the JSON-object grammar now (a server calls this on a
+        thread at start, so the first structured request waits for neither)."""
+        try:
+            _xgrammar()
+            if self.tokenizer is not None:
+                from servelab.structured import StructuredOutput
+
+                self._ticket(_Params(StructuredOutput.json_object()), bounded=False).result(timeout=START_TIMEOUT_S)
+        except Exception:  # no xgrammar, or no tokenizer: the first structured request says so
+            pass
+
     # ------------------------------------------------------------ admission
 
     def validate(self, params: Any) -> None:
         """Refuse what cannot work before the request is queued: no tokenizer, no xgrammar,
-        ignore_eos (the grammar ends the output with EOS), or a spec xgrammar cannot parse."""
+        ignore_eos (the grammar ends the output with EOS), fields that can leave the grammar
+        no token, or a spec xgrammar cannot parse."""
+        structured = params.structured
+        if structured is None:
+            raise RequestError("logits_processors names 'structured', which takes its grammar from the structured "
+                               "field (the server's response_format or guided_*): give that instead")
         if self.tokenizer is None:
             raise RequestError("structured output needs a tokenizer; this checkpoint has none")
         if params.ignore_eos:
             raise RequestError("structured output ends the output with EOS; it cannot be combined with ignore_eos")
+        if params.min_tokens:
+            raise RequestError("min_tokens cannot be combined with structured output: it bans the end of the "
+                               "output, which the grammar may need sooner")
+        if params.bad_words:
+            raise RequestError("bad_words cannot be combined with structured output: they can ban the only "
+                               "tokens the grammar allows")
         xgr = _xgrammar()
-        structured = params.structured
+        key = (structured.kind, structured.spec)
         with self._lock:
-            if (structured.kind, structured.spec) in self._cache:
+            if key in self._refused:
+                raise self._refused[key]
+            if key in self._cache or key in self._valid or key in self._jobs:
                 return
         try:
             if structured.kind == "json":
@@ -78,38 +222,153 @@ class StructuredOutputProcessor:
             elif structured.kind == "grammar":
                 xgr.Grammar.from_ebnf(structured.spec)
         except Exception as exc:
-            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[structured.kind]
-            raise RequestError(f"structured output {what} is invalid: {_first_line(exc)}") from None
+            raise RequestError(f"structured output {_WHAT[structured.kind]} is invalid: "
+                               f"{grammar_worker.first_line(exc)}") from None
+        with self._lock:
+            self._valid[key] = None
+            while len(self._valid) > 4 * self.options.cache_size:
+                self._valid.popitem(last=False)
 
     def prepare(self, params: Any) -> Future:
-        """The compiled grammar (a Future: compilation runs on a worker thread)."""
+        """The compiled grammar, as a Future of this request's own: cancelling it (or dropping
+        it) leaves the compilation, which is cancelled once no request waits for it."""
+        return self._ticket(params, bounded=True)
+
+    def _ticket(self, params: Any, bounded: bool) -> Future:
+        """prepare's Future; `bounded` False for the server's own warm-up, which takes no
+        client's place among max_pending_compiles."""
         structured = params.structured
         key = (structured.kind, structured.spec)
+        ticket: Future = Future()
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None and not (future.done() and future.exception() is not None):
+            if key in self._cache:
                 self._cache.move_to_end(key)
-                return future
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelab-grammar")
-            future = self._executor.submit(self._compile, structured.kind, structured.spec)
-            self._cache[key] = future
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-            return future
+                ticket.set_result(self._cache[key])
+                return ticket
+            if key in self._refused:
+                ticket.set_exception(self._refused[key])
+                return ticket
+            job = self._jobs.get(key)
+            if job is None:
+                pending = sum(job.bounded for job in self._jobs.values())
+                if bounded and pending >= self.options.max_pending_compiles:
+                    raise OverloadedError(f"structured output: {pending} grammars are compiling or waiting "
+                                          f"to (max_pending_compiles = {self.options.max_pending_compiles}); "
+                                          f"retry later")
+                job = self._jobs[key] = _Job(key, bounded=bounded)
+                self._queue.append(job)
+                self._start_dispatcher()
+                self._lock.notify_all()
+            job.waiters += 1
+        waiter = _Waiter(job)
+        weakref.finalize(ticket, self._release, waiter)  # a dropped ticket leaves too
 
-    def _compile(self, kind: str, spec: str) -> Any:
-        compiler = self._grammar_compiler()
-        if kind == "json":
-            return compiler.compile_json_schema(spec, any_whitespace=False)
-        if kind == "json_object":
-            return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
-        if kind == "regex":
-            return compiler.compile_regex(spec)
-        return compiler.compile_grammar(spec)
+        def settle(result: Future) -> None:
+            if ticket.done():
+                return
+            if result.cancelled():
+                ticket.cancel()
+            elif result.exception() is not None:
+                ticket.set_exception(result.exception())
+            else:
+                ticket.set_result(result.result())
 
-    def _grammar_compiler(self) -> Any:
-        if self._compiler is None:
+        def on_ticket_done(done: Future) -> None:
+            if done.cancelled():
+                self._release(waiter)
+
+        ticket.add_done_callback(on_ticket_done)
+        job.result.add_done_callback(settle)
+        return ticket
+
+    def _release(self, waiter: _Waiter) -> None:
+        with self._lock:
+            if waiter.released:
+                return
+            waiter.released = True
+            job = waiter.job
+            job.waiters -= 1
+            if job.waiters > 0 or job.result.done():
+                return
+            if self._jobs.get(job.key) is job:
+                del self._jobs[job.key]
+            if job.started:
+                job.cancelled.set()  # the dispatcher kills the compiler
+            else:
+                self._queue.remove(job)
+                job.result.cancel()
+
+    def _start_dispatcher(self) -> None:
+        if self._dispatcher is None:
+            self._dispatcher = threading.Thread(target=self._dispatch, name="servelab-grammar", daemon=True)
+            self._dispatcher.start()
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue:
+                    self._lock.wait()
+                job = self._queue.popleft()
+                job.started = True
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        kind, spec = job.key
+        timeout = self.options.compile_timeout_s
+        try:
+            compiler = self._compiler_process()
+            status, value = compiler.compile(kind, spec, timeout, job.cancelled)
+            if status == "ok":
+                compiled = _xgrammar().CompiledGrammar.deserialize_json(value, self._info())
+                self._check_not_empty(kind, compiled)
+                self._finish(job, compiled)
+            else:
+                self._finish(job, RequestError(f"structured output {_WHAT[kind]} is invalid: {value}"))
+        except _Cancelled:
+            job.result.cancel()
+        except TimeoutError:
+            self._finish(job, RequestError(f"structured output {_WHAT[kind]} did not compile within {timeout:g} s "
+                                           f"(compile_timeout_s): simplify it"))
+        except RequestError as exc:
+            self._finish(job, exc)
+        except Exception as exc:  # ours, not the client's: not remembered as the grammar's fault
+            with self._lock:
+                self._jobs.pop(job.key, None)
+            job.result.set_exception(RuntimeError(f"compiling the grammar failed: {type(exc).__name__}: {exc}"))
+
+    @staticmethod
+    def _check_not_empty(kind: str, compiled: Any) -> None:
+        """A grammar without a single sentence (a regex matching nothing, an EBNF whose root
+        never ends) leaves the first token nothing to choose: refused, not sampled anyway."""
+        xgr = _xgrammar()
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise RequestError(f"structured output {_WHAT[kind]} allows no output at all")
+
+    def _finish(self, job: _Job, outcome: Any) -> None:
+        with self._lock:
+            if self._jobs.get(job.key) is job:
+                del self._jobs[job.key]
+            if isinstance(outcome, RequestError):
+                self._refused[job.key] = outcome
+                while len(self._refused) > self.options.cache_size:
+                    self._refused.popitem(last=False)
+            else:
+                self._cache[job.key] = outcome
+                self._cache_bytes += _size(outcome)
+                while len(self._cache) > 1 and (len(self._cache) > self.options.cache_size
+                                                or self._cache_bytes > self.options.cache_bytes):
+                    _, evicted = self._cache.popitem(last=False)
+                    self._cache_bytes -= _size(evicted)
+        if isinstance(outcome, RequestError):
+            job.result.set_exception(outcome)
+        else:
+            job.result.set_result(outcome)
+
+    def _info(self) -> Any:
+        if self._tokenizer_info is None:
             xgr = _xgrammar()
             backend = self.tokenizer.backend
             vocab = backend.get_vocab(with_added_tokens=True)
@@ -118,11 +377,20 @@ class StructuredOutputProcessor:
                 if token_id < self.vocab_size:
                     encoded[token_id] = token
             metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
-            info = xgr.TokenizerInfo(encoded, metadata["vocab_type"], vocab_size=self.vocab_size,
-                                     stop_token_ids=self.eos_token_ids or None,
-                                     add_prefix_space=metadata["add_prefix_space"])
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+            self._tokenizer_info = xgr.TokenizerInfo(encoded, metadata["vocab_type"], vocab_size=self.vocab_size,
+                                                     stop_token_ids=self.eos_token_ids or None,
+                                                     add_prefix_space=metadata["add_prefix_space"])
+        return self._tokenizer_info
+
+    def _compiler_process(self) -> CompilerProcess:
+        if self._compiler is None:
+            self._compiler = CompilerProcess(self._info().serialize_json())
+            weakref.finalize(self, self._compiler.kill)
         return self._compiler
+
+    def close(self) -> None:
+        if self._compiler is not None:
+            self._compiler.kill()
 
     def new_state(self, request: Any) -> GrammarState:
         return GrammarState(_xgrammar().GrammarMatcher(request.prepared))
@@ -143,10 +411,18 @@ class StructuredOutputProcessor:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         bitmask = self._bitmask[:rows]
         bitmask.fill_(-1)  # all allowed: rows no token of the request can follow stay unmasked
+        live = []
         for row, state in enumerate(states):
             # After a refused token or EOS (a tentatively accepted draft) the row is never used.
+            # A grammar in an accepting state allows its stop tokens: its row is not empty.
             if not state.dead and not state.matcher.is_terminated():
                 state.matcher.fill_next_token_bitmask(bitmask, row)
+                live.append(row)
+        if live and not bool(bitmask[live].any(dim=1).all()):
+            # A row the grammar left no token (no token spells what the grammar needs next):
+            # sampling it anyway would break the constraint. The pipeline retries row by row,
+            # so this fails only the requests of the empty rows.
+            raise GrammarDeadEnd(f"structured output: {NO_NEXT_TOKEN}")
         logits = logits.contiguous()
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
         return logits
@@ -164,7 +440,13 @@ class StructuredOutputProcessor:
             state.matcher.rollback(num_tokens - dead)
 
 
-def _first_line(exc: Exception) -> str:
-    """xgrammar's message without its C++ source location ("[12:00:00] /path/file.cc:42: ")."""
-    text = str(exc).strip().splitlines()
-    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", text[0]) if text else type(exc).__name__
+@attrs.frozen
+class _Params:
+    structured: Any
+
+
+def _size(compiled: Any) -> int:
+    try:
+        return int(compiled.memory_size_bytes)
+    except Exception:
+        return 0
