@@ -449,3 +449,9 @@ def test_a_replica_set_fails_once_every_replica_has():
 
     run(scenario())
     assert failures and "every engine replica has failed" in failures[0]
+
+
+def test_empty_string_lists_are_taken_as_none_given():
+    """A fuzzed body once got a 500 for `bad_words: []` (the longest of no strings)."""
+    parsed = parse_completion({"model": "m", "prompt": "w5 w6", "bad_words": [], "stop": [], "max_tokens": 4}, BOUNDS)
+    assert parsed.params.bad_words == () and parsed.params.stop == ()

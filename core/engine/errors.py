@@ -27,3 +27,8 @@ class DistributedError(ServelabError):
 
 class OverloadedError(RequestError):
     """A request that is valid but cannot be taken now (a bounded queue is full); retry later."""
+
+
+# The message with which the structured-output processor fails a row whose grammar allows
+# no next token; the server answers it with code "grammar_dead_end".
+NO_NEXT_TOKEN = "the grammar allows no next token"

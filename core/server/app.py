@@ -30,7 +30,7 @@ from starlette.routing import Route
 from servelab.errors import OverloadedError, RequestError
 from servelab.server.codec import CodecFailure, TextCodec
 from servelab.server.engine_loop import AdmissionFailed, AsyncEngine, EngineUnavailable
-from servelab.plugins.logits_processors.options import NO_NEXT_TOKEN
+from servelab.errors import NO_NEXT_TOKEN
 from servelab.server.generation import EngineFailure, Generation, RequestFailed
 from servelab.server.limits import RequestLimits, parse_body, read_body
 from servelab.server.metrics import ServerMetrics

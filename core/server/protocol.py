@@ -367,7 +367,7 @@ def _strings(body: dict[str, Any], name: str, max_count: int, count_limit: str, 
         raise bad_request(f"{name} must be a list of non-empty strings, got {brief(value)}", name)
     if len(value) > max_count:
         raise _over_limit(f"{name} has {len(value)} entries", count_limit, max_count, name)
-    if max_chars is not None:
+    if max_chars is not None and value:
         longest = max(value, key=len)
         if len(longest) > max_chars:
             raise _over_limit(f"{name} holds a {len(longest)}-character string", chars_limit, max_chars, name)

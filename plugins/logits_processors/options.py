@@ -2,7 +2,7 @@
 
 import attrs
 
-NO_NEXT_TOKEN = "the grammar allows no next token"  # how the structured processor fails a dead-end row
+from servelab.errors import NO_NEXT_TOKEN  # noqa: F401  (how the structured processor fails a dead-end row)
 
 
 @attrs.frozen(kw_only=True)

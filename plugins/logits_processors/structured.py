@@ -181,7 +181,7 @@ class StructuredOutputProcessor:
         try:
             _xgrammar()
             if self.tokenizer is not None:
-                from servelab.structured import StructuredOutput
+                from servelab import StructuredOutput
 
                 self._ticket(_Params(StructuredOutput.json_object()), bounded=False).result(timeout=START_TIMEOUT_S)
         except Exception:  # no xgrammar, or no tokenizer: the first structured request says so
