@@ -171,7 +171,7 @@ class LLMEngine:
 
     def step(self) -> StepResult:
         """Advance every request by one step (the stages in the module docstring)."""
-        self.registry.hook.servelab_step_started(engine=self)
+        self._notify("servelab_step_started")
         timer = StageTimer(self._timer)
         failed = self._admit_prepared() if self.requests.has_preparing() else []
         if self.speculator is not None:
@@ -195,14 +195,14 @@ class LLMEngine:
         return plan
 
     def _prepare(self, plan: StepPlan) -> Any:
-        self.registry.hook.servelab_step_planned(engine=self, plan=plan)
+        self._notify("servelab_step_planned", plan=plan)
         now = self.clock()
         for seq, _ in plan.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         if plan.block_copies:
             self.runner.copy_blocks(plan.block_copies)
-        if any(seq.prompt_logprobs is not None for seq, _ in plan.scheduled):
+        if not self.requests.all_plain and any(seq.prompt_logprobs is not None for seq, _ in plan.scheduled):
             return self.runner.prepare(plan, self.allocator, prompt_logprobs=True)
         return self.runner.prepare(plan, self.allocator)
 
@@ -211,7 +211,7 @@ class LLMEngine:
             logits, hidden = self.runner.execute_with_hidden(inputs)
         else:
             logits, hidden = self.runner.execute(inputs), None
-        self.registry.hook.servelab_runner_executed(engine=self, plan=plan, inputs=inputs)
+        self._notify("servelab_runner_executed", plan=plan, inputs=inputs)
         return logits, hidden
 
     def _retire_finished(self, finished: list[Sequence]) -> list[RequestOutput]:
@@ -243,6 +243,10 @@ class LLMEngine:
             self.scheduler.add(request.first)
         return failed
 
+    def _notify(self, hook_name: str, **values: Any) -> None:
+        if self.registry.implemented(hook_name):
+            getattr(self.registry.hook, hook_name)(engine=self, **values)
+
     def _release_sequence(self, seq: Sequence, states: dict[str, Any]) -> None:
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
@@ -264,9 +268,9 @@ class LLMEngine:
 
     def _report(self, plan: StepPlan, num_finished: int, seconds: tuple[float, ...], sampled: Any) -> None:
         self._step_index += 1
-        hook = self.registry.hook.servelab_step_finished
-        if not hook.get_hookimpls():
+        if not self.registry.implemented("servelab_step_finished"):
             return
+        hook = self.registry.hook.servelab_step_finished
         report = StepReport(
             step_index=self._step_index, num_seqs=len(plan.scheduled),
             num_scheduled_tokens=plan.num_scheduled_tokens, num_preempted=len(plan.preempted),

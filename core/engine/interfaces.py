@@ -748,14 +748,10 @@ def sampling_rows(plan: StepPlan) -> tuple[list[int], list[int]]:
     """Which rows of `plan.scheduled` sample this step, and how many logits rows each
     needs: a sequence samples once its scheduled tokens reach its last verified token,
     with one row for that token and one per draft scheduled after it."""
-    rows: list[int] = []
-    num_rows: list[int] = []
-    for row, (seq, num_new) in enumerate(plan.scheduled):
-        past_end = seq.num_computed_tokens + num_new - len(seq.prompt_token_ids) - len(seq.output_token_ids)
-        if past_end >= 0:
-            rows.append(row)
-            num_rows.append(past_end + 1)
-    return rows, num_rows
+    past_end = [seq.num_computed_tokens + num_new - len(seq.prompt_token_ids) - len(seq.output_token_ids)
+                for seq, num_new in plan.scheduled]
+    rows = [row for row, past in enumerate(past_end) if past >= 0]
+    return rows, [past_end[row] + 1 for row in rows]
 
 
 @runtime_checkable

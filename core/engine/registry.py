@@ -53,6 +53,7 @@ class PluginRegistry:
                               f"(add it to servelab.hookspecs)")
         self._distribution_of: dict[int, str] = {}
         self._catalogue: dict[str, dict[str, RegisteredPolicy]] | None = None
+        self._implemented: dict[str, bool] = {}  # hook name -> has an implementation, until the next register
 
     @classmethod
     def from_entry_points(cls, group: str = ENTRY_POINT_GROUP) -> "PluginRegistry":
@@ -75,6 +76,15 @@ class PluginRegistry:
             raise
         self._distribution_of[id(plugin)] = distribution
         self._catalogue = None
+        self._implemented = {}
+
+    def implemented(self, hook_name: str) -> bool:
+        """Whether a registered plugin implements the hook `hook_name` (the engine skips
+        observer calls nobody listens to)."""
+        known = self._implemented
+        if hook_name not in known:
+            known[hook_name] = bool(getattr(self.manager.hook, hook_name).get_hookimpls())
+        return known[hook_name]
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
         """Import and register every entry point of `group`; a broken one warns and is skipped."""

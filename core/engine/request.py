@@ -85,6 +85,7 @@ class RequestTable:
     def __init__(self) -> None:
         self._requests: dict[str, Request] = {}
         self._preparing: dict[str, Request] = {}  # those waiting for a processor's preparation
+        self._special: set[str] = set()  # those sampled beyond the plain path: n > 1, seeded, logits work
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -105,10 +106,19 @@ class RequestTable:
         self._requests[request.request_id] = request
         if request.preparing:
             self._preparing[request.request_id] = request
+        if len(request.sequences) > 1 or request.params.seed is not None or request.logits_work:
+            self._special.add(request.request_id)
 
     def remove(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
         self._preparing.pop(request.request_id, None)
+        self._special.discard(request.request_id)
+
+    @property
+    def all_plain(self) -> bool:
+        """No request in flight needs more than the plain sampling path (its own generator,
+        forks, processors, logprobs)."""
+        return not self._special
 
     def prepared_now(self) -> list[Request]:
         """The requests whose preparations have all finished; they stop counting as preparing."""

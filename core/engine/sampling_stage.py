@@ -55,13 +55,21 @@ class SamplingStage:
 
     def sample(self, plan: Any, inputs: Any, logits: torch.Tensor, hidden: torch.Tensor | None) -> Sampled:
         sampled = [plan.scheduled[row][0] for row in inputs.sampled_seq_rows]
-        owners = [self.requests.of(seq) for seq in sampled]
         out = Sampled({}, [], {}, {}, {}, {})
+        num_rows = inputs.num_logits_rows
+        if self.requests.all_plain and num_rows.count(1) == len(num_rows):  # the common case, in one call
+            token_ids = sample(logits, [s.params for s in sampled], [None] * len(sampled), self.default_generator)
+            out.new_tokens = {seq: [token_id] for seq, token_id in zip(sampled, token_ids)}
+            if hidden is not None:
+                self.speculator.remember_hidden(sampled, list(range(len(sampled))), {}, hidden, [])
+            return out
+        owners = [self.requests.of(seq) for seq in sampled]
+        # Requests with none of forks, logits work or prompt scoring (most) take the plain path.
+        plain_only = not any(r.unforked or r.logits_work or r.scoring_prompt for r in owners)
         if inputs.prompt_logits:
             logits, hidden = self._score_prompts(plan, inputs, logits, hidden)
-        if any(r.scoring_prompt for r in owners):
+        if not plain_only and any(r.scoring_prompt for r in owners):
             self._note_scored_prompts(sampled, owners, out)
-        num_rows = inputs.num_logits_rows
         if num_rows.count(1) == len(num_rows):  # nothing to verify: one row per sequence
             first_rows, plain, spec = list(range(len(num_rows))), list(range(len(num_rows))), []
             plain_logits = logits
@@ -72,7 +80,7 @@ class SamplingStage:
             plain_logits = logits[torch.tensor([first_rows[i] for i in plain], dtype=torch.int64,
                                                device=logits.device)]
         if plain:
-            self._sample_plain(plain_logits, [sampled[i] for i in plain], [owners[i] for i in plain], out)
+            self._sample_plain(plain_logits, [sampled[i] for i in plain], [owners[i] for i in plain], out, plain_only)
         if spec:
             self._verify(logits, [sampled[i] for i in spec], [owners[i] for i in spec],
                          [first_rows[i] for i in spec], [num_rows[i] for i in spec], out)
@@ -82,11 +90,12 @@ class SamplingStage:
 
     # ------------------------------------------------------------ plain rows
 
-    def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence], owners: list[Request], out: Sampled) -> None:
-        if any(r.unforked for r in owners):
+    def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence], owners: list[Request], out: Sampled,
+                      plain_only: bool) -> None:
+        if not plain_only and any(r.unforked for r in owners):
             logits, seqs, owners = self._with_forks(logits, seqs, owners, out)
         generators = [r.generators[s.completion_index] for s, r in zip(seqs, owners)]
-        if any(r.logits_work for r in owners):
+        if not plain_only and any(r.logits_work for r in owners):
             token_ids = self._sample_with_logits_work(logits, seqs, owners, generators, out.failures)
         else:
             token_ids = sample(logits, [s.params for s in seqs], generators, self.default_generator)

@@ -44,7 +44,7 @@ class UpdateStage:
         failed = self._fail(sampled, now) if sampled.failures else []
         finished, emitted = self._append(sampled, now)
         finished.extend(failed)
-        new_logprobs = self._new_logprobs(sampled, emitted)
+        new_logprobs = {} if self.requests.all_plain else self._new_logprobs(sampled, emitted)
         if self.speculator is not None:
             self.speculator.end_step()
             self.speculator.record(sum(sampled.num_drafts.values()), sum(sampled.num_accepted.values()),

@@ -59,10 +59,13 @@ def export_as_package(commit: str, target: Path) -> None:
         shutil.copytree(source / folder, target.joinpath(*package.split(".")), dirs_exist_ok=True)
 
 
-def run(dtype: str, pythonpath: str | None) -> dict:
+def run(dtype: str, pythonpath: str | None, kernels: Path) -> dict:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    # Each side keeps its kernels in a cache of its own: their sources sit at different
+    # paths, so one shared cache would be rebuilt at every switch.
+    env["TORCH_EXTENSIONS_DIR"] = str(kernels)
     done = subprocess.run([sys.executable, "-c", CHILD, dtype], capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
@@ -82,7 +85,7 @@ def main() -> None:
             results: dict[str, list[dict]] = {"before": [], "after": []}
             for round_ in range(args.rounds):
                 for name, path in (("before", overlay), ("after", None)):
-                    results[name].append(run(dtype, path))
+                    results[name].append(run(dtype, path, Path(overlay) / f"kernels-{name}"))
                     print(f"{dtype} round {round_ + 1} {name}: {results[name][-1]['throughput']:.0f} tok/s, "
                           f"batch-1 TPOT {results[name][-1]['tpot_ms']:.2f} ms", flush=True)
             median = {name: statistics.median(r["throughput"] for r in runs) for name, runs in results.items()}
