@@ -23,3 +23,12 @@ class RequestError(ServelabError, ValueError):
 
 class DistributedError(ServelabError):
     """A tensor-parallel rank died, hung or failed to start (the message names the rank)."""
+
+
+class PolicyViolation(ServelabError):
+    """A policy broke an invariant the engine relies on (the message names it), caught
+    before it could corrupt state: `invariant violated: <name>: <detail>`."""
+
+    def __init__(self, invariant: str, detail: str = "") -> None:
+        self.invariant = invariant
+        super().__init__(f"invariant violated: {invariant}" + (f": {detail}" if detail else ""))

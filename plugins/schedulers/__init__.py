@@ -3,7 +3,7 @@
 import servelab
 from servelab.plugin_types import SchedulerPlugin
 from servelab.plugins.schedulers.continuous import ContinuousOptions
-from servelab.plugins.schedulers.queues import QueueOptions
+from servelab.kit import QueueOptions
 
 
 @servelab.hookimpl

@@ -14,8 +14,8 @@ Policy (`policy` option):
 The two differ only when the token budget is tight: prefill-first gives new requests
 their first token sooner, decode-first keeps running requests' tokens flowing.
 
-When the KV pool runs dry, the lowest-ranked running sequence (for equal priorities, the
-newest) is preempted by recompute: its blocks are freed and it waits, with its generated
+When the KV pool runs dry, the victim (`preemption` option; by default the lowest-ranked
+running sequence, for equal priorities the newest) is preempted by recompute: its blocks are freed and it waits, with its generated
 tokens kept, to recompute prompt and output in one go. Nobody is admitted in a step that
 preempted. With a prefix-caching allocator an admitted sequence starts from its longest
 cached prefix. Forked sequences (parallel sampling) join the running batch; past
@@ -28,9 +28,9 @@ from typing import Any
 
 import attrs
 
-from servelab.interfaces import SchedulerContext, Sequence, StepPlan
+from servelab.interfaces import SchedulerContext, Sequence, SequenceStatus, StepPlan
 from servelab.options import one_of
-from servelab.plugins.schedulers.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit
+from servelab.kit import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit
 
 POLICIES = ("prefill-first", "decode-first")
 
@@ -65,18 +65,18 @@ class ContinuousScheduler(QueueScheduler):
         the budget; preempts from the back when the pool is dry."""
         ready: list[tuple[Sequence, int]] = []
         demand = 0
-        index = 0
-        running, allocate = self.running, self.allocator.allocate  # `running` shrinks in place only
-        while index < len(running):
-            seq = running[index]
+        allocate = self.allocator.allocate
+        for seq in list(self.running):  # a copy: victims leave `running`
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = seq.num_uncomputed_tokens
             if demand + num_new > builder.budget:
                 break
             # _make_room, spelled out for the common case: the first allocation succeeds.
             if (allocate(seq.request_id, seq.num_computed_tokens + num_new)
-                    or self._preempt_until_room(seq, num_new, builder)):  # victims come from behind `index`
+                    or self._preempt_until_room(seq, num_new, builder)):
                 ready.append((seq, num_new))
                 demand += num_new
-                index += 1
+        if builder.preempted:  # a victim may have been claimed already (not with `newest`)
+            ready = [(seq, n) for seq, n in ready if seq.status is SequenceStatus.RUNNING]
         return ready
-
