@@ -59,15 +59,17 @@ class SchedulerContract(PolicyContract):
 
     def harness(self, *, allocator: str | None = None, num_blocks: int = 64, block_size: int = 4,
                 max_num_seqs: int = 4, max_num_batched_tokens: int = 64, max_model_len: int = 64,
-                options: Any = None) -> SchedulerHarness:
-        """A harness running this scheduler over an installed allocator."""
+                options: Any = None, seconds_per_step: float = 1.0) -> SchedulerHarness:
+        """A harness running this scheduler over an installed allocator; the contract's
+        scenarios advance its clock one second a step."""
         from servelab.testing.scheduler_workloads import make_allocator
 
         options = self._options if options is None else options
         alloc = make_allocator(allocator or self.allocator_names[0], num_blocks, block_size, max_model_len)
         return SchedulerHarness(lambda context: self._factory(options, context), alloc, block_size=block_size,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, observer=self, max_idle_steps=self.max_idle_steps)
+                                max_model_len=max_model_len, observer=self, max_idle_steps=self.max_idle_steps,
+                                seconds_per_step=seconds_per_step)
 
     def accepts_small_budget(self) -> bool:
         """Does it take max_num_batched_tokens below max_model_len (chunked prompts)?"""

@@ -7,8 +7,11 @@ Scheduling (`servelab.kit.queues`, `servelab.kit.victims`):
   prefix-cache hits, preemption by recompute, fork, abort, accounting. Seams: `rank(seq)`
   (queue order), `admissible(seq)` (admission filter), `victim(running)` (preemption
   victim), `schedule()` (the step, from `PlanBuilder` and the helpers).
-- `QueueOptions` (`priority_aging_s`, `preemption`), `PlanBuilder`, `VICTIMS` (the
-  victim policies by name), `check_whole_prompts_fit`.
+- `ContinuousScheduler` (the `continuous` scheduler): a `QueueScheduler` whose step is
+  continuous batching; a policy that only reorders overrides `rank` and is done.
+- `QueueOptions` (`priority_aging_s`, `preemption`), `ContinuousOptions` (+ `policy`),
+  `PlanBuilder`, `VICTIMS` (the victim policies by name), `check_whole_prompts_fit`,
+  `option_or` (an option the options class may lack).
 
 KV blocks (`servelab.kit.blocks`, `servelab.kit.prefix`, `servelab.kit.eviction`):
 
@@ -23,13 +26,16 @@ A plugin imports these from `servelab.kit` (part of the public surface, like
 `servelab.interfaces`); the contracts of `servelab.testing` hold for what it builds.
 """
 
+from servelab.kit.continuous import ContinuousOptions, ContinuousScheduler
 from servelab.kit.blocks import FreeBlocks, PagedAllocator, SeqBlocks, blocks_for
 from servelab.kit.eviction import KeyedEviction, LeastRecentlyUsed, checked_choice
 from servelab.kit.prefix import PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
-from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit
+from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, option_or
 from servelab.kit.victims import VICTIMS, check_victim, checked_victim
 
 __all__ = [
+    "ContinuousOptions",
+    "ContinuousScheduler",
     "FreeBlocks",
     "KeyedEviction",
     "LeastRecentlyUsed",
@@ -47,4 +53,5 @@ __all__ = [
     "checked_choice",
     "check_victim",
     "checked_victim",
+    "option_or",
 ]

@@ -60,10 +60,11 @@ class QueueOptions:
     preemption: str = attrs.field(default="newest", validator=one_of("scheduler", tuple(VICTIMS)))
 
 
-def _preemption(options: Any) -> str:
-    """The victim policy `options` name (options classes not derived from QueueOptions: newest)."""
+def option_or(options: Any, name: str, default: Any) -> Any:
+    """`options.<name>` where the options class has that field, else `default` (an options
+    class of its own need not repeat the kit's)."""
     fields = attrs.fields_dict(type(options)) if attrs.has(type(options)) else {}
-    return options.preemption if "preemption" in fields else "newest"
+    return options.__getattribute__(name) if name in fields else default
 
 
 def check_whole_prompts_fit(name: str, context: SchedulerContext) -> None:
@@ -120,7 +121,7 @@ class QueueScheduler:
         self.allocator = context.allocator
         self.prefix_cache = context.allocator if isinstance(context.allocator, PrefixCachingAllocator) else None
         self._anticipating = context.allocator if isinstance(context.allocator, AnticipatingPrefixCache) else None
-        self._victim_policy = VICTIMS[_preemption(self.options)]
+        self._victim_policy = VICTIMS[option_or(self.options, "preemption", "newest")]
         self.waiting: list[Sequence] = []  # holding no KV, in rank order
         self.running: list[Sequence] = []  # holding a slot (and KV for their computed tokens), in rank order
         self._ranks: dict[str, tuple] = {}  # sequence id -> rank
@@ -189,7 +190,7 @@ class QueueScheduler:
     def rank(self, seq: Sequence) -> tuple:
         """The sort key of `seq` in both queues, computed once when it is added (lower
         first). Default: priority then arrival, with `priority_aging_s` aging (module doc)."""
-        aging = self.options.priority_aging_s
+        aging = option_or(self.options, "priority_aging_s", 0.0)
         if aging > 0:
             return (seq.arrival_time + seq.priority * aging,)
         return seq.priority, seq.arrival_time
