@@ -122,6 +122,8 @@ KINDS: dict[str, PolicyKind] = kinds_table([
                interfaces.Router, interfaces.RouterContext, default="round-robin", optional=True),
     PolicyKind("logits_processors", "logits_processors", "logits processor", "LogitsProcessorPlugin",
                interfaces.LogitsProcessor, interfaces.LogitsProcessorContext, selectable=False),
+    PolicyKind("evictors", "eviction", "eviction policy", "EvictionPlugin",
+               interfaces.EvictionPolicy, interfaces.EvictionContext, default="lru"),
 ])
 
 
