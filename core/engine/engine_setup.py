@@ -21,7 +21,7 @@ from servelab.model.onednn_caches import limit_onednn_caches
 from servelab.model.shard_layout import local_model_config
 from servelab.model.source import CheckpointSource, ModelSource
 from servelab.plugin_types import KINDS
-from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
+from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy, check_contract_version
 from servelab.sampler import filtered_probs
 from servelab.speculation import Speculator
 
@@ -213,6 +213,7 @@ def _build_logits_pipeline(config: EngineConfig, registry: PluginRegistry, sourc
                                      tokenizer=source.tokenizer, device=device)
     processors = {}
     for name, registered in installed.items():
+        check_contract_version(registered, KINDS["logits_processors"])
         options = build_options(registered.plugin.options, section.options.get(name, {}),
                                 KINDS["logits_processors"].section, name)
         processors[name] = build_policy(registered, options, context)
