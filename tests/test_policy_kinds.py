@@ -98,7 +98,8 @@ def test_the_old_names_are_read_off_the_table():
     assert POLICY_KINDS == ("allocators", "schedulers", "drafters", "attention", "routers", "logits_processors",
                             "evictors")
     assert config.POLICY_SECTIONS == ("allocator", "scheduler", "drafter", "attention", "router", "eviction")
-    assert config.DEFAULT_POLICIES == {"allocator": "paged", "scheduler": "continuous", "attention": "cpu-paged"}
+    assert config.DEFAULT_POLICIES == {"allocator": "paged", "scheduler": "continuous", "attention": "cpu-paged",
+                                       "eviction": "lru"}
     assert config.DEFAULT_ROUTER == "round-robin"
     assert [kind.noun for kind in KINDS.values()] == ["allocator", "scheduler", "drafter", "attention backend",
                                                       "router", "logits processor"]
