@@ -102,7 +102,7 @@ def test_the_old_names_are_read_off_the_table():
                                        "eviction": "lru"}
     assert config.DEFAULT_ROUTER == "round-robin"
     assert [kind.noun for kind in KINDS.values()] == ["allocator", "scheduler", "drafter", "attention backend",
-                                                      "router", "logits processor"]
+                                                      "router", "logits processor", "eviction policy"]
     defaults = config.EngineConfig()
     for kind in KINDS.values():
         assert getattr(servelab.plugin_types, kind.record_name) is kind.record
