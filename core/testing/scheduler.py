@@ -23,6 +23,8 @@ from servelab.interfaces import ForkingScheduler, Scheduler, SchedulerContext
 from servelab.testing.contract import PolicyContract, check
 from servelab.testing.scheduler_harness import SchedulerHarness
 
+LIVENESS = "no request starves"
+
 
 class SchedulerContract(PolicyContract):
     """Invariants (each failure message starts "invariant violated: <name>"):
@@ -41,6 +43,7 @@ class SchedulerContract(PolicyContract):
     - request finished twice
     - a finished or aborted request holds no KV; abort removes it wherever it is
     - no progress: an empty plan while requests are unfinished
+    - no request starves: a long request is served while short ones keep arriving
     - tokens identical to the reference policies, end to end on a tiny model
     """
 
@@ -48,6 +51,7 @@ class SchedulerContract(PolicyContract):
     allocator_names = ("paged", "radix", "naive")  # installed allocators the random workloads run over
     options_variants: tuple = ()  # options instances the random workloads draw from (default: `options`)
     max_idle_steps = 0  # empty plans in a row allowed while requests are unfinished
+    liveness_steps = 60  # steps a long request may wait while short ones keep arriving
     max_examples = 40
 
     # Hooks for a subclass's own invariants (an ordering policy), around every harness step.
@@ -135,6 +139,18 @@ class SchedulerContract(PolicyContract):
             harness.add(6, max_tokens=8, priority=index % 2)
         harness.run()
         harness.check_all_done()
+
+    def test_no_request_starves(self):
+        """One slot, a 40-token job, then a 2-token job arriving every second: whatever the
+        order, the long job is served within `liveness_steps` steps."""
+        harness = self.harness(max_num_seqs=1, num_blocks=64, max_num_batched_tokens=64, max_model_len=64)
+        harness.add(20, max_tokens=20, request_id="long")
+        for _ in range(self.liveness_steps):
+            harness.add(1, max_tokens=1)
+            harness.step()
+        check("long" in harness.first_scheduled, LIVENESS,
+              lambda: f"request 'long' (40 tokens of work, arrived first) was never scheduled in "
+                      f"{self.liveness_steps} steps while {len(harness.first_scheduled)} later requests were")
 
     @pytest.mark.parametrize("allocator", ["paged", "radix"])
     def test_abort_frees_kv_at_once(self, allocator):

@@ -42,6 +42,7 @@ class TestPagedLIFO(AllocatorContract):
 
 class TestRepeatLookup(DrafterContract):
     plugin_name = "repeat-lookup"  # k comes from LookupOptions().num_speculative_tokens
+    lookup_drafter = True
 
 
 class TestNoRepeatNGram(LogitsProcessorContract):
