@@ -10,7 +10,8 @@ from typing import Any
 import attrs
 
 from servelab.interfaces import DrafterContext, RouterContext, SchedulerContext
-from servelab.plugins.allocators.hash_prefix import CachedBlock, HashAllocator
+from servelab.kit import PrefixCachingPagedAllocator
+from servelab.plugins.allocators.hash_prefix import CachedBlock, HashIndex
 from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
 from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention
@@ -84,39 +85,35 @@ class StrictFreeAllocator(PagedAllocator):
         super().free(seq_id)
 
 
-class PositionalHashAllocator(HashAllocator):
-    """A hash prefix cache keying each block by (its index, its tokens) instead of chaining
-    the parent block's hash: block 1 of "X0 X1" is reused for "Y0 X1"."""
+class PositionalHashIndex(HashIndex):
+    """Keys each block by (its index, its tokens) instead of chaining the parent block's hash."""
 
-    def match_prefix(self, seq) -> int:
+    def peek(self, chunks):
         blocks = []
-        for index in range((seq.num_tokens - 1) // self.block_size):
-            block = self._block_of.get(hash((index, self._chunk(seq, index))))
+        for index, chunk in enumerate(chunks):
+            block = self.block_of.get(hash((index, chunk)))
             if block is None:
                 break
             blocks.append(block)
-        for block in blocks:
-            self._hold(block)
-        num_hit = len(blocks) * self.block_size
-        self._seqs[seq.request_id] = SeqBlocks(blocks, num_hit, num_cached_blocks=len(blocks))
-        self.lookups.looked_up(seq.request_id, num_hit, seq.num_tokens)
-        return num_hit
+        return blocks
 
-    def cache_blocks(self, seq) -> None:
-        state = self._seqs.get(seq.request_id)
-        if state is None:
-            return
-        num_full = min(seq.num_computed_tokens, state.num_tokens) // self.block_size
-        for index in range(state.num_cached_blocks, num_full):
-            key = hash((index, self._chunk(seq, index)))
-            block = state.table[index]
-            if key not in self._block_of and block not in self._cached:
-                self._block_of[key] = block
-                self._cached[block] = CachedBlock(key, index, self._chunk(seq, index))
-            state.num_cached_blocks = index + 1
+    def insert(self, parent, chunk, block):
+        index = self.cached[parent].depth if parent is not None else 0
+        key = hash((index, chunk))
+        if key not in self.block_of and block not in self.cached:
+            self.block_of[key] = block
+            self.cached[block] = CachedBlock(key, index, chunk, index + 1)
+            self.hits[block] = 0
+            self.last_access[block] = 0
+        return block
 
-    def _chunk(self, seq, index: int) -> tuple[int, ...]:
-        return tuple(seq.token_slice(index * self.block_size, (index + 1) * self.block_size))
+
+class PositionalHashAllocator(PrefixCachingPagedAllocator):
+    """A hash prefix cache keying each block by (its index, its tokens): block 1 of
+    "X0 X1" is reused for "Y0 X1"."""
+
+    def __init__(self, options, context):
+        super().__init__(options, context, PositionalHashIndex())
 
 
 class OverBudgetScheduler(ContinuousScheduler):

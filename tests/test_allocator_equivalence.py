@@ -111,17 +111,7 @@ def test_small_pool_evicts_and_preempts_without_changing_tokens(llama_checkpoint
     llm = LLM(llama_checkpoint, max_model_len=112, num_kv_blocks=14, block_size=BLOCK_SIZE,
               **{"allocator.name": allocator})
     evicted = []
-    if allocator == "radix":
-        tree = llm.engine.allocator.tree
-        evict = tree.evict
-
-        def counting_evict(count, can_evict):
-            blocks = evict(count, can_evict)
-            evicted.extend(blocks)
-            return blocks
-
-        tree.evict = counting_evict
-    if allocator == "hash":
+    if allocator in PREFIX_CACHES:  # both are the kit's prefix cache: count what its eviction frees
         evict_blocks = llm.engine.allocator._evict
         cached = llm.engine.allocator.stats
 

@@ -56,11 +56,14 @@ class TestHash(AllocatorContract):
     max_examples = ALLOCATOR_EXAMPLES
 
     def check_allocator_state(self, allocator, tables):
-        unheld = [b for b in range(allocator.num_blocks) if b in allocator._cached and allocator.ref_count(b) == 0]
+        index = allocator.index
+        unheld = [b for b in range(allocator.num_blocks) if b in index and allocator.ref_count(b) == 0]
         check(allocator.stats().num_cached_blocks == len(unheld), "hash: cached blocks are the unheld hashed blocks",
               f"{allocator.stats().num_cached_blocks} cached, {len(unheld)} unheld hashed blocks")
-        for block, entry in allocator._cached.items():
-            check(allocator._block_of.get(entry.block_hash) == block, "hash: every cached block is found by its hash",
+        check(sorted(index.evictable) == unheld, "hash: the eviction candidates are the unheld hashed blocks",
+              f"candidates {sorted(index.evictable)}, unheld {unheld}")
+        for block, entry in index.cached.items():
+            check(index.block_of.get(entry.block_hash) == block, "hash: every cached block is found by its hash",
                   f"block {block} cached as {entry}")
 
 

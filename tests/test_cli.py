@@ -56,7 +56,8 @@ def test_plugins_json():
     result = servelab("plugins", "--json")
     assert result.returncode == 0, result.stderr
     listing = json.loads(result.stdout)
-    assert set(listing) == {"allocators", "schedulers", "drafters", "attention", "routers", "logits_processors"}
+    assert set(listing) == {"allocators", "schedulers", "drafters", "attention", "routers", "logits_processors",
+                            "evictors"}
     for entries in listing.values():
         for entry in entries:
             assert set(entry) == {"name", "distribution", "description"}

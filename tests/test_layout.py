@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {name: ROOT / folder for name, folder in
             tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items()}
 WINGS = ("servelab.cli", "servelab.server", "servelab.bench", "servelab.testing", "servelab.distributed")
-PLUGIN_MAY_IMPORT = {"servelab", "servelab.interfaces", "servelab.errors", "servelab.options", "servelab.plugin_types"}
+PLUGIN_MAY_IMPORT = {"servelab", "servelab.interfaces", "servelab.errors", "servelab.options", "servelab.plugin_types",
+                     "servelab.kit"}
 
 
 def module_name(path: Path) -> str:

@@ -95,12 +95,14 @@ def test_the_table_refuses_a_key_or_section_used_twice():
 
 
 def test_the_old_names_are_read_off_the_table():
-    assert POLICY_KINDS == ("allocators", "schedulers", "drafters", "attention", "routers", "logits_processors")
-    assert config.POLICY_SECTIONS == ("allocator", "scheduler", "drafter", "attention", "router")
-    assert config.DEFAULT_POLICIES == {"allocator": "paged", "scheduler": "continuous", "attention": "cpu-paged"}
+    assert POLICY_KINDS == ("allocators", "schedulers", "drafters", "attention", "routers", "logits_processors",
+                            "evictors")
+    assert config.POLICY_SECTIONS == ("allocator", "scheduler", "drafter", "attention", "router", "eviction")
+    assert config.DEFAULT_POLICIES == {"allocator": "paged", "scheduler": "continuous", "attention": "cpu-paged",
+                                       "eviction": "lru"}
     assert config.DEFAULT_ROUTER == "round-robin"
     assert [kind.noun for kind in KINDS.values()] == ["allocator", "scheduler", "drafter", "attention backend",
-                                                      "router", "logits processor"]
+                                                      "router", "logits processor", "eviction policy"]
     defaults = config.EngineConfig()
     for kind in KINDS.values():
         assert getattr(servelab.plugin_types, kind.record_name) is kind.record

@@ -44,7 +44,7 @@ class Harness(SchedulerHarness):
             ALLOCATORS[allocator](None, AllocatorContext(num_blocks=num_blocks, block_size=block_size,
                                                          max_model_len=max_model_len)),
             block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len)
+            max_model_len=max_model_len, seconds_per_step=1.0)
 
 
 def options(name: str, priority_aging_s: float = 10.0, policy: str = "prefill-first"):

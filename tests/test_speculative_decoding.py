@@ -237,6 +237,7 @@ def test_seeded_sampling_keeps_the_target_distribution(drafter, checkpoint_facto
 
 
 class TestNgram(DrafterContract):
+    lookup_drafter = True
     plugin_name = "ngram"
 
 

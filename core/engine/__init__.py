@@ -13,8 +13,8 @@ from servelab.errors import CheckpointError, ConfigError, DistributedError, Plug
 from servelab.hookspecs import hookimpl
 from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepReport
-from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, LogitsProcessorPlugin,
-                                   RouterPlugin, SchedulerPlugin)
+from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
+                                   LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin)
 from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
 from servelab.structured import StructuredOutput
@@ -31,6 +31,7 @@ __all__ = [
     "ConfigError",
     "DistributedError",
     "DrafterPlugin",
+    "EvictionPlugin",
     "Logprob",
     "LogitsProcessorPlugin",
     "EngineConfig",

@@ -11,7 +11,7 @@ import torch
 from servelab.config import EngineConfig, EngineSection, build_options
 from servelab.errors import ConfigError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
-                                 DrafterContext, ForkingAllocator, ForkingScheduler, LMHeadRunner,
+                                 DrafterContext, EvictionContext, ForkingAllocator, ForkingScheduler, LMHeadRunner,
                                  LogitsProcessorContext, SchedulerContext, TargetModel)
 from servelab.logits_pipeline import LogitsPipeline
 from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
@@ -21,7 +21,7 @@ from servelab.model.onednn_caches import limit_onednn_caches
 from servelab.model.shard_layout import local_model_config
 from servelab.model.source import CheckpointSource, ModelSource
 from servelab.plugin_types import KINDS
-from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
+from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy, check_contract_version
 from servelab.sampler import filtered_probs
 from servelab.speculation import Speculator
 
@@ -113,8 +113,10 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
     shard_config = local_model_config(source.model_config, engine.tensor_parallel_size)
     limits = resolve_limits(engine, shard_config)
     device = torch.device(engine.device)
+    eviction = build_policy(*selected["evictors"], EvictionContext(limits.num_kv_blocks, engine.block_size))
     allocator = build_policy(*selected["allocators"], AllocatorContext(
-        num_blocks=limits.num_kv_blocks, block_size=engine.block_size, max_model_len=limits.max_model_len))
+        num_blocks=limits.num_kv_blocks, block_size=engine.block_size, max_model_len=limits.max_model_len,
+        eviction=eviction))
     scheduler = build_policy(*selected["schedulers"], SchedulerContext(
         allocator=allocator, max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
         max_model_len=limits.max_model_len, clock=clock))
@@ -165,6 +167,7 @@ def _policy_sections(config: EngineConfig):
     yield "allocators", config.allocator
     yield "schedulers", config.scheduler
     yield "attention", config.attention
+    yield "evictors", config.eviction
     if config.drafter is not None:
         yield "drafters", config.drafter
 
@@ -210,6 +213,7 @@ def _build_logits_pipeline(config: EngineConfig, registry: PluginRegistry, sourc
                                      tokenizer=source.tokenizer, device=device)
     processors = {}
     for name, registered in installed.items():
+        check_contract_version(registered, KINDS["logits_processors"])
         options = build_options(registered.plugin.options, section.options.get(name, {}),
                                 KINDS["logits_processors"].section, name)
         processors[name] = build_policy(registered, options, context)

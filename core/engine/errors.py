@@ -32,3 +32,12 @@ class OverloadedError(RequestError):
 # The message with which the structured-output processor fails a row whose grammar allows
 # no next token; the server answers it with code "grammar_dead_end".
 NO_NEXT_TOKEN = "the grammar allows no next token"
+
+
+class PolicyViolation(ServelabError):
+    """A policy broke an invariant the engine relies on (the message names it), caught
+    before it could corrupt state: `invariant violated: <name>: <detail>`."""
+
+    def __init__(self, invariant: str, detail: str = "") -> None:
+        self.invariant = invariant
+        super().__init__(f"invariant violated: {invariant}" + (f": {detail}" if detail else ""))

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, LogitsProcessorPlugin,
-                                       RouterPlugin, SchedulerPlugin)
+    from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
+                                       LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin)
 
 PROJECT = "servelab"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -231,6 +231,31 @@ def servelab_register_routers() -> list[RouterPlugin]:
         def servelab_register_routers():
             return [RouterPlugin(name="fewest-waiting", factory=FewestWaiting,
                                  description="the replica with the fewest queued sequences")]
+    """
+
+
+@hookspec
+def servelab_register_evictors() -> list[EvictionPlugin]:
+    """Return the prefix-cache eviction policies this plugin provides (`[eviction] name =
+    ...`; every prefix cache built on `servelab.kit` orders its evictable blocks by it).
+
+    A factory is called as `factory(options, EvictionContext)` and returns a
+    `servelab.interfaces.EvictionPolicy`. A complete plugin::
+
+        import servelab
+        from servelab.kit import KeyedEviction
+        from servelab.plugin_types import EvictionPlugin
+
+        class DeepestFirst(KeyedEviction):
+            # The longest prefixes go first; among equals the least recently used.
+
+            def key(self, candidate):
+                return -candidate.depth, candidate.last_access
+
+        @servelab.hookimpl
+        def servelab_register_evictors():
+            return [EvictionPlugin(name="deepest-first", factory=DeepestFirst,
+                                   description="evicts the longest cached prefixes first")]
     """
 
 

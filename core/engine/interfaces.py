@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # torch stays out of imports that plugin discovery triggers
 __all__ = [
     "AllocatorContext",
     "AllocatorStats",
+    "AcceptingDrafter",
+    "AnticipatingPrefixCache",
     "AttentionBackend",
     "AttentionContext",
     "AttentionMetadata",
@@ -28,6 +30,10 @@ __all__ = [
     "Draft",
     "Drafter",
     "DrafterContext",
+    "DemandAwareEviction",
+    "EvictionCandidate",
+    "EvictionContext",
+    "EvictionPolicy",
     "FinishAwareRouter",
     "ForkingAllocator",
     "ForkingScheduler",
@@ -46,6 +52,7 @@ __all__ = [
     "ProcessorRequest",
     "ReleasingDrafter",
     "ReleasingProcessor",
+    "ResettablePrefixCache",
     "ReplicaSnapshot",
     "RouteRequest",
     "Router",
@@ -79,6 +86,9 @@ class AllocatorContext:
     num_blocks: int  # physical blocks in the runner's cache
     block_size: int  # token slots per block
     max_model_len: int  # longest sequence the engine admits
+    # The eviction policy a prefix cache orders its evictable blocks by (`[eviction]`, an
+    # EvictionPolicy); None: the cache's own default (least recently used first).
+    eviction: Any = None
 
 
 @attrs.frozen
@@ -186,9 +196,78 @@ class PrefixCachingAllocator(Protocol):
     def cache_blocks(self, seq: Sequence) -> None:
         """Make `seq`'s full blocks of computed tokens reusable by later sequences."""
 
+
+@runtime_checkable
+class ResettablePrefixCache(Protocol):
+    """Capability (allocator contract version 2): a prefix cache that can be emptied.
+
+    Version 1 of the allocator contract had no such member; a prefix cache written
+    against it is still a PrefixCachingAllocator and keeps caching."""
+
     def reset_prefix_cache(self) -> None:
         """Drop every cached block no sequence holds: later lookups miss them, and they
         count as free. Blocks sequences hold stay; the prefix statistics keep counting."""
+
+
+@runtime_checkable
+class AnticipatingPrefixCache(Protocol):
+    """Capability: a prefix cache told which waiting sequences come next, so an eviction
+    policy can spare the prefixes they are about to hit."""
+
+    def anticipate(self, seqs: Seq[Sequence]) -> None:
+        """The sequences the scheduler expects to admit next, best first (replaces the
+        previous ones). They hold no KV; the cache must not change them."""
+
+
+# ---------------------------------------------------------------- eviction
+
+
+@attrs.frozen
+class EvictionCandidate:
+    """What a prefix cache knows of one evictable entry: a cached block no sequence holds
+    (`hash`), or the evictable tail of a leaf of the tree (`radix`, `size` blocks ending at
+    `block`). Ticks are the cache's own logical clock: larger is more recent, no two
+    entries share one."""
+
+    block: int  # the id the policy names it by (radix: the deepest block of the run)
+    last_access: int  # tick of the last lookup through it, insertion, or release
+    inserted: int  # tick it entered the cache
+    hits: int = 0  # lookups that reused it
+    depth: int = 1  # blocks from the root to `block` (1: the first block of a prompt)
+    size: int = 1  # blocks evicting it frees
+    demand: int = 0  # waiting sequences whose cached prefix runs through it (demand-aware policies only)
+
+
+@attrs.frozen
+class EvictionContext:
+    """What an eviction policy factory receives."""
+
+    num_blocks: int  # blocks in the KV pool
+    block_size: int
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Chooses which evictable prefix-cache entries go when the free list runs dry.
+
+    `choose` gets every evictable entry (never one a sequence holds) and the number of
+    blocks the pool needs, and returns the `block` ids of entries to evict, in order,
+    until their sizes cover `num_blocks` (or every entry, when they cannot). The same
+    candidates must give the same choice. The cache evicts them in that order, and asks
+    again if that frees too little (a radix leaf's parent may have become a leaf).
+    """
+
+    def choose(self, candidates: Seq[EvictionCandidate], num_blocks: int) -> Seq[int]:
+        """Block ids of `candidates` to evict, first to go first."""
+
+
+@runtime_checkable
+class DemandAwareEviction(Protocol):
+    """An eviction policy that reads `EvictionCandidate.demand` (when `uses_demand` is
+    True): the cache then counts, for each entry, the anticipated waiting sequences whose
+    cached prefix runs through it (`AnticipatingPrefixCache`)."""
+
+    uses_demand: bool
 
 
 @runtime_checkable
@@ -537,6 +616,9 @@ class RouteRequest:
     prompt_token_ids: Seq[int]
     max_tokens: int = 16
     arrival_time: float = 0.0
+    # A key the caller gives requests of one conversation or user (None: none given), so a
+    # router may keep a session on one replica.
+    session: str | None = None
 
 
 @attrs.frozen
@@ -686,6 +768,15 @@ class ReleasingDrafter(Protocol):
 
     def release(self, request_id: str) -> None:
         """The sequence finished, was aborted or preempted."""
+
+
+@runtime_checkable
+class AcceptingDrafter(Protocol):
+    """A drafter told which of its drafts were accepted (to adapt, or to learn)."""
+
+    def accepted(self, request_id: str, token_ids: Seq[int]) -> None:
+        """After verification: the draft tokens of `request_id` the target accepted this
+        step, in order (empty when it rejected the first); called once per verified draft."""
 
 
 @runtime_checkable

@@ -46,6 +46,9 @@ class PolicyPlugin:
     factory: Callable[..., Any] | str
     options: type = NoOptions
     description: str = ""
+    # The version of its kind's contract the policy was written against
+    # (`KINDS[kind].version`); None: the first version, with a warning once.
+    contract_version: int | None = None
 
     def load_factory(self) -> Callable[..., Any]:
         if callable(self.factory):
@@ -79,6 +82,11 @@ class PolicyKind:
     default: str | None = None
     selectable: bool = True
     optional: bool = False
+    # The contract's version, the oldest one a plugin may still declare, and per later
+    # version what changed (docs/contract-versions.md).
+    version: int = 1
+    oldest_compatible: int = 1
+    changes: tuple[tuple[int, str], ...] = ()
     record: type = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -87,6 +95,10 @@ class PolicyKind:
     @property
     def hook_name(self) -> str:
         return f"servelab_register_{self.key}"
+
+    def changes_since(self, version: int) -> str:
+        """What changed in this contract after `version`, newest last."""
+        return "; ".join(f"version {v}: {what}" for v, what in self.changes if v > version) or "nothing recorded"
 
 
 def _record_class(kind: PolicyKind) -> type:
@@ -111,17 +123,24 @@ def kinds_table(kinds: Iterable[PolicyKind]) -> dict[str, PolicyKind]:
 KINDS: dict[str, PolicyKind] = kinds_table([
     # key, config section, noun in errors, record class, what the factory builds, and gets
     PolicyKind("allocators", "allocator", "allocator", "AllocatorPlugin",
-               interfaces.KVAllocator, interfaces.AllocatorContext, default="paged"),
+               interfaces.KVAllocator, interfaces.AllocatorContext, default="paged", version=2, changes=(
+                   (2, "reset_prefix_cache moved out of PrefixCachingAllocator into the optional "
+                       "ResettablePrefixCache capability; AllocatorContext gained `eviction`"),)),
     PolicyKind("schedulers", "scheduler", "scheduler", "SchedulerPlugin",
                interfaces.Scheduler, interfaces.SchedulerContext, default="continuous"),
     PolicyKind("drafters", "drafter", "drafter", "DrafterPlugin",
-               interfaces.Drafter, interfaces.DrafterContext, optional=True),
+               interfaces.Drafter, interfaces.DrafterContext, optional=True, version=2, changes=(
+                   (2, "the optional AcceptingDrafter capability: accepted(request_id, token_ids) after "
+                       "each verification"),)),
     PolicyKind("attention", "attention", "attention backend", "AttentionPlugin",
                interfaces.AttentionBackend, interfaces.AttentionContext, default="cpu-paged"),
     PolicyKind("routers", "router", "router", "RouterPlugin",
-               interfaces.Router, interfaces.RouterContext, default="round-robin", optional=True),
+               interfaces.Router, interfaces.RouterContext, default="round-robin", optional=True, version=2,
+               changes=((2, "RouteRequest gained `session` (None unless the caller gives one)"),)),
     PolicyKind("logits_processors", "logits_processors", "logits processor", "LogitsProcessorPlugin",
                interfaces.LogitsProcessor, interfaces.LogitsProcessorContext, selectable=False),
+    PolicyKind("evictors", "eviction", "eviction policy", "EvictionPlugin",
+               interfaces.EvictionPolicy, interfaces.EvictionContext, default="lru"),
 ])
 
 

@@ -21,6 +21,38 @@ from servelab.plugin_types import KINDS, PolicyKind, PolicyPlugin
 
 ENTRY_POINT_GROUP = "servelab.plugins"
 RUNTIME_DISTRIBUTION = "<runtime>"
+BUILTIN_DISTRIBUTION = "servelab"  # its policies move with its contracts: always the current version
+_warned_unversioned: set[tuple[str, str, str]] = set()
+
+
+class ContractVersionWarning(UserWarning):
+    """A plugin declares no contract version: it is taken as the first."""
+
+
+def check_contract_version(registered: "RegisteredPolicy", kind: PolicyKind) -> None:
+    """Refuse a policy written against a contract version this servelab does not accept,
+    naming plugin, distribution, declared version and what changed; one that declares
+    none is taken as version 1, with a warning (once per process)."""
+    declared = registered.plugin.contract_version
+    where = f"{kind.noun} {registered.name!r} from distribution {registered.distribution!r}"
+    if declared is None:
+        if registered.distribution == BUILTIN_DISTRIBUTION or kind.version == 1:
+            return  # the built-ins move with their contracts; version 1 is all there has been
+        key = (kind.key, registered.name, registered.distribution)
+        if key not in _warned_unversioned:
+            _warned_unversioned.add(key)
+            warnings.warn(f"{where} declares no contract_version: taken as version 1 of the {kind.noun} contract "
+                          f"(this servelab's is version {kind.version}; changes since 1: {kind.changes_since(1)}); "
+                          f"declare contract_version={kind.version} in its {kind.record_name} once it follows it",
+                          ContractVersionWarning, stacklevel=3)
+        declared = 1
+    if declared > kind.version:
+        raise PluginError(f"{where} declares contract version {declared}, newer than this servelab's {kind.noun} "
+                          f"contract (version {kind.version}); upgrade servelab")
+    if declared < kind.oldest_compatible:
+        raise PluginError(f"{where} declares version {declared} of the {kind.noun} contract, which this servelab "
+                          f"no longer accepts (it implements version {kind.version}, accepts "
+                          f"{kind.oldest_compatible}-{kind.version}); what changed: {kind.changes_since(declared)}")
 
 
 @attrs.frozen
@@ -117,6 +149,7 @@ class PluginRegistry:
         """The policy called `name`, or an error listing what is installed."""
         available = self.policies(kind)
         if name in available:
+            check_contract_version(available[name], self.kinds[kind])
             return available[name]
         if available:
             listing = ", ".join(f"{p.name} ({p.distribution})" for p in available.values())

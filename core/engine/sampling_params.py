@@ -97,6 +97,9 @@ class SamplingParams:
     structured: Any = None  # a servelab.structured.StructuredOutput
     logits_processors: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
     extra_args: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_as_args)
+    # The request's SLO: seconds after its arrival by which it should finish (None: none).
+    # Policies may read it (a deadline-aware scheduler); the engine enforces nothing.
+    deadline: float | None = None
 
     def __attrs_post_init__(self) -> None:
         self.validate()
@@ -107,6 +110,9 @@ class SamplingParams:
             raise RequestError(f"n must be an integer >= 1, got {_brief(self.n)}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {_brief(self.max_tokens)}")
+        if self.deadline is not None and (isinstance(self.deadline, bool) or not isinstance(
+                self.deadline, (int, float)) or not math.isfinite(self.deadline) or self.deadline <= 0):
+            raise RequestError(f"deadline must be a number of seconds > 0 (or None), got {_brief(self.deadline)}")
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -16,7 +16,8 @@ import attrs
 import torch
 
 from servelab.errors import ConfigError
-from servelab.interfaces import Draft, ForkingAllocator, HiddenStateDrafter, ReleasingDrafter, Sequence
+from servelab.interfaces import (AcceptingDrafter, Draft, ForkingAllocator, HiddenStateDrafter, ReleasingDrafter,
+                                 Sequence)
 from servelab.logging_setup import get_logger
 from servelab.verification import Verified, verify
 
@@ -58,6 +59,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.needs_hidden_states = isinstance(drafter, HiddenStateDrafter) and bool(drafter.needs_hidden_states)
+        self._accepting = drafter if isinstance(drafter, AcceptingDrafter) else None
         self._probs: dict[str, torch.Tensor | None] = {}
         self._hidden: dict[str, torch.Tensor] = {}  # seq id -> target hidden state behind its last token
         self._drafted: list[Sequence] = []
@@ -115,6 +117,8 @@ class Speculator:
     def settle(self, seq: Sequence, num_verified_drafts: int, num_accepted: int, num_tokens_before: int) -> None:
         """After the accepted tokens were appended: keep the K/V of verified tokens only and
         give the rejected drafts' slots back."""
+        if self._accepting is not None and num_verified_drafts:
+            self._accepting.accepted(seq.request_id, list(seq.draft_token_ids[:num_accepted]))
         computed = seq.num_computed_tokens
         keep = min(num_tokens_before + num_accepted, seq.num_tokens)
         if computed > keep:

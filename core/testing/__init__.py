@@ -19,19 +19,25 @@ from servelab.testing.allocator import AllocatorContract
 from servelab.testing.attention import AttentionBackendContract
 from servelab.testing.contract import ContractViolation, check
 from servelab.testing.drafter import DrafterContract
+from servelab.testing.eviction import EvictionContract
 from servelab.testing.logits_processor import LogitsProcessorContract
 from servelab.testing.router import RouterContract
 from servelab.testing.scheduler import SchedulerContract
 from servelab.testing.scheduler_harness import SchedulerHarness
+from servelab.testing.scheduler_workloads import make_allocator
+from servelab.testing.victim import VictimContract
 
 __all__ = [
     "AllocatorContract",
     "AttentionBackendContract",
     "ContractViolation",
     "DrafterContract",
+    "EvictionContract",
     "LogitsProcessorContract",
     "RouterContract",
     "SchedulerContract",
     "SchedulerHarness",
+    "VictimContract",
     "check",
+    "make_allocator",
 ]

@@ -82,7 +82,7 @@ def installed_factory(kind: str, name: str) -> tuple[Callable[..., Any], type]:
 
 
 class PolicyContract:
-    """Base of the five contracts; subclasses set `kind` and write the tests."""
+    """Base of the policy contracts (one per kind); subclasses set `kind` and write the tests."""
 
     kind = ""  # "allocators", "schedulers", "drafters", "attention", "routers"
     factory: Callable[..., Any] | None = None  # factory(options, context) -> policy

@@ -50,6 +50,10 @@ def _changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[
             for b, a in zip(before, after) for name in b if a[name] != b[name]]
 
 
+KNOWN_CONTINUATION = "a lookup drafter proposes the known continuation"
+RESTATED = "drafts do not restate accepted tokens"
+
+
 class DrafterContract(PolicyContract):
     """Invariants (each failure message starts "invariant violated: <name>"):
 
@@ -63,6 +67,8 @@ class DrafterContract(PolicyContract):
     - release forgets a sequence: a new sequence under its id gets a fresh drafter's
       drafts (release, where defined, is called as the engine calls it)
     - well formed on every decode step of a real greedy generation (replayed)
+    - a lookup drafter (`lookup_drafter = True`) proposes the known continuation of a
+      repeated n-gram, and its drafts do not restate accepted tokens
 
     k is the contract class's `num_speculative_tokens`, else the options'; a contract
     that can find neither fails (the at-most-k check never silently skips).
@@ -71,6 +77,7 @@ class DrafterContract(PolicyContract):
     kind = "drafters"
     num_speculative_tokens: int | None = None  # k; default: the options' num_speculative_tokens, if any
     deterministic = True
+    lookup_drafter = False  # proposes what followed an earlier occurrence (prompt lookup, n-gram)
     vocab_size = 211
     max_model_len = 128
 
@@ -112,6 +119,22 @@ class DrafterContract(PolicyContract):
         return proposals
 
     # ------------------------------------------------------------ scenarios
+
+    def test_lookup_proposes_the_known_continuation(self):
+        """[11 12 13 14 15 11 12 13]: 11 12 13 occurred before, followed by 14 15 11."""
+        import pytest
+
+        if not self.lookup_drafter:
+            pytest.skip("not a lookup drafter (set lookup_drafter = True)")
+        tokens = [11, 12, 13, 14, 15, 11, 12, 13]
+        continuation = [14, 15, 11, 12, 13][: self.max_drafts()]
+        for prompt, output in ((tokens, []), (tokens[:5], tokens[5:])):
+            seq = decoding_sequence("lookup", prompt, output)
+            draft = list(self.check_proposals(self.drafter(), [seq]).get("lookup", []))
+            check(draft != tokens[len(tokens) - len(draft):] or not draft, RESTATED,
+                  f"draft {draft} repeats the last accepted tokens {tokens[-len(draft):]} instead of what followed them")
+            check(draft and draft == continuation[: len(draft)], KNOWN_CONTINUATION,
+                  f"draft {draft} after {tokens}; the known continuation is {continuation}")
 
     def test_empty_batch_gets_no_proposals(self):
         drafter = self.drafter()

@@ -23,6 +23,9 @@ from servelab.plugin_types import KINDS
 from servelab.testing.contract import check, exercising
 from servelab.testing.tiny_model import tiny_checkpoint
 
+NEEDS_TRANSFORMERS = ("the end-to-end cases build a tiny model with transformers (servelab's `test` extra); "
+                      "the `contracts` extra leaves it out")
+
 REFERENCE = {"allocator": "paged", "scheduler": "continuous", "attention": "torch-paged"}
 VOCAB_SIZE = 211  # the tiny "llama" checkpoint's
 BLOCK_SIZE = 8
@@ -155,6 +158,9 @@ def check_against_reference(kind: str, name: str, registry: Any, case_name: str,
     """Greedy tokens with policy `name` of `kind` in place of the reference one must equal
     the reference tokens for CASES[case_name]. `partners` swaps other reference policies
     too, by section ({"allocator": "naive"} for a backend that needs contiguous tables)."""
+    import pytest
+
+    pytest.importorskip("transformers", reason=NEEDS_TRANSFORMERS)
     case = CASES[case_name]
     policies = dict(REFERENCE, **(partners or {}), **{KINDS[kind].section: name})
     overrides = dict(case.overrides + case.policy_only, **engine)

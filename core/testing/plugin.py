@@ -32,6 +32,9 @@ def pytest_report_header(config: pytest.Config) -> str:
 @pytest.fixture(scope="session")
 def servelab_tiny_checkpoint() -> str:
     """A tiny random Llama (2 layers, vocab 211) saved as a Hugging Face checkpoint."""
+    from servelab.testing.e2e import NEEDS_TRANSFORMERS
     from servelab.testing.tiny_model import tiny_checkpoint
+
+    pytest.importorskip("transformers", reason=NEEDS_TRANSFORMERS)
 
     return tiny_checkpoint()

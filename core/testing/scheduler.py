@@ -23,6 +23,8 @@ from servelab.interfaces import ForkingScheduler, Scheduler, SchedulerContext
 from servelab.testing.contract import PolicyContract, check
 from servelab.testing.scheduler_harness import SchedulerHarness
 
+LIVENESS = "no request starves"
+
 
 class SchedulerContract(PolicyContract):
     """Invariants (each failure message starts "invariant violated: <name>"):
@@ -41,6 +43,7 @@ class SchedulerContract(PolicyContract):
     - request finished twice
     - a finished or aborted request holds no KV; abort removes it wherever it is
     - no progress: an empty plan while requests are unfinished
+    - no request starves: a long request is served while short ones keep arriving
     - tokens identical to the reference policies, end to end on a tiny model
     """
 
@@ -48,6 +51,7 @@ class SchedulerContract(PolicyContract):
     allocator_names = ("paged", "radix", "naive")  # installed allocators the random workloads run over
     options_variants: tuple = ()  # options instances the random workloads draw from (default: `options`)
     max_idle_steps = 0  # empty plans in a row allowed while requests are unfinished
+    liveness_steps = 60  # steps a long request may wait while short ones keep arriving
     max_examples = 40
 
     # Hooks for a subclass's own invariants (an ordering policy), around every harness step.
@@ -59,15 +63,17 @@ class SchedulerContract(PolicyContract):
 
     def harness(self, *, allocator: str | None = None, num_blocks: int = 64, block_size: int = 4,
                 max_num_seqs: int = 4, max_num_batched_tokens: int = 64, max_model_len: int = 64,
-                options: Any = None) -> SchedulerHarness:
-        """A harness running this scheduler over an installed allocator."""
+                options: Any = None, seconds_per_step: float = 1.0) -> SchedulerHarness:
+        """A harness running this scheduler over an installed allocator; the contract's
+        scenarios advance its clock one second a step."""
         from servelab.testing.scheduler_workloads import make_allocator
 
         options = self._options if options is None else options
         alloc = make_allocator(allocator or self.allocator_names[0], num_blocks, block_size, max_model_len)
         return SchedulerHarness(lambda context: self._factory(options, context), alloc, block_size=block_size,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, observer=self, max_idle_steps=self.max_idle_steps)
+                                max_model_len=max_model_len, observer=self, max_idle_steps=self.max_idle_steps,
+                                seconds_per_step=seconds_per_step)
 
     def accepts_small_budget(self) -> bool:
         """Does it take max_num_batched_tokens below max_model_len (chunked prompts)?"""
@@ -133,6 +139,18 @@ class SchedulerContract(PolicyContract):
             harness.add(6, max_tokens=8, priority=index % 2)
         harness.run()
         harness.check_all_done()
+
+    def test_no_request_starves(self):
+        """One slot, a 40-token job, then a 2-token job arriving every second: whatever the
+        order, the long job is served within `liveness_steps` steps."""
+        harness = self.harness(max_num_seqs=1, num_blocks=64, max_num_batched_tokens=64, max_model_len=64)
+        harness.add(20, max_tokens=20, request_id="long")
+        for _ in range(self.liveness_steps):
+            harness.add(1, max_tokens=1)
+            harness.step()
+        check("long" in harness.first_scheduled, LIVENESS,
+              lambda: f"request 'long' (40 tokens of work, arrived first) was never scheduled in "
+                      f"{self.liveness_steps} steps while {len(harness.first_scheduled)} later requests were")
 
     @pytest.mark.parametrize("allocator", ["paged", "radix"])
     def test_abort_frees_kv_at_once(self, allocator):

@@ -5,7 +5,9 @@ sequence advances its computed tokens, one that caught up gets a dummy output to
 (1000, 1001, ... so a lost or duplicated token shows), a prefix-caching allocator
 caches the computed blocks, a request with n > 1 forks its children after its prompt
 (as the engine does), and a sequence holding max_tokens outputs is retired through
-`finish`. The clock advances one second per step. Every plan is checked against the
+`finish`. The clock (`now`, what the scheduler's `context.clock` returns and new requests
+arrive at) moves only as told: by `seconds_per_step` after each step (0 by default), or
+by setting `now`. Every plan is checked against the
 scheduler invariants before the harness touches a sequence; `check_all_done` checks
 that every request was served exactly once. An exception the scheduler raises fails the
 invariant its call exercises, with the scheduler's traceback.
@@ -59,8 +61,10 @@ class SchedulerHarness:
 
     def __init__(self, make_scheduler: Callable[[SchedulerContext], Any], allocator: Any, *, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 observer: Any = None, max_idle_steps: int = 0) -> None:
-        self.now = 0.0
+                 observer: Any = None, max_idle_steps: int = 0, seconds_per_step: float = 0.0,
+                 start_time: float = 0.0) -> None:
+        self.now = start_time
+        self.seconds_per_step = seconds_per_step
         self.allocator = allocator
         self.context = SchedulerContext(allocator=allocator, max_num_seqs=max_num_seqs,
                                         max_num_batched_tokens=max_num_batched_tokens,
@@ -85,13 +89,23 @@ class SchedulerHarness:
 
     # ------------------------------------------------------------ requests
 
-    def add(self, prompt: int | list[int], max_tokens: int, request_id: str | None = None, priority: int = 0,
-            n: int = 1) -> Sequence:
-        """Queue a request (`prompt` is a token list, or a length: tokens 1..prompt)."""
+    def add(self, prompt: int | list[int], max_tokens: int | None = None, request_id: str | None = None,
+            priority: int = 0, n: int | None = None, *, params: SamplingParams | None = None,
+            arrival_time: float | None = None) -> Sequence:
+        """Queue a request (`prompt` is a token list, or a length: tokens 1..prompt) with
+        `params` (any SamplingParams: max_tokens, n, deadline, ...), or with the shorthand
+        `max_tokens` and `n`; it arrives at `arrival_time` (default: `now`)."""
+        if params is None:
+            if max_tokens is None:
+                raise TypeError("SchedulerHarness.add needs max_tokens or params")
+            params = SamplingParams(max_tokens=max_tokens, n=n or 1)
+        elif (max_tokens is not None and max_tokens != params.max_tokens) or (n is not None and n != params.n):
+            raise TypeError(f"SchedulerHarness.add: max_tokens={max_tokens}, n={n} contradict {params!r}")
+        n = params.n
         prompt_ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
         request_id = request_id or f"r{next(self._ids)}"
-        params = SamplingParams(max_tokens=max_tokens, n=n)
-        group = [Sequence(request_id if i == 0 else f"{request_id}#{i}", list(prompt_ids), params, self.now,
+        arrival = self.now if arrival_time is None else arrival_time
+        group = [Sequence(request_id if i == 0 else f"{request_id}#{i}", list(prompt_ids), params, arrival,
                           priority=priority, completion_index=i) for i in range(n)]
         self.requests[request_id] = group
         self.add_order[request_id] = len(self.add_order)
@@ -140,7 +154,7 @@ class SchedulerHarness:
         self.plans.append(plan)
         if self.observer is not None:
             self.observer.after_step(self, plan)
-        self.now += 1.0
+        self.now += self.seconds_per_step
         return plan
 
     def _update(self, plan: StepPlan) -> None:

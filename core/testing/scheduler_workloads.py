@@ -71,7 +71,7 @@ def run_workload(contract: Any, w: dict, options: Any) -> SchedulerHarness:
     harness = SchedulerHarness(lambda context: contract._factory(options, context), allocator,
                                block_size=w["block_size"], max_num_seqs=w["max_num_seqs"],
                                max_num_batched_tokens=w["budget"], max_model_len=w["max_model_len"],
-                               observer=contract, max_idle_steps=contract.max_idle_steps)
+                               observer=contract, max_idle_steps=contract.max_idle_steps, seconds_per_step=1.0)
     requests = w["requests"]
     request_ids: list[str | None] = [None] * len(requests)
     last_arrival = max(r[2] for r in requests)

@@ -17,26 +17,31 @@ so a node's blocks are always a unit of shared history. The path from the root t
 block spells the whole prefix whose last chunk the block holds: a hit is confirmed
 token by token, never trusted to a hash alone.
 
-Eviction order (`evict`): the least recently used leaf first, and within a leaf its
-last block first, so a prefix is never evicted before its extensions. Ties go to the
-older node. A node counts as used when a lookup passes through it, a block is
-inserted into it, or `touch` is called on one of its blocks.
+It is the `radix` allocator's `servelab.kit.PrefixIndex`: eviction candidates are the
+leaves (the evictable tail of each leaf's run, named by its last block), so a prefix is
+never evicted before its extensions; the eviction policy orders them. A node counts as
+used when a lookup passes through it, a block is inserted into it, or `touch` is called
+on one of its blocks; it counts a hit for every lookup through it. `evict(count,
+can_evict)` evicts least recently used leaves first (ties: the older node), each from
+its last block, as the default policy does.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from typing import Callable, Iterable
+
+from servelab.interfaces import EvictionCandidate
+from servelab.kit import LeastRecentlyUsed
 
 Chunk = tuple[int, ...]
 
 
 class _Node:
-    __slots__ = ("key", "chunks", "blocks", "parent", "children", "last_used", "node_id")
+    __slots__ = ("key", "chunks", "blocks", "parent", "children", "last_used", "node_id", "hits", "depth")
 
     def __init__(self, chunks: list[Chunk], blocks: list[int], parent: "_Node | None", last_used: int,
-                 node_id: int) -> None:
+                 node_id: int, hits: int = 0) -> None:
         self.key = chunks[0] if chunks else None  # the first chunk: this node's edge label in parent.children
         self.chunks = chunks
         self.blocks = blocks
@@ -44,6 +49,9 @@ class _Node:
         self.children: dict[Chunk, _Node] = {}
         self.last_used = last_used
         self.node_id = node_id
+        self.hits = hits  # lookups that passed through it
+        # Blocks from the root to this node's first block, minus one.
+        self.depth = parent.depth + len(parent.blocks) if parent is not None else 0
 
     def eviction_key(self) -> tuple[int, int]:
         """Least recently used first; among equals, the older node."""
@@ -68,7 +76,13 @@ class RadixTree:
 
     def match(self, chunks: Iterable[Chunk]) -> list[int]:
         """Blocks holding the longest cached prefix of `chunks`; marks that path used."""
-        now = self._tick()
+        return self._walk(chunks, self._tick())
+
+    def peek(self, chunks: Iterable[Chunk]) -> list[int]:
+        """The blocks `match` would return, changing nothing."""
+        return self._walk(chunks, None)
+
+    def _walk(self, chunks: Iterable[Chunk], now: int | None) -> list[int]:
         node, position = self.root, 0
         blocks: list[int] = []
         for chunk in chunks:
@@ -77,11 +91,14 @@ class RadixTree:
                 if child is None:
                     break
                 node, position = child, 0
+                if now is not None:
+                    node.hits += 1
             elif node.chunks[position] != chunk:
                 break
             blocks.append(node.blocks[position])
             position += 1
-            node.last_used = now
+            if now is not None:
+                node.last_used = now
         return blocks
 
     def insert(self, parent_block: int | None, chunk: Chunk, block: int) -> int:
@@ -120,25 +137,62 @@ class RadixTree:
         """Mark the prefix ending at `block` as just used."""
         self._touch_path(self._node_of[block], self._tick())
 
-    def evict(self, count: int, can_evict: Callable[[int], bool]) -> list[int]:
-        """Remove up to `count` blocks for which `can_evict` holds, LRU leaves first,
-        each leaf from its last block; returns them in eviction order."""
-        heap = [(leaf.eviction_key(), leaf) for leaf in self._leaves() if can_evict(leaf.blocks[-1])]
-        heapq.heapify(heap)
-        evicted: list[int] = []
-        while heap and len(evicted) < count:
-            _, node = heapq.heappop(heap)
-            while node.blocks and len(evicted) < count and can_evict(node.blocks[-1]):
-                node.chunks.pop()
-                block = node.blocks.pop()
-                del self._node_of[block]
-                evicted.append(block)
-            if node.blocks:
+    def held(self, block: int) -> None:
+        """Nothing to do: the candidates are found afresh from the leaves."""
+
+    def unheld(self, block: int) -> None:
+        """Nothing to do: the candidates are found afresh from the leaves."""
+
+    def candidates(self, can_evict: Callable[[int], bool]) -> list[EvictionCandidate]:
+        """The evictable tail of every leaf whose last block `can_evict`, named by that block."""
+        found = []
+        for leaf in self._leaves():
+            blocks = leaf.blocks
+            if not can_evict(blocks[-1]):
                 continue
-            parent = node.parent
-            del parent.children[node.key]
-            if parent is not self.root and not parent.children and can_evict(parent.blocks[-1]):
-                heapq.heappush(heap, (parent.eviction_key(), parent))
+            size = 1
+            while size < len(blocks) and can_evict(blocks[-size - 1]):
+                size += 1
+            found.append(EvictionCandidate(block=blocks[-1], last_access=leaf.last_used, inserted=leaf.node_id,
+                                           hits=leaf.hits, depth=leaf.depth + len(blocks), size=size))
+        return found
+
+    def blocks_of(self, block: int, size: int) -> list[int]:
+        return self._node_of[block].blocks[-size:]
+
+    def drop(self, block: int, max_blocks: int, can_evict: Callable[[int], bool]) -> tuple[list[int], bool]:
+        """Remove up to `max_blocks` blocks of the leaf ending at `block`, from its last;
+        True when that emptied the leaf and made its parent an evictable leaf."""
+        node = self._node_of[block]
+        evicted: list[int] = []
+        while node.blocks and len(evicted) < max_blocks and can_evict(node.blocks[-1]):
+            node.chunks.pop()
+            removed = node.blocks.pop()
+            del self._node_of[removed]
+            evicted.append(removed)
+        if node.blocks:
+            return evicted, False
+        parent = node.parent
+        del parent.children[node.key]
+        return evicted, parent is not self.root and not parent.children and can_evict(parent.blocks[-1])
+
+    def evict(self, count: int, can_evict: Callable[[int], bool]) -> list[int]:
+        """Remove up to `count` blocks for which `can_evict` holds, least recently used
+        leaves first, each leaf from its last block; returns them in eviction order."""
+        policy = LeastRecentlyUsed()
+        evicted: list[int] = []
+        while len(evicted) < count:
+            candidates = self.candidates(can_evict)
+            if not candidates:
+                break
+            changed = False
+            for chosen in policy.choose(candidates, count - len(evicted)):
+                blocks, changed = self.drop(chosen, count - len(evicted), can_evict)
+                evicted.extend(blocks)
+                if changed or len(evicted) >= count:
+                    break
+            if not changed:
+                break
         return evicted
 
     def format(self, max_tokens: int = 8) -> str:
@@ -168,7 +222,9 @@ class RadixTree:
 
     def _split(self, node: _Node, position: int) -> None:
         """Cut `node`'s run before `position`; the tail becomes its only child."""
-        tail = _Node(node.chunks[position:], node.blocks[position:], node, node.last_used, next(self._ids))
+        tail = _Node(node.chunks[position:], node.blocks[position:], node, node.last_used, next(self._ids),
+                     node.hits)
+        tail.depth = node.depth + position
         tail.children = node.children
         for child in tail.children.values():
             child.parent = tail

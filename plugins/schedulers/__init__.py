@@ -2,8 +2,8 @@
 
 import servelab
 from servelab.plugin_types import SchedulerPlugin
-from servelab.plugins.schedulers.continuous import ContinuousOptions
-from servelab.plugins.schedulers.queues import QueueOptions
+from servelab.kit import ContinuousOptions
+from servelab.kit import QueueOptions
 
 
 @servelab.hookimpl
@@ -17,7 +17,7 @@ def servelab_register_schedulers():
         ),
         SchedulerPlugin(
             name="continuous",
-            factory="servelab.plugins.schedulers.continuous:ContinuousScheduler",
+            factory="servelab.kit:ContinuousScheduler",
             options=ContinuousOptions,
             description="iteration-level batching (Orca): admit and retire every step, priority order, "
                         "preempt by recompute",

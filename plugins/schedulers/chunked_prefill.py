@@ -15,8 +15,9 @@ the running decodes back for more than one budget's worth of work. With a
 prefix-caching allocator, an admitted sequence starts from its longest cached prefix
 and only the uncached tail is prefilled. The budget may be smaller than max_model_len.
 
-Preemption by recompute takes the lowest-ranked running sequence (for equal
-priorities, the newest), even one already planned this step, which is then unplanned;
+Preemption by recompute takes the victim (`preemption` option; by default the
+lowest-ranked running sequence, for equal priorities the newest), even one already
+planned this step, which is then unplanned;
 nobody is admitted in a step that preempted.
 """
 
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelab.interfaces import SchedulerContext, StepPlan
-from servelab.plugins.schedulers.queues import PlanBuilder, QueueOptions, QueueScheduler
+from servelab.interfaces import SchedulerContext, SequenceStatus, StepPlan
+from servelab.kit import PlanBuilder, QueueOptions, QueueScheduler
 
 
 class ChunkedPrefillScheduler(QueueScheduler):
@@ -46,13 +47,11 @@ class ChunkedPrefillScheduler(QueueScheduler):
     def _run(self, builder: PlanBuilder, *, decodes: bool) -> None:
         """Running sequences in rank order: those decoding (one uncomputed token, plus any
         drafts, which a short budget cuts), or those prefilling (the next chunk)."""
-        index = 0
-        while index < len(self.running) and builder.budget > 0:
-            seq = self.running[index]
-            if seq.is_decoding != decodes:
-                index += 1
+        for seq in list(self.running):  # a copy: victims leave `running`
+            if builder.budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.is_decoding != decodes:
                 continue
             num_new = min(seq.num_uncomputed_tokens, builder.budget)
-            if self._make_room(seq, num_new, builder):  # victims come from behind `index`
+            if self._make_room(seq, num_new, builder):
                 builder.add(seq, num_new)
-                index += 1

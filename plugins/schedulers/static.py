@@ -19,8 +19,8 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from servelab.interfaces import SchedulerContext, Sequence, StepPlan
-from servelab.plugins.schedulers.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit
+from servelab.interfaces import SchedulerContext, Sequence, SequenceStatus, StepPlan
+from servelab.kit import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit
 
 
 class StaticScheduler(QueueScheduler):
@@ -59,15 +59,12 @@ class StaticScheduler(QueueScheduler):
     def _run_members(self, builder: PlanBuilder) -> None:
         """Each running member's uncomputed tokens (a whole prompt, or one decode token),
         best rank first, while the budget lasts."""
-        index = 0
-        while index < len(self.running):
-            seq = self.running[index]
+        for seq in list(self.running):  # a copy: victims leave `running`
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             num_new = seq.num_uncomputed_tokens
-            if num_new > builder.budget:
-                index += 1  # a prompt that does not fit this step waits for the next one
-            elif self._make_room(seq, num_new, builder):  # victims come from behind `index`
-                builder.add(seq, num_new)
-                index += 1
+            if num_new <= builder.budget and self._make_room(seq, num_new, builder):
+                builder.add(seq, num_new)  # a prompt that does not fit this step waits for the next one
 
     def _resume_pending(self, builder: PlanBuilder) -> None:
         while self.pending and len(self.running) < self.context.max_num_seqs:

@@ -42,6 +42,7 @@ class TestPagedLIFO(AllocatorContract):
 
 class TestRepeatLookup(DrafterContract):
     plugin_name = "repeat-lookup"  # k comes from LookupOptions().num_speculative_tokens
+    lookup_drafter = True
 
 
 class TestNoRepeatNGram(LogitsProcessorContract):
@@ -57,7 +58,8 @@ class TestNoRepeatNGram(LogitsProcessorContract):
 def harness(aging: float = 0.0, max_num_seqs: int = 1) -> SchedulerHarness:
     alloc = LIFOPagedAllocator(None, AllocatorContext(num_blocks=64, block_size=4, max_model_len=64))
     return SchedulerHarness(lambda context: SJFScheduler(SJFOptions(aging_tokens_per_s=aging), context), alloc,
-                            block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64)
+                            block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
+                            seconds_per_step=1.0)  # the clock moves one second a step
 
 
 def test_shortest_expected_job_runs_first():

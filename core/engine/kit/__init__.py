@@ -1,0 +1,57 @@
+"""servelab.kit: the policy kit, the parts every built-in scheduler and allocator is
+made of, public so a new policy is the few lines that make it different.
+
+Scheduling (`servelab.kit.queues`, `servelab.kit.victims`):
+
+- `QueueScheduler`: waiting queue and running batch in rank order, admission with
+  prefix-cache hits, preemption by recompute, fork, abort, accounting. Seams: `rank(seq)`
+  (queue order), `admissible(seq)` (admission filter), `victim(running)` (preemption
+  victim), `schedule()` (the step, from `PlanBuilder` and the helpers).
+- `ContinuousScheduler` (the `continuous` scheduler): a `QueueScheduler` whose step is
+  continuous batching; a policy that only reorders overrides `rank` and is done.
+- `QueueOptions` (`priority_aging_s`, `preemption`), `ContinuousOptions` (+ `policy`),
+  `PlanBuilder`, `VICTIMS` (the victim policies by name), `check_whole_prompts_fit`,
+  `option_or` (an option the options class may lack).
+
+KV blocks (`servelab.kit.blocks`, `servelab.kit.prefix`, `servelab.kit.eviction`):
+
+- `PagedAllocator`: the block pool: ref counts, fork, copy-on-write, rollback, stats.
+  Seam: `free_list_type` (the order free blocks are handed out in).
+- `PrefixCachingPagedAllocator(options, context, index)`: the pool plus a prefix cache
+  over a `PrefixIndex` (match, insert, eviction candidates), evicting in the order of the
+  context's eviction policy. `radix` and `hash` are this class over two indexes.
+- `KeyedEviction`, `LeastRecentlyUsed`: eviction policies as one sort key.
+
+A plugin imports these from `servelab.kit` (part of the public surface, like
+`servelab.interfaces`); the contracts of `servelab.testing` hold for what it builds.
+"""
+
+from servelab.kit.continuous import ContinuousOptions, ContinuousScheduler
+from servelab.kit.blocks import FreeBlocks, PagedAllocator, SeqBlocks, blocks_for
+from servelab.kit.eviction import KeyedEviction, LeastRecentlyUsed, checked_choice
+from servelab.kit.prefix import PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
+from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, option_or
+from servelab.kit.victims import VICTIMS, check_victim, checked_victim
+
+__all__ = [
+    "ContinuousOptions",
+    "ContinuousScheduler",
+    "FreeBlocks",
+    "KeyedEviction",
+    "LeastRecentlyUsed",
+    "PagedAllocator",
+    "PlanBuilder",
+    "PrefixCachingPagedAllocator",
+    "PrefixIndex",
+    "PrefixLookups",
+    "QueueOptions",
+    "QueueScheduler",
+    "SeqBlocks",
+    "VICTIMS",
+    "blocks_for",
+    "check_whole_prompts_fit",
+    "checked_choice",
+    "check_victim",
+    "checked_victim",
+    "option_or",
+]

@@ -1,0 +1,320 @@
+"""The kit's queue scheduler: a waiting queue and a running batch kept in rank order,
+admission with prefix-cache hits, preemption by recompute, fork, abort, and the slot
+accounting every scheduler reports the same way. Every built-in scheduler is one.
+
+Seams, each a method a subclass overrides (the rest stays the kit's):
+
+- `rank(seq)`: the order of the waiting queue and the running batch (a sort key, fixed
+  when the sequence is added; lower runs first);
+- `admissible(seq)`: the admission filter (False: `seq` waits this step, and the
+  sequences behind it may be admitted);
+- `victim(running)`: the preemption victim (by default the policy named by the
+  `preemption` option, `servelab.kit.victims`);
+- `schedule()`: the step itself, written from the helpers:
+
+    builder = PlanBuilder(self.context.max_num_batched_tokens)
+    ...  # _make_room / _admit / builder.add, in the policy's own order
+    return self._plan(builder)
+
+A shortest-job-first scheduler is a `rank` over `ContinuousScheduler`'s step (the
+example package servelab-sjf does exactly that).
+
+Rank: lower priority value first, then earlier arrival, then the order the scheduler
+first saw the sequence. With `priority_aging_s` > 0, each priority level is worth that
+many seconds of arrival time (rank by arrival + priority * priority_aging_s), which is
+the same order as "effective priority improves by one level every priority_aging_s
+seconds of waiting": a request that has waited long enough outranks every newer one,
+whatever their priorities, so nobody starves. 0 turns aging off (strict priority).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Any, Sequence as Seq
+
+import attrs
+
+from servelab.errors import ConfigError
+from servelab.interfaces import (
+    AnticipatingPrefixCache,
+    ForkingAllocator,
+    PrefixCachingAllocator,
+    SchedulerContext,
+    SchedulerStats,
+    Sequence,
+    SequenceStatus,
+    StepPlan,
+)
+from servelab.kit.victims import VICTIMS, check_victim
+from servelab.options import non_negative_number, one_of
+
+
+@attrs.frozen(kw_only=True)
+class QueueOptions:
+    """Options every built-in scheduler takes."""
+
+    # Seconds of waiting worth one priority level (0: strict priority, no aging).
+    priority_aging_s: float = attrs.field(default=10.0, validator=non_negative_number("scheduler"))
+    # Which running sequence is preempted when the KV pool runs dry (servelab.kit.victims).
+    preemption: str = attrs.field(default="newest", validator=one_of("scheduler", tuple(VICTIMS)))
+
+
+def option_or(options: Any, name: str, default: Any) -> Any:
+    """`options.<name>` where the options class has that field, else `default` (an options
+    class of its own need not repeat the kit's)."""
+    fields = attrs.fields_dict(type(options)) if attrs.has(type(options)) else {}
+    return options.__getattribute__(name) if name in fields else default
+
+
+def check_whole_prompts_fit(name: str, context: SchedulerContext) -> None:
+    """Schedulers that prefill a prompt in one step need a budget of max_model_len tokens."""
+    if context.max_num_batched_tokens < context.max_model_len:
+        raise ConfigError(
+            f"scheduler {name!r} prefills whole prompts, so [engine] max_num_batched_tokens "
+            f"({context.max_num_batched_tokens}) must be >= max_model_len ({context.max_model_len}); "
+            f"raise it, or choose the chunked-prefill scheduler"
+        )
+
+
+class PlanBuilder:
+    """One step's plan under construction: who runs with how many tokens, the token
+    budget left, and who was preempted."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # tokens still free this step
+        self.scheduled: dict[Sequence, int] = {}  # sequence -> new tokens (Sequence hashes by identity)
+        self.preempted: list[Sequence] = []
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.scheduled[seq] = num_new
+        self.budget -= num_new
+
+    def add_each_that_fits(self, pairs: Seq[tuple[Sequence, int]]) -> None:
+        """`add` every (sequence, new tokens) pair, in order, whose tokens fit the budget left."""
+        scheduled, budget = self.scheduled, self.budget
+        for seq, num_new in pairs:
+            if num_new <= budget:
+                scheduled[seq] = num_new
+                budget -= num_new
+        self.budget = budget
+
+    def drop(self, seq: Sequence) -> None:
+        """Unschedule `seq` (it was preempted after all), returning its tokens to the budget."""
+        self.budget += self.scheduled.pop(seq, 0)
+
+
+class QueueScheduler:
+    """Queues, admission, preemption and accounting; subclasses write `schedule()`.
+
+    `waiting` and `running` are kept in rank order (`rank`). The preemption victim is
+    `victim(running)`: by default the last of `running` (lowest rank: lowest priority,
+    then newest), so the best-ranked running sequence is never preempted while others
+    could be, and always progresses.
+    """
+
+    name = "queue"
+
+    def __init__(self, options: Any, context: SchedulerContext) -> None:
+        self.options = options if options is not None else QueueOptions()
+        self.context = context
+        self.allocator = context.allocator
+        self.prefix_cache = context.allocator if isinstance(context.allocator, PrefixCachingAllocator) else None
+        self._anticipating = context.allocator if isinstance(context.allocator, AnticipatingPrefixCache) else None
+        self._victim_policy = VICTIMS[option_or(self.options, "preemption", "newest")]
+        self.waiting: list[Sequence] = []  # holding no KV, in rank order
+        self.running: list[Sequence] = []  # holding a slot (and KV for their computed tokens), in rank order
+        self._ranks: dict[str, tuple] = {}  # sequence id -> rank
+        self._order = itertools.count()
+        self.num_preemptions = 0
+        self._last = SchedulerStats(num_waiting=0, num_running=0, num_preemptions=0)
+
+    # ------------------------------------------------------------ Scheduler protocol
+
+    def add(self, seq: Sequence) -> None:
+        self._ranks[seq.request_id] = self._new_rank(seq)
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in self._queues():
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.allocator.free(request_id)
+                    self._ranks.pop(request_id, None)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = "abort"
+                    return seq
+        return None
+
+    def finish(self, seqs: Seq[Sequence]) -> None:
+        if not seqs:
+            return
+        done = set(seqs)  # a Sequence hashes by identity
+        self.running = list(itertools.filterfalse(done.__contains__, self.running))
+        for seq in seqs:
+            self.allocator.free(seq.request_id)
+            self._ranks.pop(seq.request_id, None)
+            seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return any(self._queues())
+
+    def stats(self) -> SchedulerStats:
+        return attrs.evolve(self._last, num_waiting=sum(map(len, self._queues())) - len(self.running),
+                            num_running=len(self.running), num_preemptions=self.num_preemptions)
+
+    def fork(self, parent: Sequence, children: Seq[Sequence]) -> None:
+        """Children share the parent's KV and run from the next step; one that cannot
+        (no memory) queues to recompute its prompt, like a preempted sequence."""
+        allocator: ForkingAllocator = self.allocator  # the engine admits n > 1 only if it forks
+        for child in children:
+            self._ranks[child.request_id] = self._new_rank(child)
+            if allocator.fork(parent.request_id, child.request_id):
+                child.num_computed_tokens = parent.num_computed_tokens
+                self._start(child)
+            else:
+                child.num_computed_tokens = 0
+                child.status = SequenceStatus.WAITING
+                self._requeue(child)
+
+    # ------------------------------------------------------------ queues
+
+    def _queues(self) -> tuple[list[Sequence], ...]:
+        """Every list a sequence this scheduler owns can be in (subclasses add theirs)."""
+        return self.waiting, self.running
+
+    # ------------------------------------------------------------ seams
+
+    def rank(self, seq: Sequence) -> tuple:
+        """The sort key of `seq` in both queues, computed once when it is added (lower
+        first). Default: priority then arrival, with `priority_aging_s` aging (module doc)."""
+        aging = option_or(self.options, "priority_aging_s", 0.0)
+        if aging > 0:
+            return (seq.arrival_time + seq.priority * aging,)
+        return seq.priority, seq.arrival_time
+
+    def admissible(self, seq: Sequence) -> bool:
+        """May waiting `seq` be admitted now? False leaves it waiting this step."""
+        return True
+
+    def victim(self, running: Seq[Sequence]) -> Sequence:
+        """The running sequence to preempt (`running` is never empty)."""
+        return self._victim_policy(running, self.allocator)
+
+    # ------------------------------------------------------------ ranks
+
+    def _new_rank(self, seq: Sequence) -> tuple:
+        return (*self.rank(seq), next(self._order))
+
+    def _rank(self, seq: Sequence) -> tuple:
+        return self._ranks[seq.request_id]
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=self._rank)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Where a preempted sequence waits to resume (subclasses may keep their own list)."""
+        self._enqueue(seq)
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=self._rank)
+
+    # ------------------------------------------------------------ KV
+
+    def _admit(self, seq: Sequence, budget: int, *, whole: bool) -> int:
+        """Allocate a waiting sequence's next tokens, after any prefix-cache hit: all its
+        uncomputed tokens (`whole`), or as many as `budget` allows. Returns how many it
+        computes this step, or 0, holding nothing, when they do not fit. Does not move
+        `seq` between queues."""
+        # A request scoring its prompt (prompt_logprobs) computes every position: no prefix reuse.
+        if self.prefix_cache is not None and seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
+            seq.num_computed_tokens = self.prefix_cache.match_prefix(seq)
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        fits = num_new == seq.num_uncomputed_tokens if whole else num_new > 0
+        if fits and self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+            return num_new
+        self.allocator.free(seq.request_id)  # lets go of the matched prefix
+        seq.num_computed_tokens = 0
+        return 0
+
+    def _admit_waiting(self, builder: PlanBuilder, *, whole: bool) -> None:
+        """Admit from the head of `waiting` while a slot is free: whole prompts (`whole`),
+        or first chunks while the budget lasts. The head that does not fit waits, and
+        nobody overtakes it."""
+        index = 0
+        while index < len(self.waiting) and len(self.running) < self.context.max_num_seqs and (
+                whole or builder.budget > 0):
+            seq = self.waiting[index]
+            if not self.admissible(seq):
+                index += 1
+                continue
+            num_new = self._admit(seq, builder.budget, whole=whole)
+            if not num_new:
+                break
+            self.waiting.pop(index)
+            self._start(seq)
+            builder.add(seq, num_new)
+
+    def _make_room(self, seq: Sequence, num_new: int, builder: PlanBuilder) -> bool:
+        """Allocate `num_new` more tokens for running `seq`, preempting victims while the
+        pool is dry; False if `seq` itself had to go. A victim planned earlier this step
+        is unplanned (and leaves `running`: loop over a copy)."""
+        return (self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new)
+                or self._preempt_until_room(seq, num_new, builder))
+
+    def _preempt_until_room(self, seq: Sequence, num_new: int, builder: PlanBuilder) -> bool:
+        """`_make_room` once the first allocation failed: preempt victims and retry; False
+        if `seq` itself had to go."""
+        while True:
+            victim = self._victim()
+            self._preempt(victim, builder)
+            if victim is seq:
+                return False
+            if self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+                return True
+
+    def _preempt(self, seq: Sequence, builder: PlanBuilder) -> None:
+        """Preempt by recompute: free its KV, keep its tokens, queue it to resume."""
+        self.running.remove(seq)
+        builder.drop(seq)
+        builder.preempted.append(seq)
+        self.allocator.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self._requeue(seq)
+
+    def _shed_overflow(self, builder: PlanBuilder) -> None:
+        """The start of a step: forks can overfill the batch, so preempt victims past
+        max_num_seqs; a prefix cache that anticipates is told who waits."""
+        while len(self.running) > self.context.max_num_seqs:
+            self._preempt(self._victim(), builder)
+        if self._anticipating is not None:
+            self._anticipating.anticipate(self.waiting)
+
+    def _victim(self) -> Sequence:
+        return check_victim(self.victim(self.running), self.running, f"{type(self).__name__}.victim")
+
+    # ------------------------------------------------------------ accounting
+
+    def _num_held_slots(self) -> int:
+        """Slots held this step (static batches also count their finished members)."""
+        return len(self.running)
+
+    def _plan(self, builder: PlanBuilder) -> StepPlan:
+        """The plan in rank order, with this step's accounting recorded."""
+        tokens_of = builder.scheduled.get
+        scheduled = tuple([(seq, num_new) for seq in self.running if (num_new := tokens_of(seq)) is not None])
+        plan = StepPlan(scheduled=scheduled, preempted=tuple(builder.preempted))
+        num_seqs, num_tokens = len(scheduled), plan.num_scheduled_tokens
+        num_idle = self._num_held_slots() - num_seqs if scheduled else 0
+        last = self._last
+        self._last = attrs.evolve(
+            last, num_scheduled_seqs=num_seqs, num_scheduled_tokens=num_tokens, num_idle_slots=num_idle,
+            slot_steps_used=last.slot_steps_used + num_seqs, slot_steps_wasted=last.slot_steps_wasted + num_idle,
+            num_steps=last.num_steps + bool(scheduled))
+        return plan
