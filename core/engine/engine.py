@@ -23,28 +23,21 @@ import torch
 
 from servelab.config import EngineConfig
 from servelab.engine_setup import build_policies, fork_refusal
-from servelab.errors import PolicyViolation, RequestError
+from servelab.errors import RequestError
 from servelab.interfaces import ForkingAllocator, Sequence, SequenceStatus, StepPlan
 from servelab.intake import Intake
 from servelab.logging_setup import get_logger
 from servelab.model.source import ModelSource
 from servelab.outputs import RequestOutput, StageTimer, StepReport, StepResult, request_output
+from servelab.plan_check import PlanCheck
 from servelab.registry import PluginRegistry
-from servelab.request import Request, RequestSpec, RequestTable, request_id_of
+from servelab.request import Request, RequestSpec, RequestTable
 from servelab.sampling_params import SamplingParams
 from servelab.sampling_stage import SamplingStage
 from servelab.speculation import SpeculationStats
 from servelab.update_stage import UpdateStage
 
 logger = get_logger(__name__)
-
-# What the engine holds every plan to (_check_plan), named as the scheduler contract names them.
-SCHEDULED_ONCE = "a sequence is scheduled at most once per step"
-KNOWN_SEQUENCES = "only queued, unfinished sequences are scheduled"
-TOKEN_COUNT = "each scheduled sequence processes between 1 and its uncomputed tokens"
-PROGRESS = "no progress: an empty plan while requests are unfinished"
-MAX_EMPTY_PLANS = 10_000  # a scheduler may wait a while (for its clock), not forever
-
 
 class LLMEngine:
     """Owns the model runner and one policy of each kind; `step()` advances every request."""
@@ -71,9 +64,9 @@ class LLMEngine:
                                       config.engine.logprobs_mode == "raw")
         self.updating = UpdateStage(self.requests, self.scheduler, self.allocator, self.speculator,
                                     self.eos_token_ids, self.limits.max_model_len)
+        self._plan_check = PlanCheck(self.requests, self.scheduler, config.scheduler.name)
         self._request_counter = itertools.count()
         self._step_index = 0
-        self._empty_plans = 0  # consecutive empty plans while requests wait (_check_plan)
         self.registry.hook.servelab_engine_started(engine=self)
         logger.info("engine.started", model=config.engine.model, kv_blocks=self.limits.num_kv_blocks,
                     block_size=config.engine.block_size, max_model_len=self.limits.max_model_len,
@@ -197,37 +190,11 @@ class LLMEngine:
 
     def _schedule(self) -> StepPlan:
         plan = self.scheduler.schedule()
-        self._check_plan(plan)
+        self._plan_check.check(plan)
         copies = self._forking.take_block_copies() if self._forking is not None else ()
         if copies:  # copy-on-write: shared blocks are copied before anything writes this step
             plan = attrs.evolve(plan, block_copies=tuple(copies))
         return plan
-
-    def _check_plan(self, plan: StepPlan) -> None:
-        """Fail the step with PolicyViolation naming the invariant when the scheduler's plan
-        schedules a sequence twice, a finished or unknown one, or more tokens than it has
-        uncomputed, or when it stalls (empty plans while requests wait), before anything runs."""
-        name = self.config.scheduler.name
-        seen: set[int] = set()
-        for seq, num_new in plan.scheduled:
-            if id(seq) in seen:
-                raise PolicyViolation(SCHEDULED_ONCE, f"scheduler {name!r} planned {seq.request_id} twice")
-            seen.add(id(seq))
-            request = self.requests.get(request_id_of(seq))
-            if request is None or not any(s is seq for s in request.sequences):
-                raise PolicyViolation(KNOWN_SEQUENCES, f"scheduler {name!r} planned {seq.request_id}, not in flight")
-            if seq.is_finished or seq.finish_reason is not None:
-                raise PolicyViolation(KNOWN_SEQUENCES, f"scheduler {name!r} planned {seq.request_id}, which finished "
-                                                       f"({seq.finish_reason or seq.status.value})")
-            if not 1 <= num_new <= seq.num_uncomputed_tokens:
-                raise PolicyViolation(TOKEN_COUNT, f"scheduler {name!r} planned {num_new} tokens for "
-                                                   f"{seq.request_id}, which has {seq.num_uncomputed_tokens} uncomputed")
-        stalled = plan.is_empty and not self.requests.has_preparing() and self.scheduler.has_unfinished()
-        self._empty_plans = self._empty_plans + 1 if stalled else 0
-        if self._empty_plans > MAX_EMPTY_PLANS:
-            waiting = [s.request_id for s in self.unfinished_sequences()][:8]
-            raise PolicyViolation(PROGRESS, f"scheduler {name!r} returned {self._empty_plans} empty plans in a row "
-                                            f"while {', '.join(waiting)} wait")
 
     def _prepare(self, plan: StepPlan) -> Any:
         self._notify("servelab_step_planned", plan=plan)

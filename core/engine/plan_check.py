@@ -1,0 +1,51 @@
+"""What the engine holds every plan to, before anything of it runs: a plan that breaks
+an invariant fails the step with PolicyViolation naming it (as the scheduler contract
+names it), instead of corrupting a sequence or hanging the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servelab.errors import PolicyViolation
+from servelab.interfaces import StepPlan
+from servelab.request import RequestTable, request_id_of
+
+SCHEDULED_ONCE = "a sequence is scheduled at most once per step"
+KNOWN_SEQUENCES = "only queued, unfinished sequences are scheduled"
+TOKEN_COUNT = "each scheduled sequence processes between 1 and its uncomputed tokens"
+PROGRESS = "no progress: an empty plan while requests are unfinished"
+MAX_EMPTY_PLANS = 10_000  # a scheduler may wait a while (for its clock), not forever
+
+
+class PlanCheck:
+    def __init__(self, requests: RequestTable, scheduler: Any, scheduler_name: str) -> None:
+        self.requests = requests
+        self.scheduler = scheduler
+        self.scheduler_name = scheduler_name
+        self._empty_plans = 0  # consecutive empty plans while requests wait
+
+    def check(self, plan: StepPlan) -> None:
+        """Fail the step with PolicyViolation naming the invariant when the scheduler's plan
+        schedules a sequence twice, a finished or unknown one, or more tokens than it has
+        uncomputed, or when it stalls (empty plans while requests wait), before anything runs."""
+        name = self.scheduler_name
+        seen: set[int] = set()
+        for seq, num_new in plan.scheduled:
+            if id(seq) in seen:
+                raise PolicyViolation(SCHEDULED_ONCE, f"scheduler {name!r} planned {seq.request_id} twice")
+            seen.add(id(seq))
+            request = self.requests.get(request_id_of(seq))
+            if request is None or not any(s is seq for s in request.sequences):
+                raise PolicyViolation(KNOWN_SEQUENCES, f"scheduler {name!r} planned {seq.request_id}, not in flight")
+            if seq.is_finished or seq.finish_reason is not None:
+                raise PolicyViolation(KNOWN_SEQUENCES, f"scheduler {name!r} planned {seq.request_id}, which finished "
+                                                       f"({seq.finish_reason or seq.status.value})")
+            if not 1 <= num_new <= seq.num_uncomputed_tokens:
+                raise PolicyViolation(TOKEN_COUNT, f"scheduler {name!r} planned {num_new} tokens for "
+                                                   f"{seq.request_id}, which has {seq.num_uncomputed_tokens} uncomputed")
+        stalled = plan.is_empty and not self.requests.has_preparing() and self.scheduler.has_unfinished()
+        self._empty_plans = self._empty_plans + 1 if stalled else 0
+        if self._empty_plans > MAX_EMPTY_PLANS:
+            waiting = [s.request_id for s in self.requests.sequences() if not s.is_finished][:8]
+            raise PolicyViolation(PROGRESS, f"scheduler {name!r} returned {self._empty_plans} empty plans in a row "
+                                            f"while {', '.join(waiting)} wait")
