@@ -178,7 +178,8 @@ def _select(registry: PluginRegistry, kind: str, section: Any) -> tuple[Register
 
 
 def _check_pairing(config: EngineConfig, attention: Any, allocator: Any) -> None:
-    needs_contiguous = isinstance(attention, ContiguousBlockTablesBackend) and attention.requires_contiguous_block_tables
+    needs_contiguous = (isinstance(attention, ContiguousBlockTablesBackend)
+                        and attention.requires_contiguous_block_tables)
     if needs_contiguous and not (isinstance(allocator, ContiguousAllocator) and allocator.contiguous_block_tables):
         raise ConfigError(
             f"attention {config.attention.name!r} reads each sequence's K/V as one contiguous run of blocks, "

@@ -41,8 +41,8 @@ class PlanCheck:
                 raise PolicyViolation(KNOWN_SEQUENCES, f"scheduler {name!r} planned {seq.request_id}, which finished "
                                                        f"({seq.finish_reason or seq.status.value})")
             if not 1 <= num_new <= seq.num_uncomputed_tokens:
-                raise PolicyViolation(TOKEN_COUNT, f"scheduler {name!r} planned {num_new} tokens for "
-                                                   f"{seq.request_id}, which has {seq.num_uncomputed_tokens} uncomputed")
+                raise PolicyViolation(TOKEN_COUNT, f"scheduler {name!r} planned {num_new} tokens for {seq.request_id}, "
+                                                   f"which has {seq.num_uncomputed_tokens} uncomputed")
         stalled = plan.is_empty and not self.requests.has_preparing() and self.scheduler.has_unfinished()
         self._empty_plans = self._empty_plans + 1 if stalled else 0
         if self._empty_plans > MAX_EMPTY_PLANS:
