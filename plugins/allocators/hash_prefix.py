@@ -56,6 +56,7 @@ class HashIndex:
         self.hits: dict[int, int] = {}  # block id -> lookups that reused it
         self.last_access: dict[int, int] = {}  # block id -> tick of its last use
         self._clock = 0
+        self._changed: Callable[[int], None] | None = None  # the cache's EvictionQueue, when it keeps one
 
     def __contains__(self, block: int) -> bool:
         return block in self.cached
@@ -108,6 +109,12 @@ class HashIndex:
     def candidates(self, is_unheld: Callable[[int], bool]) -> list[EvictionCandidate]:
         return list(self.evictable.values())
 
+    def watch(self, changed: Callable[[int], None], is_unheld: Callable[[int], bool]) -> None:
+        self._changed = changed
+
+    def candidate(self, block: int, is_unheld: Callable[[int], bool]) -> EvictionCandidate | None:
+        return self.evictable.get(block)
+
     def blocks_of(self, block: int, size: int) -> list[int]:
         return [block]
 
@@ -136,6 +143,8 @@ class HashIndex:
             entry = self.cached[block]
             self.evictable[block] = EvictionCandidate(block=block, last_access=self._clock, inserted=entry.inserted,
                                                       hits=self.hits[block], depth=entry.depth)
+            if self._changed is not None:
+                self._changed(block)
 
     def _tick(self) -> int:
         self._clock += 1

@@ -66,6 +66,7 @@ class RadixTree:
         self.root = _Node([], [], None, 0, next(self._ids))
         self._node_of: dict[int, _Node] = {}  # block id -> node holding it
         self._clock = 0
+        self._changed: Callable[[int], None] | None = None  # the cache's EvictionQueue, when it keeps one
 
     def __len__(self) -> int:
         """Blocks in the tree."""
@@ -99,6 +100,8 @@ class RadixTree:
             position += 1
             if now is not None:
                 node.last_used = now
+        if now is not None:
+            self._leaf_changed(node)
         return blocks
 
     def insert(self, parent_block: int | None, chunk: Chunk, block: int) -> int:
@@ -122,6 +125,7 @@ class RadixTree:
         child = node.children.get(chunk)
         if child is not None:
             child.last_used = now
+            self._leaf_changed(child)
             return child.blocks[0]
         if block in self._node_of:
             raise ValueError(f"block {block} is already cached for another prefix")
@@ -138,24 +142,37 @@ class RadixTree:
         self._touch_path(self._node_of[block], self._tick())
 
     def held(self, block: int) -> None:
-        """Nothing to do: the candidates are found afresh from the leaves."""
+        """Nothing to do: a held block leaves its candidate, which the next look finds."""
 
     def unheld(self, block: int) -> None:
-        """Nothing to do: the candidates are found afresh from the leaves."""
+        """The leaf holding `block` may have become (more) evictable."""
+        self._leaf_changed(self._node_of[block])
 
     def candidates(self, can_evict: Callable[[int], bool]) -> list[EvictionCandidate]:
         """The evictable tail of every leaf whose last block `can_evict`, named by that block."""
-        found = []
-        for leaf in self._leaves():
-            blocks = leaf.blocks
-            if not can_evict(blocks[-1]):
-                continue
-            size = 1
-            while size < len(blocks) and can_evict(blocks[-size - 1]):
-                size += 1
-            found.append(EvictionCandidate(block=blocks[-1], last_access=leaf.last_used, inserted=leaf.node_id,
-                                           hits=leaf.hits, depth=leaf.depth + len(blocks), size=size))
-        return found
+        found = (self._candidate(leaf, can_evict) for leaf in self._leaves())
+        return [candidate for candidate in found if candidate is not None]
+
+    def watch(self, changed: Callable[[int], None], can_evict: Callable[[int], bool]) -> None:
+        """Report leaves' changes to `changed` (`servelab.kit.IncrementalPrefixIndex`)."""
+        self._changed = changed
+
+    def candidate(self, block: int, can_evict: Callable[[int], bool]) -> EvictionCandidate | None:
+        node = self._node_of.get(block)
+        if node is None or node.children or node.blocks[-1] != block:
+            return None
+        return self._candidate(node, can_evict)
+
+    @staticmethod
+    def _candidate(leaf: _Node, can_evict: Callable[[int], bool]) -> EvictionCandidate | None:
+        blocks = leaf.blocks
+        if not can_evict(blocks[-1]):
+            return None
+        size = 1
+        while size < len(blocks) and can_evict(blocks[-size - 1]):
+            size += 1
+        return EvictionCandidate(block=blocks[-1], last_access=leaf.last_used, inserted=leaf.node_id,
+                                 hits=leaf.hits, depth=leaf.depth + len(blocks), size=size)
 
     def blocks_of(self, block: int, size: int) -> list[int]:
         return self._node_of[block].blocks[-size:]
@@ -171,9 +188,11 @@ class RadixTree:
             del self._node_of[removed]
             evicted.append(removed)
         if node.blocks:
+            self._leaf_changed(node)  # its tail is named by its new last block
             return evicted, False
         parent = node.parent
         del parent.children[node.key]
+        self._leaf_changed(parent)
         return evicted, parent is not self.root and not parent.children and can_evict(parent.blocks[-1])
 
     def evict(self, count: int, can_evict: Callable[[int], bool]) -> list[int]:
@@ -210,10 +229,16 @@ class RadixTree:
         self._clock += 1
         return self._clock
 
-    def _touch_path(self, node: _Node | None, now: int) -> None:
+    def _leaf_changed(self, node: _Node) -> None:
+        if self._changed is not None and node is not self.root and not node.children and node.blocks:
+            self._changed(node.blocks[-1])
+
+    def _touch_path(self, node: _Node, now: int) -> None:
+        start = node
         while node is not None and node is not self.root:
             node.last_used = now
             node = node.parent
+        self._leaf_changed(start)  # only the first can be a leaf
 
     def _add_child(self, parent: _Node, chunks: list[Chunk], blocks: list[int], now: int) -> _Node:
         child = _Node(chunks, blocks, parent, now, next(self._ids))
@@ -233,6 +258,7 @@ class RadixTree:
         del node.chunks[position:]
         del node.blocks[position:]
         node.children = {tail.key: tail}
+        self._leaf_changed(tail)  # a leaf's tail keeps its name but is a new node
 
     def _nodes(self):
         stack = [self.root]

@@ -20,7 +20,9 @@ KV blocks (`servelab.kit.blocks`, `servelab.kit.prefix`, `servelab.kit.eviction`
 - `PrefixCachingPagedAllocator(options, context, index)`: the pool plus a prefix cache
   over a `PrefixIndex` (match, insert, eviction candidates), evicting in the order of the
   context's eviction policy. `radix` and `hash` are this class over two indexes.
-- `KeyedEviction`, `LeastRecentlyUsed`: eviction policies as one sort key.
+- `KeyedEviction`, `LeastRecentlyUsed`: eviction policies as one sort key; the cache
+  keeps such a policy's order in an `EvictionQueue` when its index is an
+  `IncrementalPrefixIndex` (reports its changes), instead of sorting at each eviction.
 
 A plugin imports these from `servelab.kit` (part of the public surface, like
 `servelab.interfaces`); the contracts of `servelab.testing` hold for what it builds.
@@ -28,15 +30,17 @@ A plugin imports these from `servelab.kit` (part of the public surface, like
 
 from servelab.kit.continuous import ContinuousOptions, ContinuousScheduler
 from servelab.kit.blocks import FreeBlocks, PagedAllocator, SeqBlocks, blocks_for
-from servelab.kit.eviction import KeyedEviction, LeastRecentlyUsed, checked_choice
-from servelab.kit.prefix import PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
+from servelab.kit.eviction import EvictionQueue, KeyedEviction, LeastRecentlyUsed, checked_choice, orders_by_key
+from servelab.kit.prefix import IncrementalPrefixIndex, PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
 from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, option_or
 from servelab.kit.victims import VICTIMS, check_victim, checked_victim
 
 __all__ = [
     "ContinuousOptions",
     "ContinuousScheduler",
+    "EvictionQueue",
     "FreeBlocks",
+    "IncrementalPrefixIndex",
     "KeyedEviction",
     "LeastRecentlyUsed",
     "PagedAllocator",
@@ -54,4 +58,5 @@ __all__ = [
     "check_victim",
     "checked_victim",
     "option_or",
+    "orders_by_key",
 ]

@@ -11,11 +11,18 @@ A policy is any object with `choose(candidates, num_blocks) -> block ids`
 The prefix cache checks every choice before it evicts anything: a block that is not one
 of the candidates (a block some sequence holds, or one not cached) or named twice fails
 the step with `PolicyViolation` naming the invariant, instead of corrupting the pool.
+
+A policy that is only a key (a `KeyedEviction` that keeps the inherited `choose` and
+reads no `demand`) over an index that reports its changes (`IncrementalPrefixIndex`)
+is served from an `EvictionQueue` instead: the same order, kept as entries change, so
+an eviction costs O(log n) in the n evictable entries rather than a sort of them all.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+import heapq
+import itertools
+from typing import Any, Callable, Sequence as Seq
 
 from servelab.errors import PolicyViolation
 from servelab.interfaces import EvictionCandidate, EvictionContext
@@ -52,6 +59,59 @@ class LeastRecentlyUsed(KeyedEviction):
 
     def key(self, candidate: EvictionCandidate) -> Any:
         return candidate.last_access, candidate.inserted
+
+
+def orders_by_key(policy: Any) -> bool:
+    """True when `policy` evicts in ascending `key` order and nothing else (the inherited
+    `KeyedEviction.choose`), so an `EvictionQueue` can keep its order."""
+    return isinstance(policy, KeyedEviction) and type(policy).choose is KeyedEviction.choose
+
+
+class EvictionQueue:
+    """The evictable entries of a prefix cache in ascending `key` order, kept as they
+    change: a heap with lazy deletion.
+
+    The index calls `changed(block)` whenever the entry named `block` appears or may
+    have changed; `candidate_of(block)` says what it is now (None: not evictable). Each
+    change pushes the entry's current key, so the heap always holds every live entry's
+    current key, beside stale ones that `pop` skips (an entry is current when its key
+    now equals the key it was pushed with). Keys are unique (`KeyedEviction`), so `pop`
+    returns entries in exactly the order a sort of all candidates gives.
+    """
+
+    def __init__(self, key: Callable[[EvictionCandidate], Any],
+                 candidate_of: Callable[[int], EvictionCandidate | None],
+                 all_candidates: Callable[[], list[EvictionCandidate]]) -> None:
+        self._key, self._candidate_of, self._all = key, candidate_of, all_candidates
+        self._heap: list[tuple[Any, int, int]] = []
+        self._order = itertools.count()  # never compare blocks: equal keys pop in push order
+
+    def __len__(self) -> int:
+        """Heap entries, stale ones included."""
+        return len(self._heap)
+
+    def changed(self, block: int) -> None:
+        candidate = self._candidate_of(block)
+        if candidate is not None:
+            heapq.heappush(self._heap, (self._key(candidate), next(self._order), block))
+
+    def pop(self) -> EvictionCandidate | None:
+        """The current entry with the smallest key, taken off the queue (it comes back with
+        its next change); None when nothing is evictable."""
+        heap = self._heap
+        while heap:
+            key, _, block = heapq.heappop(heap)
+            candidate = self._candidate_of(block)
+            if candidate is not None and self._key(candidate) == key:
+                return candidate
+        return None
+
+    def compact(self, live: int) -> None:
+        """Rebuild from the index's candidates once stale entries outnumber `live` ones
+        (the index's size) by far, so the heap stays O(live)."""
+        if len(self._heap) > 4 * live + 1024:
+            self._heap = [(self._key(c), next(self._order), c.block) for c in self._all()]
+            heapq.heapify(self._heap)
 
 
 def checked_choice(policy: Any, candidates: Seq[EvictionCandidate], num_blocks: int) -> list[int]:

@@ -24,14 +24,14 @@ sequence's computed count are.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable, Protocol, Sequence as Seq
+from typing import Any, Callable, Iterable, Protocol, Sequence as Seq, runtime_checkable
 
 import attrs
 
 from servelab.interfaces import (AllocatorContext, AllocatorStats, DemandAwareEviction, EvictionCandidate,
                                  EvictionContext, Sequence)
 from servelab.kit.blocks import PagedAllocator, SeqBlocks
-from servelab.kit.eviction import LeastRecentlyUsed, checked_choice
+from servelab.kit.eviction import EvictionQueue, LeastRecentlyUsed, checked_choice, orders_by_key
 
 Chunk = tuple[int, ...]
 MAX_ANTICIPATED = 16  # waiting sequences a demand-aware policy sees (the head of the queue)
@@ -83,6 +83,20 @@ class PrefixIndex(Protocol):
         """The `size` blocks of the candidate named `block` (for its demand)."""
 
 
+@runtime_checkable
+class IncrementalPrefixIndex(Protocol):
+    """Capability: an index that reports changes to its eviction candidates, so a
+    key-ordered policy keeps its order in an `EvictionQueue` (no sort per eviction)."""
+
+    def watch(self, changed: Callable[[int], None], is_unheld: Callable[[int], bool]) -> None:
+        """From now on call `changed(block)` whenever the candidate named `block` may have
+        appeared or changed (a use, a release, a split, a drop that exposes a new tail);
+        `is_unheld` is the cache's test of a block no sequence holds."""
+
+    def candidate(self, block: int, is_unheld: Callable[[int], bool]) -> EvictionCandidate | None:
+        """The evictable entry named `block` now, or None."""
+
+
 class PrefixLookups:
     """Pending lookups per sequence id, and the totals of admitted ones."""
 
@@ -122,6 +136,12 @@ class PrefixCachingPagedAllocator(PagedAllocator):
         self.eviction = context.eviction if context.eviction is not None else LeastRecentlyUsed(
             None, EvictionContext(context.num_blocks, context.block_size))
         self.uses_demand = isinstance(self.eviction, DemandAwareEviction) and bool(self.eviction.uses_demand)
+        self._queue: EvictionQueue | None = None  # the key order kept incrementally, where it can be
+        if orders_by_key(self.eviction) and not self.uses_demand and isinstance(index, IncrementalPrefixIndex):
+            is_unheld = self._is_unheld
+            self._queue = EvictionQueue(self.eviction.key, lambda block: index.candidate(block, is_unheld),
+                                        lambda: index.candidates(is_unheld))
+            index.watch(self._queue.changed, is_unheld)
         self.lookups = PrefixLookups()
         self._num_cached = 0  # blocks in the index that no sequence holds
         self._anticipated: tuple[Sequence, ...] = ()
@@ -220,6 +240,9 @@ class PrefixCachingPagedAllocator(PagedAllocator):
     def _evict(self, count: int) -> None:
         """Move `count` unheld cached blocks (or all there are) to the free list, in the
         order the eviction policy chooses."""
+        if self._queue is not None:
+            self._evict_in_key_order(count)
+            return
         is_unheld = self._is_unheld
         while count > 0 and self._num_cached:
             candidates = self.index.candidates(is_unheld)
@@ -228,15 +251,30 @@ class PrefixCachingPagedAllocator(PagedAllocator):
             changed = False
             for chosen in checked_choice(self.eviction, candidates, count):
                 evicted, changed = self.index.drop(chosen, count, is_unheld)
-                for block in evicted:
-                    self._num_cached -= 1
-                    self._filled[block] = 0
-                    self._free_blocks.append(block)
+                self._free_evicted(evicted)
                 count -= len(evicted)
                 if changed or count <= 0:
                     break
             if not changed:
                 break
+
+    def _evict_in_key_order(self, count: int) -> None:
+        """`_evict` for a key-ordered policy: the same order, from the queue."""
+        queue = self._queue
+        while count > 0 and self._num_cached:
+            candidate = queue.pop()
+            if candidate is None:
+                break
+            evicted, _ = self.index.drop(candidate.block, count, self._is_unheld)
+            self._free_evicted(evicted)
+            count -= len(evicted)
+        queue.compact(len(self.index))
+
+    def _free_evicted(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._num_cached -= 1
+            self._filled[block] = 0
+            self._free_blocks.append(block)
 
     def _is_unheld(self, block: int) -> bool:
         return self._ref_counts[block] == 0
