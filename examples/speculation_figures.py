@@ -95,7 +95,12 @@ def run_once(llm: LLM, texts: list[str], batch: int, params: SamplingParams) -> 
 
 def measure(args: argparse.Namespace) -> list[dict]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    extra = {}
+    for item in args.extra_drafter:  # NAME=JSON: one more configuration, beside the built-in list
+        name, _, config = item.partition("=")
+        extra[name] = json.loads(config)
     configs = {name: cfg for name, cfg in drafter_configs(args.draft_model).items() if name in args.drafters}
+    configs.update(extra)
     engines = {name: LLM(args.model, config={"drafter": cfg} if cfg else {}, max_num_seqs=16, seed=0)
                for name, cfg in configs.items()}
     rows = []
@@ -186,6 +191,8 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:tiny")
     parser.add_argument("--draft-model", default="builtin:tiny-draft")
     parser.add_argument("--drafters", nargs="+", default=list(drafter_configs("")))
+    parser.add_argument("--extra-drafter", action="append", default=[], metavar="NAME=JSON",
+                        help='one more drafter configuration, e.g. suffix-d8=\'{"name": "suffix", "max_depth": 8}\'')
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -82,24 +82,29 @@ class SuffixTrie:
     def append(self, cursor: Cursor, token: int) -> None:
         """Append `token` to the stream at `cursor`: every suffix ending there gains it."""
         self.stamp += 1
-        stamp, limit = self.stamp, self.depth - 1
+        stamp, limit, new_node = self.stamp, self.depth - 1, Node
         moved = [self.root]
+        keep = moved.append
+        created = 0
         for node in cursor.nodes:
             children = node.children
             if children is None:
+                child = None
                 children = node.children = {}
-            child = children.get(token)
+            else:
+                child = children.get(token)
             if child is None:
-                child = children[token] = Node(token, node.depth + 1)
-                self.num_nodes += 1
-            child.count += 1
+                child = children[token] = new_node(token, node.depth + 1)
+                created += 1
+            count = child.count = child.count + 1
             child.last = stamp
             node.continued += 1
             best = node.best
-            if best is None or best is child or child.count >= best.count:
+            if best is None or count >= best.count:
                 node.best = child
             if child.depth <= limit:
-                moved.append(child)
+                keep(child)
+        self.num_nodes += created
         cursor.nodes = moved
 
     def extend(self, cursor: Cursor, tokens: Iterable[int]) -> None:
