@@ -11,7 +11,11 @@ speedup over plain decoding, for each drafter, at batch 1 and batch 16, on two w
 Greedy decoding, so every drafter produces exactly the plain run's tokens (checked here:
 a figure from a run that changed the output would mean nothing). Batch 1 runs the
 requests one at a time; batch 16 submits all 16 at once. Drafters run interleaved in
-each repeat, each on its own engine, after a warm-up, and the median repeat is kept.
+each repeat, each on its own engine, after a warm-up, and the median repeat is kept
+(with the min-max of the repeats' speedups). Each drafter also runs with dynamic
+speculation length (`+dyn`: `[drafter] dynamic_length = true`). The suffix drafter's
+cache of previous outputs is emptied before every timed run, so a run gains only from
+the outputs of its own earlier requests, never from a previous repeat of the same prompts.
 """
 
 from __future__ import annotations
@@ -59,12 +63,25 @@ def prompts(workload: str, count: int) -> list[str]:
 
 
 def drafter_configs(draft_model: str) -> dict[str, dict | None]:
-    return {
-        "none": None,
+    static = {
         "ngram": {"name": "ngram", "num_speculative_tokens": 4, "max_ngram": 3},
+        "suffix": {"name": "suffix", "num_speculative_tokens": 4},
         "draft-model": {"name": "draft-model", "model": draft_model, "num_speculative_tokens": 4},
         "medusa": {"name": "medusa"},
     }
+    configs: dict[str, dict | None] = {"none": None}
+    for name, config in static.items():
+        configs[name] = config
+        configs[f"{name}+dyn"] = {**config, "dynamic_length": True}
+    return configs
+
+
+def forget_previous_outputs(llm: LLM) -> None:
+    from servelab.plugins.drafters.suffix import SuffixDrafter
+
+    drafter = llm.engine.speculator.drafter if llm.engine.speculator is not None else None
+    if isinstance(drafter, SuffixDrafter):
+        drafter.clear_cache()
 
 
 def run_once(llm: LLM, texts: list[str], batch: int, params: SamplingParams) -> tuple[float, list[list[int]]]:
@@ -78,7 +95,12 @@ def run_once(llm: LLM, texts: list[str], batch: int, params: SamplingParams) -> 
 
 def measure(args: argparse.Namespace) -> list[dict]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    extra = {}
+    for item in args.extra_drafter:  # NAME=JSON: one more configuration, beside the built-in list
+        name, _, config = item.partition("=")
+        extra[name] = json.loads(config)
     configs = {name: cfg for name, cfg in drafter_configs(args.draft_model).items() if name in args.drafters}
+    configs.update(extra)
     engines = {name: LLM(args.model, config={"drafter": cfg} if cfg else {}, max_num_seqs=16, seed=0)
                for name, cfg in configs.items()}
     rows = []
@@ -90,12 +112,14 @@ def measure(args: argparse.Namespace) -> list[dict]:
             reference = None
             for name, llm in engines.items():  # warm-up, and the tokens every drafter must reproduce
                 llm.generate(texts[:2], SamplingParams(max_tokens=8, temperature=0))
+                forget_previous_outputs(llm)
                 _, tokens = run_once(llm, texts[:batch], batch, params)
                 reference = reference or tokens
                 if tokens != reference:
                     raise SystemExit(f"{name} changed the greedy output on {workload}: verification is broken")
             for repeat in range(args.repeats):
                 for name, llm in engines.items():
+                    forget_previous_outputs(llm)
                     before = llm.engine.speculation_stats()
                     elapsed, _ = run_once(llm, texts, batch, params)
                     seconds[name].append(elapsed)
@@ -103,17 +127,21 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     if after is not None:
                         stats_delta[name] = tuple(getattr(after, f) - getattr(before, f) for f in (
                             "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_sampling_steps"))
-                    print(f"{workload:>10} batch {batch:>2} {name:>11} repeat {repeat + 1}: {elapsed:6.2f} s",
+                    print(f"{workload:>10} batch {batch:>2} {name:>16} repeat {repeat + 1}: {elapsed:6.2f} s",
                           flush=True)
             base = statistics.median(seconds["none"]) if "none" in seconds else None
             num_tokens = len(texts) * args.max_tokens
             for name in engines:
                 wall = statistics.median(seconds[name])
                 drafted, accepted, emitted, steps = stats_delta.get(name, (0, 0, num_tokens, num_tokens))
+                # Spread: each repeat's time against the same repeat's plain run.
+                ratios = [b / w for b, w in zip(seconds["none"], seconds[name])] if base else []
                 rows.append({
                     "workload": workload, "batch": batch, "drafter": name, "seconds": wall,
                     "output_tokens_per_s": num_tokens / wall,
                     "speedup": base / wall if base else None,
+                    "speedup_min": min(ratios) if ratios else None, "speedup_max": max(ratios) if ratios else None,
+                    "accepted_per_target_step": accepted / steps if steps else None,
                     "acceptance_rate": accepted / drafted if drafted else None,
                     "tokens_per_target_step": emitted / steps if steps else None,
                     "draft_tokens": drafted, "accepted_tokens": accepted,
@@ -122,13 +150,17 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'workload':>10} {'batch':>5} {'drafter':>11} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/step':>8}")
+    print("\n| workload | batch | drafter | output tok/s | speedup (min-max) | acceptance | accepted / target step "
+          "| tokens / target step |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         accept = f"{r['acceptance_rate']:.0%}" if r["acceptance_rate"] is not None else "-"
-        speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        speedup = (f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f})"
+                   if r["speedup"] is not None else "-")
+        accepted = f"{r['accepted_per_target_step']:.2f}" if r["accepted_per_target_step"] is not None else "-"
         per_step = f"{r['tokens_per_target_step']:.2f}" if r["tokens_per_target_step"] is not None else "-"
-        print(f"{r['workload']:>10} {r['batch']:>5} {r['drafter']:>11} {r['output_tokens_per_s']:8.1f} "
-              f"{speedup:>8} {accept:>7} {per_step:>8}")
+        name = f"`{r['drafter']}`" if r["drafter"] != "none" else "none"
+        print(f"| {r['workload']} | {r['batch']} | {name} | {r['output_tokens_per_s']:.1f} | {speedup} | {accept} "
+              f"| {accepted} | {per_step} |")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -139,7 +171,7 @@ def plot(rows: list[dict], path: str) -> None:
 
     groups = sorted({(r["workload"], r["batch"]) for r in rows}, key=lambda g: (WORKLOADS.index(g[0]), g[1]))
     drafters = list(dict.fromkeys(r["drafter"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(drafters)
     for i, name in enumerate(drafters):
         values = [next((r["speedup"] or 0 for r in rows if (r["workload"], r["batch"]) == g and r["drafter"] == name), 0)
@@ -149,7 +181,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xticks([x + width * (len(drafters) - 1) / 2 for x in range(len(groups))])
     ax.set_xticklabels([f"{w}\nbatch {b}" for w, b in groups])
     ax.set_ylabel("wall-clock speedup vs no speculation")
-    ax.legend()
+    ax.legend(ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -159,6 +191,8 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:tiny")
     parser.add_argument("--draft-model", default="builtin:tiny-draft")
     parser.add_argument("--drafters", nargs="+", default=list(drafter_configs("")))
+    parser.add_argument("--extra-drafter", action="append", default=[], metavar="NAME=JSON",
+                        help='one more drafter configuration, e.g. suffix-d8=\'{"name": "suffix", "max_depth": 8}\'')
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)

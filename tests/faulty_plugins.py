@@ -220,6 +220,25 @@ class StaleCacheDrafter(PaddingLookupDrafter):
         pass
 
 
+class ProposedOnlyFinishDrafter(PaddingLookupDrafter):
+    """Learns from finished sequences, but only from those it proposed for: finished() of
+    any other (one that never decoded) raises KeyError."""
+
+    def __init__(self, options: Any, context: DrafterContext) -> None:
+        super().__init__(options, context)
+        self.proposed: set[str] = set()
+
+    def propose(self, seqs):
+        self.proposed |= {seq.request_id for seq in seqs}
+        return {r: [t for t in d if t >= 0] for r, d in super().propose(seqs).items()}
+
+    def finished(self, seq) -> None:
+        self.proposed.remove(seq.request_id)
+
+    def release(self, request_id: str) -> None:
+        self.proposed.discard(request_id)
+
+
 class SortedBlocksAttention(TorchPagedAttention):
     """Reads each sequence's blocks in ascending block id order instead of table order
     (right for a fresh pool, which hands out ascending blocks)."""

@@ -323,6 +323,21 @@ def test_drafter_keeping_state_past_release_fails_release(pytester):
     assert "TestStale::test_empty_batch_gets_no_proposals" not in failed
 
 
+def test_drafter_failing_on_a_finished_sequence_fails_finished(pytester):
+    results = run_contract(pytester, """
+        from faulty_plugins import ProposedOnlyFinishDrafter
+        from servelab.testing import DrafterContract
+
+        class TestProposedOnly(DrafterContract):
+            factory = ProposedOnlyFinishDrafter
+            num_speculative_tokens = 3
+    """, "-k", "finished or empty_batch")
+    failed = failures(results)
+    text = failed["TestProposedOnly::test_finished_sequences_feed_the_drafter"]
+    assert "invariant violated: finished accepts any finished sequence" in text and "KeyError" in text
+    assert "TestProposedOnly::test_empty_batch_gets_no_proposals" not in failed
+
+
 def test_kernel_reading_blocks_in_sorted_order_fails_end_to_end(pytester):
     """The end-to-end pool is handed out in shuffled order, so block tables are not ascending."""
     results = run_contract(pytester, """

@@ -64,6 +64,11 @@ def drafter_config(name: str, checkpoint_factory, tmp_path_factory) -> dict:
         return {"name": "draft-model", "model": checkpoint_factory("llama"), "num_speculative_tokens": 5}
     if name == "medusa":
         return {"name": "medusa", "heads": medusa_heads(tmp_path_factory.mktemp("medusa"), 72)}
+    if name == "suffix":  # a shallow trie, so matches are cut at max_depth - k and the global cache evicts
+        return {"name": "suffix", "num_speculative_tokens": 4, "max_depth": 7, "cache_tokens": 40}
+    if name.endswith("-dynamic"):
+        return {**drafter_config(name[: -len("-dynamic")], checkpoint_factory, tmp_path_factory),
+                "dynamic_length": True}
     raise AssertionError(name)
 
 
@@ -76,7 +81,7 @@ def run(path: str, drafter: dict | None, **engine) -> tuple[list[list[int]], LLM
     return [o.token_ids for o in outputs], llm
 
 
-DRAFTERS = ["ngram", "draft-model", "draft-model-self", "medusa"]
+DRAFTERS = ["ngram", "suffix", "suffix-dynamic", "draft-model", "draft-model-self", "medusa"]
 SETTINGS = {
     "continuous": {},
     # A 6-token budget cuts drafts short and chunks prompts around them.
@@ -99,6 +104,20 @@ def test_greedy_tokens_equal_transformers(drafter, setting, reference, checkpoin
         assert stats.mean_tokens_per_step > 2
     if setting == "tight-pool":
         assert llm.engine.scheduler.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram-dynamic", "draft-model-self-dynamic", "medusa-dynamic"])
+def test_dynamic_length_keeps_greedy_tokens(drafter, reference, checkpoint_factory, tmp_path_factory):
+    """Dynamic speculation length changes how many drafts each sequence verifies, never the
+    tokens; with every draft accepted (the target drafting for itself) it keeps drafting."""
+    path, expected = reference
+    tokens, llm = run(path, drafter_config(drafter, checkpoint_factory, tmp_path_factory),
+                      **SETTINGS["chunked-prefill"])
+    assert tokens == expected
+    stats = llm.engine.speculation_stats()
+    assert stats.num_draft_tokens > 0
+    if drafter == "draft-model-self-dynamic":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens and stats.mean_tokens_per_step > 1.5
 
 
 @pytest.mark.parametrize("allocator", ["naive", "radix"])
@@ -377,8 +396,9 @@ def embedded_plain():
     return prompts, [o.token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("drafter", [{"name": "ngram"}, {"name": "draft-model"}, {"name": "medusa"}],
-                         ids=["ngram", "draft-model", "medusa"])
+@pytest.mark.parametrize("drafter", [{"name": "ngram"}, {"name": "suffix"}, {"name": "draft-model"},
+                                     {"name": "medusa"}, {"name": "suffix", "dynamic_length": True}],
+                         ids=["ngram", "suffix", "draft-model", "medusa", "suffix-dynamic"])
 @pytest.mark.parametrize("scheduler", ["continuous", "chunked-prefill"])
 def test_embedded_models_greedy_unchanged_by_every_drafter(drafter, scheduler, embedded_plain):
     prompts, expected = embedded_plain
@@ -390,7 +410,7 @@ def test_embedded_models_greedy_unchanged_by_every_drafter(drafter, scheduler, e
     assert stats.num_accepted_tokens > 0, stats  # trained drafters do get accepted
 
 
-@pytest.mark.parametrize("name", ["spec-ngram", "spec-draft-model", "spec-medusa"])
+@pytest.mark.parametrize("name", ["spec-ngram", "spec-suffix", "spec-draft-model", "spec-medusa"])
 def test_example_configs_run(name):
     from pathlib import Path
 

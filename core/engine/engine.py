@@ -251,7 +251,7 @@ class LLMEngine:
 
     def _release_sequence(self, seq: Sequence, states: dict[str, Any]) -> None:
         if self.speculator is not None:
-            self.speculator.release(seq.request_id)
+            self.speculator.release(seq)
         if states:
             self.logits_pipeline.release(seq.request_id, states)
 

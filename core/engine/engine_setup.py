@@ -24,6 +24,7 @@ from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy, check_contract_version
 from servelab.sampler import filtered_probs
 from servelab.speculation import Speculator
+from servelab.speculation_length import split_length_options
 
 
 @attrs.frozen
@@ -174,7 +175,10 @@ def _policy_sections(config: EngineConfig):
 
 def _select(registry: PluginRegistry, kind: str, section: Any) -> tuple[RegisteredPolicy, Any]:
     registered = registry.select(kind, section.name)
-    return registered, build_options(registered.plugin.options, section.options, KINDS[kind].section, section.name)
+    values = section.options
+    if kind == "drafters":  # the engine's own keys (dynamic speculation length) serve every drafter
+        _, values = split_length_options(values)
+    return registered, build_options(registered.plugin.options, values, KINDS[kind].section, section.name)
 
 
 def _check_pairing(config: EngineConfig, attention: Any, allocator: Any) -> None:
@@ -197,7 +201,9 @@ def _build_speculator(config: EngineConfig, registry: PluginRegistry, source: Mo
         load_model=lambda spec, num_blocks: load_aux_model(spec, num_blocks, engine, registry, config.attention,
                                                            limits.max_model_len))
     drafter = build_policy(*selected, context)
-    return Speculator(config.drafter.name, drafter, allocator, limits.max_model_len, source.model_config.vocab_size)
+    length, _ = split_length_options(config.drafter.options)
+    return Speculator(config.drafter.name, drafter, allocator, limits.max_model_len, source.model_config.vocab_size,
+                      length)
 
 
 def _build_logits_pipeline(config: EngineConfig, registry: PluginRegistry, source: ModelSource,

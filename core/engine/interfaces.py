@@ -34,6 +34,7 @@ __all__ = [
     "EvictionCandidate",
     "EvictionContext",
     "EvictionPolicy",
+    "FinishAwareDrafter",
     "FinishAwareRouter",
     "ForkingAllocator",
     "ForkingScheduler",
@@ -777,6 +778,16 @@ class AcceptingDrafter(Protocol):
     def accepted(self, request_id: str, token_ids: Seq[int]) -> None:
         """After verification: the draft tokens of `request_id` the target accepted this
         step, in order (empty when it rejected the first); called once per verified draft."""
+
+
+@runtime_checkable
+class FinishAwareDrafter(Protocol):
+    """A drafter that learns from finished sequences (suffix decoding's cache of outputs)."""
+
+    def finished(self, seq: Sequence) -> None:
+        """`seq` finished (stop, length, abort or error) and is about to be released: its
+        prompt and output are final. Sequences that never finished (a request discarded
+        before admission) are released without this call."""
 
 
 @runtime_checkable

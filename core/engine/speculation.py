@@ -16,9 +16,10 @@ import attrs
 import torch
 
 from servelab.errors import ConfigError
-from servelab.interfaces import (AcceptingDrafter, Draft, ForkingAllocator, HiddenStateDrafter, ReleasingDrafter,
-                                 Sequence)
+from servelab.interfaces import (AcceptingDrafter, Draft, FinishAwareDrafter, ForkingAllocator, HiddenStateDrafter,
+                                 ReleasingDrafter, Sequence)
 from servelab.logging_setup import get_logger
+from servelab.speculation_length import DynamicLength, SpeculationLengthOptions
 from servelab.verification import Verified, verify
 
 logger = get_logger(__name__)
@@ -48,7 +49,8 @@ class SpeculationStats:
 class Speculator:
     """The engine's half of speculative decoding, around one drafter."""
 
-    def __init__(self, name: str, drafter: Any, allocator: Any, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, name: str, drafter: Any, allocator: Any, max_model_len: int, vocab_size: int,
+                 length: SpeculationLengthOptions | None = None) -> None:
         if not isinstance(allocator, ForkingAllocator):
             raise ConfigError(
                 f"drafter {name!r} needs an allocator that can roll back rejected draft slots "
@@ -60,6 +62,9 @@ class Speculator:
         self.vocab_size = vocab_size
         self.needs_hidden_states = isinstance(drafter, HiddenStateDrafter) and bool(drafter.needs_hidden_states)
         self._accepting = drafter if isinstance(drafter, AcceptingDrafter) else None
+        self._finish_aware = drafter if isinstance(drafter, FinishAwareDrafter) else None
+        # None: every sequence may draft as far as the drafter proposes (and its room allows).
+        self.dynamic = DynamicLength(length) if length is not None and length.dynamic_length else None
         self._probs: dict[str, torch.Tensor | None] = {}
         self._hidden: dict[str, torch.Tensor] = {}  # seq id -> target hidden state behind its last token
         self._drafted: list[Sequence] = []
@@ -70,6 +75,8 @@ class Speculator:
     def propose(self, candidates: Seq[Sequence]) -> None:
         """Set the drafts of every running sequence that is about to decode."""
         room = {seq.request_id: self._room(seq) for seq in candidates if seq.is_decoding}
+        if self.dynamic is not None:
+            room = self.dynamic.budgets({seq_id: r for seq_id, r in room.items() if r > 0})
         seqs = [seq for seq in candidates if room.get(seq.request_id, 0) > 0]
         if not seqs:
             return
@@ -83,7 +90,10 @@ class Speculator:
             draft = proposals.get(seq.request_id)
             if not draft:
                 continue
-            tokens = list(draft.token_ids if isinstance(draft, Draft) else draft)[: room[seq.request_id]]
+            tokens = list(draft.token_ids if isinstance(draft, Draft) else draft)
+            if self.dynamic is not None:
+                self.dynamic.proposed(len(tokens))
+            tokens = tokens[: room[seq.request_id]]
             probs = draft.probs if isinstance(draft, Draft) else None
             if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens):
                 # A broken drafter costs its speed-up, never the request: the draft is dropped.
@@ -126,6 +136,8 @@ class Speculator:
             seq.num_computed_tokens = keep
         seq.num_draft_tokens += num_verified_drafts
         seq.num_accepted_tokens += num_accepted
+        if self.dynamic is not None:
+            self.dynamic.observe(seq.request_id, num_verified_drafts, num_accepted)
 
     def record(self, num_drafts: int, num_accepted: int, num_verify_steps: int, num_sampling_steps: int,
                num_emitted: int) -> None:
@@ -154,8 +166,13 @@ class Speculator:
             self._probs.pop(seq.request_id, None)
         self._drafted.clear()
 
-    def release(self, seq_id: str) -> None:
-        """`seq_id` finished, was aborted or preempted."""
+    def release(self, seq: Sequence) -> None:
+        """`seq`'s request leaves the engine (finished, aborted, failed or discarded)."""
+        seq_id = seq.request_id
         self._hidden.pop(seq_id, None)
+        if self.dynamic is not None:
+            self.dynamic.forget(seq_id)
+        if self._finish_aware is not None and seq.finish_reason is not None:
+            self._finish_aware.finished(seq)
         if isinstance(self.drafter, ReleasingDrafter):
             self.drafter.release(seq_id)

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import attrs
 import pytest
 
-from servelab.interfaces import Drafter, DrafterContext, ReleasingDrafter, Sequence
+from servelab.interfaces import Drafter, DrafterContext, FinishAwareDrafter, ReleasingDrafter, Sequence
 from servelab.sampling_params import SamplingParams
 from servelab.testing.contract import PolicyContract, check, exercising
 
@@ -30,6 +30,7 @@ IMMUTABLE = "propose never changes the sequences"
 DETERMINISTIC = "a deterministic drafter proposes the same drafts for the same sequences"
 PROPOSE = "propose handles any batch of decoding sequences"
 RELEASE = "release forgets a sequence: a new sequence under its id gets a fresh drafter's drafts"
+FINISHED = "finished accepts any finished sequence, and drafts stay well formed after it"
 
 
 def decoding_sequence(request_id: str, prompt: list[int], output: list[int]) -> Sequence:
@@ -66,6 +67,8 @@ class DrafterContract(PolicyContract):
     - a deterministic drafter proposes the same drafts for the same sequences
     - release forgets a sequence: a new sequence under its id gets a fresh drafter's
       drafts (release, where defined, is called as the engine calls it)
+    - finished (a FinishAwareDrafter's) accepts any finished sequence, proposed for or
+      not, with or without output, and the drafts after it stay well formed
     - well formed on every decode step of a real greedy generation (replayed)
     - a lookup drafter (`lookup_drafter = True`) proposes the known continuation of a
       repeated n-gram, and its drafts do not restate accepted tokens
@@ -179,6 +182,26 @@ class DrafterContract(PolicyContract):
             got = {r: list(d) for r, d in reused.items()}
             want = {r: list(d) for r, d in fresh.items()}
             check(got == want, RELEASE, f"after release, drafts {got}; a fresh drafter proposes {want}")
+
+    def test_finished_sequences_feed_the_drafter(self):
+        """What the engine does when sequences finish: `finished`, then `release`."""
+        drafter = self.drafter()
+        if not isinstance(drafter, FinishAwareDrafter):
+            pytest.skip("not a FinishAwareDrafter")
+        pattern = [31, 32, 33, 34, 35]
+        done = [decoding_sequence("a", [7, 8], pattern * 3), decoding_sequence("b", pattern, []),
+                decoding_sequence("c", [self.vocab_size - 1], [0, self.vocab_size - 1] * 3)]
+        self.check_proposals(drafter, done[:1])
+        for seq in done:
+            before = _snapshot([seq])
+            with exercising(FINISHED):
+                drafter.finished(seq)
+            check(_snapshot([seq]) == before, IMMUTABLE, "finished changed the sequence")
+            self.release(drafter, seq.request_id)
+        later = [decoding_sequence("d", [1, 2], pattern[:2]), decoding_sequence("e", [0], [self.vocab_size - 1]),
+                 decoding_sequence("f", (pattern * 40)[: self.max_model_len - 1], [])]
+        with exercising(FINISHED):
+            self.check_proposals(drafter, later)
 
     def test_random_batches(self):
         import hypothesis.strategies as st

@@ -1,8 +1,8 @@
-"""Built-in drafters (speculative decoding): n-gram prompt lookup, a draft model, Medusa heads."""
+"""Built-in drafters (speculative decoding): n-gram prompt lookup, suffix decoding, a draft model, Medusa heads."""
 
 import servelab
 from servelab.plugin_types import DrafterPlugin
-from servelab.plugins.drafters.options import DraftModelOptions, MedusaOptions, NgramOptions
+from servelab.plugins.drafters.options import DraftModelOptions, MedusaOptions, NgramOptions, SuffixOptions
 
 
 @servelab.hookimpl
@@ -10,6 +10,9 @@ def servelab_register_drafters():
     return [
         DrafterPlugin(name="ngram", factory="servelab.plugins.drafters.ngram:NgramDrafter", options=NgramOptions,
                       description="prompt lookup: propose what followed the last n-gram's earlier occurrence"),
+        DrafterPlugin(name="suffix", factory="servelab.plugins.drafters.suffix:SuffixDrafter", options=SuffixOptions,
+                      description="suffix decoding: the most frequent continuation in suffix tries over the "
+                                  "sequence and over previous outputs"),
         DrafterPlugin(name="draft-model", factory="servelab.plugins.drafters.draft_model:DraftModelDrafter",
                       options=DraftModelOptions,
                       description="a small model with its own KV cache proposes k tokens with their distributions"),

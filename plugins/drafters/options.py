@@ -42,3 +42,36 @@ class MedusaOptions:
     heads: str = ""
     # k: heads used (at most the number trained); 0: all of them.
     num_speculative_tokens: int = attrs.field(default=0, validator=_non_negative)
+
+
+def _probability(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"[drafter] {attribute.name} must be a probability in [0, 1], got {value!r}")
+
+
+def _non_negative_number(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"[drafter] {attribute.name} must be a number >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SuffixOptions:
+    """Suffix decoding: a suffix trie over each sequence's prompt and output, and one over
+    the outputs the engine produced before, proposing their most frequent continuation."""
+
+    num_speculative_tokens: int = attrs.field(default=4, validator=_positive)  # k: most tokens proposed
+    # Longest substring the tries hold; a match is at most max_depth - k tokens long, so
+    # that k tokens can always follow it. Memory grows with it (one node per token per level).
+    max_depth: int = attrs.field(default=16, validator=_positive)
+    # Adaptive length: a match of m tokens proposes at most max_spec_factor * m + max_spec_offset.
+    max_spec_factor: float = attrs.field(default=1.0, validator=_non_negative_number)
+    max_spec_offset: float = attrs.field(default=0.0, validator=_non_negative_number)
+    # Stop the chain where its probability (product of count ratios along it) falls below this.
+    min_token_prob: float = attrs.field(default=0.1, validator=_probability)
+    # Tokens of previous outputs kept in the global cache (oldest outputs evicted first); 0: no global cache.
+    cache_tokens: int = attrs.field(default=16384, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_depth <= self.num_speculative_tokens:
+            raise ConfigError(f"[drafter] max_depth ({self.max_depth}) must exceed num_speculative_tokens "
+                              f"({self.num_speculative_tokens}): a match of max_depth - k tokens is followed by k")
