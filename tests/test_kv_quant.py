@@ -243,3 +243,45 @@ def test_backends_declare_the_capability():
 
     assert not isinstance(SdpaContiguousAttention(None, _context("auto", torch.float32, 4, 2, 16, 4)),
                           QuantizedKVBackend)
+
+
+@needs_compiler
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or os.environ.get("ATEN_CPU_CAPABILITY"),
+                    reason="the CPU has no AVX-512: the rest of this file already runs the AVX2 build")
+def test_the_avx2_build_dequantizes_too():
+    """On an AVX-512 CPU, the AVX2 build's 8-wide widening (what AVX2-only CPUs run) passes the
+    kernel checks above (the library is the one tests/test_cpu_paged.py's AVX2 check builds)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "quantized_cpu_kernels and fp32"], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
+
+
+# ---------------------------------------------------------------- simulator and bench table
+
+def test_the_simulator_sizes_the_pool_from_the_smaller_element():
+    from servelab.bench.sim.cost_model import CostModel
+    from servelab.bench.sim.hardware import accelerator
+    from servelab.bench.sim.shapes import model_shape
+
+    shape = model_shape("llama-3-8b")  # 32 layers, 8 KV heads of 128
+    full, fp8 = (CostModel(shape, accelerator("h100"), kv_cache_dtype=kv) for kv in ("auto", "fp8_e4m3"))
+    assert full.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 and fp8.kv_bytes_per_token == 2 * 32 * 8 * 132
+    assert fp8.kv_blocks(16) == int(full.kv_pool_bytes() // (fp8.kv_bytes_per_token * 16))
+    # decode attention reads the one-byte rows: a long-context decode step gets cheaper
+    step = lambda cost: cost.step([1] * 64, [8192] * 64, 64).seconds
+    assert step(fp8) < step(full)
+
+
+def test_the_bench_table_names_the_kv_dtype_and_bytes_a_token(capsys):
+    from servelab.cli import main
+
+    assert main(["bench", "--sim", "h100", "--sim-model", "tiny-random", "--kv-cache-dtype", "fp8_e5m2",
+                 "--workload", "fixed:num_requests=4,prompt_len=32,output_len=4"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("KV dtype / bytes a token"))
+    assert "fp8_e5m2 / 4,352" in row  # tiny-random: 2 (K, V) * 8 layers * 4 KV heads * (64 + 4) bytes

@@ -59,8 +59,10 @@ class _Engine:
             source = SimSource.named(options.sim_model, options.sim_accelerator, clock, options.sim_interconnect)
             config = source.fit_config(config)
             self.engine = LLMEngine(config, registry, clock=clock, source=source)
+            self.dtype_bytes = source.dtype_bytes  # the simulated model's, not [engine] dtype
         else:
             self.engine = LLMEngine(config, registry)
+            self.dtype_bytes = DTYPE_BYTES[config.engine.dtype]
         self.config = config
         self.recorder.clock = self.engine.clock
 
@@ -100,7 +102,7 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
             median = statistics.median_low([s["output_tokens_per_s"] for s in summaries])
             index = [s["output_tokens_per_s"] for s in summaries].index(median)
             chosen.append(per_config[e.name][index])
-            runs.append({"config": e.name, "metrics": {**summaries[index], **kv_layout(e.engine)},
+            runs.append({"config": e.name, "metrics": {**summaries[index], **kv_layout(e.engine, e.dtype_bytes)},
                          "repeats_output_tokens_per_s": [s["output_tokens_per_s"] for s in summaries]})
         sweep = _rate_sweep(engines, options, vocab_size, bar.update) if options.rates else {}
     result: dict[str, Any] = {
@@ -122,13 +124,13 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
     return result
 
 
-def kv_layout(engine: Any) -> dict[str, Any]:
+def kv_layout(engine: Any, dtype_bytes: int) -> dict[str, Any]:
     """How the engine's KV pool stores a token: `[engine] kv_cache_dtype`, the bytes of K and
-    V of every layer for one token (the whole model's), and the blocks the pool holds."""
+    V of every layer for one token (the whole model's, its elements `dtype_bytes` each under
+    "auto"), and the blocks the pool holds."""
     section = engine.config.engine
     return {"kv_cache_dtype": section.kv_cache_dtype,
-            "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(DTYPE_BYTES[section.dtype],
-                                                                         section.kv_cache_dtype),
+            "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(dtype_bytes, section.kv_cache_dtype),
             "kv_blocks": engine.limits.num_kv_blocks}
 
 
