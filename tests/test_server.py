@@ -323,6 +323,7 @@ def test_metrics_cover_the_engine(server, http):
     assert metrics["servelab_time_to_first_token_seconds_count"] >= 1
     assert metrics["servelab_generation_tokens_total"] >= 4
     assert metrics['servelab_kv_blocks{state="total"}'] > 0
+    assert metrics['servelab_kv_cache_bytes_per_token{kv_cache_dtype="auto"}'] > 0
 
 
 # ---------------------------------------------------------------- command-line errors

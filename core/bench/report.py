@@ -24,6 +24,9 @@ ROWS = [
     ("TTFT / TPOT / ITL mean ms", lambda m: "/".join(_fmt((m.get(k) or {}).get("mean"))
                                                      for k in ("ttft_ms", "tpot_ms", "itl_ms"))),
     ("goodput req/s", lambda m: _fmt(m.get("goodput_rps"), 2)),
+    ("KV dtype / bytes a token", lambda m: "-" if "kv_cache_dtype" not in m
+     else f"{m['kv_cache_dtype']} / {m['kv_bytes_per_token']:,}"),
+    ("KV blocks", lambda m: _fmt(m.get("kv_blocks"))),
     ("KV utilisation", lambda m: _pct(m.get("kv_utilization"))),
     ("KV waste", lambda m: _pct(m.get("kv_waste_fraction"))),
     ("prefix hit rate", lambda m: _pct(m.get("prefix_hit_rate"))),

@@ -17,6 +17,7 @@ from servelab.bench.driver import RunRecord, StepRecorder, run_workload
 from servelab.bench.metrics import SLO, summarize
 from servelab.bench.repetitions import DEFAULT_REPEATS, run_repetitions, warm_up
 from servelab.config import EngineConfig
+from servelab.model.kv_sizing import DTYPE_BYTES
 from servelab.errors import ConfigError
 from servelab.registry import PluginRegistry
 from servelab.workload import Workload, build_workload, parse_spec
@@ -58,8 +59,10 @@ class _Engine:
             source = SimSource.named(options.sim_model, options.sim_accelerator, clock, options.sim_interconnect)
             config = source.fit_config(config)
             self.engine = LLMEngine(config, registry, clock=clock, source=source)
+            self.dtype_bytes = source.dtype_bytes  # the simulated model's, not [engine] dtype
         else:
             self.engine = LLMEngine(config, registry)
+            self.dtype_bytes = DTYPE_BYTES[config.engine.dtype]
         self.config = config
         self.recorder.clock = self.engine.clock
 
@@ -99,7 +102,7 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
             median = statistics.median_low([s["output_tokens_per_s"] for s in summaries])
             index = [s["output_tokens_per_s"] for s in summaries].index(median)
             chosen.append(per_config[e.name][index])
-            runs.append({"config": e.name, "metrics": summaries[index],
+            runs.append({"config": e.name, "metrics": {**summaries[index], **kv_layout(e.engine, e.dtype_bytes)},
                          "repeats_output_tokens_per_s": [s["output_tokens_per_s"] for s in summaries]})
         sweep = _rate_sweep(engines, options, vocab_size, bar.update) if options.rates else {}
     result: dict[str, Any] = {
@@ -119,6 +122,16 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
     if options.plots_dir:
         result["plots"] = _plots(options.plots_dir, chosen, sweep)
     return result
+
+
+def kv_layout(engine: Any, dtype_bytes: int) -> dict[str, Any]:
+    """How the engine's KV pool stores a token: `[engine] kv_cache_dtype`, the bytes of K and
+    V of every layer for one token (the whole model's, its elements `dtype_bytes` each under
+    "auto"), and the blocks the pool holds."""
+    section = engine.config.engine
+    return {"kv_cache_dtype": section.kv_cache_dtype,
+            "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(dtype_bytes, section.kv_cache_dtype),
+            "kv_blocks": engine.limits.num_kv_blocks}
 
 
 def _load_baseline(first: _Engine, options: BenchOptions, warm_up: tuple) -> Any:

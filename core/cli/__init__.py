@@ -12,6 +12,7 @@ from servelab.bench.repetitions import DEFAULT_REPEATS
 from servelab.config import EngineConfig
 from servelab.errors import ServelabError
 from servelab.logging_setup import configure_logging
+from servelab.model.kv_sizing import KV_CACHE_DTYPES
 from servelab.registry import PluginRegistry
 from servelab.server.options import add_serve_arguments, serve_options
 
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
                        "engine.tensor_parallel_size > 1: nvlink4, nvlink3, pcie5, pcie4 (default: the accelerator's)")
     bench.add_argument("--replicas", type=int, default=1, help="with --sim: run each config as a fleet of N "
                        "replicas behind its [router] (default round-robin) and compare routers")
+    _add_kv_cache_dtype_argument(bench)
     bench.set_defaults(handler=_cmd_bench)
 
     size = commands.add_parser("size", help="capacity plan on the simulator: KV blocks, concurrent sequences, "
@@ -132,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--spec-batch", type=int, default=1, help="decode batch size of the speculation table")
     size.add_argument("--max-draft-tokens", type=int, default=6)
     size.add_argument("--json", dest="json_out", help="write the plan as JSON to this file")
+    _add_kv_cache_dtype_argument(size)
     size.set_defaults(handler=_cmd_size)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
@@ -149,6 +152,13 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one config value (repeatable), e.g. --set engine.max_num_seqs=8")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
                         help="shard the model over N ranks (engine.tensor_parallel_size; see README, Parallelism)")
+    _add_kv_cache_dtype_argument(parser)
+
+
+def _add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                        help="how the KV cache stores K/V (engine.kv_cache_dtype): auto (the model's dtype), or one "
+                             "byte an element with a scale per token and head (docs/attention.md)")
 
 
 def load_config(args: argparse.Namespace) -> EngineConfig:
@@ -157,6 +167,8 @@ def load_config(args: argparse.Namespace) -> EngineConfig:
         config = config.with_overrides({"engine.model": args.model})
     if args.tensor_parallel_size is not None:
         config = config.with_overrides({"engine.tensor_parallel_size": args.tensor_parallel_size})
+    if args.kv_cache_dtype is not None:
+        config = config.with_overrides({"engine.kv_cache_dtype": args.kv_cache_dtype})
     return config
 
 
@@ -198,6 +210,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         config = EngineConfig.load(path).with_set_options(args.assignments)
         if args.model:
             config = config.with_overrides({"engine.model": args.model})
+        if args.kv_cache_dtype is not None:
+            config = config.with_overrides({"engine.kv_cache_dtype": args.kv_cache_dtype})
         configs.append((Path(path).stem if path else "default", config))
     names = [name for name, _ in configs]
     if len(set(names)) != len(names):

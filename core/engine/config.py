@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import attrs
 
 from servelab.errors import ConfigError
-from servelab.model.kv_sizing import DTYPE_BYTES
+from servelab.model.kv_sizing import DTYPE_BYTES, KV_CACHE_DTYPES
 from servelab.options import positive_int
 from servelab.plugin_types import KINDS, PolicyKind
 
@@ -76,6 +76,10 @@ class EngineSection:
 
     model: str = DEFAULT_MODEL  # checkpoint directory, or "builtin:<name>"
     dtype: str = "float32"
+    # How the paged KV cache stores K and V: "auto" in `dtype`; "int8", "fp8_e4m3" or
+    # "fp8_e5m2" one byte an element with a float32 scale per (token, KV head) row, so the
+    # same kv_cache_memory holds ~2x (bf16) to ~4x (fp32) the tokens (docs/attention.md).
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = attrs.field(default=None, validator=_positive)  # default: min(model's, 2048)
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
@@ -104,6 +108,9 @@ class EngineSection:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"[engine] logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                               f"got {self.logprobs_mode!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"[engine] kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"[engine] dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.model, str) or not self.model:

@@ -12,7 +12,7 @@ from servelab.config import EngineConfig, EngineSection, build_options
 from servelab.errors import ConfigError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
                                  DrafterContext, EvictionContext, ForkingAllocator, ForkingScheduler, LMHeadRunner,
-                                 LogitsProcessorContext, SchedulerContext, TargetModel)
+                                 LogitsProcessorContext, QuantizedKVBackend, SchedulerContext, TargetModel)
 from servelab.logits_pipeline import LogitsPipeline
 from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
@@ -48,7 +48,8 @@ def resolve_limits(engine: EngineSection, model: ModelConfig) -> EngineLimits:
     # Past what max_num_seqs sequences of max_model_len can hold, more blocks sit idle.
     useful_blocks = engine.max_num_seqs * blocks_for(max_model_len, engine.block_size)
     num_kv_blocks = engine.num_kv_blocks or min(
-        kv_pool_blocks(engine.kv_cache_memory, model.kv_bytes_per_token(DTYPE_BYTES[engine.dtype]), engine.block_size),
+        kv_pool_blocks(engine.kv_cache_memory, model.kv_bytes_per_token(DTYPE_BYTES[engine.dtype], engine.kv_cache_dtype),
+                       engine.block_size),
         useful_blocks)
     if num_kv_blocks * engine.block_size < max_model_len:
         raise ConfigError(
@@ -123,9 +124,11 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
         max_model_len=limits.max_model_len, clock=clock))
     attention_context = AttentionContext(
         num_heads=shard_config.num_heads, num_kv_heads=shard_config.num_kv_heads, head_dim=shard_config.head_dim,
-        block_size=engine.block_size, num_blocks=limits.num_kv_blocks, dtype=DTYPES[engine.dtype], device=device)
+        block_size=engine.block_size, num_blocks=limits.num_kv_blocks, dtype=DTYPES[engine.dtype], device=device,
+        kv_cache_dtype=engine.kv_cache_dtype)
     attention = build_policy(*selected["attention"], attention_context)
     _check_pairing(config, attention, allocator)
+    _check_kv_cache_dtype(config, attention)
     if device.type == "cpu":  # before the first oneDNN kernel: then it is too late
         limit_onednn_caches(engine.onednn_cache_capacity)
     if engine.tensor_parallel_size > 1 and isinstance(source, CheckpointSource):
@@ -189,6 +192,20 @@ def _check_pairing(config: EngineConfig, attention: Any, allocator: Any) -> None
             f"attention {config.attention.name!r} reads each sequence's K/V as one contiguous run of blocks, "
             f"but allocator {config.allocator.name!r} hands out block tables that are not contiguous: "
             f"choose allocator 'naive' (contiguous reservations), or attention 'torch-paged' (any block table)")
+
+
+def _check_kv_cache_dtype(config: EngineConfig, attention: Any) -> None:
+    """A quantized cache needs a backend that declares it reads and writes that format."""
+    kv_cache_dtype = config.engine.kv_cache_dtype
+    if kv_cache_dtype == "auto":
+        return
+    if isinstance(attention, QuantizedKVBackend) and kv_cache_dtype in attention.supported_kv_cache_dtypes:
+        return
+    supported = sorted(attention.supported_kv_cache_dtypes) if isinstance(attention, QuantizedKVBackend) else []
+    raise ConfigError(
+        f"[engine] kv_cache_dtype={kv_cache_dtype!r}: attention {config.attention.name!r} cannot store a quantized "
+        f"KV cache in that format (it supports {', '.join(supported) or 'none'}); choose attention 'cpu-paged' or "
+        f"'torch-paged' (int8, fp8_e4m3, fp8_e5m2), or kv_cache_dtype 'auto'")
 
 
 def _build_speculator(config: EngineConfig, registry: PluginRegistry, source: ModelSource, runner: Any,

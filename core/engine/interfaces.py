@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence as 
 import attrs
 
 from servelab.sequence import Sequence, SequenceStatus
+from servelab.model.kv_sizing import (KV_CACHE_DTYPES, QUANTIZED_KV_MAX, QUANTIZED_KV_TORCH_DTYPE, kv_row_elements,
+                                     kv_scale_offset)
 
 if TYPE_CHECKING:  # torch stays out of imports that plugin discovery triggers
     import torch
@@ -47,6 +49,12 @@ __all__ = [
     "ModelRunnerLike",
     "NativeDecoderBackend",
     "PanelKernelsBackend",
+    "QuantizedKVBackend",
+    "KV_CACHE_DTYPES",
+    "QUANTIZED_KV_MAX",
+    "QUANTIZED_KV_TORCH_DTYPE",
+    "kv_row_elements",
+    "kv_scale_offset",
     "PrefixCachingAllocator",
     "PrefixSummary",
     "PreparingProcessor",
@@ -488,6 +496,10 @@ class AttentionContext:
     num_blocks: int  # blocks in each layer's cache
     dtype: Any  # torch.dtype
     device: Any  # torch.device
+    # `[engine] kv_cache_dtype`: "auto" (K/V in `dtype`) or a quantized cache ("int8",
+    # "fp8_e4m3", "fp8_e5m2"; rows laid out by servelab.interfaces.kv_row_elements), which
+    # only a QuantizedKVBackend that lists it in supported_kv_cache_dtypes is built for.
+    kv_cache_dtype: str = "auto"
 
 
 @attrs.frozen
@@ -806,6 +818,23 @@ class ContiguousBlockTablesBackend(Protocol):
     (when `requires_contiguous_block_tables` is True): only a ContiguousAllocator serves it."""
 
     requires_contiguous_block_tables: bool
+
+
+@runtime_checkable
+class QuantizedKVBackend(Protocol):
+    """An attention backend that can store K/V quantized (`[engine] kv_cache_dtype`).
+
+    Each (token, KV head) row of a quantized cache is `kv_row_elements(head_dim, kv_cache_dtype)`
+    one-byte elements: the head_dim quantized values, zero padding to a multiple of 4, then
+    the row's float32 scale (its bytes), so a row dequantizes as values * scale and every
+    whole-block move (copy-on-write, another tier) carries the scales with the values. The
+    runner allocates the cache in `kv_cache_storage_dtype()`.
+    """
+
+    supported_kv_cache_dtypes: frozenset[str]  # the quantized kv_cache_dtypes it reads and writes
+
+    def kv_cache_storage_dtype(self) -> Any:
+        """The torch dtype of the cache tensors: the model's for "auto", else the element's."""
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 import torch
 
-from servelab.interfaces import AttentionMetadata, KVAllocator, Runner, StepPlan, sampling_rows
+from servelab.interfaces import AttentionMetadata, KVAllocator, QuantizedKVBackend, Runner, StepPlan, sampling_rows
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import zeros_on_huge_pages
 
@@ -50,8 +50,11 @@ class ModelRunner(Runner):
         self.device = device
         shape = backend.kv_cache_shape()
         self.block_dim = backend.kv_cache_block_dim()  # the dimension block ids index
+        # A quantized cache (`[engine] kv_cache_dtype`) is allocated in its element's dtype.
+        cache_dtype = backend.kv_cache_storage_dtype() if isinstance(backend, QuantizedKVBackend) else dtype
+        self.kv_cache_dtype = cache_dtype
         # The runner owns the cache; allocators only hand out block ids into it.
-        self.kv_caches = [(new_kv_cache(shape, dtype, device), new_kv_cache(shape, dtype, device))
+        self.kv_caches = [(new_kv_cache(shape, cache_dtype, device), new_kv_cache(shape, cache_dtype, device))
                           for _ in range(config.num_layers)]
 
     def prepare(self, plan: StepPlan, allocator: KVAllocator, prompt_logprobs: bool = False) -> ModelInputs:

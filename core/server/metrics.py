@@ -34,6 +34,9 @@ class ServerMetrics:
         self.requests_waiting = Gauge("servelab_requests_waiting", "Sequences queued for admission.", registry=r)
         self.kv_usage = Gauge("servelab_kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1).", registry=r)
         self.kv_blocks = Gauge("servelab_kv_blocks", "KV cache blocks by state.", ["state"], registry=r)
+        self.kv_bytes_per_token = Gauge("servelab_kv_cache_bytes_per_token",
+                                        "Bytes of K and V of every layer one token takes in the KV cache, by "
+                                        "[engine] kv_cache_dtype.", ["kv_cache_dtype"], registry=r)
         self.prefix_hit_rate = Gauge("servelab_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / prompt tokens looked up "
                                      "(NaN before any lookup).", registry=r)

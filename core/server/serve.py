@@ -123,6 +123,7 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     """The engine process (its model loaded), the front end's tokenizer, and everything the routes share."""
     from prometheus_client import disable_created_metrics
 
+    from servelab.model.kv_sizing import DTYPE_BYTES
     from servelab.model.loader import Checkpoint
     from servelab.server.app import ServerState
     from servelab.server.codec import TextCodec
@@ -133,6 +134,8 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     disable_created_metrics()  # process-wide: no `_created` series next to every counter
     metrics = ServerMetrics()
     checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
+    metrics.kv_bytes_per_token.labels(config.engine.kv_cache_dtype).set(checkpoint.config.kv_bytes_per_token(
+        DTYPE_BYTES[config.engine.dtype], config.engine.kv_cache_dtype))
     codec = TextCodec(checkpoint.tokenizer, _chat_template(checkpoint.path), options.tokenizer_workers)
     stop_ray = False
     if options.replicas is not None:

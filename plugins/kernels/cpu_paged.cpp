@@ -9,7 +9,15 @@
 // query token x the query heads of that KV head) are scored against all of the sequence's
 // keys, then the value rows are summed. A row of many query tokens is cut into tiles of
 // query tokens attended flash-style (see attend_query_tile).
+//
+// Quantized caches (`[engine] kv_cache_dtype`: int8, fp8 e4m3, fp8 e5m2) keep the layout with
+// a longer last dimension: each (token, KV head) row is head_dim one-byte values, zero
+// padding to a multiple of 4, then the row's float32 scale (kv_quant.py is the reference).
+// The kernel reads the bytes and dequantizes one block at a time into a float32 tile in L1
+// (value * scale, widened in registers), so memory traffic is the one-byte rows.
 #include <torch/extension.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -111,6 +119,121 @@ inline const float* as_floats(const scalar_t* source, float* buffer, int64_t n) 
     load_row(source, buffer, n);
     return buffer;
   }
+}
+
+// ---------------------------------------------------------------- quantized cache rows
+
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> ||
+                            std::is_same_v<T, c10::Float8_e5m2>;
+
+// The largest magnitude each element type holds (servelab.interfaces.QUANTIZED_KV_MAX).
+template <typename T>
+constexpr float kQuantizedMax = std::is_same_v<T, int8_t> ? 127.f : std::is_same_v<T, c10::Float8_e4m3fn> ? 448.f : 57344.f;
+
+// Where a row's float32 scale starts: after head_dim bytes, rounded up to 4.
+inline int64_t scale_offset(int64_t head_dim) { return (head_dim + 3) / 4 * 4; }
+
+inline float row_scale(const void* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, static_cast<const char*>(row) + scale_offset(head_dim), sizeof(float));
+  return scale;
+}
+
+#ifdef __AVX2__
+// Widening of 8 (AVX2) or 16 (AVX-512) one-byte elements to float32, in registers. fp8 goes
+// through float16: an e5m2 byte is the high byte of a float16; an e4m3 byte's sign, exponent
+// and mantissa land on a float16's with its exponent 8 lower (subnormals included), so the
+// float16 holds the value times 2^-8, which the caller's scale makes up for (kWiden).
+template <typename T> constexpr float kWiden = std::is_same_v<T, c10::Float8_e4m3fn> ? 256.f : 1.f;
+
+inline __m128i fp8_to_half_bits(__m128i bytes_as_u16, bool e4m3) {  // 8 lanes of u16 holding one byte each
+  if (!e4m3) return _mm_slli_epi16(bytes_as_u16, 8);
+  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes_as_u16, _mm_set1_epi16(0x80)), 8),
+                      _mm_slli_epi16(_mm_and_si128(bytes_as_u16, _mm_set1_epi16(0x7F)), 7));
+}
+
+template <typename T>
+inline __m256 widen8(const T* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_same_v<T, int8_t>) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+  else return _mm256_cvtph_ps(fp8_to_half_bits(_mm_cvtepu8_epi16(raw), std::is_same_v<T, c10::Float8_e4m3fn>));
+}
+
+#ifdef __AVX512F__
+template <typename T>
+inline __m512 widen16(const T* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  } else {
+    const __m256i wide = _mm256_cvtepu8_epi16(raw);
+    __m256i half;
+    if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>)
+      half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8),
+                             _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7));
+    else
+      half = _mm256_slli_epi16(wide, 8);
+    return _mm512_cvtph_ps(half);
+  }
+}
+#endif  // __AVX512F__
+#endif  // __AVX2__
+
+// One quantized row as float32 values (value * scale) into `target`.
+template <typename T>
+inline void dequantize_row(const T* row, float* target, int64_t head_dim) {
+  const float scale = row_scale(row, head_dim);
+  int64_t i = 0;
+#ifdef __AVX2__
+  const float widened_scale = scale * kWiden<T>;
+#ifdef __AVX512F__
+  const __m512 scale16 = _mm512_set1_ps(widened_scale);
+  for (; i + 16 <= head_dim; i += 16) _mm512_storeu_ps(target + i, _mm512_mul_ps(widen16(row + i), scale16));
+#endif
+  const __m256 scale8 = _mm256_set1_ps(widened_scale);
+  for (; i + 8 <= head_dim; i += 8) _mm256_storeu_ps(target + i, _mm256_mul_ps(widen8(row + i), scale8));
+#endif
+  for (; i < head_dim; ++i) target[i] = static_cast<float>(row[i]) * scale;
+}
+
+// `count` rows of one block (rows `row_stride` elements apart) as float32, `head_dim` apart.
+template <typename T>
+inline const float* dequantize_block(const T* tile, int64_t count, int64_t head_dim, int64_t row_stride,
+                                     std::vector<float>& buffer) {
+  buffer.resize(count * head_dim);
+  for (int64_t r = 0; r < count; ++r) dequantize_row(tile + r * row_stride, buffer.data() + r * head_dim, head_dim);
+  return buffer.data();
+}
+
+// A cache row as float32: in place (float32), widened (16-bit) or dequantized into `buffer`.
+template <typename cache_t>
+inline const float* cache_row_as_floats(const cache_t* source, float* buffer, int64_t head_dim) {
+  if constexpr (kQuantized<cache_t>) {
+    dequantize_row(source, buffer, head_dim);
+    return buffer;
+  } else {
+    return as_floats(source, buffer, head_dim);
+  }
+}
+
+// One (token, KV head) row quantized: scale = max|x| / max, values x / scale rounded (int8:
+// half to even; fp8: the format's own rounding) and clamped, then the scale's bytes.
+template <typename scalar_t, typename T>
+inline void quantize_row(const scalar_t* source, T* row, int64_t head_dim) {
+  float peak = 0.f;
+  for (int64_t i = 0; i < head_dim; ++i) peak = std::max(peak, std::fabs(static_cast<float>(source[i])));
+  const float limit = kQuantizedMax<T>;
+  const float scale = peak / limit;
+  const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+  for (int64_t i = 0; i < head_dim; ++i) {
+    const float x = std::min(std::max(static_cast<float>(source[i]) * inverse, -limit), limit);
+    if constexpr (std::is_same_v<T, int8_t>) row[i] = static_cast<int8_t>(std::nearbyint(x));
+    else row[i] = T(x);
+  }
+  char* bytes = reinterpret_cast<char*>(row);
+  std::memset(bytes + head_dim, 0, scale_offset(head_dim) - head_dim);
+  std::memcpy(bytes + scale_offset(head_dim), &scale, sizeof(float));
 }
 
 // Blocks sit anywhere in the cache, out of reach of the hardware prefetchers, so the
@@ -433,10 +556,19 @@ __attribute__((noinline)) void accumulate_tile_block(const float* weights, int64
   }
 }
 
+// One block of the cache as float32 for the tiled path.
+template <typename cache_t>
+inline const float* cache_block_as_floats(const cache_t* tile, int64_t count, int64_t head_dim, int64_t row_stride,
+                                          std::vector<float>& buffer) {
+  if constexpr (kQuantized<cache_t>) return dequantize_block(tile, count, head_dim, row_stride, buffer);
+  else return block_as_floats(tile, count * head_dim, buffer);
+}
+
 // Attends query tokens [tile_start, tile_start + tile_len) of one sequence for one KV head.
-template <typename S, typename scalar_t, typename index_t>
-void attend_query_tile(const scalar_t* q_data, int64_t q_token_stride, int64_t q_head_stride, const scalar_t* k_head,
-                       const scalar_t* v_head, const index_t* table, int64_t block_size, int64_t head_dim,
+template <typename S, typename scalar_t, typename cache_t, typename index_t>
+void attend_query_tile(const scalar_t* q_data, int64_t q_token_stride, int64_t q_head_stride, const cache_t* k_head,
+                       const cache_t* v_head, const index_t* table, int64_t block_size, int64_t head_dim,
+                       int64_t row_stride,
                        int64_t num_heads, int64_t group, int64_t kv_head, int64_t first, int64_t num_queries,
                        int64_t context, int64_t tile_start, int64_t tile_len, float scale, TileBuffers& buf,
                        scalar_t* o_data) {
@@ -458,14 +590,14 @@ void attend_query_tile(const scalar_t* q_data, int64_t q_token_stride, int64_t q
     buf.positions[r] = static_cast<float>(first_position + t);
   }
   const int64_t keys = first_position + tile_len;  // the tile's last token sees keys [0, keys)
-  const int64_t tile = block_size * head_dim;
+  const int64_t tile = block_size * row_stride;
   const int64_t used_blocks = (keys + block_size - 1) / block_size;
   for (int64_t blk = 0; blk < used_blocks; ++blk) {
     prefetch_blocks(k_head, table, blk + 1, blk + 2, used_blocks, tile);
     prefetch_blocks(v_head, table, blk + 1, blk + 2, used_blocks, tile);
     const int64_t count = std::min(block_size, keys - blk * block_size);
-    const float* k = block_as_floats(k_head + table[blk] * tile, count * head_dim, buf.keys);
-    const float* v = block_as_floats(v_head + table[blk] * tile, count * head_dim, buf.values);
+    const float* k = cache_block_as_floats(k_head + table[blk] * tile, count, head_dim, row_stride, buf.keys);
+    const float* v = cache_block_as_floats(v_head + table[blk] * tile, count, head_dim, row_stride, buf.values);
     score_tile_block<S>(buf.queries.data(), padded, k, count, head_dim, buf.weights.data());
     softmax_tile_block<S>(buf.weights.data(), padded, count, blk * block_size, static_cast<float>(first_position), buf);
     accumulate_tile_block<S>(buf.weights.data(), padded, v, count, head_dim, buf);
@@ -489,18 +621,19 @@ bool vectorised(int64_t head_dim) {
 #endif
 }
 
-template <typename scalar_t, typename index_t>
+template <typename scalar_t, typename cache_t, typename index_t>
 void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
                    const at::Tensor& sequences, double scale, at::Tensor& out) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(0), num_blocks = key_cache.size(1), block_size = key_cache.size(2);
+  const int64_t row_stride = key_cache.size(3);  // head_dim, or a quantized row's bytes
   const int64_t group = num_heads / num_kv_heads;
   const int64_t table_width = block_tables.size(1);
   const scalar_t* q_data = query.data_ptr<scalar_t>();
   const int64_t q_token_stride = query.stride(0), q_head_stride = query.stride(1);
-  const scalar_t* k_data = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_data = value_cache.data_ptr<scalar_t>();
+  const cache_t* k_data = static_cast<const cache_t*>(key_cache.data_ptr());
+  const cache_t* v_data = static_cast<const cache_t*>(value_cache.data_ptr());
   const index_t* tables = block_tables.data_ptr<index_t>();
   const int64_t* starts = query_start.data_ptr<int64_t>();
   const int64_t* contexts = context_lens.data_ptr<int64_t>();
@@ -544,12 +677,12 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next_item{0};
-  const int64_t tile = block_size * head_dim;  // elements of one (KV head, block) tile
+  const int64_t tile = block_size * row_stride;  // elements of one (KV head, block) tile
   // How far ahead a decode item requests its tiles, in tiles (see kPrefetchBytes).
-  const int64_t distance = std::max<int64_t>(1, kPrefetchBytes / (tile * static_cast<int64_t>(sizeof(scalar_t))));
+  const int64_t distance = std::max<int64_t>(1, kPrefetchBytes / (tile * static_cast<int64_t>(sizeof(cache_t))));
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<float> q_rows, scores, acc, row, denominators;
+    std::vector<float> q_rows, scores, acc, row, denominators, dequantized;
 #ifdef __AVX2__
     TileBuffers tile_buffers;
 #endif
@@ -563,12 +696,12 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       const int64_t b = work.seq, kv_head = work.kv_head;
       const int64_t first = starts[b], num_queries = starts[b + 1] - first, context = contexts[b];
       const index_t* table = tables + b * table_width;
-      const scalar_t* k_head = k_data + kv_head * num_blocks * tile;
-      const scalar_t* v_head = v_data + kv_head * num_blocks * tile;
+      const cache_t* k_head = k_data + kv_head * num_blocks * tile;
+      const cache_t* v_head = v_data + kv_head * num_blocks * tile;
 #ifdef __AVX2__
       if (static_cast<size_t>(index) < num_tiles) {
         attend_query_tile<Native>(q_data, q_token_stride, q_head_stride, k_head, v_head, table, block_size, head_dim,
-                                  num_heads, group, kv_head, first, num_queries, context, work.tile_start,
+                                  row_stride, num_heads, group, kv_head, first, num_queries, context, work.tile_start,
                                   work.tile_len, softmax_scale, tile_buffers, o_data);
         continue;
       }
@@ -590,8 +723,8 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       const bool has_next = claimed < num_items;
       const int64_t next_blocks = has_next ? (contexts[items[claimed].seq] + block_size - 1) / block_size : 0;
       const index_t* next_table = has_next ? tables + items[claimed].seq * table_width : nullptr;
-      const scalar_t* next_k_head = has_next ? k_data + items[claimed].kv_head * num_blocks * tile : nullptr;
-      auto ahead = [&](int64_t position) -> const scalar_t* {
+      const cache_t* next_k_head = has_next ? k_data + items[claimed].kv_head * num_blocks * tile : nullptr;
+      auto ahead = [&](int64_t position) -> const cache_t* {
         position += distance;
         if (position < used_blocks) return k_head + table[position] * tile;
         position -= used_blocks;
@@ -600,18 +733,25 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         return position < next_blocks ? next_k_head + next_table[position] * tile : nullptr;
       };
       for (int64_t blk = 0; blk < used_blocks; ++blk) {
-        const scalar_t* keys = k_head + table[blk] * tile;
+        const cache_t* keys = k_head + table[blk] * tile;
         const int64_t count = std::min(block_size, context - blk * block_size);
 #ifdef __AVX2__
         if (fast) {
-          score_keys<Native>(q_rows.data(), num_rows, keys, count, head_dim, &scores[blk * block_size], context,
-                             ahead(blk));
+          if constexpr (kQuantized<cache_t>) {  // the block dequantized into L1, then scored as float32
+            prefetch_tile(ahead(blk), tile);
+            const float* block = dequantize_block(keys, count, head_dim, row_stride, dequantized);
+            score_keys<Native>(q_rows.data(), num_rows, block, count, head_dim, &scores[blk * block_size], context,
+                               static_cast<const float*>(nullptr));
+          } else {
+            score_keys<Native>(q_rows.data(), num_rows, keys, count, head_dim, &scores[blk * block_size], context,
+                               ahead(blk));
+          }
           continue;
         }
 #endif
         prefetch_tile(ahead(blk), tile);
         for (int64_t s = 0; s < count; ++s) {
-          const float* key = as_floats(keys + s * head_dim, row.data(), head_dim);
+          const float* key = cache_row_as_floats(keys + s * row_stride, row.data(), head_dim);
           const int64_t position = blk * block_size + s;
           for (int64_t r = 0; r < num_rows; ++r) scores[r * context + position] = dot(&q_rows[r * head_dim], key, head_dim);
         }
@@ -639,18 +779,25 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         denominators[r] = total;
       }
       for (int64_t blk = 0; blk < used_blocks; ++blk) {
-        const scalar_t* values = v_head + table[blk] * tile;
+        const cache_t* values = v_head + table[blk] * tile;
         const int64_t count = std::min(block_size, context - blk * block_size);
 #ifdef __AVX2__
         if (fast) {
-          accumulate_block<Native>(&scores[blk * block_size], context, num_rows, values, count, head_dim, acc.data(),
-                                   ahead(used_blocks + blk));
+          if constexpr (kQuantized<cache_t>) {
+            prefetch_tile(ahead(used_blocks + blk), tile);
+            const float* block = dequantize_block(values, count, head_dim, row_stride, dequantized);
+            accumulate_block<Native>(&scores[blk * block_size], context, num_rows, block, count, head_dim, acc.data(),
+                                     static_cast<const float*>(nullptr));
+          } else {
+            accumulate_block<Native>(&scores[blk * block_size], context, num_rows, values, count, head_dim,
+                                     acc.data(), ahead(used_blocks + blk));
+          }
           continue;
         }
 #endif
         prefetch_tile(ahead(used_blocks + blk), tile);
         for (int64_t s = 0; s < count; ++s) {
-          const float* value = as_floats(values + s * head_dim, row.data(), head_dim);
+          const float* value = cache_row_as_floats(values + s * row_stride, row.data(), head_dim);
           const int64_t position = blk * block_size + s;
           for (int64_t r = 0; r < num_rows; ++r) {
             const float weight = scores[r * context + position];
@@ -668,34 +815,66 @@ void attend_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void write_kernel(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                   const at::Tensor& slot_mapping) {
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
-  const int64_t num_slots = key_cache.size(1) * key_cache.size(2);
+  const int64_t num_slots = key_cache.size(1) * key_cache.size(2), row_stride = key_cache.size(3);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const scalar_t* k = key.data_ptr<scalar_t>();
   const scalar_t* v = value.data_ptr<scalar_t>();
-  scalar_t* kc = key_cache.data_ptr<scalar_t>();
-  scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  cache_t* kc = static_cast<cache_t*>(key_cache.data_ptr());
+  cache_t* vc = static_cast<cache_t*>(value_cache.data_ptr());
   at::parallel_for(0, num_tokens * num_kv_heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / num_kv_heads, head = item % num_kv_heads;
-      const int64_t target = (head * num_slots + slots[t]) * head_dim;
+      const int64_t target = (head * num_slots + slots[t]) * row_stride;
       const scalar_t* k_row = k + t * key.stride(0) + head * key.stride(1);
       const scalar_t* v_row = v + t * value.stride(0) + head * value.stride(1);
-      std::copy(k_row, k_row + head_dim, kc + target);
-      std::copy(v_row, v_row + head_dim, vc + target);
+      if constexpr (kQuantized<cache_t>) {
+        quantize_row(k_row, kc + target, head_dim);
+        quantize_row(v_row, vc + target, head_dim);
+      } else {
+        std::copy(k_row, k_row + head_dim, kc + target);
+        std::copy(v_row, v_row + head_dim, vc + target);
+      }
     }
   });
+}
+
+template <typename T>
+struct CacheType {
+  using type = T;
+};
+
+// Calls body(CacheType<cache_t>{}) for the caches' element type: the query's own dtype, or
+// one of the quantized ones (whose rows must be scale_offset(head_dim) + 4 long).
+template <typename scalar_t, typename Body>
+void dispatch_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, int64_t head_dim, Body&& body) {
+  const at::ScalarType type = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == type, "key and value caches must share a dtype");
+  const bool quantized = type == at::kChar || type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+  if (!quantized) {
+    TORCH_CHECK(type == c10::CppTypeToScalarType<scalar_t>::value, "query and caches must share a dtype");
+    TORCH_CHECK(key_cache.size(3) == head_dim, "cache rows must be head_dim long");
+    body(CacheType<scalar_t>{});
+    return;
+  }
+  TORCH_CHECK(key_cache.size(3) == scale_offset(head_dim) + 4, "a quantized cache's rows must be head_dim bytes, "
+              "padding to a multiple of 4 and a float32 scale");
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    TORCH_CHECK(false, "quantized KV caches take float32, bfloat16 or float16 queries");
+  } else {
+    if (type == at::kChar) body(CacheType<int8_t>{});
+    else if (type == at::kFloat8_e4m3fn) body(CacheType<c10::Float8_e4m3fn>{});
+    else body(CacheType<c10::Float8_e5m2>{});
+  }
 }
 
 void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "cpu-paged runs on CPU tensors");
   TORCH_CHECK(query.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "cpu-paged needs contiguous query rows and caches");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "query and caches must share a dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(0) == 0, "query heads must be a multiple of KV heads");
 }
 
@@ -705,8 +884,12 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key
                  const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "cpu-paged needs contiguous new K/V rows");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cpu-paged needs contiguous caches");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_cache", [&] {
-    write_kernel<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
+    dispatch_cache<scalar_t>(key_cache, value_cache, key.size(2), [&](auto tag) {
+      using cache_t = typename decltype(tag)::type;
+      write_kernel<scalar_t, cache_t>(key, value, key_cache, value_cache, slot_mapping);
+    });
   });
 }
 
@@ -718,12 +901,20 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   TORCH_CHECK(query_start.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
               sequences.scalar_type() == at::kLong, "query_start, context_lens and sequences must be int64");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "attend", [&] {
-    if (block_tables.scalar_type() == at::kInt)
-      attend_kernel<scalar_t, int32_t>(query, key_cache, value_cache, block_tables, query_start, context_lens,
-                                       sequences, scale, out);
-    else
-      attend_kernel<scalar_t, int64_t>(query, key_cache, value_cache, block_tables, query_start, context_lens,
-                                       sequences, scale, out);
+    dispatch_cache<scalar_t>(key_cache, value_cache, query.size(2), [&](auto tag) {
+      using cache_t = typename decltype(tag)::type;
+      if constexpr (kQuantized<cache_t>) {  // the runner's tables are int64; only those are instantiated
+        TORCH_CHECK(block_tables.scalar_type() == at::kLong, "block_tables must be int64 with a quantized cache");
+        attend_kernel<scalar_t, cache_t, int64_t>(query, key_cache, value_cache, block_tables, query_start,
+                                                  context_lens, sequences, scale, out);
+      } else if (block_tables.scalar_type() == at::kInt) {
+        attend_kernel<scalar_t, cache_t, int32_t>(query, key_cache, value_cache, block_tables, query_start,
+                                                  context_lens, sequences, scale, out);
+      } else {
+        attend_kernel<scalar_t, cache_t, int64_t>(query, key_cache, value_cache, block_tables, query_start,
+                                                  context_lens, sequences, scale, out);
+      }
+    });
   });
 }
 

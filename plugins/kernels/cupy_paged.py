@@ -162,6 +162,10 @@ def _kernels(cupy: Any, dtype: torch.dtype, head_dim: int, block_size: int, devi
 
 class CupyPagedAttention:
     def __init__(self, options: CupyPagedOptions | None, context: AttentionContext) -> None:
+        if context.kv_cache_dtype != "auto":  # before CuPy is looked for: the answer is the same everywhere
+            raise ConfigError(f"cupy-paged has no kernels for a quantized KV cache ([engine] kv_cache_dtype="
+                              f"{context.kv_cache_dtype!r}); use kv_cache_dtype 'auto' with cupy-paged, or attention "
+                              f"'torch-paged' (any device) for a quantized cache")
         check_available(context.device)
         if context.dtype not in DTYPE_CODES:
             raise ConfigError(f"cupy-paged supports float32, float16 and bfloat16, not {context.dtype}")

@@ -21,6 +21,11 @@ rows (prompts, chunks, drafts), sorted by length and cut by cost:
 Cache layout: [num_kv_heads, num_blocks, block_size, head_dim]. Gathering a group's
 blocks then yields [kv_heads, seqs, context, head_dim] directly, the layout the attention
 wants, with no transpose copy of the gathered K/V.
+
+With a quantized cache (`[engine] kv_cache_dtype`), the last dimension is a quantized row
+(kv_quant: one-byte values, then the row's float32 scale); new rows are quantized on their
+way in, and each group's gathered K and V are dequantized to float32 before they are
+attended (decodes then sum the values by a matmul instead of embedding_bag).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from servelab.interfaces import AttentionContext, AttentionMetadata
+from servelab.interfaces import AttentionContext, AttentionMetadata, QuantizedKVBackend, kv_row_elements
+from servelab.plugins.kernels.kv_quant import dequantize_rows, storage_dtype, write_rows
 from servelab.plugins.kernels.options import TorchPagedOptions
 
 
@@ -143,21 +149,29 @@ class _Host:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
 
-class TorchPagedAttention:
+class TorchPagedAttention(QuantizedKVBackend):
+    supported_kv_cache_dtypes = frozenset({"int8", "fp8_e4m3", "fp8_e5m2"})
+
     def __init__(self, options: TorchPagedOptions | None, context: AttentionContext) -> None:
         self.options = options or TorchPagedOptions()
         self.context = context
         self.block_size = context.block_size
+        self.kv_cache_dtype = context.kv_cache_dtype
+        self.quantized = context.kv_cache_dtype != "auto"
         # Gather buffers for K and V, reused by every group and layer: a fresh tensor per
         # gather pays its page faults (docs/performance.md, "The reference backend").
         self._workspace: list[torch.Tensor] = []
 
     def kv_cache_shape(self) -> tuple[int, ...]:
         context = self.context
-        return (context.num_kv_heads, context.num_blocks, context.block_size, context.head_dim)
+        return (context.num_kv_heads, context.num_blocks, context.block_size,
+                kv_row_elements(context.head_dim, context.kv_cache_dtype))
 
     def kv_cache_block_dim(self) -> int:
         return 1
+
+    def kv_cache_storage_dtype(self) -> torch.dtype:
+        return storage_dtype(self.kv_cache_dtype) if self.quantized else self.context.dtype
 
     # ------------------------------------------------------------ per step
 
@@ -247,9 +261,7 @@ class TorchPagedAttention:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, prepared: _Prepared,
                 scale: float) -> torch.Tensor:
-        num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[3]
-        key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, prepared.slot_mapping, key.transpose(0, 1))
-        value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, prepared.slot_mapping, value.transpose(0, 1))
+        self._write(key, value, key_cache, value_cache, prepared.slot_mapping)
         output = torch.empty_like(query)
         if prepared.decode is not None:
             output.index_copy_(0, prepared.decode.rows,
@@ -258,11 +270,24 @@ class TorchPagedAttention:
             output.index_copy_(0, group.output_rows, self._prefill(query, key_cache, value_cache, group, scale))
         return output
 
+    def _write(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+        if self.quantized:
+            write_rows(key_cache, slot_mapping, key, self.kv_cache_dtype)
+            write_rows(value_cache, slot_mapping, value, self.kv_cache_dtype)
+            return
+        num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[3]
+        key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+        value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+
     def _gather(self, which: int, cache: torch.Tensor, rows: torch.Tensor, num_seqs: int,
-                context: int) -> torch.Tensor:
-        """[kvh, G, context, d] of a group's K (which=0) or V (which=1), in a reused buffer.
+                context: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[kvh, G, context, d] of a group's K (which=0) or V (which=1), in a reused buffer
+        (a quantized cache's rows dequantized, into `dtype`, float32 by default).
         One index_select over dim 0 of a 2-D view copies whole (head, block) rows, the
         fastest gather on the CPU (docs/performance.md, "The reference backend")."""
+        if self.quantized:
+            cache = cache.view(torch.uint8)
         num_kv_heads, _, block_size, head_dim = cache.shape
         source = cache.view(-1, block_size * head_dim)
         buffers = self._workspace
@@ -272,7 +297,10 @@ class TorchPagedAttention:
         if buffers[which].shape[0] < rows.shape[0]:
             buffers[which] = source.new_empty((rows.shape[0], source.shape[1]))
         gathered = torch.index_select(source, 0, rows, out=buffers[which][: rows.shape[0]])
-        return gathered.view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :context]
+        gathered = gathered.view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :context]
+        if self.quantized:
+            return dequantize_rows(gathered, self.context.head_dim, self.kv_cache_dtype, dtype or torch.float32)
+        return gathered
 
     def _attend_decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        decode: _Decode, scale: float) -> torch.Tensor:
@@ -281,6 +309,8 @@ class TorchPagedAttention:
         the cache, with no copy of V (cheaper than gathering V too; docs/performance.md)."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key_cache.shape[0]
+        if self.quantized:
+            return self._attend_decode_quantized(query, key_cache, value_cache, decode, scale)
         weights = torch.empty(decode.num_weights, dtype=query.dtype, device=query.device)
         for group in decode.groups:
             num_seqs = group.rows.shape[0]
@@ -299,13 +329,32 @@ class TorchPagedAttention:
                               per_sample_weights=weights)  # [bags, d]
         return out.index_select(0, decode.bag_order).view(-1, num_heads, head_dim)
 
+    def _attend_decode_quantized(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                 decode: _Decode, scale: float) -> torch.Tensor:
+        """Decode groups over a quantized cache: K and V gathered and dequantized to float32,
+        scores, softmax and the weighted sum of values as matmuls; rows in group order."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = key_cache.shape[0]
+        outputs = []
+        for group in decode.groups:
+            num_seqs = group.rows.shape[0]
+            keys = self._gather(0, key_cache, group.cache_rows, num_seqs, group.context)  # [kvh, G, C, d]
+            values = self._gather(1, value_cache, group.cache_rows, num_seqs, group.context)
+            q = query.index_select(0, group.rows).view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1).float()
+            scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [kvh, G, g, C]
+            if group.hidden is not None:
+                scores.masked_fill_(group.hidden, float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [kvh, G, g, d]
+            outputs.append(out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim))
+        return torch.cat(outputs).to(query.dtype)
+
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  group: _PrefillGroup, scale: float) -> torch.Tensor:
         num_seqs, max_query = group.query_index.shape
         num_heads, head_dim = query.shape[1], query.shape[2]
         # [kvh, G, C, d] -> [G, kvh, C, d]; the query heads of a KV head share it (enable_gqa).
-        keys = self._gather(0, key_cache, group.cache_rows, num_seqs, group.context).transpose(0, 1)
-        values = self._gather(1, value_cache, group.cache_rows, num_seqs, group.context).transpose(0, 1)
+        keys = self._gather(0, key_cache, group.cache_rows, num_seqs, group.context, query.dtype).transpose(0, 1)
+        values = self._gather(1, value_cache, group.cache_rows, num_seqs, group.context, query.dtype).transpose(0, 1)
         q = query[group.query_index].transpose(1, 2)  # [G, Q, h, d] -> [G, h, Q, d]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, is_causal=group.mask is None,
                                              scale=scale, enable_gqa=num_heads != keys.shape[1])

@@ -53,10 +53,13 @@ class CostModel:
 
     def __init__(self, shape: ModelConfig, hardware: Accelerator, dtype_bytes: int = DTYPE_BYTES["bfloat16"],
                  tensor_parallel: int = 1, link: Interconnect | None = None,
-                 memory_utilization: float = KV_MEMORY_FRACTION) -> None:
+                 memory_utilization: float = KV_MEMORY_FRACTION, kv_cache_dtype: str = "auto") -> None:
         """`memory_utilization` is the share of the memory weights and runtime leave that
         the KV pool takes; `link` joins the `tensor_parallel` devices (default: the
-        accelerator's interconnect)."""
+        accelerator's interconnect); `kv_cache_dtype` (`[engine] kv_cache_dtype`) sizes a KV
+        row: the model's dtype, or one byte an element and its scale, which the pool holds
+        more of and decode attention reads fewer bytes of (dequantization is taken to be
+        fused into the attention kernel, at no extra time)."""
         _check_tensor_parallel(shape, hardware, tensor_parallel)
         if not 0 < memory_utilization <= 1:
             raise ConfigError(f"memory utilisation must be in (0, 1], got {memory_utilization}")
@@ -74,7 +77,8 @@ class CostModel:
         self.weight_bytes = (self.layer_params + self.head_params) * dtype_bytes  # read every step
         embedding = 0 if shape.tie_word_embeddings else local.vocab_size * shape.hidden_size
         self.resident_weight_bytes = self.weight_bytes + embedding * dtype_bytes  # held in memory
-        self.kv_bytes_per_token = local.kv_bytes_per_token(dtype_bytes)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_bytes_per_token = local.kv_bytes_per_token(dtype_bytes, kv_cache_dtype)
         self.attention_width = shape.num_layers * local.num_heads * shape.head_dim  # q.k and p.v per layer
         self.elementwise_bytes_per_token = _elementwise_bytes_per_token(local, dtype_bytes)
         collectives = 2 * shape.num_layers + 2 if tensor_parallel > 1 else 0

@@ -33,15 +33,18 @@ def size(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {"engine.max_model_len": args.context_len}
     if args.tp is not None:  # --tp N is engine.tensor_parallel_size
         overrides["engine.tensor_parallel_size"] = args.tp
+    if args.kv_cache_dtype is not None:
+        overrides["engine.kv_cache_dtype"] = args.kv_cache_dtype
     config = base.with_set_options(args.assignments).with_overrides(overrides)
     tensor_parallel = config.engine.tensor_parallel_size
     link = interconnect(args.sim_interconnect) if args.sim_interconnect else None
     cost = CostModel(shape, hardware, tensor_parallel=tensor_parallel, link=link,
-                     memory_utilization=args.memory_utilization)
+                     memory_utilization=args.memory_utilization, kv_cache_dtype=config.engine.kv_cache_dtype)
     block_size = config.engine.block_size
     plan = memory_plan(cost, block_size, args.context_len)
     result: dict[str, Any] = {"model": args.sim_model, "accelerator": hardware.name,
                               "tensor_parallel": tensor_parallel, "interconnect": cost.link.name,
+                              "kv_cache_dtype": config.engine.kv_cache_dtype,
                               "block_size": block_size, "memory": attrs.asdict(plan),
                               "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
     if not args.no_sweep:

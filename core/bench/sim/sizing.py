@@ -198,7 +198,8 @@ def format_size(result: dict[str, Any]) -> str:
         f"+ runtime {m['reserved_bytes'] / GIB:.1f} GiB + free {m['free_bytes'] / GIB:.1f} GiB",
         f"  KV pool: {m['memory_utilization']:.2f} x {m['free_bytes'] / GIB:.1f} GiB = "
         f"{m['kv_pool_bytes'] / GIB:.1f} GiB / {m['block_bytes'] / 2**20:.2f} MiB a block "
-        f"({m['kv_bytes_per_token'] / 1024:.0f} KiB a token) = {m['num_blocks']:,} blocks = {m['kv_tokens']:,} tokens",
+        f"({m['kv_bytes_per_token'] / 1024:.0f} KiB a token, KV {result.get('kv_cache_dtype', 'auto')}) = "
+        f"{m['num_blocks']:,} blocks = {m['kv_tokens']:,} tokens",
         f"  concurrent sequences of {m['context_len']} tokens: {m['max_concurrent_seqs']:,} "
         f"({m['blocks_per_sequence']} blocks each)",
     ]

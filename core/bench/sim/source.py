@@ -29,7 +29,7 @@ class SimSource:
         self.dtype_bytes = dtype_bytes
         self.link = link
         self.memory_utilization = memory_utilization
-        self.cost_model = self._cost_model(1)
+        self.cost_model = self._cost_model(1, "auto")
         self.clock = clock
 
     @classmethod
@@ -40,22 +40,24 @@ class SimSource:
         return cls(model_shape(sim_model), accelerator(accelerator_name), clock, link=link,
                    memory_utilization=memory_utilization)
 
-    def _cost_model(self, tensor_parallel: int) -> CostModel:
+    def _cost_model(self, tensor_parallel: int, kv_cache_dtype: str) -> CostModel:
         return CostModel(self.model_config, self.hardware, self.dtype_bytes, tensor_parallel=tensor_parallel,
-                         link=self.link, memory_utilization=self.memory_utilization)
+                         link=self.link, memory_utilization=self.memory_utilization, kv_cache_dtype=kv_cache_dtype)
 
-    def _for_tensor_parallel(self, size: int) -> CostModel:
-        """The cost model of one of `size` devices (`[engine] tensor_parallel_size`)."""
-        if self.cost_model.tensor_parallel != size:
-            self.cost_model = self._cost_model(size)
+    def _for_engine(self, engine: EngineSection) -> CostModel:
+        """The cost model of one of `[engine] tensor_parallel_size` devices, its KV rows in
+        `[engine] kv_cache_dtype`."""
+        if (self.cost_model.tensor_parallel, self.cost_model.kv_cache_dtype) != (engine.tensor_parallel_size,
+                                                                                  engine.kv_cache_dtype):
+            self.cost_model = self._cost_model(engine.tensor_parallel_size, engine.kv_cache_dtype)
         return self.cost_model
 
     def build_runner(self, attention: Any, engine: EngineSection, num_blocks: int, max_positions: int) -> SimRunner:
-        return SimRunner(self._for_tensor_parallel(engine.tensor_parallel_size), self.clock)
+        return SimRunner(self._for_engine(engine), self.clock)
 
     def fit_config(self, config: EngineConfig) -> EngineConfig:
         """The config with KV blocks sized to the accelerator's memory (unless set)."""
-        self._for_tensor_parallel(config.engine.tensor_parallel_size)
+        self._for_engine(config.engine)
         overrides: dict[str, Any] = {}
         if config.engine.num_kv_blocks is None:
             overrides["engine.num_kv_blocks"] = self.cost_model.kv_blocks(config.engine.block_size)

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from servelab.errors import CheckpointError
+from servelab.model.kv_sizing import kv_row_bytes
 
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -92,8 +93,10 @@ class ModelConfig:
         generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
         return cls.from_dict(raw, generation)
 
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+    def kv_bytes_per_token(self, dtype_size: int, kv_cache_dtype: str = "auto") -> int:
+        """K and V of every layer for one token, at `dtype_size` bytes an element, or in a
+        quantized cache (`kv_cache_dtype`: one byte an element and a scale per row)."""
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.head_dim, dtype_size, kv_cache_dtype)
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:
