@@ -28,10 +28,15 @@ BOUNDS = PromptBounds(max_model_len=64, max_prompt_chars=1000, vocab_size=100)
 # ---------------------------------------------------------------- chat templates
 
 
-def test_default_chat_template_is_role_colon_content():
-    rendered = ChatTemplate(None).render(MESSAGES)
+def test_plain_chat_format_is_role_colon_content():
+    rendered = ChatTemplate.plain_format().render(MESSAGES)
     assert rendered.text == "system: be brief\nuser: hi\nassistant:"
     assert rendered.add_special_tokens  # no template wrote the BOS
+
+
+def test_no_chat_template_is_refused_not_invented():
+    with pytest.raises(RequestError, match="no chat template"):
+        ChatTemplate(None).render(MESSAGES)
 
 
 def test_template_from_tokenizer_config_renders_like_transformers(tmp_path):
@@ -50,7 +55,7 @@ def test_chat_template_file_and_named_templates(tmp_path):
     assert ChatTemplate.from_directory(tmp_path).render(MESSAGES).text == "D"
     (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}")
     assert ChatTemplate.from_directory(tmp_path).render(MESSAGES).text == "J2"
-    assert ChatTemplate.from_directory(tmp_path / "missing").is_default
+    assert ChatTemplate.from_directory(tmp_path / "missing").is_missing
 
 
 def test_template_raise_exception_is_a_request_error():
