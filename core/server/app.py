@@ -214,8 +214,8 @@ async def _tokenize(request: Request, state: ServerState) -> Response:
                             "prompt")
     answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None}
     if asked.return_token_strs:
-        answer["token_strs"] = await state.codec.run(lambda: [tokenizer.decode([t], skip_special_tokens=False)
-                                                              for t in tokens])
+        backend = tokenizer.backend  # the vocabulary's own token strings, as transformers' convert_ids_to_tokens
+        answer["token_strs"] = await state.codec.run(lambda: [backend.id_to_token(t) for t in tokens])
     return JSONResponse(answer)
 
 

@@ -4,8 +4,9 @@ uses seed + i), and each choice's tokens turned into text deltas.
 
 Choice `prompt_index * n + i` is completion i of prompt `prompt_index`, OpenAI's order.
 Deltas carry `stream_interval` tokens each (1 by default: one token per stream chunk, as
-vLLM), except where a token's text is held back (an incomplete UTF-8 character, the
-start of a possible stop string): its text comes with the next token's.
+vLLM); a token whose text is held back (an incomplete UTF-8 character, the start of a
+possible stop string, a special token) has a delta with empty text, and its text comes
+with a later one's.
 A client that goes away aborts every unfinished engine request at once (the deltas
 generator's `finally`), which frees their KV blocks before the engine's next step.
 """
@@ -218,9 +219,8 @@ class Generation:
             for token_id in token_ids[:-1] if finishing_now else token_ids:
                 choice.unsent_tokens += 1
                 text = choice.streamer.feed((token_id,), None)
-                if text:
-                    deltas.append(ChoiceDelta(choice.index, text, None, self._take_logprobs(choice, choice.unsent_tokens),
-                                              num_tokens=choice.take_tokens()))
+                deltas.append(ChoiceDelta(choice.index, text, None, self._take_logprobs(choice, choice.unsent_tokens),
+                                          num_tokens=choice.take_tokens()))
         for output in outputs:
             for completion in output.outputs:
                 choice = by_sequence[_sequence_id(output.request_id, completion.index)]

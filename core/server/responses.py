@@ -97,7 +97,7 @@ async def completion_chunks(generation: Generation, model: str,
             yield usage.chunk({**header, "choices": [{"index": delta.index,
                                                       "text": generation.echo_texts[choice.prompt_index],
                                                       "logprobs": logprobs, "finish_reason": None}]})
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        if not delta.num_tokens and delta.finish_reason is None:
             continue  # a delta that only carried the prompt's logprobs
         logprobs = None
         if num_top is not None:
@@ -129,7 +129,7 @@ async def chat_chunks(generation: Generation, model: str, request: GenerationReq
         yield usage.chunk({**header, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}]})
     async for delta in generation.deltas():
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        if not delta.num_tokens and delta.finish_reason is None:
             continue
         content = {"content": delta.text} if delta.text else {}
         logprobs = chat_logprobs(list(delta.logprobs), num_top) if num_top is not None else None
