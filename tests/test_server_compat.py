@@ -430,13 +430,47 @@ def test_unknown_fields_are_refused_by_name(http):
              "unknown_field")
 
 
-@pytest.mark.parametrize("field,neutral,other", [
-    ("use_beam_search", False, True), ("skip_special_tokens", True, False), ("suffix", "", "w9"),
-    ("add_special_tokens", True, False), ("length_penalty", 1.0, 2.0), ("truncate_prompt_tokens", None, 3),
-])
-def test_neutral_only_fields(http, field, neutral, other):
-    assert http.post("/v1/completions", json={"prompt": "w5", "max_tokens": 1, field: neutral}).status_code == 200
-    error_of(http.post("/v1/completions", json={"prompt": "w5", field: other}), field, "unsupported")
+NEUTRAL_FIELDS = [  # (endpoint, field, its neutral value, a value servelab cannot honour)
+    ("completions", "use_beam_search", False, True), ("completions", "skip_special_tokens", True, False),
+    ("completions", "spaces_between_special_tokens", True, False), ("completions", "suffix", "", "w9"),
+    ("completions", "add_special_tokens", True, False), ("completions", "length_penalty", 1.0, 2.0),
+    ("completions", "early_stopping", False, True), ("completions", "truncate_prompt_tokens", None, 3),
+    ("completions", "allowed_token_ids", None, [5]), ("completions", "guided_whitespace_pattern", None, " "),
+    ("completions", "priority", 0, 1), ("completions", "return_tokens_as_token_ids", False, True),
+    ("completions", "store", False, True), ("completions", "service_tier", "auto", "flex"),
+    ("chat/completions", "modalities", ["text"], ["audio"]), ("chat/completions", "tools", [], [{"type": "x"}]),
+    ("chat/completions", "functions", [], [{"name": "f"}]), ("chat/completions", "tool_choice", "none", "required"),
+    ("chat/completions", "function_call", "auto", {"name": "f"}), ("chat/completions", "parallel_tool_calls", None, True),
+    ("chat/completions", "add_generation_prompt", True, False),
+    ("chat/completions", "continue_final_message", False, True), ("chat/completions", "echo", False, True),
+    ("chat/completions", "add_special_tokens", False, True), ("chat/completions", "prompt_logprobs", None, 1),
+]
+
+
+@pytest.mark.parametrize("path,field,neutral,other", NEUTRAL_FIELDS, ids=[f"{p}:{f}" for p, f, _, _ in NEUTRAL_FIELDS])
+def test_neutral_only_fields(http, path, field, neutral, other):
+    body = {"prompt": "w5"} if path == "completions" else {"messages": MESSAGES}
+    assert http.post(f"/v1/{path}", json={**body, "max_tokens": 1, field: neutral}).status_code == 200
+    error_of(http.post(f"/v1/{path}", json={**body, field: other}), field, "unsupported")
+
+
+def test_min_tokens_and_bad_words(http):
+    free = greedy(http, "w5 w6", ignore_eos=True)
+    first = free["token_ids"][0]
+    held = greedy(http, "w5 w6", stop_token_ids=[first], min_tokens=3, ignore_eos=True)
+    assert len(held["token_ids"]) >= 3 and first not in held["token_ids"][:3]
+    banned = greedy(http, "w5 w6", bad_words=[f"w{first}"], ignore_eos=True)
+    assert first not in banned["token_ids"]
+
+
+def test_logits_processors_and_extra_args(http):
+    pytest.importorskip("servelab_sjf", reason="the example plugin package (examples/servelab-sjf)")
+    choice = greedy(http, "w5 w6", max_tokens=24, logits_processors=["no-repeat-ngram"],
+                    extra_args={"no_repeat_ngram_size": 1}, ignore_eos=True)
+    assert len(set(choice["token_ids"])) == len(choice["token_ids"])  # no token twice
+    error_of(http.post("/v1/completions", json={"prompt": "w5", "logits_processors": ["no-such"]}),
+             "logits_processors")
+    error_of(http.post("/v1/completions", json={"prompt": "w5", "extra_args": [1]}), "extra_args")
 
 
 def test_user_is_a_no_op(http):
@@ -593,8 +627,8 @@ def test_every_compatibility_row_is_a_test():
 
 
 def _elsewhere(test: str) -> bool:
-    """Rows may name a test of another server module (tests/test_server*.py)."""
-    return any(re.search(rf"def {test}\(", path.read_text()) for path in Path(__file__).parent.glob("test_server*.py"))
+    """Rows may name a test of another module of tests/."""
+    return any(re.search(rf"def {test}\(", path.read_text()) for path in Path(__file__).parent.glob("test_*.py"))
 
 
 def test_every_known_field_is_in_the_table():
