@@ -117,6 +117,35 @@ def test_bad_chat_fields_are_named(body, param):
     assert info.value.param == param
 
 
+@pytest.mark.parametrize("constraint,kind", [
+    ({"json": {"type": "object"}}, "json"), ({"regex": "a+"}, "regex"), ({"choice": ["a", "b"]}, "regex"),
+    ({"grammar": 'root ::= "a"'}, "grammar"), ({"json_object": True}, "json_object")])
+def test_structured_outputs_become_the_same_constraints_as_guided_fields(constraint, kind):
+    parsed = parse_completion({"prompt": "a", "structured_outputs": constraint}, BOUNDS)
+    assert parsed.params.structured.kind == kind
+    assert parsed.structured_field == f"structured_outputs.{next(iter(constraint))}"
+
+
+def test_stream_options_and_compatibility_coercions():
+    parsed = parse_completion({"prompt": "a", "stream": True, "max_tokens": 4.0, "logprobs": True,
+                               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, BOUNDS)
+    assert parsed.include_usage and parsed.continuous_usage and parsed.params.max_tokens == 4
+    assert parsed.params.logprobs == 1
+    plain = parse_completion({"prompt": "a", "stream": True, "logprobs": False}, BOUNDS)
+    assert not plain.include_usage and plain.params.logprobs is None
+    assert parse_completion({"prompt": "a", "max_tokens": 10**22}, BOUNDS).params.max_tokens == 64  # clipped
+
+
+def test_prompt_scoring_asks_the_engine_for_one_token_and_the_prompt_logprobs():
+    parsed = parse_completion({"prompt": "a", "max_tokens": 0, "echo": True, "logprobs": 2}, BOUNDS)
+    assert parsed.scoring_only and parsed.params.max_tokens == 1 and parsed.params.prompt_logprobs == 2
+
+
+def test_a_request_template_renders_with_its_variables():
+    rendered = ChatTemplate.plain_format().render(MESSAGES, "{{ messages | length }} {{ x }}", {"x": "y"})
+    assert rendered.text == "2 y" and not rendered.add_special_tokens
+
+
 def test_malformed_json():
     with pytest.raises(ApiError) as info:
         parse_body(b"{nope", RequestLimits())

@@ -2,10 +2,12 @@
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models
     POST /tokenize              POST /detokenize               GET /version
-    GET  /health                GET  /ready                    GET  /metrics     GET|POST /ping
+    GET  /tokenizer_info        GET  /health                   GET /ready
+    GET  /metrics               GET|POST /ping
 
-`/v1/*`, `/tokenize` and `/detokenize` require `Authorization: Bearer <key>` when the
-server has an API key; `/health`, `/ready`, `/ping`, `/version` and `/metrics` never do. Errors are OpenAI-shaped JSON bodies (see protocol.py), unknown
+`/v1/*`, `/tokenize`, `/detokenize` and `/tokenizer_info` require `Authorization: Bearer
+<key>` when the server has an API key; `/health`, `/ready`, `/ping`, `/version` and
+`/metrics` never do. Errors are OpenAI-shaped JSON bodies (see protocol.py), unknown
 paths and methods included. A request's body is read within the limits of limits.py, its
 prompts are encoded on the codec's pool, and whatever fails on its way fails it alone:
 4xx for what the client sent, 5xx naming the cause for the server's own faults.

@@ -32,7 +32,8 @@ def completion_body(generation: Generation, model: str, request: GenerationReque
         if generation.echo_texts is not None:
             text = generation.echo_texts[c.prompt_index] + text
         choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                  "stop_reason": c.output.stop_reason, **(_token_ids(generation, c) if request.return_token_ids else {})}
+                  "stop_reason": c.output.stop_reason,
+                  **(_token_ids(generation, c) if request.return_token_ids else {})}
         if request.prompt_logprobs is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(generation, c, request.prompt_logprobs)
         choices.append(choice)
