@@ -341,6 +341,24 @@ def test_stop_reason(http, client):
     assert "stop_reason" in chat.choices[0].model_extra
 
 
+def test_stop_reason_and_stop_text_in_the_engine(served_checkpoint):
+    """The engine side of the stop fields, through the Python API (LLM.generate)."""
+    from servelab import LLM, SamplingParams
+
+    llm = LLM(served_checkpoint, max_model_len=64)
+    free = llm.generate("w5 w6", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    at = _fresh_position(free.token_ids)
+    stop_id, words = free.token_ids[at], free.text.split()
+    by_token = llm.generate("w5 w6", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                    stop_token_ids=[stop_id]))[0].outputs[0]
+    assert (by_token.token_ids, by_token.text, by_token.stop_reason) == (free.token_ids[: at + 1],
+                                                                         " ".join(words[:at]), stop_id)
+    by_string = llm.generate("w5 w6", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[words[at]],
+                                                     include_stop_str_in_output=True))[0].outputs[0]
+    assert (by_string.text, by_string.stop_reason) == (" ".join(words[: at + 1]), words[at])
+    assert free.outputs[0].stop_reason is None
+
+
 # ---------------------------------------------------------------- chat templates
 
 
