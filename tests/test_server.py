@@ -113,14 +113,14 @@ def test_token_ids_equal_offline(http, offline):
 
 def test_streaming_completion_equals_offline(client, offline):
     stream = client.completions.create(model=MODEL, prompt="w9 w8 w7", stream=True,
-                                       extra_body={"top_k": 40, "min_p": 0.02},
+                                       stream_options={"include_usage": True}, extra_body={"top_k": 40, "min_p": 0.02},
                                        **{k: v for k, v in SEEDED.items() if k not in ("top_k", "min_p")})
     chunks = list(stream)
     expected = reference(offline, "w9 w8 w7", **SEEDED)
     texts = [c.choices[0].text for c in chunks if c.choices]
-    # One chunk per new text (steps that queued up while the loop was busy share one), then
-    # the finish chunk; the disconnect test below reads chunks mid-stream.
-    assert all(texts[:-1]), texts
+    # One chunk per token (the last one's with the finish reason), however busy the loop
+    # was; the disconnect test below reads chunks mid-stream.
+    assert all(texts[:-1]) and len(texts) == len(expected.token_ids), texts
     assert "".join(texts) == expected.text, (texts, expected.token_ids)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
@@ -186,7 +186,7 @@ def test_chat_uses_the_checkpoint_template_and_equals_offline(client, offline, s
     assert result.usage.prompt_tokens == len(prompt_ids)
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
-                                                 extra_body=extra, **plain))
+                                                 stream_options={"include_usage": True}, extra_body=extra, **plain))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
@@ -220,7 +220,8 @@ BAD_INPUTS = [
     ("completions", {"prompt": "w5", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "w5", "top_k": -3}, "top_k"),
     ("completions", {"prompt": "w5", "min_p": 1.5}, "min_p"),
-    ("completions", {"prompt": "w5", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "w5", "max_tokens": -1}, "max_tokens"),
+    ("chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "w5", "max_tokens": "ten"}, "max_tokens"),
     ("completions", {"prompt": "w5", "n": 0}, "n"),
     ("completions", {"prompt": "w5", "n": 65}, "n"),

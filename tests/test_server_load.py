@@ -44,7 +44,7 @@ def test_concurrent_streams_are_answered_or_refused_and_leak_nothing(server):
 def test_graceful_shutdown_drains_then_aborts_open_streams_and_exits_0(served_checkpoint, tmp_path):
     server = ServerProcess(served_checkpoint, "--set", "engine.max_model_len=256", "--set", "engine.max_num_seqs=2",
                            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), log_path=tmp_path / "server.log")
-    body = {"prompt": "w5 w6", "ignore_eos": True, "stream": True}
+    body = {"prompt": "w5 w6", "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.Client(base_url=server.url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 4}) as short, \
                 client.stream("POST", "/v1/completions", json={**body, "prompt": LONG_PROMPTS,

@@ -1,6 +1,7 @@
 """`servelab serve` on builtin:tiny through the official `openai` client: logprobs
 (completions with echo, chat with top_logprobs, streamed and not) equal to the Python
-API's, schema-valid JSON from response_format and vLLM's guided fields, the penalties
+API's, schema-valid JSON from response_format, vLLM's structured_outputs and its older
+guided fields, the penalties
 and logit_bias, and a 400 naming an invalid schema."""
 
 from __future__ import annotations
@@ -113,6 +114,23 @@ def test_guided_regex_choice_and_grammar(client):
         model=MODEL, messages=[{"role": "user", "content": "a list"}], max_tokens=30, temperature=0,
         extra_body={"guided_grammar": 'root ::= "(" ("a" | "b")+ ")"'}).choices[0]
     assert re.fullmatch(r"\([ab]+\)", grammar.message.content)
+
+
+def test_structured_outputs_json_grammar_and_json_object(client):
+    """vLLM's current field, `structured_outputs`, beside the guided_* ones it replaced."""
+    schema = client.completions.create(model=MODEL, prompt="City:", max_tokens=80, temperature=1.0, seed=5,
+                                       extra_body={"structured_outputs": {"json": SCHEMA}}).choices[0]
+    jsonschema.validate(json.loads(schema.text), SCHEMA)
+    grammar = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a list"}], max_tokens=30, temperature=0,
+        extra_body={"structured_outputs": {"grammar": 'root ::= "[" ("x" | "y")+ "]"'}}).choices[0]
+    assert re.fullmatch(r"\[[xy]+\]", grammar.message.content)
+    anything = client.completions.create(model=MODEL, prompt="Data:", max_tokens=40, temperature=0,
+                                         extra_body={"structured_outputs": {"json_object": True}}).choices[0]
+    if anything.finish_reason == "stop":
+        assert isinstance(json.loads(anything.text), dict)
+    else:  # cut by max_tokens: still the start of one JSON object
+        assert anything.text.lstrip().startswith("{")
 
 
 def test_penalties_and_logit_bias_equal_the_python_api(client, offline):

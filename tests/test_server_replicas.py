@@ -76,7 +76,8 @@ def test_a_killed_replica_fails_only_its_requests_and_the_others_keep_serving(tm
     try:
         pids = _replica_pids(server)
         assert sorted(pids) == [0, 1], server.log()
-        body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
         with httpx.Client(base_url=server.url, timeout=60) as client:
             with client.stream("POST", "/v1/completions", json=body) as first, \
                     client.stream("POST", "/v1/completions", json=body) as second:
@@ -91,7 +92,8 @@ def test_a_killed_replica_fails_only_its_requests_and_the_others_keep_serving(tm
             assert len(errors) == 1 and "engine replica 0 failed" in errors[0] and "Ray actor died" in errors[0]
             assert len(finished) == 1 and finished[0][-2]["usage"]["completion_tokens"] == 200
             for _ in range(3):  # every new request goes to the live replica
-                reply = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False})
+                reply = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False,
+                                                              "stream_options": None})
                 assert reply.status_code == 200, reply.text
             assert client.get("/health").status_code == 200
         metrics = server.metrics()

@@ -28,10 +28,15 @@ BOUNDS = PromptBounds(max_model_len=64, max_prompt_chars=1000, vocab_size=100)
 # ---------------------------------------------------------------- chat templates
 
 
-def test_default_chat_template_is_role_colon_content():
-    rendered = ChatTemplate(None).render(MESSAGES)
+def test_plain_chat_format_is_role_colon_content():
+    rendered = ChatTemplate.plain_format().render(MESSAGES)
     assert rendered.text == "system: be brief\nuser: hi\nassistant:"
     assert rendered.add_special_tokens  # no template wrote the BOS
+
+
+def test_no_chat_template_is_refused_not_invented():
+    with pytest.raises(RequestError, match="no chat template"):
+        ChatTemplate(None).render(MESSAGES)
 
 
 def test_template_from_tokenizer_config_renders_like_transformers(tmp_path):
@@ -50,7 +55,7 @@ def test_chat_template_file_and_named_templates(tmp_path):
     assert ChatTemplate.from_directory(tmp_path).render(MESSAGES).text == "D"
     (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}")
     assert ChatTemplate.from_directory(tmp_path).render(MESSAGES).text == "J2"
-    assert ChatTemplate.from_directory(tmp_path / "missing").is_default
+    assert ChatTemplate.from_directory(tmp_path / "missing").is_missing
 
 
 def test_template_raise_exception_is_a_request_error():
@@ -110,6 +115,35 @@ def test_bad_chat_fields_are_named(body, param):
     with pytest.raises(ApiError) as info:
         parse_chat(body, BOUNDS)
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("constraint,kind", [
+    ({"json": {"type": "object"}}, "json"), ({"regex": "a+"}, "regex"), ({"choice": ["a", "b"]}, "regex"),
+    ({"grammar": 'root ::= "a"'}, "grammar"), ({"json_object": True}, "json_object")])
+def test_structured_outputs_become_the_same_constraints_as_guided_fields(constraint, kind):
+    parsed = parse_completion({"prompt": "a", "structured_outputs": constraint}, BOUNDS)
+    assert parsed.params.structured.kind == kind
+    assert parsed.structured_field == f"structured_outputs.{next(iter(constraint))}"
+
+
+def test_stream_options_and_compatibility_coercions():
+    parsed = parse_completion({"prompt": "a", "stream": True, "max_tokens": 4.0, "logprobs": True,
+                               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, BOUNDS)
+    assert parsed.include_usage and parsed.continuous_usage and parsed.params.max_tokens == 4
+    assert parsed.params.logprobs == 1
+    plain = parse_completion({"prompt": "a", "stream": True, "logprobs": False}, BOUNDS)
+    assert not plain.include_usage and plain.params.logprobs is None
+    assert parse_completion({"prompt": "a", "max_tokens": 10**22}, BOUNDS).params.max_tokens == 64  # clipped
+
+
+def test_prompt_scoring_asks_the_engine_for_one_token_and_the_prompt_logprobs():
+    parsed = parse_completion({"prompt": "a", "max_tokens": 0, "echo": True, "logprobs": 2}, BOUNDS)
+    assert parsed.scoring_only and parsed.params.max_tokens == 1 and parsed.params.prompt_logprobs == 2
+
+
+def test_a_request_template_renders_with_its_variables():
+    rendered = ChatTemplate.plain_format().render(MESSAGES, "{{ messages | length }} {{ x }}", {"x": "y"})
+    assert rendered.text == "2 y" and not rendered.add_special_tokens
 
 
 def test_malformed_json():

@@ -28,6 +28,7 @@ class IncrementalText:
         self._stop_lengths = sorted({len(s) for s in self._stops}, reverse=True)
         self.longest_stop = self._stop_lengths[0] if self._stop_lengths else 0
         self.stop_at: int | None = None  # where the stop string that ended the text begins
+        self.stop_string: str | None = None  # which one it was
 
     def append(self, token_ids: Seq[int]) -> str:
         """Add tokens; return the text they completed (empty while a character is incomplete)."""
@@ -53,6 +54,7 @@ class IncrementalText:
             for length in self._stop_lengths:
                 if length <= end and text[end - length: end] in stops:
                     self.stop_at = end - length
+                    self.stop_string = text[self.stop_at: end]
                     return self.stop_at
         return None
 
@@ -60,3 +62,8 @@ class IncrementalText:
     def stop_text(self) -> str | None:
         """The text before the stop string that ended it; None when none did."""
         return self.text[: self.stop_at] if self.stop_at is not None else None
+
+    @property
+    def text_through_stop(self) -> str | None:
+        """The text up to the end of the stop string that ended it; None when none did."""
+        return self.text[: self.stop_at + len(self.stop_string)] if self.stop_at is not None else None

@@ -75,6 +75,8 @@ class CompletionOutput:
     text: str
     finish_reason: str | None  # "stop", "length", "abort" or "error"
     logprobs: list[PositionLogprobs] | None = None
+    # finish_reason "stop": the stop string or stop token id that ended it (None: EOS)
+    stop_reason: int | str | None = None
 
 
 @attrs.frozen
@@ -148,10 +150,21 @@ def request_output(request_id: str, prompt: str | None, seqs: Seq[Sequence],
 
 
 def _completion(seq: Sequence, decode: Callable[[list[int]], str], texts: dict[int, str]) -> CompletionOutput:
-    text = seq.stop_text if seq.stop_text is not None else decode(seq.output_token_ids)
     logprobs = seq.logprobs[: len(seq.output_token_ids)] if seq.logprobs is not None else None
-    return CompletionOutput(seq.completion_index, list(seq.output_token_ids), text, seq.finish_reason,
-                            with_token_text(logprobs, decode, texts))
+    return CompletionOutput(seq.completion_index, list(seq.output_token_ids), completion_text(seq, decode),
+                            seq.finish_reason, with_token_text(logprobs, decode, texts), seq.stop_reason)
+
+
+def completion_text(seq: Sequence, decode: Callable[[list[int]], str]) -> str:
+    """The output's text: cut at the stop string that ended it, and without the text of
+    the token that ended it (EOS or a stop token) unless include_stop_str_in_output."""
+    if seq.stop_text is not None:
+        return seq.stop_text
+    tokens = seq.output_token_ids
+    if (seq.finish_reason == "stop" and tokens and not seq.params.include_stop_str_in_output
+            and seq.stop_reason is not None):
+        return decode(tokens[:-1])
+    return decode(tokens)
 
 
 def with_token_text(positions: Seq[PositionLogprobs | None] | None, decode: Callable[[list[int]], str],

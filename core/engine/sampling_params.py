@@ -72,7 +72,9 @@ class SamplingParams:
     top-p, min_p 0 disables min-p. `seed` makes the request reproducible
     regardless of what else shares its batch. `stop` strings and `stop_token_ids`
     end the output with finish_reason "stop"; so does the tokenizer's EOS unless
-    `ignore_eos`. `n` > 1 samples n completions of the one prompt (its KV is computed
+    `ignore_eos`; the stop string or stop token is left out of the text unless
+    `include_stop_str_in_output` (the token ids keep a stop token), and the output's
+    `stop_reason` says which one ended it (as vLLM). `n` > 1 samples n completions of the one prompt (its KV is computed
     once and forked); completion i of a seeded request uses seed + i.
     """
 
@@ -86,6 +88,7 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0

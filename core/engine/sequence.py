@@ -44,6 +44,9 @@ class Sequence:
     completion_index: int = 0
     # The output text cut just before the stop string that ended it; None otherwise.
     stop_text: str | None = None
+    # What ended it with finish_reason "stop": the stop string, or the stop token id
+    # (SamplingParams.stop_token_ids); None for EOS or any other reason (vLLM's stop_reason).
+    stop_reason: int | str | None = None
     # Speculative decoding: tokens proposed after the last one, to be verified in the next
     # step. They are not tokens of the sequence, but they count as uncomputed tokens, so
     # every scheduler charges them to the token budget and allocates KV slots for them.

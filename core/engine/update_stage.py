@@ -102,8 +102,10 @@ class UpdateStage:
         if seq.first_token_time is None:
             seq.first_token_time = now
         params = seq.params
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if token_id in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
+        elif token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
         elif params.stop and self._hit_stop_string(seq, token_id):
             seq.finish_reason = "stop"
         elif (len(output) >= params.max_tokens
@@ -119,7 +121,8 @@ class UpdateStage:
         added = len(text.append([token_id]))
         if len(seq.output_token_ids) < seq.params.min_tokens or text.find_stop(added) is None:
             return False
-        seq.stop_text = text.stop_text
+        seq.stop_text = text.text_through_stop if seq.params.include_stop_str_in_output else text.stop_text
+        seq.stop_reason = text.stop_string
         return True
 
     @staticmethod

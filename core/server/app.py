@@ -1,10 +1,13 @@
 """The ASGI application (Starlette): OpenAI-compatible routes over the engine loop.
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models
-    GET  /health                GET  /ready                    GET  /metrics
+    POST /tokenize              POST /detokenize               GET /version
+    GET  /tokenizer_info        GET  /health                   GET /ready
+    GET  /metrics               GET|POST /ping
 
-`/v1/*` requires `Authorization: Bearer <key>` when the server has an API key; `/health`
-and `/metrics` never do. Errors are OpenAI-shaped JSON bodies (see protocol.py), unknown
+`/v1/*`, `/tokenize`, `/detokenize` and `/tokenizer_info` require `Authorization: Bearer
+<key>` when the server has an API key; `/health`, `/ready`, `/ping`, `/version` and
+`/metrics` never do. Errors are OpenAI-shaped JSON bodies (see protocol.py), unknown
 paths and methods included. A request's body is read within the limits of limits.py, its
 prompts are encoded on the codec's pool, and whatever fails on its way fails it alone:
 4xx for what the client sent, 5xx naming the cause for the server's own faults.
@@ -59,6 +62,8 @@ class ServerState:
     draining: bool = False  # set on SIGTERM: admission stops, in-flight requests finish
     liveness_timeout: float = 30.0  # /health is 503 once the engine's loop is not heard from this long with work queued
     stop_ray: bool = False  # the replicas run on a local Ray started by this server
+    trust_request_chat_template: bool = False  # render a request's own chat_template (else 400)
+    stream_interval: int = 1  # tokens per stream chunk
 
     @property
     def bounds(self) -> PromptBounds:
@@ -81,6 +86,11 @@ def build_app(state: ServerState) -> Starlette:
         Route("/health", _health, methods=["GET"]),
         Route("/ready", _ready, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
+        Route("/ping", _ping, methods=["GET", "POST"]),
+        Route("/version", _version, methods=["GET"]),
+        Route("/tokenize", _guarded(_tokenize), methods=["POST"]),
+        Route("/tokenizer_info", _guarded(_tokenizer_info), methods=["GET"]),
+        Route("/detokenize", _guarded(_detokenize), methods=["POST"]),
         Route("/v1/models", _guarded(_models), methods=["GET"]),
         Route("/v1/completions", _guarded(_completions), methods=["POST"]),
         Route("/v1/chat/completions", _guarded(_chat_completions), methods=["POST"]),
@@ -172,6 +182,65 @@ async def _ready(request: Request) -> Response:
     return JSONResponse({"status": "ready"})
 
 
+async def _ping(request: Request) -> Response:
+    """vLLM's (and SageMaker's) liveness probe: 200 while live, 503 otherwise."""
+    problem = _liveness(_state(request))
+    return Response(status_code=200 if problem is None else 503)
+
+
+async def _version(request: Request) -> Response:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return JSONResponse({"version": version("servelab")})
+    except PackageNotFoundError:
+        return JSONResponse({"version": "unknown"})
+
+
+async def _tokenize(request: Request, state: ServerState) -> Response:
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+    from servelab.server.tokenize import parse_tokenize
+
+    body = await _body(request, state)
+    asked = parse_tokenize(body, state.bounds)
+    if state.codec.tokenizer is None:
+        raise bad_request("this checkpoint has no tokenizer.json", "prompt" if asked.messages is None else "messages")
+    if asked.messages is not None:
+        _check_chat_template(state, asked.chat_template)
+        rendered = await _encoded(state.codec.render_chat(asked.messages, asked.chat_template), "messages")
+        text, special = rendered.text, rendered.add_special_tokens and asked.add_special_tokens
+    else:
+        text, special = asked.prompt, asked.add_special_tokens
+    tokenizer = state.codec.tokenizer
+    tokens = await _encoded(state.codec.run(lambda: tokenizer.encode_batch([text], add_special_tokens=special)[0]),
+                            "prompt")
+    answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None}
+    if asked.return_token_strs:
+        backend = tokenizer.backend  # the vocabulary's own token strings, as transformers' convert_ids_to_tokens
+        answer["token_strs"] = await state.codec.run(lambda: [backend.id_to_token(t) for t in tokens])
+    return JSONResponse(answer)
+
+
+async def _tokenizer_info(request: Request, state: ServerState) -> Response:
+    """vLLM's /tokenizer_info: the special tokens, the chat template, the context length
+    (what a client needs to tokenize for itself through /tokenize)."""
+    template = state.codec.chat_template
+    return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", **template.special_tokens,
+                         "chat_template": template.source, "model_max_length": state.max_model_len})
+
+
+async def _detokenize(request: Request, state: ServerState) -> Response:
+    """vLLM's /detokenize: token ids -> text."""
+    from servelab.server.tokenize import parse_detokenize
+
+    body = await _body(request, state)
+    tokens = parse_detokenize(body, state.bounds)
+    if state.codec.tokenizer is None:
+        raise bad_request("this checkpoint has no tokenizer.json", "tokens")
+    [text] = await state.codec.decode_prompts([tokens])
+    return JSONResponse({"prompt": text})
+
+
 async def _metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -201,48 +270,74 @@ async def _encoded(encode: Awaitable[Any], field: str) -> Any:
         raise ApiError(500, f"tokenizing the {field} failed: {exc}", field, type="server_error") from None
 
 
-def _check_context(prompts: list[list[int]], parsed: GenerationRequest, state: ServerState, field: str) -> None:
-    """400 when a prompt and max_tokens together do not fit the context (vLLM's rule)."""
-    max_tokens = parsed.max_tokens
+def _check_context(prompts: list[list[int]], parsed: GenerationRequest, state: ServerState,
+                   field: str) -> list[int]:
+    """Each prompt's max_tokens, clipped to the room its context leaves (as vLLM 0.3x
+    does: the output then ends with finish_reason "length"); 400 for an empty prompt or one
+    that leaves no room at all."""
+    limits = []
     for prompt in prompts:
-        if len(prompt) > state.max_model_len:
-            raise bad_request(f"{field} has {len(prompt)} tokens, more than max_model_len={state.max_model_len}",
+        if not prompt:
+            raise bad_request(f"{field} is empty: it has no tokens, and a model needs at least one to continue",
                               field)
-        if max_tokens is not None and len(prompt) + max_tokens > state.max_model_len:
-            raise bad_request(f"{field} has {len(prompt)} tokens and max_tokens is {max_tokens}: "
-                              f"{len(prompt) + max_tokens} tokens do not fit max_model_len={state.max_model_len}",
-                              "max_tokens")
+        if len(prompt) >= state.max_model_len:
+            raise bad_request(f"{field} has {len(prompt)} tokens; max_model_len={state.max_model_len} leaves no room "
+                              f"for a token after it", field)
+        room = state.max_model_len - len(prompt)
+        if parsed.params.min_tokens > room:
+            raise bad_request(f"min_tokens is {parsed.params.min_tokens}, but {field} has {len(prompt)} tokens and "
+                              f"max_model_len={state.max_model_len} leaves room for {room}", "min_tokens")
+        limits.append(min(parsed.params.max_tokens, room))
     check_response_size([len(prompt) for prompt in prompts], parsed, state.bounds)
+    return limits
+
+
+def _check_chat_template(state: ServerState, source: str | None) -> None:
+    """400 for a request's own template unless the server trusts them, and for chat
+    without any template."""
+    if source is not None and not state.trust_request_chat_template:
+        raise bad_request("chat_template in a request is refused: a template is code the server runs; start the "
+                          "server with --trust-request-chat-template to allow it", "chat_template",
+                          "untrusted_chat_template")
+    if source is None and state.codec.chat_template.is_missing:
+        raise bad_request("this model has no chat template (no chat_template.jinja, and no chat_template in its "
+                          "tokenizer_config.json), so it cannot take chat messages: start the server with "
+                          "--chat-template FILE (or --chat-template plain), or use /v1/completions", "messages",
+                          "chat_template_missing")
 
 
 async def _completions(request: Request, state: ServerState) -> Response:
     arrival_time = state.engine.clock()  # TTFT counts the tokenization too
     parsed = parse_completion(await _body(request, state), state.bounds)
     prompts = await _encoded(state.codec.encode_prompts(parsed.prompts), "prompt")
-    _check_context(prompts, parsed, state, "prompt")
-    generation = await _start(request, state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time)
+    limits = _check_context(prompts, parsed, state, "prompt")
+    generation = await _start(request, state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time,
+                              limits)
     if parsed.stream:
-        return _sse(completion_chunks(generation, state.model_name), parsed.structured_field)
+        return _sse(completion_chunks(generation, state.model_name, parsed), parsed.structured_field)
     await _run_to_end(generation, request, parsed.structured_field)
-    return await _json(completion_body(generation, state.model_name, parsed.return_token_ids))
+    return await _json(completion_body(generation, state.model_name, parsed))
 
 
 async def _chat_completions(request: Request, state: ServerState) -> Response:
     arrival_time = state.engine.clock()
     parsed = parse_chat(await _body(request, state), state.bounds)
-    prompt = await _encoded(state.codec.encode_chat(list(parsed.messages), state.bounds.max_prompt_chars),
+    _check_chat_template(state, parsed.chat_template)
+    prompt = await _encoded(state.codec.encode_chat(list(parsed.messages), state.bounds.max_prompt_chars,
+                                                    parsed.chat_template, parsed.chat_template_kwargs),
                             "messages")
-    _check_context([prompt], parsed, state, "messages")
+    limits = _check_context([prompt], parsed, state, "messages")
     generation = await _start(request, state, parsed, [prompt], "messages", "chatcmpl", "chat.completions",
-                              arrival_time)
+                              arrival_time, limits)
     if parsed.stream:
-        return _sse(chat_chunks(generation, state.model_name), parsed.structured_field)
+        return _sse(chat_chunks(generation, state.model_name, parsed), parsed.structured_field)
     await _run_to_end(generation, request, parsed.structured_field)
-    return await _json(chat_body(generation, state.model_name, parsed.return_token_ids))
+    return await _json(chat_body(generation, state.model_name, parsed))
 
 
 async def _start(request: Request, state: ServerState, parsed: GenerationRequest, prompts: list[Any],
-                 prompt_field: str, id_prefix: str, endpoint: str, arrival_time: float) -> Generation:
+                 prompt_field: str, id_prefix: str, endpoint: str, arrival_time: float,
+                 max_tokens: list[int] | None = None) -> Generation:
     """Admission control, then queue every choice; 400 / 429 / 500 / 503 as ApiError."""
     if state.draining:  # it began before the signal and was tokenized since
         raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
@@ -259,7 +354,8 @@ async def _start(request: Request, state: ServerState, parsed: GenerationRequest
     if parsed.echo:  # the prompt as given, or its token ids decoded (on the codec's pool)
         echo_texts = await state.codec.decode_prompts(parsed.prompts)
     generation = Generation(state.engine, state.codec.tokenizer, prompts, parsed.params, parsed.n,
-                            f"{id_prefix}-{uuid.uuid4().hex}", endpoint, echo_texts)
+                            f"{id_prefix}-{uuid.uuid4().hex}", endpoint, echo_texts, max_tokens,
+                            parsed.scoring_only, state.stream_interval)
     try:
         # a client that leaves while its request is validated or its grammar compiles
         # cancels it there (the compilation stops once no request waits for it)

@@ -1,4 +1,6 @@
-"""Chat messages -> one prompt: the checkpoint's own chat template, or a plain default.
+"""Chat messages -> one prompt: the checkpoint's own chat template, one the server was
+started with (`--chat-template`), or one a request brings (only when the server trusts
+request templates).
 
 A Hugging Face checkpoint carries its template in `chat_template.jinja` or in the
 `chat_template` key of `tokenizer_config.json`. It is rendered the way `transformers`
@@ -6,12 +8,16 @@ renders it (a sandboxed jinja2 environment with `trim_blocks`, `lstrip_blocks`,
 `raise_exception`, `tojson`, `strftime_now`), and the result is tokenized without the
 tokenizer's own special tokens, because the template already writes them.
 
-Without a template the default is one `role: content` line per message followed by
-`assistant:`, tokenized like a completion prompt (special tokens added).
+Without a template there is no chat: the server refuses it with a 400 naming the missing
+template, as vLLM does, rather than invent a prompt format that changes results. The
+`plain` format (one `role: content` line per message, then `assistant:`, tokenized like a
+completion prompt) is servelab's own models' format, and any checkpoint's with
+`--chat-template plain`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -33,10 +39,24 @@ class RenderedChat:
 class ChatTemplate:
     """Renders OpenAI-style message lists into prompt text."""
 
-    def __init__(self, source: str | None, special_tokens: dict[str, str] | None = None) -> None:
+    def __init__(self, source: str | None, special_tokens: dict[str, str] | None = None, plain: bool = False) -> None:
         self.source = source
+        self.plain = plain
         self._special_tokens = dict(special_tokens or {})
         self._template = _compile(source) if source is not None else None
+
+    @classmethod
+    def plain_format(cls) -> "ChatTemplate":
+        """servelab's own models' format: `role: content` lines, then `assistant:`."""
+        return cls(None, plain=True)
+
+    @property
+    def is_missing(self) -> bool:
+        return self._template is None and not self.plain
+
+    def with_source(self, source: str | None) -> "ChatTemplate":
+        """This template, or the same special tokens with another template's source."""
+        return self if source is None else ChatTemplate(source, self._special_tokens)
 
     @classmethod
     def from_directory(cls, path: str | Path) -> "ChatTemplate":
@@ -51,21 +71,42 @@ class ChatTemplate:
         return cls(_pick_template(config.get("chat_template")), special)
 
     @property
-    def is_default(self) -> bool:
-        return self._template is None
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, ... as tokenizer_config.json names them."""
+        return dict(self._special_tokens)
 
-    def render(self, messages: list[dict[str, str]]) -> RenderedChat:
-        """Prompt text for `messages` (each {"role", "content"}), ready for the assistant's turn."""
-        if self._template is None:
-            lines = [f"{m['role']}: {m['content']}" for m in messages]
-            return RenderedChat("\n".join([*lines, "assistant:"]), add_special_tokens=True)
+    @property
+    def kind(self) -> str:
+        return "plain" if self.plain else "missing" if self._template is None else "jinja"
+
+    def render(self, messages: list[dict[str, str]], source: str | None = None,
+               variables: dict[str, Any] | None = None) -> RenderedChat:
+        """Prompt text for `messages` (each {"role", "content"}), ready for the assistant's
+        turn; with `source`, that template instead (a request's own), and `variables`
+        (chat_template_kwargs) passed to it."""
         import jinja2
 
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=True, **self._special_tokens)
+            template = _compile_cached(source) if source is not None else self._template
+        except jinja2.TemplateError as exc:
+            raise RequestError(f"chat_template: it does not compile: {exc}") from None
+        if template is None:
+            if not self.plain:
+                raise RequestError("messages: this model has no chat template")
+            lines = [f"{m['role']}: {m['content']}" for m in messages]
+            return RenderedChat("\n".join([*lines, "assistant:"]), add_special_tokens=True)
+        context = {**(variables or {}), **self._special_tokens, "messages": messages, "add_generation_prompt": True}
+        try:
+            text = template.render(**context)
         except jinja2.TemplateError as exc:
             raise RequestError(f"messages: the chat template rejected them: {exc}") from None
         return RenderedChat(text, add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_cached(source: str) -> Any:
+    """Requests' own templates, compiled once each (the 16 most recent)."""
+    return _compile(source)
 
 
 def _compile(source: str) -> Any:

@@ -57,15 +57,22 @@ class TextCodec:
             return [p if isinstance(p, str) else "" for p in prompts]
         return await self.run(lambda: [p if isinstance(p, str) else self.tokenizer.decode(list(p)) for p in prompts])
 
-    async def encode_chat(self, messages: list[dict[str, str]], max_chars: int | None = None) -> list[int]:
-        """The chat template rendered and tokenized (RequestError when the template refuses,
-        or renders more than `max_chars` characters)."""
+    async def encode_chat(self, messages: list[dict[str, str]], max_chars: int | None = None,
+                          source: str | None = None, variables: dict[str, Any] | None = None) -> list[int]:
+        """The chat template (or a request's own, `source`) rendered and tokenized
+        (RequestError when the template refuses, or renders more than `max_chars` characters)."""
         if self.tokenizer is None:
             raise RequestError("messages: this checkpoint has no tokenizer.json, so it cannot take chat messages")
-        return await self.run(self._render_and_encode, messages, max_chars)
+        return await self.run(self._render_and_encode, messages, max_chars, source, variables)
 
-    def _render_and_encode(self, messages: list[dict[str, str]], max_chars: int | None = None) -> list[int]:
-        rendered = self.chat_template.render(messages)
+    async def render_chat(self, messages: list[dict[str, str]], source: str | None = None,
+                          variables: dict[str, Any] | None = None) -> Any:
+        """The rendered chat (a RenderedChat), on the pool."""
+        return await self.run(self.chat_template.render, messages, source, variables)
+
+    def _render_and_encode(self, messages: list[dict[str, str]], max_chars: int | None = None,
+                           source: str | None = None, variables: dict[str, Any] | None = None) -> list[int]:
+        rendered = self.chat_template.render(messages, source, variables)
         if max_chars is not None and len(rendered.text) > max_chars:  # a template may add much to each message
             raise RequestError(f"messages: the rendered chat has {len(rendered.text)} characters, more than this "
                                f"server tokenizes ({max_chars})")

@@ -3,6 +3,10 @@ n (the engine samples n > 1 by forking the prompt's KV; completion i of a seeded
 uses seed + i), and each choice's tokens turned into text deltas.
 
 Choice `prompt_index * n + i` is completion i of prompt `prompt_index`, OpenAI's order.
+Deltas carry `stream_interval` tokens each (1 by default: one token per stream chunk, as
+vLLM); a token whose text is held back (an incomplete UTF-8 character, the start of a
+possible stop string, a special token) has a delta with empty text, and its text comes
+with a later one's.
 A client that goes away aborts every unfinished engine request at once (the deltas
 generator's `finally`), which frees their KV blocks before the engine's next step.
 """
@@ -44,6 +48,8 @@ class ChoiceDelta:
     finish_reason: str | None
     logprobs: tuple[tuple[int, Any], ...] = ()
     prompt_logprobs: tuple[Any, ...] | None = None
+    num_tokens: int = 0  # the generated tokens behind this delta
+    stop_reason: int | str | None = None  # with finish_reason "stop": the stop string or token id
 
 
 class TextStreamer:
@@ -96,6 +102,13 @@ class Choice:
     streamer: TextStreamer
     output: CompletionOutput | None = None
     unsent_logprobs: list = attrs.field(factory=list)  # (token id, logprobs) not yet sent with text
+    unsent_tokens: int = 0  # tokens fed but not yet counted in a delta (their text held back)
+    sent_tokens: int = 0
+
+    def take_tokens(self) -> int:
+        taken, self.unsent_tokens = self.unsent_tokens, 0
+        self.sent_tokens += taken
+        return taken
 
     @property
     def text(self) -> str:
@@ -110,15 +123,26 @@ class Generation:
     """The engine requests behind one HTTP request, and their deltas."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, prompts: Seq[list[int]], params: SamplingParams,
-                 n: int, request_id: str, endpoint: str, echo_texts: Seq[str] | None = None) -> None:
+                 n: int, request_id: str, endpoint: str, echo_texts: Seq[str] | None = None,
+                 max_tokens: Seq[int] | None = None, scoring_only: bool = False, stream_interval: int = 1) -> None:
+        """`max_tokens`: each prompt's own (clipped to its context), else params'.
+        `scoring_only` (max_tokens 0): the prompt is scored and the token its prefill
+        samples is left out of the choices and the usage."""
         self.engine = engine
+        self.scoring_only = scoring_only
+        self.stream_interval = stream_interval
+        self._pending: dict[int, ChoiceDelta] = {}  # a choice's tokens not yet stream_interval of them
         self.echo_texts = list(echo_texts) if echo_texts is not None else None  # completions' echo: prompt texts
         self.request_id = request_id
         self.endpoint = endpoint
         self.created = int(time.time())
         self._prompts = list(prompts)
+        self.prompts = self._prompts  # token ids of each prompt
         self._params = attrs.evolve(params, n=n)
         self.params = self._params
+        self._prompt_params = [self._params if max_tokens is None or limit == self._params.max_tokens
+                               else attrs.evolve(self._params, max_tokens=limit)
+                               for limit in (max_tokens or [None] * len(prompts))]
         self.engine_request_ids = [f"{request_id}-{p}" for p in range(len(prompts))]
         self.choices = [Choice(p * n + i, p, _sequence_id(rid, i), TextStreamer(tokenizer, params.stop))
                         for p, rid in enumerate(self.engine_request_ids) for i in range(n)]
@@ -130,16 +154,16 @@ class Generation:
 
     async def start(self, arrival_time: float) -> None:
         """Queue every prompt in the engine (RequestError / EngineUnavailable propagate)."""
-        self._events = await self.engine.add([NewRequest(rid, prompt, self._params, arrival_time)
-                                              for rid, prompt in zip(self.engine_request_ids, self._prompts)],
+        self._events = await self.engine.add([NewRequest(rid, prompt, params, arrival_time) for rid, prompt, params
+                                              in zip(self.engine_request_ids, self._prompts, self._prompt_params)],
                                              decode=self._text_deltas)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's text deltas as the engine produces them, until all have finished.
 
-        Events that queued up while the client was being served (a slow reader, a busy
-        event loop) are merged: one delta per choice for all of them, not one per step.
-        The text was decoded on the detokenizer's thread. EngineFailure / CodecFailure end it.
+        A delta carries `stream_interval` tokens (held back until that many came, or the
+        choice finished), so a slow reader gets as many chunks as a fast one. The text was
+        decoded on the detokenizer's thread. EngineFailure / CodecFailure end it.
         """
         unfinished = set(self.engine_request_ids)
         status = "aborted"
@@ -184,26 +208,41 @@ class Generation:
             deltas.extend(ChoiceDelta(c.index, "", None, prompt_logprobs=scored) for c in self.choices
                           if self.engine_request_ids[c.prompt_index] == request_id)
         for sequence_id, token_ids in tokens.items():
+            if self.scoring_only:
+                break  # the one token the prefill sampled is not part of the answer
             choice = by_sequence[sequence_id]
             if logprobs and sequence_id in logprobs:
                 choice.unsent_logprobs.extend(zip(token_ids, self._with_text(logprobs[sequence_id])))
-            if sequence_id.partition("#")[0] in finishing:
-                continue  # its final text comes from the output (a stop string may cut it)
-            text = choice.streamer.feed(token_ids, None)
-            if text:
-                deltas.append(ChoiceDelta(choice.index, text, None, self._take_logprobs(choice)))
+            finishing_now = sequence_id.partition("#")[0] in finishing
+            # its final text comes from the output (a stop string may cut it): the tokens before
+            # the last are streamed one by one, the last with the output
+            for token_id in token_ids[:-1] if finishing_now else token_ids:
+                choice.unsent_tokens += 1
+                text = choice.streamer.feed((token_id,), None)
+                deltas.append(ChoiceDelta(choice.index, text, None, self._take_logprobs(choice, choice.unsent_tokens),
+                                          num_tokens=choice.take_tokens()))
         for output in outputs:
             for completion in output.outputs:
                 choice = by_sequence[_sequence_id(output.request_id, completion.index)]
+                if self.scoring_only:  # as if nothing was sampled: max_tokens 0 ends at "length"
+                    completion = attrs.evolve(completion, token_ids=[], text="", finish_reason="length",
+                                              logprobs=[] if completion.logprobs is not None else None,
+                                              stop_reason=None)
+                    choice.unsent_logprobs.clear()
                 choice.output = completion
+                choice.unsent_tokens = len(completion.token_ids) - choice.sent_tokens
                 deltas.append(ChoiceDelta(choice.index, choice.streamer.feed((), completion), choice.finish_reason,
-                                          self._take_logprobs(choice)))
+                                          self._take_logprobs(choice), num_tokens=choice.take_tokens(),
+                                          stop_reason=completion.stop_reason))
         return deltas
 
     @staticmethod
-    def _take_logprobs(choice: Choice) -> tuple[tuple[int, Any], ...]:
-        taken = tuple(choice.unsent_logprobs)
-        choice.unsent_logprobs.clear()
+    def _take_logprobs(choice: Choice, up_to: int | None = None) -> tuple[tuple[int, Any], ...]:
+        """The logprobs not yet sent, or only as many as the tokens sent so far cover."""
+        pending = choice.unsent_logprobs
+        count = len(pending) if up_to is None else min(up_to, len(pending))
+        taken = tuple(pending[:count])
+        del pending[:count]
         return taken
 
     def _with_text(self, positions: Seq[Any]) -> list[Any]:
@@ -217,24 +256,29 @@ class Generation:
         events: list[tuple[str, RequestEvent]] = [await self._events.get()]
         while not self._events.empty():
             events.append(self._events.get_nowait())
-        merged: dict[int, ChoiceDelta] = {}
+        ready: list[ChoiceDelta] = []
         outputs = []
+        pending, interval = self._pending, self.stream_interval
         for _, event in events:
             if event.error is not None:
                 raise EngineFailure(event.error)
             if event.decode_error is not None:
                 raise CodecFailure(f"detokenizing the output failed: {event.decode_error}")
             for delta in event.deltas:
-                earlier = merged.pop(delta.index, None)
+                earlier = pending.pop(delta.index, None)
                 if earlier is not None:
                     delta = ChoiceDelta(delta.index, earlier.text + delta.text, delta.finish_reason,
                                         earlier.logprobs + delta.logprobs,
                                         earlier.prompt_logprobs if delta.prompt_logprobs is None
-                                        else delta.prompt_logprobs)
-                merged[delta.index] = delta
+                                        else delta.prompt_logprobs, earlier.num_tokens + delta.num_tokens,
+                                        delta.stop_reason)
+                if delta.finish_reason is None and delta.prompt_logprobs is None and delta.num_tokens < interval:
+                    pending[delta.index] = delta  # fewer than stream_interval tokens yet
+                else:
+                    ready.append(delta)
             if event.output is not None:
                 outputs.append(event.output)
-        return list(merged.values()), outputs
+        return ready, outputs
 
     def prompt_token_ids(self, choice: Choice) -> list[int]:
         output = self.outputs.get(self.engine_request_ids[choice.prompt_index])
@@ -246,9 +290,12 @@ class Generation:
         return output.prompt_logprobs if output is not None else None
 
     def usage(self) -> dict[str, int]:
-        """OpenAI usage: prompt tokens once per prompt, completion tokens of every choice."""
+        """OpenAI usage: prompt tokens once per prompt, completion tokens of every choice
+        (so far, while they run)."""
         prompt_tokens = sum(len(output.prompt_token_ids) for output in self.outputs.values())
-        completion_tokens = sum(len(c.output.token_ids) if c.output is not None else len(c.streamer.token_ids)
+        prompt_tokens += sum(len(self._prompts[p]) for p, rid in enumerate(self.engine_request_ids)
+                             if rid not in self.outputs)
+        completion_tokens = sum(len(c.output.token_ids) if c.output is not None else c.sent_tokens
                                 for c in self.choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}

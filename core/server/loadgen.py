@@ -130,7 +130,8 @@ async def run_load(url: str, num_requests: int = 200, concurrency: int = 200, ma
     started = time.perf_counter()
 
     async def one(index: int, prompt: str) -> None:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0.0}
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                "ignore_eos": True, "temperature": 0.0}
         if model is not None:
             body["model"] = model
         async with gate:

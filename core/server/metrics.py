@@ -5,6 +5,9 @@ counters are fed by the requests' events on the event loop, step and draft total
 snapshots (or, for an engine in this process, by an engine observer on
 `servelab_step_finished`), speculative acceptance among them. Each
 server owns its own `CollectorRegistry`: nothing is global.
+
+The figures vLLM also exports are exported under vLLM's names too (`vllm:num_requests_running`
+and so on, labelled `model_name`, `VLLM_NAMES`), so dashboards built for vLLM work unchanged.
 """
 
 from __future__ import annotations
@@ -22,10 +25,54 @@ _TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0
                   0.75, 1.0, 2.5)
 
 
+# servelab's metric -> vLLM's name for the same figure (and a label renamed, where vLLM's differs)
+VLLM_NAMES = {
+    "servelab_requests_running": "vllm:num_requests_running",
+    "servelab_requests_waiting": "vllm:num_requests_waiting",
+    "servelab_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",  # a fraction, despite the name (as vLLM's)
+    "servelab_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "servelab_time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
+    "servelab_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "servelab_generation_tokens": "vllm:generation_tokens",
+    "servelab_prompt_tokens": "vllm:prompt_tokens",
+    "servelab_requests_finished": "vllm:request_success",
+    "servelab_preemptions": "vllm:num_preemptions",
+}
+_VLLM_LABELS = {"finish_reason": "finished_reason"}
+
+
+class VllmNames:
+    """A collector that re-exports ServerMetrics' figures under vLLM's names."""
+
+    def __init__(self, metrics: "ServerMetrics", model_name: str) -> None:
+        self._metrics = metrics
+        self._model_name = model_name
+
+    def collect(self) -> Any:
+        from prometheus_client.core import Metric
+
+        for collector in self._metrics.sources():
+            for family in collector.collect():
+                name = VLLM_NAMES.get(family.name)
+                if name is None:
+                    continue
+                kind = "counter" if family.name == "servelab_preemptions" else family.type
+                renamed = Metric(name, family.documentation, kind)
+                for sample in family.samples:
+                    if kind == "counter" and sample.name.endswith("_created"):
+                        continue
+                    suffix = sample.name[len(family.name):]
+                    if family.name == "servelab_preemptions":
+                        suffix = "_total"
+                    labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+                    renamed.add_sample(name + suffix, {"model_name": self._model_name, **labels}, sample.value)
+                yield renamed
+
+
 class ServerMetrics:
     """Every metric the server exports, on a registry of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -73,6 +120,9 @@ class ServerMetrics:
                                       ["replica"], registry=r)
         self.replica_routed = Counter("servelab_replica_requests_routed", "Requests the router sent to the replica.",
                                       ["replica"], registry=r)
+        self._sources = [self.requests_running, self.requests_waiting, self.kv_usage, self.ttft, self.tpot, self.e2e,
+                         self.generation_tokens, self.prompt_tokens, self.finished, self.preemptions]
+        r.register(VllmNames(self, model_name))
         self._replicas: dict[int, EngineSnapshot] = {}
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -129,6 +179,10 @@ class ServerMetrics:
 
     def replica_down(self, index: int) -> None:
         self.replica_up.labels(str(index)).set(0)
+
+    def sources(self) -> list[Any]:
+        """The metrics VllmNames renames."""
+        return self._sources
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason).inc()

@@ -54,6 +54,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="threads that tokenize prompts and render chat templates (default 2)")
     serve.add_argument("--engine-threads", type=int, default=None,
                        help="torch threads of the engine process (default: the CPU cores less one, at least 1)")
+    serve.add_argument("--chat-template", default=None,
+                       help="the chat template (a jinja file, or its text) for a checkpoint without one, or "
+                            "instead of its own; 'plain' for `role: content` lines (default: the checkpoint's; "
+                            "without one chat requests get a 400)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a chat_template sent in a request (a jinja template the client wrote, in "
+                            "a sandbox but unbounded in time); without this flag such a request gets a 400")
+    serve.add_argument("--stream-interval", type=int, default=1,
+                       help="tokens per streamed chunk (default 1: a chunk per token; more: fewer, larger "
+                            "chunks, cheaper for the server)")
     serve.add_argument("--replicas", type=int, default=None,
                        help="run N engine replicas as Ray actors behind this server, requests spread by the "
                             "config's [router] (needs the ray extra)")
@@ -71,7 +81,9 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
                          shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
                          limits=limits, tokenizer_workers=args.tokenizer_workers,
                          engine_threads=args.engine_threads, replicas=args.replicas, ray_address=args.ray_address,
-                         liveness_timeout=args.liveness_timeout)
+                         liveness_timeout=args.liveness_timeout, chat_template=args.chat_template,
+                         trust_request_chat_template=args.trust_request_chat_template,
+                         stream_interval=args.stream_interval)
 
 
 def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:

@@ -4,10 +4,11 @@ Every rejection is an `ApiError` whose body is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`, with `param` naming the field.
 Sampling fields are OpenAI's (penalties, logit_bias, logprobs, echo, top_logprobs,
 response_format) plus vLLM's extras (top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-return_token_ids, repetition_penalty, min_tokens, bad_words, guided_json / guided_regex /
-guided_grammar / guided_choice; `logits_processors` and `extra_args` select installed
-third-party processors); fields servelab cannot honour (suffix, tools, ...) are
-refused by name rather than silently ignored; unknown fields are ignored.
+return_token_ids, repetition_penalty, min_tokens, bad_words, include_stop_str_in_output,
+structured_outputs and the older guided_json / guided_regex / guided_grammar / guided_choice;
+`logits_processors` and `extra_args` select installed third-party processors). No field is
+ignored: one servelab cannot honour (suffix, tools, ...) is refused by name, and so is one
+it does not know (fields.py lists them all).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import attrs
 from servelab.errors import RequestError
 from servelab.sampling_params import SamplingParams
 from servelab.server.caps import RequestCaps
+from servelab.server.fields import field_problem
 from servelab.structured import StructuredOutput
 
 MAX_N = 64  # choices per request
@@ -31,7 +33,14 @@ _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                     "ignore_eos", "logprobs", "prompt_logprobs", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "logit_bias", "min_tokens", "bad_words", "logits_processors", "extra_args")
 # Where a request's structured output came from, to name it in errors.
-_STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
+                      "guided_choice")
+# vLLM's structured_outputs object: its constraint keys (one of them), and the options
+# servelab takes at their neutral value only.
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_CONSTRAINT_OPTIONS = {"disable_fallback": (False,), "disable_any_whitespace": (False,),
+                       "disable_additional_properties": (False,), "whitespace_pattern": (), "structural_tag": (),
+                       "backend": ()}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -86,7 +95,7 @@ def request_error(exc: RequestError, prompt_field: str, structured_field: str | 
     """A 400 for an engine RequestError; its message starts with the field it is about."""
     message = str(exc)
     first = re.match(r"[a-z_]*", message).group()  # "temperature must be ...", "n=4 samples ..."
-    if first in _SAMPLING_FIELDS:
+    if first in _SAMPLING_FIELDS or first == "chat_template":
         return bad_request(message, first)
     if message.startswith("structured output"):
         return bad_request(message, structured_field or "response_format")
@@ -108,6 +117,16 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt comes first in each choice (with its logprobs when asked)
     structured_field: str | None = None  # the body field that asked for structured output
     max_tokens: int | None = None  # as asked; None: until the context is full (chat without a limit)
+    include_usage: bool = False  # stream_options.include_usage: a usage chunk ends the stream
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk too
+    prompt_logprobs: int | None = None  # completions: vLLM's prompt_logprobs field, per choice
+    chat_template: str | None = None  # chat: a template sent with the request (if the server trusts them)
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)  # chat: more variables for the template
+
+    @property
+    def scoring_only(self) -> bool:
+        """max_tokens 0 (completions): the prompt is scored, nothing is generated."""
+        return self.max_tokens == 0
 
 
 def check_model(body: dict[str, Any], served_model: str) -> None:
@@ -130,14 +149,23 @@ def parse_completion(body: dict[str, Any], bounds: PromptBounds) -> GenerationRe
     _check_sequences(len(prompts), n, caps)
     for prompt in prompts:
         _check_prompt_size(prompt, bounds, "prompt")
+    if isinstance(body.get("logprobs"), bool):  # a chat-style `true` (as vLLM: 1); `false`: none
+        body = {**body, "logprobs": 1 if body["logprobs"] else None}
     logprobs = _integer(body, "logprobs", None, minimum=0, maximum=bounds.max_logprobs)
     echo = _boolean(body, "echo")
+    prompt_logprobs = _integer(body, "prompt_logprobs", None, minimum=0, maximum=bounds.max_logprobs)
+    stream = _boolean(body, "stream")
+    if prompt_logprobs is not None and stream:
+        raise bad_request("prompt_logprobs is answered in non-streaming responses only (with stream: true, "
+                          "use echo with logprobs)", "prompt_logprobs", "unsupported")
     # echo with logprobs scores the prompt too, as vLLM does
-    extra = {"logprobs": logprobs, "prompt_logprobs": logprobs if echo and logprobs is not None else None}
-    params, structured_field = _sampling_params(body, 16, n, bounds, extra)
-    return GenerationRequest(prompts, params, n, _boolean(body, "stream"),
-                             return_token_ids=_boolean(body, "return_token_ids"), echo=echo,
-                             structured_field=structured_field, max_tokens=params.max_tokens)
+    scored = [k for k in (logprobs if echo else None, prompt_logprobs) if k is not None]
+    extra = {"logprobs": logprobs, "prompt_logprobs": max(scored) if scored else None}
+    params, structured_field = _sampling_params(body, 16, n, bounds, extra, allow_zero_tokens=True)
+    max_tokens = _integer(body, "max_tokens", 16)
+    return GenerationRequest(prompts, params, n, stream, return_token_ids=_boolean(body, "return_token_ids"),
+                             echo=echo, structured_field=structured_field, max_tokens=max_tokens,
+                             prompt_logprobs=prompt_logprobs, **_stream_options(body, stream))
 
 
 def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
@@ -152,6 +180,9 @@ def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
                           f"max_model_len={bounds.max_model_len})", "messages")
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
+    if body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool):
+        raise bad_request("max_tokens must be >= 1 on chat completions (max_tokens 0 scores a prompt: "
+                          "/v1/completions with echo and logprobs)", "max_tokens")
     n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
     _check_sequences(1, n, bounds.caps)
     top_logprobs = _integer(body, "top_logprobs", None, minimum=0, maximum=bounds.max_logprobs)
@@ -162,9 +193,37 @@ def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
     extra = {"logprobs": (top_logprobs or 0) if wants_logprobs else None}
     params, structured_field = _sampling_params(body, None, n, bounds, extra)
     max_tokens = None if body.get("max_tokens") is None else params.max_tokens
-    return GenerationRequest((), params, n, _boolean(body, "stream"), messages,
-                             return_token_ids=_boolean(body, "return_token_ids"), structured_field=structured_field,
-                             max_tokens=max_tokens)
+    stream = _boolean(body, "stream")
+    template = body.get("chat_template")
+    if template is not None and (not isinstance(template, str) or not template):
+        raise bad_request(f"chat_template must be a non-empty string (a jinja template), got {brief(template)}",
+                          "chat_template")
+    if template is not None and len(template) > bounds.caps.max_grammar_chars:
+        raise _over_limit(f"chat_template is {len(template)} characters", "max_grammar_chars",
+                          bounds.caps.max_grammar_chars, "chat_template")
+    return GenerationRequest((), params, n, stream, messages, return_token_ids=_boolean(body, "return_token_ids"),
+                             structured_field=structured_field, max_tokens=max_tokens, chat_template=template,
+                             chat_template_kwargs=_object(body, "chat_template_kwargs"),
+                             **_stream_options(body, stream))
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> dict[str, bool]:
+    """OpenAI's stream_options: include_usage, and vLLM's continuous_usage_stats."""
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not stream:
+        raise bad_request("stream_options is only for stream: true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request(f"stream_options must be an object, got {brief(options)}", "stream_options")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise bad_request(f"stream_options.{brief(unknown[0])[1:-1]} is not known to this server (it takes "
+                          f"include_usage and continuous_usage_stats)", f"stream_options.{unknown[0][:40]}",
+                          "unknown_field")
+    include = _boolean(options, "include_usage", "stream_options.include_usage")
+    continuous = _boolean(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+    return {"include_usage": include, "continuous_usage": include and continuous}
 
 
 MESSAGE_OVERHEAD_CHARS = 8  # characters a chat message costs before its content (the template's own text)
@@ -189,7 +248,8 @@ def check_response_size(prompt_lengths: list[int], request: GenerationRequest, b
         return
     entries = 0
     for length in prompt_lengths:
-        outputs = request.max_tokens if request.max_tokens is not None else max(0, bounds.max_model_len - length)
+        room = max(0, bounds.max_model_len - length)
+        outputs = min(request.max_tokens, room) if request.max_tokens is not None else room
         if params.logprobs is not None:
             entries += request.n * outputs * (params.logprobs + 1)
         if params.prompt_logprobs is not None:
@@ -260,12 +320,19 @@ def _content(content: Any, where: str) -> str:
 
 
 def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: int, bounds: PromptBounds,
-                     extra: dict[str, Any]) -> tuple[SamplingParams, str | None]:
-    """The request's SamplingParams, and the field that asked for structured output (if any)."""
+                     extra: dict[str, Any], allow_zero_tokens: bool = False) -> tuple[SamplingParams, str | None]:
+    """The request's SamplingParams, and the field that asked for structured output (if any).
+    max_tokens 0 (`allow_zero_tokens`, completions) scores the prompt: the engine runs its
+    prefill, which samples one token, and the response leaves that token out."""
     caps = bounds.caps
-    max_tokens = _integer(body, "max_tokens", default_max_tokens, minimum=1)
-    if max_tokens is not None and max_tokens > bounds.max_model_len:  # before any arithmetic on it
-        raise bad_request(f"max_tokens is {max_tokens}, more than max_model_len={bounds.max_model_len}", "max_tokens")
+    max_tokens = _integer(body, "max_tokens", default_max_tokens, minimum=0 if allow_zero_tokens else 1)
+    if max_tokens == 0:
+        if _integer(body, "min_tokens", 0, minimum=0):
+            raise bad_request("min_tokens must be 0 with max_tokens 0 (the prompt is scored, nothing generated)",
+                              "min_tokens")
+        max_tokens = 1
+    if max_tokens is not None:  # clipped to the context (and further to each prompt's room, later)
+        max_tokens = min(max_tokens, bounds.max_model_len)
     top_k = _integer(body, "top_k", -1)
     if not (top_k in (-1, 0) or 1 <= top_k <= bounds.vocab_size):  # 0 disables it too, as in vLLM
         raise bad_request(f"top_k must be -1 (disabled) or in 1..{bounds.vocab_size} (the vocabulary), "
@@ -279,6 +346,7 @@ def _sampling_params(body: dict[str, Any], default_max_tokens: int | None, n: in
         "stop": _stop(body.get("stop"), caps),
         "stop_token_ids": _token_ids(body, "stop_token_ids", caps.max_stop_token_ids),
         "ignore_eos": _boolean(body, "ignore_eos"),
+        "include_stop_str_in_output": _boolean(body, "include_stop_str_in_output"),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0),
         "presence_penalty": _number(body, "presence_penalty", 0.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0),
@@ -375,40 +443,74 @@ def _strings(body: dict[str, Any], name: str, max_count: int, count_limit: str, 
 
 
 def _structured(body: dict[str, Any], caps: RequestCaps) -> tuple[str | None, StructuredOutput | None]:
-    """OpenAI's response_format, or one of vLLM's guided_* fields (at most one of them)."""
+    """OpenAI's response_format, vLLM's structured_outputs, or one of vLLM's older guided_*
+    fields (at most one of them)."""
     given = [name for name in _STRUCTURED_FIELDS if body.get(name) is not None
              and not (name == "response_format" and body[name] == {"type": "text"})]
+    if "structured_outputs" in given:  # {"json": ...} is checked as guided_json, and so on
+        given.remove("structured_outputs")
+        given[:0] = _structured_outputs(body["structured_outputs"])
+        body = {**body, **{f"structured_outputs.{k}": v for k, v in body["structured_outputs"].items()}}
     if not given:
         return None, None
     if len(given) > 1:
         raise bad_request(f"give one of {', '.join(given)}, not several: each constrains the whole output", given[1])
     field = given[0]
     value = body[field]
+    if field == "structured_outputs.json_object":
+        if value is not True:
+            raise bad_request(f"structured_outputs.json_object must be true, got {brief(value)}", field)
+        return field, StructuredOutput.json_object()
     _check_structured_size(field, value, caps)
     try:
         if field == "response_format":
             return field, _response_format(value)
-        if field == "guided_json":
+        kind = field.rpartition("_")[2] if field.startswith("guided_") else field.rpartition(".")[2]
+        if kind == "json":
             if not isinstance(value, (dict, str)):
-                raise bad_request(f"guided_json must be a JSON schema (an object or its JSON text), got {brief(value)}",
+                raise bad_request(f"{field} must be a JSON schema (an object or its JSON text), got {brief(value)}",
                                   field)
             return field, StructuredOutput.json(value)
-        if field == "guided_choice":
+        if kind == "choice":
             if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-                raise bad_request(f"guided_choice must be a non-empty list of strings, got {brief(value)}", field)
+                raise bad_request(f"{field} must be a non-empty list of strings, got {brief(value)}", field)
             return field, StructuredOutput.regex("|".join(f"({_regex_literal(c)})" for c in value))
         if not isinstance(value, str) or not value:
             raise bad_request(f"{field} must be a non-empty string, got {brief(value)}", field)
-        return field, (StructuredOutput.regex(value) if field == "guided_regex" else StructuredOutput.grammar(value))
+        return field, (StructuredOutput.regex(value) if kind == "regex" else StructuredOutput.grammar(value))
     except RequestError as exc:
         raise bad_request(str(exc), field) from None
 
 
+def _structured_outputs(value: Any) -> list[str]:
+    """The constraint fields of vLLM's structured_outputs object, named
+    `structured_outputs.json` and so on; unknown keys and unsupported options are 400s."""
+    if not isinstance(value, dict):
+        raise bad_request(f"structured_outputs must be an object such as {{\"json\": schema}}, {{\"regex\": ...}}, "
+                          f"{{\"choice\": [...]}} or {{\"grammar\": ...}}, got {brief(value)}", "structured_outputs")
+    given = []
+    for key, item in value.items():
+        name = f"structured_outputs.{str(key)[:40]}"
+        if key in _CONSTRAINTS:
+            if item is not None and item is not False:
+                given.append(f"structured_outputs.{key}")
+        elif key in _CONSTRAINT_OPTIONS:
+            if item is not None and not any(item == a and type(item) is type(a) for a in _CONSTRAINT_OPTIONS[key]):
+                raise bad_request(f"{name} is not supported by this server (got {brief(item)})", name, "unsupported")
+        else:
+            raise bad_request(f"{name} is not a constraint this server knows (structured_outputs takes "
+                              f"{', '.join(_CONSTRAINTS)})", name, "unknown_field")
+    if not given:
+        raise bad_request(f"structured_outputs names no constraint: give one of {', '.join(_CONSTRAINTS)}",
+                          "structured_outputs")
+    return given
+
+
 def _check_structured_size(field: str, value: Any, caps: RequestCaps) -> None:
     """The grammar's size bounds its compilation: its text, its choices and enum values."""
-    if field == "guided_choice" and isinstance(value, list):
+    if field.endswith("choice") and isinstance(value, list):
         if len(value) > caps.max_choices:
-            raise _over_limit(f"guided_choice has {len(value)} choices", "max_choices", caps.max_choices, field)
+            raise _over_limit(f"{field} has {len(value)} choices", "max_choices", caps.max_choices, field)
         size = sum(len(c) + 3 for c in value if isinstance(c, str))  # each becomes "(c)|"
     elif isinstance(value, str):
         size = len(value)
@@ -469,6 +571,8 @@ def _integer(body: dict[str, Any], name: str, default: int | None, minimum: int 
     value = body.get(name)
     if value is None:
         return default
+    if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_FLOAT_INTEGER:
+        value = int(value)  # 4.0, as vLLM takes it (JSON has one number type); 4.5 is refused
     if not _is_int(value):
         raise bad_request(f"{name} must be an integer, got {brief(value)}", name)
     if minimum is not None and value < minimum:
@@ -476,6 +580,9 @@ def _integer(body: dict[str, Any], name: str, default: int | None, minimum: int 
     if maximum is not None and value > maximum:
         raise bad_request(f"{name} must be <= {maximum}, got {brief(value)}", name)
     return value
+
+
+_EXACT_FLOAT_INTEGER = 2**53  # beyond it a float no longer holds every integer
 
 
 def _seed(body: dict[str, Any], n: int) -> int | None:
@@ -501,12 +608,12 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     return number
 
 
-def _boolean(body: dict[str, Any], name: str) -> bool:
+def _boolean(body: dict[str, Any], name: str, param: str | None = None) -> bool:
     value = body.get(name)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise bad_request(f"{name} must be true or false, got {brief(value)}", name)
+        raise bad_request(f"{param or name} must be true or false, got {brief(value)}", param or name)
     return value
 
 
@@ -537,16 +644,14 @@ def _token_ids(body: dict[str, Any], name: str, max_count: int) -> tuple[int, ..
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    """Fields servelab cannot honour are errors unless they hold their neutral value."""
-    neutral = {"suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-               # tool calling is not served; prompt logprobs come with echo and logprobs (completions)
-               "function_call": ("none", "auto"), "parallel_tool_calls": (), "prompt_logprobs": ()}
-    for name, allowed in neutral.items():
-        value = body.get(name)
-        if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
-            raise bad_request(f"{name} is not supported by this server (got {brief(value)})", name, "unsupported")
+    """Fields servelab cannot honour are errors unless they hold their neutral value, and
+    fields it does not know are errors too (fields.py)."""
+    problem = field_problem(body, chat)
+    if problem is not None:
+        name, code, message = problem
+        raise bad_request(message.format(value=brief(body.get(name)), name=brief(name)), name, code)
     best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
+    if best_of is not None and best_of != (body.get("n") if body.get("n") is not None else 1):
         raise bad_request(f"best_of is not supported by this server (got {brief(best_of)})", "best_of", "unsupported")
 
 

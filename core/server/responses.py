@@ -1,8 +1,11 @@
 """OpenAI response bodies and stream chunks, built from a finished or running Generation.
 
-Streams send one chunk per piece of new text, then one chunk per choice carrying its
-`finish_reason`, then a chunk with empty `choices` and the `usage` (always sent, as
-OpenAI does with `stream_options.include_usage`), then `[DONE]` (added by the SSE layer).
+Streams send one chunk per token (per `stream_interval` tokens) of new text, then one
+chunk per choice carrying its `finish_reason`, then, only when the client asked with
+`stream_options.include_usage`, a chunk with empty `choices` and the `usage` (as OpenAI
+and vLLM do), then `[DONE]` (added by the SSE layer). `continuous_usage_stats` puts the
+usage so far on every chunk too. Each choice says which stop string or stop token
+ended it (`stop_reason`, as vLLM).
 
 Logprobs take OpenAI's two shapes: completions' `{"tokens", "token_logprobs",
 "top_logprobs", "text_offset"}` (with `echo`, the prompt's tokens come first, the first
@@ -14,9 +17,10 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Sequence as Seq
 
 from servelab.server.generation import Choice, Generation
+from servelab.server.protocol import GenerationRequest
 
 
-def completion_body(generation: Generation, model: str, token_ids: bool = False) -> dict[str, Any]:
+def completion_body(generation: Generation, model: str, request: GenerationRequest) -> dict[str, Any]:
     choices = []
     for c in generation.choices:
         text = c.text
@@ -27,12 +31,52 @@ def completion_body(generation: Generation, model: str, token_ids: bool = False)
             logprobs = completion_logprobs(prompt_pairs + pairs, generation.params.logprobs)
         if generation.echo_texts is not None:
             text = generation.echo_texts[c.prompt_index] + text
-        choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                        **(_token_ids(generation, c) if token_ids else {})})
+        choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                  "stop_reason": c.output.stop_reason,
+                  **(_token_ids(generation, c) if request.return_token_ids else {})}
+        if request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(generation, c, request.prompt_logprobs)
+        choices.append(choice)
     return {**_header(generation, model, "text_completion"), "choices": choices, "usage": generation.usage()}
 
 
-async def completion_chunks(generation: Generation, model: str) -> AsyncIterator[dict[str, Any]]:
+def vllm_prompt_logprobs(generation: Generation, choice: Choice, num_top: int) -> list[Any]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {"token id": {logprob,
+    rank, decoded_token}} for the token itself and the num_top most likely."""
+    result: list[Any] = []
+    for token_id, position in _prompt_pairs(generation, choice):
+        if position is None:
+            result.append(None)
+            continue
+        result.append({str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                       for t, lp in _top(position, num_top, token_id)})
+    return result
+
+
+class _Usage:
+    """A stream's usage: at its end (include_usage) and on every chunk (continuous_usage_stats)."""
+
+    def __init__(self, generation: Generation, request: GenerationRequest) -> None:
+        self.generation = generation
+        self.final = request.include_usage
+        self.continuous = request.continuous_usage
+        self.prompt_tokens = sum(len(p) for p in generation.prompts)
+        self.completion_tokens = 0
+
+    def chunk(self, chunk: dict[str, Any], num_tokens: int = 0) -> dict[str, Any]:
+        self.completion_tokens += num_tokens
+        if self.continuous:
+            chunk["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                              "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return chunk
+
+    def last(self, header: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{**header, "choices": [], "usage": self.generation.usage()}] if self.final else []
+
+
+async def completion_chunks(generation: Generation, model: str,
+                            request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+    usage = _Usage(generation, request)
     header = _header(generation, model, "text_completion")
     num_top = generation.params.logprobs
     echoing = generation.echo_texts is not None
@@ -51,43 +95,50 @@ async def completion_chunks(generation: Generation, model: str) -> AsyncIterator
                 pairs = list(zip(generation.prompt_token_ids(choice), scored or ()))
                 logprobs = completion_logprobs(pairs, num_top, offsets[delta.index])
                 offsets[delta.index] += sum(len(t) for t in logprobs["tokens"])
-            yield {**header, "choices": [{"index": delta.index, "text": generation.echo_texts[choice.prompt_index],
-                                          "logprobs": logprobs, "finish_reason": None}]}
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            yield usage.chunk({**header, "choices": [{"index": delta.index,
+                                                      "text": generation.echo_texts[choice.prompt_index],
+                                                      "logprobs": logprobs, "finish_reason": None}]})
+        if not delta.num_tokens and delta.finish_reason is None:
             continue  # a delta that only carried the prompt's logprobs
         logprobs = None
         if num_top is not None:
             logprobs = completion_logprobs(list(delta.logprobs), num_top, offsets[delta.index])
             offsets[delta.index] += sum(len(t) for t in logprobs["tokens"])
-        yield {**header, "choices": [{"index": delta.index, "text": delta.text, "logprobs": logprobs,
-                                      "finish_reason": delta.finish_reason}]}
-    yield {**header, "choices": [], "usage": generation.usage()}
+        end = {"stop_reason": delta.stop_reason} if delta.finish_reason is not None else {}
+        yield usage.chunk({**header, "choices": [{"index": delta.index, "text": delta.text, "logprobs": logprobs,
+                                                  "finish_reason": delta.finish_reason, **end}]}, delta.num_tokens)
+    for chunk in usage.last(header):
+        yield chunk
 
 
-def chat_body(generation: Generation, model: str, token_ids: bool = False) -> dict[str, Any]:
+def chat_body(generation: Generation, model: str, request: GenerationRequest) -> dict[str, Any]:
     num_top = generation.params.logprobs
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(list(zip(c.output.token_ids, c.output.logprobs or ())), num_top)
                 if num_top is not None else None,
-                "finish_reason": c.finish_reason, **(_token_ids(generation, c) if token_ids else {})}
+                "finish_reason": c.finish_reason, "stop_reason": c.output.stop_reason,
+                **(_token_ids(generation, c) if request.return_token_ids else {})}
                for c in generation.choices]
     return {**_header(generation, model, "chat.completion"), "choices": choices, "usage": generation.usage()}
 
 
-async def chat_chunks(generation: Generation, model: str) -> AsyncIterator[dict[str, Any]]:
+async def chat_chunks(generation: Generation, model: str, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+    usage = _Usage(generation, request)
     header = _header(generation, model, "chat.completion.chunk")
     num_top = generation.params.logprobs
     for choice in generation.choices:  # the role comes first, once per choice
-        yield {**header, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]}
+        yield usage.chunk({**header, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]})
     async for delta in generation.deltas():
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        if not delta.num_tokens and delta.finish_reason is None:
             continue
         content = {"content": delta.text} if delta.text else {}
         logprobs = chat_logprobs(list(delta.logprobs), num_top) if num_top is not None else None
-        yield {**header, "choices": [{"index": delta.index, "delta": content, "logprobs": logprobs,
-                                      "finish_reason": delta.finish_reason}]}
-    yield {**header, "choices": [], "usage": generation.usage()}
+        end = {"stop_reason": delta.stop_reason} if delta.finish_reason is not None else {}
+        yield usage.chunk({**header, "choices": [{"index": delta.index, "delta": content, "logprobs": logprobs,
+                                                  "finish_reason": delta.finish_reason, **end}]}, delta.num_tokens)
+    for chunk in usage.last(header):
+        yield chunk
 
 
 # ---------------------------------------------------------------- logprobs shapes

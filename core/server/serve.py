@@ -55,12 +55,15 @@ class ServerOptions:
     replicas: int | None = None  # run this many engine replicas as Ray actors (None: one engine process)
     ray_address: str | None = None  # the Ray cluster to join; None: start a local Ray for the replicas
     liveness_timeout: float = 30.0  # /health: 503 once the engine's loop is silent this long with work queued
+    chat_template: str | None = None  # a template file, its text, or "plain"; None: the checkpoint's own
+    trust_request_chat_template: bool = False  # render a `chat_template` a request sends (else a 400)
+    stream_interval: int = 1  # tokens per stream chunk (vLLM's --stream-interval)
 
     def __attrs_post_init__(self) -> None:
         positive = {"--max-waiting": self.max_waiting, "--header-timeout": self.header_timeout,
                     "--body-timeout": self.limits.body_timeout, "--max-body-bytes": self.limits.max_body_bytes,
                     "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers,
-                    "--liveness-timeout": self.liveness_timeout}
+                    "--liveness-timeout": self.liveness_timeout, "--stream-interval": self.stream_interval}
         if self.engine_threads is not None:
             positive["--engine-threads"] = self.engine_threads
         if self.replicas is not None:
@@ -103,7 +106,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
         print(f"servelab: serving {state.model_name!r} on http://{_url_host(host)}:{port}", flush=True)
         logger.info("server.started", model=state.model_name, host=host, port=port,
                     api_key=options.api_key is not None, max_waiting=options.max_waiting,
-                    chat_template="default" if state.codec.chat_template.is_default else "checkpoint")
+                    chat_template=state.codec.chat_template.kind)
 
     server = _graceful_server(uvicorn_config, state, options.shutdown_timeout, ready)
     state.engine.on_failure = server.engine_failed
@@ -132,11 +135,13 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     from servelab.server.metrics import ServerMetrics
 
     disable_created_metrics()  # process-wide: no `_created` series next to every counter
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(options.served_model_name or config.engine.model)
     checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
     metrics.kv_bytes_per_token.labels(config.engine.kv_cache_dtype).set(checkpoint.config.kv_bytes_per_token(
         DTYPE_BYTES[config.engine.dtype], config.engine.kv_cache_dtype))
-    codec = TextCodec(checkpoint.tokenizer, _chat_template(checkpoint.path), options.tokenizer_workers)
+    codec = TextCodec(checkpoint.tokenizer, chat_template(checkpoint.path, options.chat_template,
+                                                          config.engine.model.startswith("builtin:")),
+                      options.tokenizer_workers)
     stop_ray = False
     if options.replicas is not None:
         from servelab.server.replicas import launch_replicas
@@ -153,7 +158,9 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
                        model_name=options.served_model_name or config.engine.model,
                        max_model_len=engine.info.max_model_len, max_waiting=options.max_waiting,
                        api_key=options.api_key, limits=options.limits, stop_ray=stop_ray,
-                       liveness_timeout=options.liveness_timeout)
+                       liveness_timeout=options.liveness_timeout,
+                       trust_request_chat_template=options.trust_request_chat_template,
+                       stream_interval=options.stream_interval)
 
 
 def default_engine_threads() -> int:
@@ -237,10 +244,32 @@ async def _wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     return True
 
 
-def _chat_template(path: Any) -> Any:
+def chat_template(path: Any, given: str | None, builtin: bool) -> Any:
+    """The server's chat template: `--chat-template` (a file, its text, or "plain"), else the
+    checkpoint's own; servelab's built-in models speak the plain format."""
+    from pathlib import Path
+
     from servelab.server.chat import ChatTemplate
 
-    return ChatTemplate.from_directory(path) if path is not None else ChatTemplate(None)
+    own = ChatTemplate.from_directory(path) if path is not None else ChatTemplate(None)
+    if given is None:
+        return ChatTemplate.plain_format() if own.is_missing and builtin else own
+    if given == "plain":
+        return ChatTemplate.plain_format()
+    if "{{" in given or "{%" in given:  # the template's text itself
+        source = given
+    else:
+        try:
+            source = Path(given).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ServelabError(f"--chat-template: cannot read {given!r}: {exc.strerror or exc} (give a jinja file, "
+                                f"the template's text, or plain)") from None
+    import jinja2
+
+    try:
+        return own.with_source(source)
+    except jinja2.TemplateError as exc:
+        raise ServelabError(f"--chat-template: the template does not compile: {exc}") from None
 
 
 def _bind(host: str, port: int) -> socket.socket:
