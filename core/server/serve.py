@@ -125,6 +125,7 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
 
     from servelab.model.loader import Checkpoint
     from servelab.server.app import ServerState
+    from servelab.server.chat import ChatTemplate
     from servelab.server.codec import TextCodec
     from servelab.server.engine_loop import AsyncEngine
     from servelab.server.engine_process import ProcessConnection
@@ -133,7 +134,7 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     disable_created_metrics()  # process-wide: no `_created` series next to every counter
     metrics = ServerMetrics()
     checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
-    codec = TextCodec(checkpoint.tokenizer, _chat_template(checkpoint.path), options.tokenizer_workers)
+    codec = TextCodec(checkpoint.tokenizer, ChatTemplate.from_tokenizer(checkpoint.tokenizer), options.tokenizer_workers)
     stop_ray = False
     if options.replicas is not None:
         from servelab.server.replicas import launch_replicas
@@ -232,12 +233,6 @@ async def _wait_until(condition: Callable[[], bool], seconds: float) -> bool:
             return False
         await asyncio.sleep(0.05)
     return True
-
-
-def _chat_template(path: Any) -> Any:
-    from servelab.server.chat import ChatTemplate
-
-    return ChatTemplate.from_directory(path) if path is not None else ChatTemplate(None)
 
 
 def _bind(host: str, port: int) -> socket.socket:
