@@ -29,7 +29,8 @@ TEXTS = ["def fibonacci(n):\n    return n", "The with statement  \t tabs\n\nand 
 def tiny(request, tmp_path_factory):
     """(the GGUF file, transformers' model and tokenizer of it)."""
     folder = tmp_path_factory.mktemp(request.param)
-    path = write_tiny_gguf(folder / "tiny.gguf", ROTATIONS[request.param], tie_word_embeddings=request.param.endswith("b"))
+    tied = request.param.endswith("b")
+    path = write_tiny_gguf(folder / "tiny.gguf", ROTATIONS[request.param], tie_word_embeddings=tied)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=path.name)
     return path, model, tokenizer
@@ -73,7 +74,8 @@ def test_tokenizer_equals_transformers(tiny):
     for text in TEXTS:
         ids = hf_tokenizer(text)["input_ids"]
         assert tokenizer.encode(text) == ids, text
-        assert tokenizer.encode(text, add_special_tokens=False) == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        bare = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.encode(text, add_special_tokens=False) == bare
         assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -166,3 +168,12 @@ def _finish(writer) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_two_tensor_parallel_ranks_read_a_gguf_file_like_one(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", ("Q8_0", "Q4_K", "F16"))
+    prompts = [[5, 17, 300, 2049], [9] * 7]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    one = [o.token_ids for o in LLM(str(path), max_model_len=64).generate(prompts, params)]
+    with LLM(str(path), max_model_len=64, tensor_parallel_size=2) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == one

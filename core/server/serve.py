@@ -134,7 +134,8 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     disable_created_metrics()  # process-wide: no `_created` series next to every counter
     metrics = ServerMetrics()
     checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
-    codec = TextCodec(checkpoint.tokenizer, ChatTemplate.from_tokenizer(checkpoint.tokenizer), options.tokenizer_workers)
+    codec = TextCodec(checkpoint.tokenizer, ChatTemplate.from_tokenizer(checkpoint.tokenizer),
+                      options.tokenizer_workers)
     stop_ray = False
     if options.replicas is not None:
         from servelab.server.replicas import launch_replicas

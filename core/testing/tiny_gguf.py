@@ -135,7 +135,8 @@ def _k_quant_blocks(type_name: str, shape: tuple[int, int], rng: np.random.Gener
     if type_name == "Q4_K":  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit codes
         # weights d*sc*q - dmin*m with q < 16, sc and m < 64: dmin = 7.5 d centres them
         d = rng.uniform(1.5e-4, 2.5e-4, (blocks, 1))
-        parts = [d.astype(np.float16).view(np.uint8), (7.5 * d).astype(np.float16).view(np.uint8), codes(12), codes(128)]
+        parts = [d.astype(np.float16).view(np.uint8), (7.5 * d).astype(np.float16).view(np.uint8),
+                 codes(12), codes(128)]
     else:  # Q6_K: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d (f16); weights d*sc*(q - 32)
         parts = [codes(128), codes(64), codes(16), half(1.5e-5, 2.5e-5)]
     return np.concatenate(parts, axis=1).reshape(rows, -1)

@@ -120,7 +120,8 @@ class GGUFFile:
         from servelab.model.gguf_tokenizer import build_tokenizer, special_tokens
         from servelab.model.tokenizer import Tokenizer
 
-        return Tokenizer(backend=build_tokenizer(self.metadata), chat_template=self.metadata.get("tokenizer.chat_template"),
+        return Tokenizer(backend=build_tokenizer(self.metadata),
+                         chat_template=self.metadata.get("tokenizer.chat_template"),
                          special_tokens=special_tokens(self.metadata))
 
     def hf_tensors(self, config: Any) -> "GGUFTensors":
