@@ -6,8 +6,8 @@ model serve every test of the module."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +31,18 @@ CHATS = [
 CODE = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
         "import json\n\nwith open('data.json') as f:\n"]
 MAX_TOKENS = 20
+
+
+@contextlib.contextmanager
+def one_thread():
+    """transformers' reference runs on one thread: a team of torch threads on a busy machine
+    stalls at every operation's barrier (a 20-token generate took minutes instead of seconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +90,9 @@ def test_tokenizer_equals_transformers(llm, hf, prompts):
 def test_greedy_equals_transformers_generate(hf, prompts, generated):
     _, model = hf
     ids = torch.tensor([prompts[0]])  # the mask given: the pad id (2, <|im_end|>) is in every chat prompt
-    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              eos_token_id=None, pad_token_id=2)[0, ids.shape[1]:].tolist()
+    with one_thread():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                  do_sample=False, eos_token_id=None, pad_token_id=2)[0, ids.shape[1]:].tolist()
     assert generated[0].token_ids == expected
     assert "def " in generated[0].text or "[::-1]" in generated[0].text  # "reverses a string" gets code
 
@@ -91,7 +104,7 @@ def test_every_greedy_token_and_logprob_matches_transformers(hf, prompts, genera
     _, model = hf
     worst = 0.0
     for prompt, output in zip(prompts, generated):
-        with torch.no_grad():
+        with torch.no_grad(), one_thread():
             logits = model(torch.tensor([prompt + output.token_ids])).logits[0, len(prompt) - 1:-1].float()
         reference = torch.log_softmax(logits, dim=-1)
         assert output.token_ids == reference.argmax(dim=-1).tolist()
