@@ -23,6 +23,7 @@ import pytest
 
 from servelab import cli
 from servelab.config import EngineConfig
+from servelab.model.named_models import NAMED_MODELS
 from servelab.workload import build_workload
 
 if sys.version_info >= (3, 11):
@@ -35,7 +36,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "exam
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"`([^`]+)`")
 PROGRAMS = ("servelab", "python", "python3", "pip")
-BUILTIN_MODELS = {"builtin:tiny", "builtin:tiny-draft", "builtin:tiny-random"}
+BUILTIN_MODELS = {"builtin:tiny", "builtin:tiny-draft", "builtin:tiny-random", *NAMED_MODELS}
 
 
 def _blocks(language: str) -> list[tuple[str, str]]:

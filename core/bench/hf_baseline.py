@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -16,7 +17,12 @@ def load_hf_model(checkpoint_dir: str, dtype: str, warm_up: list[BenchRequest] =
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=getattr(torch, dtype)).eval()
+    where: dict[str, Any] = {}
+    if checkpoint_dir.lower().endswith(".gguf"):  # transformers reads GGUF files from their folder
+        folder, name = os.path.split(checkpoint_dir)
+        checkpoint_dir, where = folder or ".", {"gguf_file": name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=getattr(torch, dtype),
+                                                              **where).eval()
     _generate(model, [attrs.evolve(r, max_tokens=2) for r in warm_up] or [BenchRequest([5, 6, 7], 2)])
     return model
 

@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a workload through several configs side by side")
     bench.add_argument("--config", dest="configs", action="append", default=[], metavar="FILE",
                        help="TOML config to compare (repeatable; default: the built-in defaults)")
-    bench.add_argument("--model", help="model for every config (checkpoint directory or builtin:<name>)")
+    bench.add_argument("--model", help="model for every config (checkpoint directory, .gguf file, builtin:<name> "
+                                       "or a named model such as smollm2-135m)")
     bench.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a value in every config (repeatable)")
     bench.add_argument("--workload", help="workload spec, e.g. 'skewed:num_requests=64' (the default: 'skewed'), "
@@ -145,8 +146,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint directory or builtin:<name> (default: the config's, "
-                                        "else builtin:tiny)")
+    parser.add_argument("--model", help="checkpoint directory, .gguf file, builtin:<name> or smollm2-135m "
+                                        "(default: the config's, else builtin:tiny)")
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable), e.g. --set engine.max_num_seqs=8")

@@ -17,6 +17,7 @@ rank packs only its own slices.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -80,18 +81,28 @@ class VocabParallelHead(nn.Module):
 
 
 class CheckpointSlices:
-    """Named tensors of a checkpoint's safetensors files, read a slice at a time."""
+    """Named tensors of a checkpoint's safetensors files, read a slice at a time (or of any
+    mapping of tensors, such as a GGUF file's, each read whole and then sliced: block
+    quantization does not slice by rows)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.bytes_read = 0
+        self._tensors = tensors
+        self._where: dict = {}
+        if tensors is not None:
+            self._where = {name: None for name in tensors}
+            return
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"checkpoint directory {str(path)!r} has no *.safetensors weights")
         self._handles = [safe_open(str(file), framework="pt", device="cpu") for file in files]
-        self._where = {}
         for handle in self._handles:
             for name in handle.keys():
                 self._where[name.removeprefix("model.")] = (handle, name)
-        self.bytes_read = 0
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> "CheckpointSlices":
+        return cls(checkpoint.path) if checkpoint.gguf is None else cls(None, checkpoint.tensors())
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -101,8 +112,11 @@ class CheckpointSlices:
         """The tensor, or its rows / columns [start, end); zero rows appended up to `pad_rows`."""
         if name not in self._where:
             raise CheckpointError(f"checkpoint is missing weight {name!r}")
-        handle, key = self._where[name]
-        piece = handle.get_slice(key)
+        if self._tensors is not None:
+            piece = self._tensors[name]
+        else:
+            handle, key = self._where[name]
+            piece = handle.get_slice(key)
         if rows is not None:
             tensor = piece[rows[0]:rows[1]]
         elif columns is not None:
@@ -138,7 +152,7 @@ def build_shard(checkpoint: Checkpoint, layout: ShardLayout, comm: Communicator,
     allocate_parameters(model, torch_device)  # once, in the target dtype
     if config.tie_word_embeddings:
         model.lm_head.projection.weight = model.embed_tokens.weight
-    _load_slices(model, CheckpointSlices(checkpoint.path), layout)
+    _load_slices(model, CheckpointSlices.of(checkpoint), layout)
     if prepack_weights and can_prepack(torch_device, torch_dtype):
         prepack_linears(model)
     release_freed_memory()

@@ -3,7 +3,9 @@ started with (`--chat-template`), or one a request brings (only when the server 
 request templates).
 
 A Hugging Face checkpoint carries its template in `chat_template.jinja` or in the
-`chat_template` key of `tokenizer_config.json`. It is rendered the way `transformers`
+`chat_template` key of `tokenizer_config.json`, a GGUF file in its `tokenizer.chat_template`
+metadata; either way it travels on the checkpoint's tokenizer (`Tokenizer.chat_template`,
+with the special tokens' texts it may name). It is rendered the way `transformers`
 renders it (a sandboxed jinja2 environment with `trim_blocks`, `lstrip_blocks`,
 `raise_exception`, `tojson`, `strftime_now`), and the result is tokenized without the
 tokenizer's own special tokens, because the template already writes them.
@@ -59,16 +61,19 @@ class ChatTemplate:
         return self if source is None else ChatTemplate(source, self._special_tokens)
 
     @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> "ChatTemplate":
+        """The template the checkpoint's tokenizer carries (`servelab.model.tokenizer.Tokenizer`:
+        from the checkpoint directory's files, or a GGUF file's metadata); missing when it carries none."""
+        if tokenizer is None:
+            return cls(None)
+        return cls(tokenizer.chat_template, tokenizer.special_tokens)
+
+    @classmethod
     def from_directory(cls, path: str | Path) -> "ChatTemplate":
-        """The template a checkpoint directory carries, or the plain default."""
-        path = Path(path)
-        config = _read_json(path / "tokenizer_config.json")
-        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        special = {name: text for name, text in special.items() if text is not None}
-        jinja_file = path / "chat_template.jinja"
-        if jinja_file.is_file():
-            return cls(jinja_file.read_text(encoding="utf-8"), special)
-        return cls(_pick_template(config.get("chat_template")), special)
+        """The template a checkpoint directory carries (missing when it carries none)."""
+        from servelab.model.tokenizer import read_chat_template
+
+        return cls(*read_chat_template(Path(path)))
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -128,30 +133,3 @@ def _compile(source: str) -> Any:
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _pick_template(value: Any) -> str | None:
-    """`chat_template` is a string, or a list of {"name", "template"} with a "default" one."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        template = named.get("default")
-        return template if isinstance(template, str) else None
-    return None

@@ -139,7 +139,7 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
     metrics.kv_bytes_per_token.labels(config.engine.kv_cache_dtype).set(checkpoint.config.kv_bytes_per_token(
         DTYPE_BYTES[config.engine.dtype], config.engine.kv_cache_dtype))
-    codec = TextCodec(checkpoint.tokenizer, chat_template(checkpoint.path, options.chat_template,
+    codec = TextCodec(checkpoint.tokenizer, chat_template(checkpoint.tokenizer, options.chat_template,
                                                           config.engine.model.startswith("builtin:")),
                       options.tokenizer_workers)
     stop_ray = False
@@ -244,14 +244,14 @@ async def _wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     return True
 
 
-def chat_template(path: Any, given: str | None, builtin: bool) -> Any:
+def chat_template(tokenizer: Any, given: str | None, builtin: bool) -> Any:
     """The server's chat template: `--chat-template` (a file, its text, or "plain"), else the
     checkpoint's own; servelab's built-in models speak the plain format."""
     from pathlib import Path
 
     from servelab.server.chat import ChatTemplate
 
-    own = ChatTemplate.from_directory(path) if path is not None else ChatTemplate(None)
+    own = ChatTemplate.from_tokenizer(tokenizer)
     if given is None:
         return ChatTemplate.plain_format() if own.is_missing and builtin else own
     if given == "plain":

@@ -53,6 +53,10 @@ def cache_root() -> Path:
     return Path(base)
 
 
+def names() -> list[str]:
+    return [BUILTIN_PREFIX + n for n in (*_PACKAGED, *_GENERATED)]
+
+
 def resolve(model: str) -> Path:
     """The checkpoint directory for a path or a `builtin:<name>` spec."""
     if not model.startswith(BUILTIN_PREFIX):
@@ -61,8 +65,7 @@ def resolve(model: str) -> Path:
     if name in _PACKAGED:
         return ASSETS / name
     if name not in _GENERATED:
-        raise CheckpointError(f"unknown built-in model {model!r}; available: "
-                              + ", ".join(BUILTIN_PREFIX + n for n in (*_PACKAGED, *_GENERATED)))
+        raise CheckpointError(f"unknown built-in model {model!r}; available: " + ", ".join(names()))
     path = cache_root() / name
     if not (path / "model.safetensors").is_file():
         _generate(path, _GENERATED[name])

@@ -1,14 +1,17 @@
-"""Building a ready-to-run decoder from a checkpoint directory or a built-in name."""
+"""Building a ready-to-run decoder from a checkpoint: a Hugging Face directory, a GGUF file
+(or a directory holding one), a built-in name or a named real model."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
 import torch
 
 from servelab.errors import CheckpointError
-from servelab.model import builtin
+from servelab.model import builtin, named_models
+from servelab.model.gguf_checkpoint import GGUFFile, find_gguf, is_gguf
 from servelab.model.kv_sizing import DTYPE_BYTES
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import release_freed_memory
@@ -23,21 +26,47 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}  # `[engine] dtype
 
 @attrs.frozen
 class Checkpoint:
-    """A checkpoint directory's config and tokenizer, read without touching weights."""
+    """A checkpoint's config and tokenizer, read without touching weights. `path` is the
+    directory, or the GGUF file (`gguf` is then that file, opened)."""
 
     path: Path
     config: ModelConfig
     tokenizer: Tokenizer | None
+    gguf: GGUFFile | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def open(cls, model: str) -> "Checkpoint":
-        path = builtin.resolve(model)
+        path = resolve_model(model)
+        if path.is_dir() and not list(path.glob("*.safetensors")):
+            path = find_gguf(path) or path
+        if is_gguf(path):
+            file = GGUFFile(path)
+            config = ModelConfig.from_dict(file.hf_config())
+            return cls(path, config, file.tokenizer(), file)
         if not path.is_dir():
-            raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+            raise CheckpointError(f"model {model!r} is neither a checkpoint directory nor a .gguf file, nor a "
+                                  f"known name ({', '.join(builtin.names() + list(named_models.NAMED_MODELS))})")
         config = ModelConfig.from_directory(path)
         if not list(path.glob("*.safetensors")):
-            raise CheckpointError(f"checkpoint directory {str(path)!r} has no *.safetensors weights")
+            raise CheckpointError(f"checkpoint directory {str(path)!r} has no *.safetensors weights "
+                                  f"(nor a .gguf file)")
         return cls(path, config, Tokenizer.from_directory(path))
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """The weights by Hugging Face name (no "model." prefix), each read when asked for."""
+        if self.gguf is not None:
+            return self.gguf.hf_tensors(self.config)
+        return read_checkpoint_tensors(self.path)
+
+
+def resolve_model(model: str) -> Path:
+    """Where `model` lives: `builtin:<name>`, a path, or a named model (when no such path exists)."""
+    if model.startswith(builtin.BUILTIN_PREFIX):
+        return builtin.resolve(model)
+    path = Path(model)
+    if not path.exists() and model in named_models.NAMED_MODELS:
+        return named_models.locate(model)
+    return path
 
 
 def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: int,
@@ -54,7 +83,7 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
     allocate_parameters(model, torch_device)  # once, in the target dtype
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    load_weights(model, read_checkpoint_tensors(checkpoint.path))
+    load_weights(model, checkpoint.tensors())
     if prepack_weights and can_prepack(torch_device, torch_dtype):
         prepack_linears(model, keep_weights=("lm_head",))
     release_freed_memory()
