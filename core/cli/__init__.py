@@ -9,7 +9,7 @@ import sys
 from typing import Sequence as Seq
 
 from servelab.bench.repetitions import DEFAULT_REPEATS
-from servelab.config import EngineConfig
+from servelab.config import WEIGHTS, EngineConfig
 from servelab.errors import ServelabError
 from servelab.logging_setup import configure_logging
 from servelab.registry import PluginRegistry
@@ -149,6 +149,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one config value (repeatable), e.g. --set engine.max_num_seqs=8")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
                         help="shard the model over N ranks (engine.tensor_parallel_size; see README, Parallelism)")
+    parser.add_argument("--weights", choices=WEIGHTS,
+                        help="keep the linear layers' weights quantized in memory: int8 or int4 (engine.weights; "
+                             "default: the config's, dequantize)")
 
 
 def load_config(args: argparse.Namespace) -> EngineConfig:
@@ -157,6 +160,8 @@ def load_config(args: argparse.Namespace) -> EngineConfig:
         config = config.with_overrides({"engine.model": args.model})
     if args.tensor_parallel_size is not None:
         config = config.with_overrides({"engine.tensor_parallel_size": args.tensor_parallel_size})
+    if args.weights is not None:
+        config = config.with_overrides({"engine.weights": args.weights})
     return config
 
 

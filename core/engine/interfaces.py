@@ -825,6 +825,16 @@ class PanelKernelsBackend(Protocol):
 
 
 @runtime_checkable
+class QuantKernelsBackend(Protocol):
+    """An attention backend whose library has a matmul on quantized weight blocks that the
+    model's quantized linears take (servelab.model.quantized_linear), or None while it is
+    not ready."""
+
+    @property
+    def quant_kernels(self) -> Any: ...
+
+
+@runtime_checkable
 class FinishAwareRouter(Protocol):
     """A router that keeps its own view of what it routed where."""
 
