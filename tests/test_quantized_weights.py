@@ -181,7 +181,37 @@ def test_engine_greedy_matches_transformers_on_the_dequantized_weights(checkpoin
     assert [o.token_ids for o in outputs] == expected
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 2 * 4 + 1
-    assert all((m._kernels is not None) == (build == "wait") for m in layers)
+    assert all((m.kernels is not None) == (build == "wait") for m in layers)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind, dtype, weights", [("llama3-rope-tied", "float32", "int4"), ("qwen2", "bfloat16", "int8")])
+def test_the_native_decoder_runs_quantized_layers_bit_identically(checkpoint_factory, kind, dtype, weights):
+    """With every linear quantized and handed the library's kernel, the whole decoder runs
+    in one native call (every step: head dims of 16, which the kernel tiles prompts for), giving
+    the Python loop's logits to the bit."""
+    path = checkpoint_factory(kind)
+    prompts = [[5, 9, 13, 2, 40, 7, 5, 9, 13, 2], list(range(3, 40)), [17]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    results, native_steps = {}, []
+    for native in (False, True):
+        llm = LLM(path, config={"attention": {"name": "cpu-paged", "build": "wait", "native_decoder": native}},
+                  dtype=dtype, max_model_len=128, weights=weights)
+        backend = llm.engine.runner.backend
+        forward = backend.decoder_forward
+
+        def counted(*args, forward=forward):
+            selected = forward(*args)
+            native_steps.append((native, selected is not None))
+            return selected
+
+        backend.decoder_forward = counted
+        outputs = llm.generate(prompts, params)
+        results[native] = [(o.token_ids, [{t: p.logprob for t, p in position.items()}
+                                          for position in o.outputs[0].logprobs]) for o in outputs]
+    assert results[True] == results[False]
+    assert [ran for native, ran in native_steps if native] and all(ran for native, ran in native_steps if native)
+    assert not any(ran for native, ran in native_steps if not native)
 
 
 def test_layers_hold_the_scheme_s_formats_and_the_head_keeps_its_plain_weight(checkpoint_factory):

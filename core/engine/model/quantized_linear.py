@@ -155,12 +155,12 @@ class QuantizedLinear(nn.Module):
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.format = weight.format
-        self._format_id = FORMAT_IDS[weight.format]
+        self.format_id = FORMAT_IDS[weight.format]
         self.register_buffer("blocks", weight.blocks, persistent=False)
         self.bias32 = None if bias is None else bias.detach().float().contiguous()
         if plain_weight is not None:  # the same Parameter: a tied embedding stays tied
             self.weight = plain_weight
-        self._kernels: QuantKernels | None = None
+        self.kernels: QuantKernels | None = None  # the library's kernel, once handed over (use_kernels)
         self._profile_name = "cpu_paged::quant_linear"
 
     @property
@@ -169,17 +169,17 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
-        if self._kernels is None:
+        if self.kernels is None:
             y = F.linear(x32, self.quantized_weight.dequantize(), self.bias32)
         elif torch.autograd._profiler_enabled():  # a library call is invisible to torch's profiler otherwise
             with record_function(self._profile_name):
-                y = self._kernels.quant_linear(x32, self.blocks, self._format_id, self.bias32)
+                y = self.kernels.quant_linear(x32, self.blocks, self.format_id, self.bias32)
         else:
-            y = self._kernels.quant_linear(x32, self.blocks, self._format_id, self.bias32)
+            y = self.kernels.quant_linear(x32, self.blocks, self.format_id, self.bias32)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def use_kernels(self, kernels: QuantKernels, profile_name: str = "cpu_paged::quant_linear") -> None:
-        self._kernels, self._profile_name = kernels, profile_name
+        self.kernels, self._profile_name = kernels, profile_name
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
@@ -192,7 +192,7 @@ def use_quant_kernels(root: nn.Module, kernels: Any) -> int:
         return 0
     moved = 0
     for name, module in root.named_modules():
-        if isinstance(module, QuantizedLinear) and module._kernels is not kernels:
+        if isinstance(module, QuantizedLinear) and module.kernels is not kernels:
             module.use_kernels(kernels, "cpu_paged::quant_lm_head" if name.endswith("lm_head")
                                else "cpu_paged::quant_linear")
             moved += 1
