@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt for the accuracy figures")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--weights", default=",".join(WEIGHTS), help="comma-separated; dequantize always runs")
+    parser.add_argument("--workload", default=WORKLOAD, help=f"the throughput workload (default {WORKLOAD})")
     parser.add_argument("--no-throughput", action="store_true", help="skip the batch-64 workload")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
@@ -152,23 +153,28 @@ def main() -> None:
                       max_num_batched_tokens=2048, **{"attention.name": "cpu-paged", "attention.build": "wait"})
             for name in names}
     vocab = llms["dequantize"].engine.model_config.vocab_size
-    workload = build_workload(WORKLOAD, vocab)
+    workload = build_workload(args.workload, vocab)
     warm = Workload("warm-up", tuple(sorted(workload.requests, key=lambda r: -len(r.prompt_token_ids))[:8]))
     for llm in llms.values():
         throughput(llm, warm)  # the kernels handed out, oneDNN's kernels generated
-    prompts = [list(r.prompt_token_ids[:128]) for r in workload.requests[:args.prompts]]
+    print("loaded and warmed up", flush=True)
+    accuracy_prompts = build_workload(WORKLOAD, vocab).requests  # the same prompts whatever --workload is
+    prompts = [list(r.prompt_token_ids[:128]) for r in accuracy_prompts[:args.prompts]]
     figures = {"model": args.model, "dtype": args.dtype, "read_bandwidth_gbs": bandwidth,
                "threads": torch.get_num_threads(), "accuracy": accuracy(llms, prompts, args.tokens), "speed": {}}
 
+    print("accuracy measured", flush=True)
     prompt = prompts[0]
     tpots = {name: [] for name in names}
     rates = {name: [] for name in names}
     for _ in range(args.repeats):  # interleaved: drift on a shared machine hits every variant alike
         for name, llm in llms.items():
             tpots[name].append(tpot_ms(llm, prompt))
+        print("tpot", {name: f"{values[-1]:.2f}" for name, values in tpots.items()}, flush=True)
         if not args.no_throughput:
             for name, llm in llms.items():
                 rates[name].append(throughput(llm, workload))
+            print("tok/s", {name: f"{values[-1]:.0f}" for name, values in rates.items()}, flush=True)
     for name, llm in llms.items():
         nbytes = weight_bytes_per_step(llm.engine.runner.model)
         figures["speed"][name] = {"weight_bytes_per_step": nbytes, "roofline_tpot_ms": nbytes / bandwidth / 1e6,
