@@ -144,6 +144,7 @@ def main() -> None:
     parser.add_argument("--weights", default=",".join(WEIGHTS), help="comma-separated; dequantize always runs")
     parser.add_argument("--workload", default=WORKLOAD, help=f"the throughput workload (default {WORKLOAD})")
     parser.add_argument("--no-throughput", action="store_true", help="skip the batch-64 workload")
+    parser.add_argument("--no-speed", action="store_true", help="accuracy only")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
     names = ["dequantize"] + [w for w in args.weights.split(",") if w and w != "dequantize"]
@@ -163,7 +164,17 @@ def main() -> None:
     figures = {"model": args.model, "dtype": args.dtype, "read_bandwidth_gbs": bandwidth,
                "threads": torch.get_num_threads(), "accuracy": accuracy(llms, prompts, args.tokens), "speed": {}}
 
-    print("accuracy measured", flush=True)
+    print(f"{args.model}, {args.dtype}, {figures['threads']} threads, read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{'weights':11} {'top-1 agree':>11} {'mean KL':>9} {'p99 KL':>9} {'free-run agree':>14} {'prefix':>7}")
+    for name, a in figures["accuracy"].items():
+        print(f"{name:11} {a['teacher_forced_top1_agreement']:11.4f} {a['mean_kl_nats']:9.2e} "
+              f"{a['p99_kl_nats']:9.2e} {a['free_running_token_agreement']:14.4f} {a['mean_common_prefix']:7.1f}",
+              flush=True)
+    if args.no_speed:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=2)
+        return
     prompt = prompts[0]
     tpots = {name: [] for name in names}
     rates = {name: [] for name in names}
@@ -180,11 +191,6 @@ def main() -> None:
         figures["speed"][name] = {"weight_bytes_per_step": nbytes, "roofline_tpot_ms": nbytes / bandwidth / 1e6,
                                   "tpot_ms": sorted(tpots[name]), "output_tokens_per_s": sorted(rates[name])}
 
-    print(f"{args.model}, {args.dtype}, {figures['threads']} threads, read bandwidth {bandwidth:.1f} GB/s")
-    print(f"{'weights':11} {'top-1 agree':>11} {'mean KL':>9} {'p99 KL':>9} {'free-run agree':>14} {'prefix':>7}")
-    for name, a in figures["accuracy"].items():
-        print(f"{name:11} {a['teacher_forced_top1_agreement']:11.4f} {a['mean_kl_nats']:9.2e} "
-              f"{a['p99_kl_nats']:9.2e} {a['free_running_token_agreement']:14.4f} {a['mean_common_prefix']:7.1f}")
     base = figures["speed"]["dequantize"]
     print(f"{'weights':11} {'MB/step':>8} {'roofline ms':>11} {'TPOT ms (min-max)':>20} {'/roofline':>9} "
           f"{'TPOT vs deq':>11} {'out tok/s (min-max)':>24} {'vs deq':>7}")
