@@ -9,7 +9,7 @@ import sys
 from typing import Sequence as Seq
 
 from servelab.bench.repetitions import DEFAULT_REPEATS
-from servelab.config import EngineConfig
+from servelab.config import WEIGHTS, EngineConfig
 from servelab.errors import ServelabError
 from servelab.logging_setup import configure_logging
 from servelab.model.kv_sizing import KV_CACHE_DTYPES
@@ -154,6 +154,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
                         help="shard the model over N ranks (engine.tensor_parallel_size; see README, Parallelism)")
     _add_kv_cache_dtype_argument(parser)
+    parser.add_argument("--weights", choices=WEIGHTS,
+                        help="keep the linear layers' weights quantized in memory: int8 or int4 (engine.weights; "
+                             "default: the config's, dequantize)")
 
 
 def _add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
@@ -170,6 +173,8 @@ def load_config(args: argparse.Namespace) -> EngineConfig:
         config = config.with_overrides({"engine.tensor_parallel_size": args.tensor_parallel_size})
     if args.kv_cache_dtype is not None:
         config = config.with_overrides({"engine.kv_cache_dtype": args.kv_cache_dtype})
+    if args.weights is not None:
+        config = config.with_overrides({"engine.weights": args.weights})
     return config
 
 

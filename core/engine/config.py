@@ -52,6 +52,7 @@ DEFAULT_POLICIES = {k.section: k.default for k in SELECTABLE_KINDS if k.default 
 DEFAULT_ROUTER = KINDS["routers"].default
 SECTIONS = ("engine", *POLICY_SECTIONS, *(k.section for k in KINDS.values() if not k.selectable))
 LOGPROBS_MODES = ("raw", "processed")
+WEIGHTS = ("dequantize", "int8", "int4")  # `[engine] weights` (servelab.model.quantized_linear)
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -91,6 +92,10 @@ class EngineSection:
     # On CPU, pack the decoder's linear weights for oneDNN's matmul kernels at load time
     # (2x+ faster than torch's default here); false keeps torch's default linear.
     prepack_weights: bool = True
+    # How the linear layers hold their weights on the CPU: "dequantize" (in `dtype`), or kept
+    # as quantized blocks, "int8" (q8_0) or "int4" (q4_1, the LM head q8_0), multiplied by a
+    # kernel that widens them as it reads (servelab.model.quantized_linear).
+    weights: str = "dequantize"
     # On CPU, how many compiled oneDNN kernels (and torch's oneDNN computations) stay cached:
     # one per linear shape and row count, ~0.4-1 MiB of generated code each; an evicted one
     # is rebuilt in ~0.25 ms when its row count comes back (servelab.model.onednn_caches).
@@ -113,6 +118,14 @@ class EngineSection:
                               f"got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"[engine] dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"[engine] weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.weights != "dequantize" and self.device != "cpu":
+            raise ConfigError(f"[engine] weights = {self.weights!r} runs on the CPU only (device is "
+                              f"{self.device!r}); use weights = \"dequantize\" there")
+        if self.weights != "dequantize" and self.tensor_parallel_size > 1:
+            raise ConfigError(f"[engine] weights = {self.weights!r} is not sharded over ranks yet; "
+                              f"tensor_parallel_size > 1 takes weights = \"dequantize\"")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"[engine] model must be a checkpoint path or builtin:<name>, got {self.model!r}")
 
@@ -252,7 +265,7 @@ def _engine_section(data: Any) -> EngineSection:
     unknown = sorted(set(data) - set(valid))
     if unknown:
         raise ConfigError(f"unknown key [engine] {unknown[0]!r}; valid keys: {', '.join(valid)}")
-    types = {"model": str, "dtype": str, "device": str, "seed": int, "logprobs_mode": str}
+    types = {"model": str, "dtype": str, "device": str, "seed": int, "logprobs_mode": str, "weights": str}
     for key, expected in types.items():
         if key in data and (not isinstance(data[key], expected) or isinstance(data[key], bool)):
             raise ConfigError(f"[engine] {key} must be a {expected.__name__}, got {data[key]!r}")

@@ -865,6 +865,28 @@ class PanelKernelsBackend(Protocol):
 
 
 @runtime_checkable
+class QuantKernelsBackend(Protocol):
+    """An attention backend whose library has a matmul on quantized weight blocks that the
+    model's quantized linears take (servelab.model.quantized_linear), or None while it is
+    not ready."""
+
+    @property
+    def quant_kernels(self) -> Any: ...
+
+
+@runtime_checkable
+class QuantizedLinearLayer(Protocol):
+    """A linear layer holding its weight as quantized blocks
+    (servelab.model.quantized_linear.QuantizedLinear), as a native decoder reads it."""
+
+    blocks: "torch.Tensor"  # uint8 [out_features, bytes a row] of GGML blocks
+    bias32: "torch.Tensor | None"
+    format_id: int  # the block format, as the library's quant_linear takes it
+    out_features: int
+    kernels: Any  # the library whose kernel it was handed, or None (the torch path)
+
+
+@runtime_checkable
 class FinishAwareRouter(Protocol):
     """A router that keeps its own view of what it routed where."""
 

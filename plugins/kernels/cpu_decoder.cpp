@@ -24,6 +24,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // cpu_linear.cpp
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         int64_t out_features);
+// cpu_quant.cpp
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
+                        const std::optional<at::Tensor>& bias, bool scalar);
 // cpu_paged.cpp
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                  const at::Tensor& slot_mapping);
@@ -46,10 +49,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight, c
 }
 
 struct Linear {
-  at::Tensor weight;  // packed for oneDNN (2-D), or the panels of cpu_linear.cpp (3-D or 4-D)
+  // packed for oneDNN (2-D), the panels of cpu_linear.cpp (3-D or 4-D), or quantized blocks
+  // (uint8, `format` >= 0; servelab.model.quantized_linear, whose bias is float32)
+  at::Tensor weight;
   Optional bias;
   int64_t out_features;
+  int64_t format = -1;
   at::Tensor operator()(const at::Tensor& x) const {
+    if (format >= 0) {  // as QuantizedLinear.forward: float32 in and out, then the input's dtype
+      if (x.scalar_type() == at::kFloat) return quant_linear(x, weight, format, bias, false);
+      return quant_linear(x.to(at::kFloat), weight, format, bias, false).to(x.scalar_type());
+    }
     return weight.dim() > 2 ? panel_linear(x, weight, bias, out_features) : packed_linear(x, weight, bias);
   }
 };
@@ -63,7 +73,8 @@ class Decoder {
  public:
   // layers[i] = [input norm, post-attention norm, qkv, qkv bias, o, o bias, gate_up, gate_up bias,
   // down, down bias] with None for an absent bias; the linears' weights are packed.
-  // out_features[i] = the output widths of layer i's qkv, o, gate_up and down.
+  // out_features[i] = the output widths of layer i's qkv, o, gate_up and down, optionally
+  // followed by each one's quantized block format (-1: a float weight).
   // mlp_rows_at_once: the MLP runs on at most this many rows at once, as the Python path does
   // (servelab.model.llama.MLP.by_row_chunks).
   Decoder(const std::vector<std::vector<Optional>>& layers, const std::vector<std::vector<int64_t>>& out_features,
@@ -78,10 +89,12 @@ class Decoder {
       const auto& t = layers[i];
       const auto& widths = out_features[i];
       TORCH_CHECK(t.size() == 10, "a layer is 10 tensors (norms, then each linear's weight and bias)");
-      TORCH_CHECK(widths.size() == 4, "a layer has 4 linears' output widths");
+      TORCH_CHECK(widths.size() == 4 || widths.size() == 8,
+                  "a layer has 4 linears' output widths (and optionally their block formats)");
       for (int j : {0, 1, 2, 4, 6, 8}) TORCH_CHECK(t[j].has_value(), "layer tensor ", j, " is missing");
-      layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3], widths[0]}, {*t[4], t[5], widths[1]},
-                              {*t[6], t[7], widths[2]}, {*t[8], t[9], widths[3]}});
+      auto format = [&](int j) { return widths.size() == 8 ? widths[4 + j] : int64_t{-1}; };
+      layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3], widths[0], format(0)}, {*t[4], t[5], widths[1], format(1)},
+                              {*t[6], t[7], widths[2], format(2)}, {*t[8], t[9], widths[3], format(3)}});
     }
   }
 

@@ -4,11 +4,12 @@ whose every row the C++ attention kernel attends.
 `native_decoder(kernels, model)` hands the C++ side the model's tensors once: the
 embedding, each layer's norms and packed linear weights (the `packed_weight`, or the
 `panels` once moved to the library's matmul, `bias` and `out_features` of
-servelab.model.packed_linear.PackedLinear), the final norm, the rotary tables and how many
-rows the MLP takes at once. It
-answers None for a model it cannot run (linears not packed for oneDNN, norms with
-different epsilons, weights and rotary tables of different dtypes), which then keeps the
-Python path.
+servelab.model.packed_linear.PackedLinear; for a QuantizedLinear of
+servelab.model.quantized_linear (servelab.interfaces.QuantizedLinearLayer) its `blocks`, float32 `bias32` and block format), the
+final norm, the rotary tables and how many rows the MLP takes at once. It answers None for
+a model it cannot run (linears neither packed for oneDNN nor quantized with this library's
+kernel, norms with different epsilons, weights and rotary tables of different dtypes),
+which then keeps the Python path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from servelab.interfaces import QuantizedLinearLayer
 
 
 def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
@@ -25,18 +28,35 @@ def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
                for layer in model.layers]
     dtype = model.embed_tokens.weight.dtype
     if (model.embed_tokens.weight.device.type != "cpu"
-            or any(not hasattr(linear, "panels") for group in linears for linear in group)
+            or any(not _runnable(linear, kernels) for group in linears for linear in group)
             or any(norm.eps != config.rms_norm_eps for norm in norms)
             or any(norm.weight.dtype != dtype for norm in norms)
             or model.rotary.cos.dtype != dtype):
         return None
     layers = [[layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-              + [tensor for linear in group
-                 for tensor in (linear.packed_weight if linear.panels is None else linear.panels, linear.bias)]
+              + [tensor for linear in group for tensor in _weight_and_bias(linear)]
               for layer, group in zip(model.layers, linears)]
     attention = model.layers[0].self_attn
-    out_features = [[linear.out_features for linear in group] for group in linears]
+    # each layer: its 4 output widths, then each linear's block format (-1: a float weight)
+    out_features = [[linear.out_features for linear in group] + [_format_id(linear) for linear in group]
+                    for group in linears]
     return kernels.Decoder(layers, out_features, model.embed_tokens.weight.detach(), model.norm.weight.detach(),
                            model.rotary.cos, model.rotary.sin, config.rms_norm_eps, attention.scale,
                            attention.num_heads, attention.num_kv_heads, attention.head_dim,
                            model.layers[0].mlp.rows_at_once)
+
+
+def _runnable(linear: torch.nn.Module, kernels: Any) -> bool:
+    if isinstance(linear, QuantizedLinearLayer):
+        return linear.kernels is kernels  # handed this library's kernel (before, the torch path)
+    return hasattr(linear, "panels")
+
+
+def _weight_and_bias(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(linear, QuantizedLinearLayer):
+        return linear.blocks, linear.bias32
+    return (linear.packed_weight if linear.panels is None else linear.panels), linear.bias
+
+
+def _format_id(linear: torch.nn.Module) -> int:
+    return linear.format_id if isinstance(linear, QuantizedLinearLayer) else -1

@@ -925,11 +925,13 @@ bool tiles_prompts(int64_t head_dim) { return vectorised(head_dim); }
 void register_layer_ops(pybind11::module& m);  // cpu_layer_ops.cpp
 void register_decoder(pybind11::module& m);  // cpu_decoder.cpp
 void register_linear(pybind11::module& m);  // cpu_linear.cpp
+void register_quant(pybind11::module& m);  // cpu_quant.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_ops(m);
   register_decoder(m);
   register_linear(m);
+  register_quant(m);
   m.def("write_cache", &write_cache, "store new K/V rows at their cache slots");
   m.def("attend", &attend, "paged attention for the given sequences' query rows");
   m.def("tiles_prompts", &tiles_prompts, "whether prompt rows take the tiled path for this head dim");

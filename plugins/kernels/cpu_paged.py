@@ -16,7 +16,8 @@ Python dispatch (`layer_ops = false` keeps torch's), and, for steps whose every 
 kernel attends, the whole decoder in one native call (`decoder_forward`, see cpu_decoder;
 `native_decoder = false` keeps the Python loop over layers), and a matmul the model's
 linear layers move to (`panel_kernels`, see cpu_linear.cpp; `panel_linears = false` keeps
-oneDNN's).
+oneDNN's), and a matmul on quantized weight blocks for quantized linear layers
+(`quant_kernels`, see cpu_quant.cpp).
 
 The kernels compile on first use (see cpu_build) and are cached for later starts; an engine
 that starts before they are cached (or where they cannot be built) serves every row on
@@ -112,6 +113,13 @@ class CpuPagedAttention(TorchPagedAttention):
         """The library's matmul for the model's packed linear layers, once the kernels are
         ready (see servelab.model.packed_linear.use_panel_linears)."""
         return self._kernels if self.cpu_options.panel_linears else None
+
+    @property
+    def quant_kernels(self):
+        """The library's matmul on quantized weight blocks, for a model loaded with
+        `[engine] weights = "int8"` or `"int4"` (see servelab.model.quantized_linear), once
+        the kernels are ready."""
+        return self._kernels
 
     def decoder_forward(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], prepared,

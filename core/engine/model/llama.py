@@ -11,7 +11,9 @@ Python dispatch per layer and fewer temporaries. The results agree to float roun
 same ops for the whole decoder in one native call (`backend.decoder_forward`), which
 answers None for the steps it leaves to this module, and a matmul that the
 oneDNN-packed linear layers move to (`backend.panel_kernels`, see
-servelab.model.packed_linear.use_panel_linears).
+servelab.model.packed_linear.use_panel_linears), and a matmul on quantized weight blocks
+that quantized linear layers take (`backend.quant_kernels`, see
+servelab.model.quantized_linear).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from servelab.interfaces import LayerOpsBackend, NativeDecoderBackend, PanelKernelsBackend
+from servelab.interfaces import LayerOpsBackend, NativeDecoderBackend, PanelKernelsBackend, QuantKernelsBackend
 from servelab.model.model_config import ModelConfig
 from servelab.model.packed_linear import use_panel_linears
+from servelab.model.quantized_linear import use_quant_kernels
 from servelab.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -193,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
         self._panel_kernels = None  # the backend library whose matmul the packed linears moved to
+        self._quant_kernels = None  # the backend library whose kernel the quantized linears took
 
     @torch.inference_mode()
     def forward(
@@ -204,11 +208,15 @@ class LlamaForCausalLM(nn.Module):
         prepared: Any,
         logits_indices: torch.Tensor,  # [S] rows of the batch whose next-token logits are wanted
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, vocab] float32, hidden [S, hidden]
-        has_panels, has_ops, has_decoder = _capabilities(backend)
+        has_panels, has_ops, has_decoder, has_quant = _capabilities(backend)
         panel_kernels = backend.panel_kernels if has_panels else None
         if panel_kernels is not None and self._panel_kernels is not panel_kernels:
             use_panel_linears(self, panel_kernels)
             self._panel_kernels = panel_kernels
+        quant_kernels = backend.quant_kernels if has_quant else None
+        if quant_kernels is not None and self._quant_kernels is not quant_kernels:
+            use_quant_kernels(self, quant_kernels)
+            self._quant_kernels = quant_kernels
         ops = backend.layer_ops if has_ops else None
         if ops is not None and self._fusable(input_ids):
             selected = None
@@ -243,15 +251,16 @@ class LlamaForCausalLM(nn.Module):
         return ops.rms_norm(selected, self.norm.weight, self.norm.eps)
 
 
-_CAPABILITIES: dict[type, tuple[bool, bool, bool]] = {}
+_CAPABILITIES: dict[type, tuple[bool, bool, bool, bool]] = {}
 
 
-def _capabilities(backend: Any) -> tuple[bool, bool, bool]:
-    """What a backend offers the model (panel matmul, layer ops, native decoder), once per class."""
+def _capabilities(backend: Any) -> tuple[bool, bool, bool, bool]:
+    """What a backend offers the model (panel matmul, layer ops, native decoder, quantized
+    matmul), once per class."""
     kind = type(backend)
     if kind not in _CAPABILITIES:
         _CAPABILITIES[kind] = (isinstance(backend, PanelKernelsBackend), isinstance(backend, LayerOpsBackend),
-                               isinstance(backend, NativeDecoderBackend))
+                               isinstance(backend, NativeDecoderBackend), isinstance(backend, QuantKernelsBackend))
     return _CAPABILITIES[kind]
 
 

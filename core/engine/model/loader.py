@@ -17,6 +17,7 @@ from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import release_freed_memory
 from servelab.model.model_config import ModelConfig
 from servelab.model.packed_linear import can_prepack, prepack_linears
+from servelab.model.quantized_linear import quantize_linears
 from servelab.model.rope import RotaryEmbedding
 from servelab.model.tokenizer import Tokenizer
 from servelab.model.weights import load_weights, read_checkpoint_tensors
@@ -70,9 +71,11 @@ def resolve_model(model: str) -> Path:
 
 
 def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: int,
-               prepack_weights: bool = False) -> LlamaForCausalLM:
+               prepack_weights: bool = False, weights: str = "dequantize") -> LlamaForCausalLM:
     """The checkpoint's decoder in `dtype` on `device`; with `prepack_weights` (CPU), the
-    decoder's linear layers and LM head packed for oneDNN (see servelab.model.packed_linear)."""
+    decoder's linear layers and LM head packed for oneDNN (see servelab.model.packed_linear);
+    with `weights` "int8" or "int4" they are kept as quantized blocks instead
+    (servelab.model.quantized_linear)."""
     torch_dtype = DTYPES[dtype]
     torch_device = torch.device(device)
     config = checkpoint.config
@@ -84,6 +87,8 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, checkpoint.tensors())
+    if weights != "dequantize":
+        quantize_linears(model, weights)
     if prepack_weights and can_prepack(torch_device, torch_dtype):
         prepack_linears(model, keep_weights=("lm_head",))
     release_freed_memory()

@@ -1,0 +1,278 @@
+"""`[engine] weights = "int8" | "int4"`: linear layers that keep GGML blocks (q8_0, q4_0,
+q4_1) in memory. The blocks are bit for bit what the `gguf` package's reference quantizers
+make; the kernel (AVX-512, AVX2 and scalar paths) matches a float64 matmul of the blocks
+as `gguf` dequantizes them; an engine on quantized weights decodes greedily as
+`transformers` does on those dequantized weights; the torch path serves where the library
+is not loaded. Accuracy against the float model and speed are measured, not asserted:
+examples/measurements/quantized_weights.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from servelab import LLM, SamplingParams
+from servelab.config import EngineConfig
+from servelab.errors import ConfigError
+from servelab.model.quantized_linear import (BLOCK_BYTES, FORMAT_IDS, QuantizedLinear, QuantizedWeight,
+                                             quantize_linears)
+from servelab.plugins.kernels.cpu_build import kernel_build
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: quantized layers take the torch path")
+GGML_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+              "q4_1": GGMLQuantizationType.Q4_1}
+FORMATS = list(BLOCK_BYTES)
+
+
+def _gguf_blocks(weight: torch.Tensor, format: str) -> torch.Tensor:
+    """gguf's reference blocks of `weight`, its rows padded with zeros to whole blocks."""
+    padded = F.pad(weight.float(), (0, -weight.shape[1] % 32))
+    return torch.from_numpy(gguf_quants.quantize(padded.numpy(), GGML_TYPES[format]))
+
+
+def _gguf_dequantized(blocks: torch.Tensor, format: str, in_features: int) -> torch.Tensor:
+    return torch.from_numpy(gguf_quants.dequantize(blocks.numpy(), GGML_TYPES[format]))[:, :in_features]
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("shape", [(5, 32), (70, 100), (13, 576), (1, 7)])
+def test_blocks_are_the_gguf_reference_bit_for_bit(format, shape):
+    """Quantized as ggml-quants.c does (as `gguf` reimplements it), zero and one-sided blocks
+    included; dequantized to the same floats."""
+    generator = torch.Generator().manual_seed(shape[0] * shape[1])
+    weight = torch.randn(shape, generator=generator) * torch.rand(shape[0], 1, generator=generator) * 4
+    weight[0, : min(32, shape[1])] = 0  # a block of zeros: scale 0
+    if shape[0] > 1:
+        weight[1] = weight[1].abs()  # every value of the row's blocks positive
+    quantized = QuantizedWeight.quantize(weight, format)
+    expected = _gguf_blocks(weight, format)
+    assert quantized.blocks.dtype == torch.uint8 and torch.equal(quantized.blocks, expected)
+    assert torch.equal(quantized.dequantize(), _gguf_dequantized(expected, format, shape[1]))
+    assert quantized.nbytes == shape[0] * -(-shape[1] // 32) * BLOCK_BYTES[format]
+
+
+def _kernels():
+    kernels = kernel_build().wait()
+    if kernels is None:
+        pytest.skip(f"the kernels did not build: {kernel_build().error}")
+    return kernels
+
+
+@needs_compiler
+def test_the_kernel_takes_the_path_of_the_cpu():
+    """The vector path this CPU's build has (what ATEN_CPU_CAPABILITY names, when it is set)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert _kernels().quant_path() == {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "scalar")
+
+
+@needs_compiler
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("out_features, in_features", [(1, 32), (70, 100), (211, 13), (9, 576), (130, 1536)])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("scalar", [False, True], ids=["vector", "scalar"])
+def test_kernel_matches_a_float64_matmul_of_the_gguf_dequantized_weight(format, out_features, in_features, bias,
+                                                                         scalar):
+    """Every remainder of output rows a task takes (1-4), a last block padded past
+    in_features, 1-4 rows of x (weights widened in registers) and more (widened once into a
+    scratch row: 5, 6, 7, 13, 64), no rows, leading dims and a strided input. Float32 sums
+    of K products of ~1 drift by ~1e-7 x K; a wrong weight, scale or nibble is off by ~1."""
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(out_features * 7 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    blocks = _gguf_blocks(weight, format)
+    dequantized = _gguf_dequantized(blocks, format, in_features).double()
+    b = torch.randn(out_features, generator=generator) if bias else None
+
+    def check(x):
+        expected = F.linear(x.double(), dequantized, None if b is None else b.double())
+        got = kernels.quant_linear(x, blocks, FORMAT_IDS[format], b, scalar)
+        assert got.dtype == torch.float32 and got.shape == (*x.shape[:-1], out_features)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6 * in_features)
+
+    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 13, 64):
+        check(torch.randn(rows, in_features, generator=generator))
+    check(torch.randn(2, 3, 2 * in_features, generator=generator)[..., ::2])
+
+
+@needs_compiler
+def test_kernel_refuses_mismatched_inputs():
+    kernels = _kernels()
+    blocks = QuantizedWeight.quantize(torch.randn(8, 64), "q4_1").blocks
+    with pytest.raises(RuntimeError, match="x has 96 features, which take 3 blocks of 20 bytes a row; "
+                                           "the weight has 40 bytes a row"):
+        kernels.quant_linear(torch.randn(2, 96), blocks, FORMAT_IDS["q4_1"])
+    with pytest.raises(RuntimeError, match="x must be a float32 tensor"):
+        kernels.quant_linear(torch.randn(2, 64, dtype=torch.bfloat16), blocks, FORMAT_IDS["q4_1"])
+    with pytest.raises(RuntimeError, match="format must be 0 \\(q8_0\\), 1 \\(q4_0\\) or 2 \\(q4_1\\), got 7"):
+        kernels.quant_linear(torch.randn(2, 64), blocks, 7)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 tensor of 8 values"):
+        kernels.quant_linear(torch.randn(2, 64), blocks, FORMAT_IDS["q4_1"], torch.randn(7))
+    with pytest.raises(RuntimeError, match="blocks must be a contiguous 2-D uint8 tensor"):
+        kernels.quant_linear(torch.randn(2, 64), blocks.float(), FORMAT_IDS["q4_1"])
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_torch_path_and_the_kernel_agree(format, dtype):
+    """Before the library is loaded (or without a compiler) a layer dequantizes with torch;
+    once it has the kernel, the same outputs to float rounding, in the input's dtype."""
+    generator = torch.Generator().manual_seed(3)
+    linear = nn.Linear(100, 70).to(dtype)
+    layer = QuantizedLinear(QuantizedWeight.quantize(linear.weight, format), linear.bias)
+    x = torch.randn(5, 100, generator=generator).to(dtype)
+    on_torch = layer(x)
+    expected = F.linear(x.double(), _gguf_dequantized(_gguf_blocks(linear.weight.detach(), format), format,
+                                                      100).double(), linear.bias.double())
+    assert on_torch.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(on_torch.double(), expected, **tolerance)
+    if HAS_COMPILER:
+        layer.use_kernels(_kernels())
+        torch.testing.assert_close(layer(x).double(), on_torch.double(), **tolerance)
+
+
+def _dequantized_checkpoint(source: str, target, weights: str) -> str:
+    """`source`'s checkpoint with every linear weight replaced by gguf's dequantization of the
+    blocks `weights` keeps (int4: q4_1, the LM head q8_0), for transformers to run."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    decoder_format, head_format = {"int8": ("q8_0", "q8_0"), "int4": ("q4_1", "q8_0")}[weights]
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                format = head_format if name == "lm_head" else decoder_format
+                module.weight.copy_(_gguf_dequantized(_gguf_blocks(module.weight, format), format,
+                                                      module.in_features))
+    model.save_pretrained(target)
+    return str(target)
+
+
+@pytest.mark.parametrize("kind, weights, build", [("llama", "int8", "wait"), ("llama", "int4", "wait"),
+                                                  ("qwen2", "int4", "wait"), ("llama", "int4", "never")])
+def test_engine_greedy_matches_transformers_on_the_dequantized_weights(checkpoint_factory, tmp_path, kind,
+                                                                        weights, build):
+    """A quantized model is a float model whose weights are the blocks' values: servelab on
+    the blocks decodes greedily as transformers does on gguf's dequantization of them (odd
+    widths: a last block padded; Qwen2's biases; `build = "never"`: the torch path)."""
+    import transformers
+
+    if build == "wait" and not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    path = checkpoint_factory(kind)
+    reference = _dequantized_checkpoint(path, tmp_path / "dequantized", weights)
+    prompts = [[5, 9, 13, 2, 40, 7], list(range(3, 40)), [17]]
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(path, max_model_len=128, weights=weights, **{"attention.name": "cpu-paged", "attention.build": build})
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 2 * 4 + 1
+    assert all((m.kernels is not None) == (build == "wait") for m in layers)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind, dtype, weights", [("llama3-rope-tied", "float32", "int4"), ("qwen2", "bfloat16", "int8")])
+def test_the_native_decoder_runs_quantized_layers_bit_identically(checkpoint_factory, kind, dtype, weights):
+    """With every linear quantized and handed the library's kernel, the whole decoder runs
+    in one native call (every step: head dims of 16, which the kernel tiles prompts for), giving
+    the Python loop's logits to the bit."""
+    path = checkpoint_factory(kind)
+    prompts = [[5, 9, 13, 2, 40, 7, 5, 9, 13, 2], list(range(3, 40)), [17]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    results, native_steps = {}, []
+    for native in (False, True):
+        llm = LLM(path, config={"attention": {"name": "cpu-paged", "build": "wait", "native_decoder": native}},
+                  dtype=dtype, max_model_len=128, weights=weights)
+        backend = llm.engine.runner.backend
+        forward = backend.decoder_forward
+
+        def counted(*args, forward=forward):
+            selected = forward(*args)
+            native_steps.append((native, selected is not None))
+            return selected
+
+        backend.decoder_forward = counted
+        outputs = llm.generate(prompts, params)
+        results[native] = [(o.token_ids, [{t: p.logprob for t, p in position.items()}
+                                          for position in o.outputs[0].logprobs]) for o in outputs]
+    assert results[True] == results[False]
+    assert [ran for native, ran in native_steps if native] and all(ran for native, ran in native_steps if native)
+    assert not any(ran for native, ran in native_steps if not native)
+
+
+def test_layers_hold_the_scheme_s_formats_and_the_head_keeps_its_plain_weight(checkpoint_factory):
+    llm = LLM(checkpoint_factory("llama3-rope-tied"), max_model_len=64, weights="int4")
+    model = llm.engine.runner.model
+    formats = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert formats.pop("lm_head") == "q8_0" and set(formats.values()) == {"q4_1"} and len(formats) == 8
+    assert model.lm_head.weight is model.embed_tokens.weight  # the tied embedding still reads it
+    assert not [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def test_blocks_handed_over_are_kept_as_they_are():
+    """The entry point for blocks a file already holds (a GGUF checkpoint's): used verbatim,
+    in their own format, shape-checked, every name accounted for."""
+    model = nn.Module()
+    model.proj, model.lm_head = nn.Linear(64, 8), nn.Linear(64, 5, bias=False)
+    given = QuantizedWeight.from_blocks("q4_0", QuantizedWeight.quantize(torch.randn(8, 64), "q4_0").blocks, 64)
+    assert quantize_linears(model, "int8", given={"proj": given}) == 2
+    assert model.proj.blocks is given.blocks and model.proj.format == "q4_0" and model.lm_head.format == "q8_0"
+    with pytest.raises(ValueError, match="q4_0 blocks of a weight with 64 input features must be uint8 \\[rows, 36\\]"):
+        QuantizedWeight.from_blocks("q4_0", torch.zeros(8, 40, dtype=torch.uint8), 64)
+    fresh = nn.Module()
+    fresh.proj = nn.Linear(64, 8)
+    with pytest.raises(ValueError, match="blocks given for layers the model does not have: layers.0.up"):
+        quantize_linears(fresh, "int4", given={"layers.0.up": given})
+    fresh.proj = nn.Linear(64, 9)
+    with pytest.raises(ValueError, match="blocks given for proj are \\[8, 64\\], the layer is \\[9, 64\\]"):
+        quantize_linears(fresh, "int4", given={"proj": given})
+    stacked = given.concat(given)
+    assert stacked.out_features == 16 and torch.equal(stacked.dequantize()[8:], given.dequantize())
+
+
+def test_the_option_flows_from_config_and_is_checked():
+    assert EngineConfig.load(None).engine.weights == "dequantize"
+    assert EngineConfig.load(None).with_set_options(["engine.weights=int4"]).engine.weights == "int4"
+    with pytest.raises(ConfigError, match="\\[engine\\] weights must be one of dequantize, int8, int4, got 'int3'"):
+        EngineConfig.load(None).with_overrides({"engine.weights": "int3"})
+    with pytest.raises(ConfigError, match="runs on the CPU only"):
+        EngineConfig.load(None).with_overrides({"engine.weights": "int8", "engine.device": "cuda"})
+    with pytest.raises(ConfigError, match="not sharded over ranks yet"):
+        EngineConfig.load(None).with_overrides({"engine.weights": "int8", "engine.tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="\\[engine\\] weights must be a str, got 8"):
+        EngineConfig.load({"engine": {"weights": 8}})
+
+
+def test_the_cli_takes_weights():
+    from servelab.cli import load_config, parse_args
+
+    assert load_config(parse_args(["generate", "--weights", "int8", "--prompt", "x"])).engine.weights == "int8"
+    with pytest.raises(SystemExit):
+        parse_args(["generate", "--weights", "int2", "--prompt", "x"])
+
+
+@needs_compiler
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or os.environ.get("ATEN_CPU_CAPABILITY"),
+                    reason="the CPU has no AVX-512: the rest of this file already runs the AVX2 build")
+def test_the_avx2_build_passes_too():
+    """On an AVX-512 CPU, the AVX2 path (8-wide) is what AVX2-only CPUs run: build it and run
+    this file's kernel checks on it."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "kernel and not avx2_build"], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
