@@ -21,6 +21,9 @@ KV blocks (`servelab.kit.blocks`, `servelab.kit.prefix`, `servelab.kit.eviction`
   over a `PrefixIndex` (match, insert, eviction candidates), evicting in the order of the
   context's eviction policy. `radix` and `hash` are this class over two indexes.
 - `KeyedEviction`, `LeastRecentlyUsed`: eviction policies as one sort key.
+- `HostTier` (`servelab.kit.tier`): the host KV tier below the device pool
+  (`[kv_offload]`): prefix blocks the cache evicts, swapped-out sequences, the moves
+  the runner performs.
 
 A plugin imports these from `servelab.kit` (part of the public surface, like
 `servelab.interfaces`); the contracts of `servelab.testing` hold for what it builds.
@@ -30,6 +33,7 @@ from servelab.kit.continuous import ContinuousOptions, ContinuousScheduler
 from servelab.kit.blocks import FreeBlocks, PagedAllocator, SeqBlocks, blocks_for
 from servelab.kit.eviction import KeyedEviction, LeastRecentlyUsed, checked_choice
 from servelab.kit.prefix import PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
+from servelab.kit.tier import HostTier
 from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, option_or
 from servelab.kit.victims import VICTIMS, check_victim, checked_victim
 
@@ -37,6 +41,7 @@ __all__ = [
     "ContinuousOptions",
     "ContinuousScheduler",
     "FreeBlocks",
+    "HostTier",
     "KeyedEviction",
     "LeastRecentlyUsed",
     "PagedAllocator",
