@@ -170,7 +170,7 @@ def _build_host_tier(config: EngineConfig, registry: PluginRegistry, eviction: R
                             config.eviction.name)
     policy = build_policy(eviction, options, EvictionContext(num_blocks, engine.block_size))
     block_bytes = model.kv_bytes_per_token(DTYPE_BYTES[engine.dtype]) * engine.block_size
-    return HostTier(num_blocks, engine.block_size, int(block_bytes), policy)
+    return HostTier(num_blocks, engine.block_size, policy, int(block_bytes))
 
 
 def _attach_host_tier(config: EngineConfig, runner: Any, host_tier: HostTier, allocator: Any) -> None:

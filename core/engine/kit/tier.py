@@ -44,7 +44,7 @@ class HostTier:
     """`num_blocks` host blocks of `block_bytes` each: cached prefix blocks and swapped
     sequences, with eviction of cached ones by `eviction` (an EvictionPolicy; None: LRU)."""
 
-    def __init__(self, num_blocks: int, block_size: int, block_bytes: int = 0, eviction: Any = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: Any = None, block_bytes: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
