@@ -141,3 +141,18 @@ def test_file_backed_tier(llama_checkpoint, reference, tmp_path):
     got = [llm.generate([prompt], greedy())[0].token_ids for prompt in make_prompts()]
     assert got == reference
     assert path.stat().st_size > 0 and llm.engine.host_tier.stats().host_hit_blocks > 0
+
+
+def test_tier_numbers_reach_metrics():
+    from servelab.interfaces import AllocatorStats, SchedulerStats, TierStats
+    from servelab.server.engine_core import EngineSnapshot
+    from servelab.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    tier = TierStats(num_host_blocks=8, num_host_free=5, num_host_cached=2, num_host_swapped=1, block_bytes=100,
+                     num_offloads=4, num_loads=3, moves_last_step=2, bytes_last_step=200)
+    metrics.observe({}, EngineSnapshot(SchedulerStats(0, 0, 0), AllocatorStats(10, 4, 6), tier=tier))
+    text = metrics.render().decode()
+    assert 'servelab_kv_tier_blocks{state="swapped",tier="host"} 1.0' in text
+    assert 'servelab_kv_tier_moves{kind="offload"} 4.0' in text
+    assert "servelab_kv_tier_bytes_moved 700.0" in text

@@ -113,12 +113,14 @@ class StepCounter:
 
     def __init__(self) -> None:
         self.num_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.tier_stats: Any = None
 
     @servelab.hookimpl
     def servelab_step_finished(self, engine: Any, report: Any) -> None:
         self.num_steps += 1
         self.num_draft_tokens += report.num_draft_tokens
         self.num_accepted_tokens += report.num_accepted_tokens
+        self.tier_stats = report.tier_stats  # the host KV tier's, from the last step (None without one)
 
 
 class EngineCore:
@@ -207,7 +209,7 @@ class EngineCore:
         self._last_snapshot = EngineSnapshot(self.engine.scheduler.stats(), self.engine.allocator.stats(),
                                              counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens,
                                              running_tokens, preparing,
-                                             self.engine.host_tier.stats() if self.engine.host_tier else None)
+                                             counter.tier_stats)
         return self._last_snapshot
 
     def _serve(self, in_flight: set[str]) -> None:
