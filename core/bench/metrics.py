@@ -95,9 +95,26 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
         "slot_steps_used": slot_steps_used,
         "slot_steps_wasted": slot_steps_wasted,
         "preemptions": record.preemptions,
+        **_tiers(reports),
         "steps": len(reports),
         "engine_overhead_ms_at_max_batch": _overhead_at_max_batch(reports),
         "stage_profile": stage_profile(reports),
+    }
+
+
+def _tiers(reports) -> dict[str, Any]:
+    """The host KV tier's traffic over the run ([kv_offload]); empty without one."""
+    tiers = [r.tier_stats for r in reports if r.tier_stats is not None]
+    if not tiers:
+        return {}
+    first, last = tiers[0], tiers[-1]
+    moves = [t.moves_last_step for t in tiers]
+    return {
+        "host_blocks_used_peak": max(t.num_host_used for t in tiers),
+        "kv_moves_per_step": sum(moves) / len(moves),
+        "kv_bytes_moved": sum(t.bytes_last_step for t in tiers),
+        "host_hit_blocks": last.host_hit_blocks - first.host_hit_blocks,
+        "swap_outs": last.num_swap_outs - first.num_swap_outs,
     }
 
 

@@ -50,7 +50,7 @@ SELECTABLE_KINDS: tuple[PolicyKind, ...] = tuple(k for k in KINDS.values() if k.
 POLICY_SECTIONS = tuple(k.section for k in SELECTABLE_KINDS)  # sections that choose a policy by name
 DEFAULT_POLICIES = {k.section: k.default for k in SELECTABLE_KINDS if k.default is not None and not k.optional}
 DEFAULT_ROUTER = KINDS["routers"].default
-SECTIONS = ("engine", *POLICY_SECTIONS, *(k.section for k in KINDS.values() if not k.selectable))
+SECTIONS = ("engine", *POLICY_SECTIONS, *(k.section for k in KINDS.values() if not k.selectable), "kv_offload")
 LOGPROBS_MODES = ("raw", "processed")
 WEIGHTS = ("dequantize", "int8", "int4")  # `[engine] weights` (servelab.model.quantized_linear)
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -130,6 +130,42 @@ class EngineSection:
             raise ConfigError(f"[engine] model must be a checkpoint path or builtin:<name>, got {self.model!r}")
 
 
+def _host_memory(value: int | str) -> int:
+    try:
+        return parse_memory(value) if value != 0 else 0
+    except ConfigError:
+        raise ConfigError(f"[kv_offload] host_memory must be bytes or a size like '4GiB', got {value!r}") from None
+
+
+_non_negative = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0))
+
+
+@attrs.frozen(kw_only=True)
+class KVOffloadSection:
+    """The `[kv_offload]` section: the host KV tier below the device pool (off by default).
+
+    Its size is `host_blocks` blocks of the device pool's block size, or `host_memory`
+    bytes (divided like `kv_cache_memory`); `path` memory-maps it from a file instead of
+    anonymous host memory. Blocks a prefix cache evicts go down to it, and swap
+    preemption (`[scheduler] preemption_mode = "swap"`) keeps victims' KV there."""
+
+    host_blocks: int = attrs.field(default=0)
+    host_memory: int = attrs.field(default=0, converter=_host_memory)
+    path: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.host_blocks, bool) or not isinstance(self.host_blocks, int) or self.host_blocks < 0:
+            raise ConfigError(f"[kv_offload] host_blocks must be a non-negative integer, got {self.host_blocks!r}")
+        if self.host_blocks and self.host_memory:
+            raise ConfigError("[kv_offload] takes host_blocks or host_memory, not both")
+        if not isinstance(self.path, str):
+            raise ConfigError(f"[kv_offload] path must be a file path, got {self.path!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_blocks or self.host_memory)
+
+
 @attrs.frozen
 class PolicySection:
     """A section choosing one policy of its kind: `[allocator]`, `[scheduler]`, ..."""
@@ -157,6 +193,7 @@ def _policy_field(kind: PolicyKind) -> Any:
     "engine": attrs.field(factory=EngineSection),
     **{kind.section: _policy_field(kind) for kind in SELECTABLE_KINDS},
     "logits_processors": attrs.field(factory=LogitsProcessorsSection),
+    "kv_offload": attrs.field(factory=KVOffloadSection),
 })
 class EngineConfig:
     """The whole configuration. Build with `from_toml`, `from_dict` or `load`.
@@ -184,6 +221,8 @@ class EngineConfig:
                 kwargs[section] = _policy_section(section, data[section])
         if "logits_processors" in data:
             kwargs["logits_processors"] = _processors_section(data["logits_processors"])
+        if "kv_offload" in data:
+            kwargs["kv_offload"] = _kv_offload_section(data["kv_offload"])
         return cls(**kwargs)
 
     @classmethod
@@ -220,6 +259,8 @@ class EngineConfig:
         if processors.default or processors.options:
             data["logits_processors"] = {"default": list(processors.default),
                                          **{name: dict(options) for name, options in processors.options.items()}}
+        if self.kv_offload.enabled:
+            data["kv_offload"] = attrs.asdict(self.kv_offload)
         return data
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "EngineConfig":
@@ -231,11 +272,14 @@ class EngineConfig:
             if section == "logits_processors" or section.startswith("logits_processors."):
                 _set_dotted(data, section.split(".") + [key], value)
                 continue
-            if section not in ("engine", *POLICY_SECTIONS):
+            if section not in ("engine", *POLICY_SECTIONS, "kv_offload"):
                 raise ConfigError(
                     f"override {dotted!r} names unknown section {section!r}; "
-                    f"valid sections: engine, {', '.join(POLICY_SECTIONS)}"
+                    f"valid sections: engine, {', '.join(POLICY_SECTIONS)}, kv_offload"
                 )
+            if section == "kv_offload":
+                data.setdefault(section, {})[key] = value
+                continue
             if section != "engine" and section not in data and key != "name":
                 raise ConfigError(f"override {dotted!r}: set {section}.name first to choose a {section}")
             data.setdefault(section, {})[key] = value
@@ -272,6 +316,16 @@ def _engine_section(data: Any) -> EngineSection:
     if "prepack_weights" in data and not isinstance(data["prepack_weights"], bool):
         raise ConfigError(f"[engine] prepack_weights must be true or false, got {data['prepack_weights']!r}")
     return EngineSection(**data)
+
+
+def _kv_offload_section(data: Any) -> KVOffloadSection:
+    if not isinstance(data, Mapping):
+        raise ConfigError("[kv_offload] must be a table")
+    valid = [f.name for f in attrs.fields(KVOffloadSection)]
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown key [kv_offload] {unknown[0]!r}; valid keys: {', '.join(valid)}")
+    return KVOffloadSection(**data)
 
 
 def _set_dotted(data: dict[str, Any], keys: list[str], value: Any) -> None:

@@ -53,6 +53,7 @@ class LLMEngine:
         self.tokenizer, self.model_config = self.source.tokenizer, self.source.model_config
         self.allocator, self.scheduler, self.attention = parts.allocator, parts.scheduler, parts.attention
         self.runner, self.speculator, self.logits_pipeline = parts.runner, parts.speculator, parts.logits_pipeline
+        self.host_tier = parts.host_tier  # `[kv_offload]`, or None
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._forking = self.allocator if isinstance(self.allocator, ForkingAllocator) else None
         self.requests = RequestTable()
@@ -191,6 +192,10 @@ class LLMEngine:
     def _schedule(self) -> StepPlan:
         plan = self.scheduler.schedule()
         self._plan_check.check(plan)
+        if self.host_tier is not None:  # moves between tiers (with the copies queued before them), in order
+            moves = self.host_tier.take_moves()
+            if moves:
+                plan = attrs.evolve(plan, kv_moves=tuple(moves))
         copies = self._forking.take_block_copies() if self._forking is not None else ()
         if copies:  # copy-on-write: shared blocks are copied before anything writes this step
             plan = attrs.evolve(plan, block_copies=tuple(copies))
@@ -202,6 +207,8 @@ class LLMEngine:
         for seq, _ in plan.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        if plan.kv_moves:
+            self.runner.move_blocks(plan.kv_moves)
         if plan.block_copies:
             self.runner.copy_blocks(plan.block_copies)
         if not self.requests.all_plain and any(seq.prompt_logprobs is not None for seq, _ in plan.scheduled):
@@ -222,6 +229,8 @@ class LLMEngine:
         return [self._retire(request) for request in done.values()]
 
     def _idle(self, plan: StepPlan, failed: list[RequestOutput]) -> StepResult:
+        if plan.kv_moves:
+            self.runner.move_blocks(plan.kv_moves)
         if plan.block_copies:
             self.runner.copy_blocks(plan.block_copies)
         if self.speculator is not None:
@@ -280,5 +289,6 @@ class LLMEngine:
             forward_seconds=seconds[2], sample_seconds=seconds[3], update_seconds=seconds[4],
             allocator_stats=self.allocator.stats(), scheduler_stats=self.scheduler.stats(),
             num_draft_tokens=sum(sampled.num_drafts.values()), num_accepted_tokens=sum(sampled.num_accepted.values()),
+            tier_stats=self.host_tier.stats() if self.host_tier is not None else None,
         )
         hook(engine=self, report=report)

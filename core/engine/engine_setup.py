@@ -12,7 +12,9 @@ from servelab.config import EngineConfig, EngineSection, build_options
 from servelab.errors import ConfigError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
                                  DrafterContext, EvictionContext, ForkingAllocator, ForkingScheduler, LMHeadRunner,
-                                 LogitsProcessorContext, QuantizedKVBackend, SchedulerContext, TargetModel)
+                                 LogitsProcessorContext, QuantizedKVBackend, SchedulerContext, TargetModel,
+                                 TieredRunner)
+from servelab.kit.tier import HostTier
 from servelab.logits_pipeline import LogitsPipeline
 from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
@@ -101,6 +103,7 @@ class EnginePolicies:
     runner: Any
     speculator: Speculator | None
     logits_pipeline: LogitsPipeline
+    host_tier: HostTier | None = None  # `[kv_offload]`
 
 
 def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
@@ -116,12 +119,13 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
     limits = resolve_limits(engine, shard_config)
     device = torch.device(engine.device)
     eviction = build_policy(*selected["evictors"], EvictionContext(limits.num_kv_blocks, engine.block_size))
+    host_tier = _build_host_tier(config, registry, selected["evictors"][0], shard_config)
     allocator = build_policy(*selected["allocators"], AllocatorContext(
         num_blocks=limits.num_kv_blocks, block_size=engine.block_size, max_model_len=limits.max_model_len,
-        eviction=eviction))
+        eviction=eviction, host_tier=host_tier))
     scheduler = build_policy(*selected["schedulers"], SchedulerContext(
         allocator=allocator, max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
-        max_model_len=limits.max_model_len, clock=clock))
+        max_model_len=limits.max_model_len, clock=clock, host_tier=host_tier))
     attention_context = AttentionContext(
         num_heads=shard_config.num_heads, num_kv_heads=shard_config.num_kv_heads, head_dim=shard_config.head_dim,
         block_size=engine.block_size, num_blocks=limits.num_kv_blocks, dtype=DTYPES[engine.dtype], device=device,
@@ -137,11 +141,51 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
             attention))
     else:
         runner = source.build_runner(attention, engine, limits.num_kv_blocks, limits.max_model_len)
+    if host_tier is not None:
+        _attach_host_tier(config, runner, host_tier, allocator)
     speculator = None
     if "drafters" in selected:
         speculator = _build_speculator(config, registry, source, runner, limits, selected["drafters"], allocator)
     pipeline = _build_logits_pipeline(config, registry, source, device)
-    return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline)
+    return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline, host_tier)
+
+
+def host_tier_blocks(config: EngineConfig, model: ModelConfig) -> int:
+    """Blocks of the host tier `[kv_offload]` asks for (0: off)."""
+    section, engine = config.kv_offload, config.engine
+    if section.host_blocks:
+        return section.host_blocks
+    bytes_per_token = model.kv_bytes_per_token(DTYPE_BYTES[engine.dtype], engine.kv_cache_dtype)
+    return kv_pool_blocks(section.host_memory, bytes_per_token, engine.block_size)
+
+
+def _build_host_tier(config: EngineConfig, registry: PluginRegistry, eviction: RegisteredPolicy,
+                     model: ModelConfig) -> HostTier | None:
+    if not config.kv_offload.enabled:
+        return None
+    engine = config.engine
+    if engine.tensor_parallel_size > 1:
+        raise ConfigError("[kv_offload] is not supported with [engine] tensor_parallel_size > 1 yet; "
+                          "remove [kv_offload] or run on one rank")
+    num_blocks = host_tier_blocks(config, model)
+    if num_blocks < 1:
+        raise ConfigError(f"[kv_offload] host_memory={config.kv_offload.host_memory} bytes holds no "
+                          f"{engine.block_size}-token block; raise it or use host_blocks")
+    # The host tier evicts with its own instance of the `[eviction]` policy, sized to it.
+    options = build_options(eviction.plugin.options, config.eviction.options, KINDS["evictors"].section,
+                            config.eviction.name)
+    policy = build_policy(eviction, options, EvictionContext(num_blocks, engine.block_size))
+    block_bytes = model.kv_bytes_per_token(DTYPE_BYTES[engine.dtype], engine.kv_cache_dtype) * engine.block_size
+    return HostTier(num_blocks, engine.block_size, policy, int(block_bytes))
+
+
+def _attach_host_tier(config: EngineConfig, runner: Any, host_tier: HostTier, allocator: Any) -> None:
+    if not isinstance(runner, TieredRunner):
+        raise ConfigError(f"[kv_offload] needs a runner that holds a host KV tier; {type(runner).__name__} "
+                          f"does not")
+    runner.attach_host_tier(host_tier.num_blocks, config.kv_offload.path or None)
+    if isinstance(allocator, ForkingAllocator):  # copies queued before a move travel before it
+        host_tier.copy_source = allocator.take_block_copies
 
 
 @attrs.frozen

@@ -98,6 +98,9 @@ class AllocatorContext:
     # The eviction policy a prefix cache orders its evictable blocks by (`[eviction]`, an
     # EvictionPolicy); None: the cache's own default (least recently used first).
     eviction: Any = None
+    # The KV tier below the device pool (`[kv_offload]`, a servelab.kit.HostTier), or
+    # None: a prefix cache offers the blocks it evicts to it and looks misses up in it.
+    host_tier: Any = None
 
 
 @attrs.frozen
@@ -306,6 +309,61 @@ class SchedulerContext:
     max_num_batched_tokens: int
     max_model_len: int
     clock: Any  # callable returning seconds (time.perf_counter unless a test swaps it)
+    # The KV tier below the device pool (`[kv_offload]`), or None: swap preemption
+    # (`[scheduler] preemption_mode = "swap"`) moves a victim's blocks there and back.
+    host_tier: Any = None
+
+
+@attrs.frozen
+class KVMove:
+    """One whole-block move the runner performs before a step, in every layer's K and V:
+    `offload` device block -> host block, `load` host block -> device block, `copy` device
+    block -> device block (a copy-on-write queued before a move)."""
+
+    kind: str  # "offload" | "load" | "copy"
+    source: int
+    destination: int
+
+
+@runtime_checkable
+class TieredRunner(Protocol):
+    """A runner that holds a host KV tier beside its device cache and performs `KVMove`s."""
+
+    def attach_host_tier(self, num_host_blocks: int, path: str | None) -> None:
+        """Allocate the host tier's K/V (`num_host_blocks` blocks; memory-mapped from the
+        file `path` when given)."""
+
+    def move_blocks(self, moves: Seq["KVMove"]) -> None:
+        """Perform `moves`, in order."""
+
+
+@attrs.frozen
+class TierStats:
+    """The KV tiers' occupancy and traffic (StepReport.tier_stats, /metrics, the bench).
+
+    Host blocks: num_host_free + num_host_cached + num_host_swapped == num_host_blocks."""
+
+    num_host_blocks: int
+    num_host_free: int
+    num_host_cached: int  # prefix blocks a device prefix cache evicted, kept for reuse
+    num_host_swapped: int  # blocks of sequences preempted by swap
+    block_bytes: int  # bytes of one block (K and V, every layer)
+    num_offloads: int = 0  # device -> host block moves, in total
+    num_loads: int = 0  # host -> device block moves, in total
+    num_swap_outs: int = 0  # sequences swapped out, in total
+    num_swap_ins: int = 0
+    host_hit_blocks: int = 0  # prefix blocks found in the host tier and brought back
+    num_host_evictions: int = 0  # host blocks dropped to make room
+    moves_last_step: int = 0  # block moves in the last step's plan
+    bytes_last_step: int = 0
+
+    @property
+    def num_host_used(self) -> int:
+        return self.num_host_cached + self.num_host_swapped
+
+    @property
+    def bytes_moved(self) -> int:
+        return (self.num_offloads + self.num_loads) * self.block_bytes
 
 
 @attrs.frozen
@@ -324,6 +382,10 @@ class StepPlan:
     # Copy-on-write: KV blocks (source, destination) to copy before anything writes this
     # step. Schedulers leave it empty; the engine fills it from a ForkingAllocator.
     block_copies: tuple[tuple[int, int], ...] = ()
+    # Moves between the device pool and the host tier (`KVMove`), performed in order before
+    # `block_copies` (copies queued before a move are among them, as `copy` moves).
+    # Schedulers leave it empty; the engine fills it from the host tier.
+    kv_moves: tuple["KVMove", ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -940,6 +1002,8 @@ class Runner(Protocol):
 
     def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
         """Copy whole KV blocks (source, destination), in order (copy-on-write)."""
+
+    # A runner that can hold a host tier also states TieredRunner (attach_host_tier, move_blocks).
 
     def close(self) -> None:
         """Release what outlives the step loop (other ranks); idempotent."""

@@ -209,6 +209,7 @@ class StepReport:
     scheduler_stats: SchedulerStats
     num_draft_tokens: int = 0  # drafts verified this step
     num_accepted_tokens: int = 0
+    tier_stats: Any = None  # servelab.interfaces.TierStats with a host KV tier ([kv_offload]), else None
 
     @property
     def overhead_seconds(self) -> float:

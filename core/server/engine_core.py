@@ -73,6 +73,7 @@ class EngineSnapshot:
     num_accepted_tokens: int = 0
     num_running_tokens: int = 0  # context tokens of running sequences (for routers; 0 unless asked for)
     num_preparing: int = 0  # requests being validated or waiting for a grammar, not yet in the scheduler
+    tier: Any = None  # TierStats of the host KV tier ([kv_offload]), None without one
 
 
 @attrs.frozen
@@ -112,12 +113,14 @@ class StepCounter:
 
     def __init__(self) -> None:
         self.num_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.tier_stats: Any = None
 
     @servelab.hookimpl
     def servelab_step_finished(self, engine: Any, report: Any) -> None:
         self.num_steps += 1
         self.num_draft_tokens += report.num_draft_tokens
         self.num_accepted_tokens += report.num_accepted_tokens
+        self.tier_stats = report.tier_stats  # the host KV tier's, from the last step (None without one)
 
 
 class EngineCore:
@@ -205,7 +208,8 @@ class EngineCore:
         preparing = self._intake.num_preparing + self.engine.num_preparing_requests()
         self._last_snapshot = EngineSnapshot(self.engine.scheduler.stats(), self.engine.allocator.stats(),
                                              counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens,
-                                             running_tokens, preparing)
+                                             running_tokens, preparing,
+                                             counter.tier_stats)
         return self._last_snapshot
 
     def _serve(self, in_flight: set[str]) -> None:

@@ -90,6 +90,14 @@ class ServerMetrics:
         self.acceptance_rate = Gauge("servelab_spec_decode_acceptance_rate",
                                      "Accepted / proposed draft tokens (NaN before any draft).", registry=r)
         self.preemptions = Gauge("servelab_preemptions", "Preemptions since start.", registry=r)
+        self.tier_blocks = Gauge("servelab_kv_tier_blocks", "KV blocks per tier and state ([kv_offload]).",
+                                 ["tier", "state"], registry=r)
+        self.tier_moves = Gauge("servelab_kv_tier_moves", "Block moves between tiers since start, by kind.",
+                                ["kind"], registry=r)
+        self.tier_moves_last_step = Gauge("servelab_kv_tier_moves_last_step", "Block moves in the last step.",
+                                          registry=r)
+        self.tier_bytes_moved = Gauge("servelab_kv_tier_bytes_moved", "Bytes moved between tiers since start.",
+                                      registry=r)
         self.ttft = Histogram("servelab_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("servelab_time_per_output_token_seconds",
@@ -215,6 +223,19 @@ class ServerMetrics:
             self.kv_blocks.labels(state).set(count)
         lookups = kv.prefix_lookup_tokens
         self.prefix_hit_rate.set(kv.prefix_hit_tokens / lookups if lookups else math.nan)
+        tier = snapshot.tier
+        if tier is not None:
+            for state, count in (("used", kv.num_used_blocks), ("free", kv.num_free_blocks),
+                                 ("cached", kv.num_cached_blocks)):
+                self.tier_blocks.labels("device", state).set(count)
+            for state, count in (("free", tier.num_host_free), ("cached", tier.num_host_cached),
+                                 ("swapped", tier.num_host_swapped)):
+                self.tier_blocks.labels("host", state).set(count)
+            for kind, count in (("offload", tier.num_offloads), ("load", tier.num_loads),
+                                ("swap_out", tier.num_swap_outs), ("swap_in", tier.num_swap_ins)):
+                self.tier_moves.labels(kind).set(count)
+            self.tier_moves_last_step.set(tier.moves_last_step)
+            self.tier_bytes_moved.set(tier.bytes_moved)
 
 
 class EngineObserver:

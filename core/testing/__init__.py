@@ -20,6 +20,7 @@ from servelab.testing.attention import AttentionBackendContract
 from servelab.testing.contract import ContractViolation, check
 from servelab.testing.drafter import DrafterContract
 from servelab.testing.eviction import EvictionContract
+from servelab.testing.kv_tier import KVTierContract
 from servelab.testing.logits_processor import LogitsProcessorContract
 from servelab.testing.router import RouterContract
 from servelab.testing.scheduler import SchedulerContract
@@ -33,6 +34,7 @@ __all__ = [
     "ContractViolation",
     "DrafterContract",
     "EvictionContract",
+    "KVTierContract",
     "LogitsProcessorContract",
     "RouterContract",
     "SchedulerContract",

@@ -66,6 +66,10 @@ class Accelerator:
     reserved_bytes: float = 0.0  # device memory neither weights nor KV (runtime context, activations)
     behaves_like: str = ""  # which engine's behaviour the profile represents
     interconnect: str = "pcie4"  # how a machine of several of these links them (INTERCONNECTS)
+    # The host KV tier ([kv_offload]): the link device <-> host memory (INTERCONNECTS) and
+    # the host memory one device may use for it (0: the tier is not simulated on it).
+    host_link: str = "pcie4"
+    host_memory_bytes: float = 0.0
 
     @property
     def per_kernel(self) -> bool:
@@ -112,15 +116,16 @@ _RUNTIME_LAUNCH_S, _EAGER_LAUNCH_S = 5e-6, 25e-6
 _GPU = dict(kernel_launch_s=_RUNTIME_LAUNCH_S, cuda_graphs=True, reserved_bytes=2 * GIB, behaves_like=_TRTLLM_LIKE)
 
 ACCELERATORS = {
-    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU, interconnect="nvlink4"),
-    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU, interconnect="nvlink4"),
-    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU, interconnect="nvlink3"),
-    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU),  # no NVLink: PCIe 4
+    "h100": Accelerator("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB, **_HOPPER, **_GPU, interconnect="nvlink4", host_link="pcie5", host_memory_bytes=256 * GIB),
+    "h200": Accelerator("H200 141GB", 989e12, 4.8e12, 140 * GIB, **_HOPPER, **_GPU, interconnect="nvlink4", host_link="pcie5", host_memory_bytes=256 * GIB),
+    "a100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, **_AMPERE, **_GPU, interconnect="nvlink3", host_link="pcie4", host_memory_bytes=256 * GIB),
+    "l4": Accelerator("L4", 121e12, 0.3e12, 22.5 * GIB, **_ADA, **_GPU, host_link="pcie4", host_memory_bytes=64 * GIB),  # no NVLink: PCIe 4
     # This project's 2-core machine in float32, one thread, as fitted by `servelab bench
     # --calibrate` on the embedded model (see docs/bench.md, "Calibration"); one process,
     # so no tensor parallelism.
     "cpu-here": Accelerator("2-core CPU (fp32, one thread, fitted)", 105e9, 3.2e9, 24e9, 0.0, 1.0, 1.0,
-                            terms=CPU_HERE_TERMS, behaves_like="servelab on this CPU, additive fitted step terms"),
+                            terms=CPU_HERE_TERMS, behaves_like="servelab on this CPU, additive fitted step terms",
+                            host_link="host-dram", host_memory_bytes=8e9),
 }
 EAGER_SUFFIX = "-eager"
 
@@ -158,6 +163,10 @@ class Interconnect:
         return 0.0 if size <= 1 else self.latency_s + (size - 1) * nbytes_per_rank / self.bus_bandwidth
 
 
+# Host KV tier per device (Accelerator.host_link, host_memory_bytes), estimates: PCIe 5 x16
+# on Hopper, PCIe 4 x16 elsewhere, at the same effective bandwidths as below (a large
+# pinned cudaMemcpyAsync reaches about that); an 8-GPU node's 2 TiB of DRAM shared by its
+# devices (256 GiB each), 64 GiB beside an L4.
 # Estimates, not fits (no published multi-GPU table is reproduced here): the bus bandwidth
 # NCCL's all_reduce_perf reaches on large buffers within one node, a little under the
 # links' one-way peak (NVLink 4: 450 GB/s a direction on H100 SXM, NVLink 3: 300 GB/s on
@@ -167,6 +176,9 @@ INTERCONNECTS = {
     "nvlink3": Interconnect("NVLink 3 (A100 SXM, NVSwitch)", 230e9, 10e-6),
     "pcie5": Interconnect("PCIe 5.0 x16", 45e9, 20e-6),
     "pcie4": Interconnect("PCIe 4.0 x16", 22e9, 25e-6),
+    # The host KV tier of a CPU: a copy within host DRAM (read and write), at about the
+    # fitted KV read bandwidth of this machine's profile.
+    "host-dram": Interconnect("host DRAM copy", 3e9, 1e-6),
 }
 
 

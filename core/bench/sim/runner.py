@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from servelab.bench.sim.cost_model import CostModel
-from servelab.interfaces import KVAllocator, Runner, StepPlan, sampling_rows
+from servelab.interfaces import KVAllocator, Runner, StepPlan, TieredRunner, sampling_rows
 
 
 class VirtualClock:
@@ -45,7 +45,7 @@ def plan_shape(plan: StepPlan) -> SimInputs:
     return SimInputs(query_lens, context_lens, sampled, num_rows)
 
 
-class SimRunner(Runner):
+class SimRunner(Runner, TieredRunner):
     """Costs each step with the roofline and returns all-zero logits over a one-token
     vocabulary, so greedy sampling yields token 0 and every policy runs unchanged."""
 
@@ -53,18 +53,52 @@ class SimRunner(Runner):
     supports_prompt_logprobs = False
     vocab_size = 1
 
-    def __init__(self, cost_model: CostModel, clock: VirtualClock) -> None:
+    def __init__(self, cost_model: CostModel, clock: VirtualClock, block_bytes: float = 0.0,
+                 host_link: Any = None, host_memory_bytes: float = 0.0) -> None:
         self.cost_model = cost_model
         self.clock = clock
         self.total_seconds = 0.0
+        self.block_bytes = block_bytes  # one KV block, every layer's K and V
+        self.host_link = host_link  # Interconnect between the device and the host tier
+        self.host_memory_bytes = host_memory_bytes
+        self._offload_seconds = 0.0  # this step's offloads, overlapped with its forward
+        self.move_seconds = 0.0  # link time the steps waited for, in total
+
+    def attach_host_tier(self, num_host_blocks: int, path: str | None) -> None:
+        """The host tier costs link time; its capacity must fit the profile's host memory."""
+        from servelab.errors import ConfigError
+
+        need = num_host_blocks * self.block_bytes
+        if self.host_link is None or need > self.host_memory_bytes:
+            raise ConfigError(f"[kv_offload] asks for {need / 2**30:.1f} GiB of host KV tier; this accelerator "
+                              f"profile allows {self.host_memory_bytes / 2**30:.1f} GiB: lower host_blocks or "
+                              f"host_memory")
+
+    def move_blocks(self, moves: Any) -> None:
+        """Loads (host -> device) must land before the step reads them: the step waits for
+        them. Offloads copy out while the step computes (asynchronous copies on a GPU);
+        only the part longer than the forward delays it."""
+        loads = sum(move.kind == "load" for move in moves)
+        offloads = sum(move.kind == "offload" for move in moves)
+        link = self.host_link
+        if loads:
+            seconds = link.latency_s + loads * self.block_bytes / link.bus_bandwidth
+            self.clock.advance(seconds)
+            self.total_seconds += seconds
+            self.move_seconds += seconds
+        if offloads:
+            self._offload_seconds += link.latency_s + offloads * self.block_bytes / link.bus_bandwidth
 
     def prepare(self, plan: StepPlan, allocator: KVAllocator, prompt_logprobs: bool = False) -> SimInputs:
         return plan_shape(plan)
 
     def execute(self, inputs: SimInputs) -> torch.Tensor:
         cost = self.cost_model.step(inputs.query_lens, inputs.context_lens, len(inputs.sampled_seq_rows))
-        self.clock.advance(cost.seconds)
-        self.total_seconds += cost.seconds
+        seconds = max(cost.seconds, self._offload_seconds)
+        self.move_seconds += seconds - cost.seconds
+        self._offload_seconds = 0.0
+        self.clock.advance(seconds)
+        self.total_seconds += seconds
         return torch.zeros(sum(inputs.num_logits_rows), 1)
 
     def execute_with_hidden(self, inputs: SimInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,7 +53,11 @@ class SimSource:
         return self.cost_model
 
     def build_runner(self, attention: Any, engine: EngineSection, num_blocks: int, max_positions: int) -> SimRunner:
-        return SimRunner(self._for_engine(engine), self.clock)
+        from servelab.bench.sim.hardware import interconnect
+
+        block_bytes = self.model_config.kv_bytes_per_token(self.dtype_bytes, engine.kv_cache_dtype) * engine.block_size
+        return SimRunner(self._for_engine(engine), self.clock, block_bytes,
+                         interconnect(self.hardware.host_link), self.hardware.host_memory_bytes)
 
     def fit_config(self, config: EngineConfig) -> EngineConfig:
         """The config with KV blocks sized to the accelerator's memory (unless set)."""

@@ -23,6 +23,9 @@ KV blocks (`servelab.kit.blocks`, `servelab.kit.prefix`, `servelab.kit.eviction`
 - `KeyedEviction`, `LeastRecentlyUsed`: eviction policies as one sort key; the cache
   keeps such a policy's order in an `EvictionQueue` when its index is an
   `IncrementalPrefixIndex` (reports its changes), instead of sorting at each eviction.
+- `HostTier` (`servelab.kit.tier`): the host KV tier below the device pool
+  (`[kv_offload]`): prefix blocks the cache evicts, swapped-out sequences, the moves
+  the runner performs.
 
 A plugin imports these from `servelab.kit` (part of the public surface, like
 `servelab.interfaces`); the contracts of `servelab.testing` hold for what it builds.
@@ -32,6 +35,7 @@ from servelab.kit.continuous import ContinuousOptions, ContinuousScheduler
 from servelab.kit.blocks import FreeBlocks, PagedAllocator, SeqBlocks, blocks_for
 from servelab.kit.eviction import EvictionQueue, KeyedEviction, LeastRecentlyUsed, checked_choice, orders_by_key
 from servelab.kit.prefix import IncrementalPrefixIndex, PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
+from servelab.kit.tier import HostTier
 from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, option_or
 from servelab.kit.victims import VICTIMS, check_victim, checked_victim
 
@@ -40,6 +44,7 @@ __all__ = [
     "ContinuousScheduler",
     "EvictionQueue",
     "FreeBlocks",
+    "HostTier",
     "IncrementalPrefixIndex",
     "KeyedEviction",
     "LeastRecentlyUsed",

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence as Seq, runtime_c
 
 import attrs
 
-from servelab.interfaces import (AllocatorContext, AllocatorStats, DemandAwareEviction, EvictionCandidate,
-                                 EvictionContext, Sequence)
+from servelab.interfaces import (ROOT_BLOCK_HASH, AllocatorContext, AllocatorStats, DemandAwareEviction,
+                                 EvictionCandidate, EvictionContext, Sequence, chained_block_hash)
 from servelab.kit.blocks import PagedAllocator, SeqBlocks
 from servelab.kit.eviction import EvictionQueue, LeastRecentlyUsed, checked_choice, orders_by_key
 
@@ -145,15 +145,21 @@ class PrefixCachingPagedAllocator(PagedAllocator):
         self.lookups = PrefixLookups()
         self._num_cached = 0  # blocks in the index that no sequence holds
         self._anticipated: tuple[Sequence, ...] = ()
+        # The host tier below (`[kv_offload]`): evicted blocks go down, misses look there.
+        self.tier = context.host_tier
+        self._names: dict[int, tuple[int, int, Chunk, int]] = {}  # cached block -> (hash, parent hash, chunk, depth)
 
     # ------------------------------------------------------------ PrefixCachingAllocator
 
     def match_prefix(self, seq: Sequence) -> int:
         if seq.request_id in self._seqs:
             raise ValueError(f"match_prefix: {seq.request_id!r} already holds KV blocks")
-        blocks = self.index.match(self._chunks(seq))
+        chunks = list(self._chunks(seq))
+        blocks = self.index.match(chunks)
         for block in blocks:
             self._hold(block)
+        if self.tier is not None and len(blocks) < len(chunks):
+            self._load_from_tier(chunks, blocks)
         num_hit = len(blocks) * self.block_size
         self._seqs[seq.request_id] = SeqBlocks(blocks, num_hit, num_cached_blocks=len(blocks))
         self.lookups.looked_up(seq.request_id, num_hit, seq.num_tokens)
@@ -174,11 +180,20 @@ class PrefixCachingPagedAllocator(PagedAllocator):
                 return  # this block and its successors stay uncached
             if cached != table[index]:
                 self._share_cached(table, index, cached)
+            elif self.tier is not None:
+                self._name(cached, parent, tuple(seq.token_slice(index * block_size, (index + 1) * block_size)))
             state.num_cached_blocks = index + 1
 
     def reset_prefix_cache(self) -> None:
-        """Drop every cached block no sequence holds (held ones stay cached)."""
-        self._evict(self._num_cached)
+        """Drop every cached block no sequence holds (held ones stay cached), in the host
+        tier too."""
+        tier, self.tier = self.tier, None  # dropped, not offloaded
+        try:
+            self._evict(self._num_cached)
+        finally:
+            self.tier = tier
+        if tier is not None:
+            tier.reset_cached()
 
     def anticipate(self, seqs: Seq[Sequence]) -> None:
         """The waiting sequences the scheduler expects to admit next (read by demand-aware
@@ -271,7 +286,11 @@ class PrefixCachingPagedAllocator(PagedAllocator):
         queue.compact(len(self.index))
 
     def _free_evicted(self, blocks: list[int]) -> None:
+        """Evicted `blocks` join the free list (their contents going down to the host tier
+        first, when there is one)."""
         for block in blocks:
+            if self.tier is not None:
+                self._offload(block)
             self._num_cached -= 1
             self._filled[block] = 0
             self._free_blocks.append(block)
@@ -297,6 +316,42 @@ class PrefixCachingPagedAllocator(PagedAllocator):
         if candidate.size == 1:
             return demand.get(candidate.block, 0)
         return max((demand.get(b, 0) for b in self.index.blocks_of(candidate.block, candidate.size)), default=0)
+
+    # ------------------------------------------------------------ the host tier
+
+    def _name(self, block: int, parent: int | None, chunk: Chunk) -> None:
+        """Record the chained hash of newly cached `block` (the host tier's name for it)."""
+        parent_hash, depth = (ROOT_BLOCK_HASH, 0) if parent is None else (self._names[parent][0],
+                                                                          self._names[parent][3])
+        self._names[block] = (chained_block_hash(parent_hash, chunk), parent_hash, chunk, depth + 1)
+
+    def _offload(self, block: int) -> None:
+        """`block` leaves the device cache: its contents go down to the host tier."""
+        name = self._names.pop(block, None)
+        if name is not None:
+            key, parent, chunk, depth = name
+            self.tier.offload(key, parent, chunk, depth, block)
+
+    def _load_from_tier(self, chunks: list[Chunk], blocks: list[int]) -> None:
+        """Extend a device hit `blocks` with the blocks that follow it in the host tier:
+        each is brought back into a fresh device block (a move in the next plan), cached
+        and held like a device hit."""
+        parent = blocks[-1] if blocks else None
+        parent_hash = self._names[parent][0] if parent is not None else ROOT_BLOCK_HASH
+        for chunk in chunks[len(blocks):]:
+            key = chained_block_hash(parent_hash, chunk)
+            if not self.tier.lookup(key, parent_hash, chunk) or self._num_available() < 1:
+                return
+            block = self._take_blocks(1)[0]
+            self._filled[block] = self.block_size
+            self._hold(block)
+            if self.index.insert(parent, chunk, block) != block:  # cannot be cached here (a collision)
+                self._release(block)
+                return
+            self.tier.load(key, block)
+            self._name(block, parent, chunk)
+            blocks.append(block)
+            parent, parent_hash = block, key
 
     # ------------------------------------------------------------ helpers
 

@@ -46,8 +46,12 @@ from servelab.interfaces import (
     SequenceStatus,
     StepPlan,
 )
+from servelab.kit.blocks import blocks_for
 from servelab.kit.victims import VICTIMS, check_victim
 from servelab.options import non_negative_number, one_of
+
+
+PREEMPTION_MODES = ("recompute", "swap")  # what preemption does with the victim's KV
 
 
 @attrs.frozen(kw_only=True)
@@ -58,6 +62,10 @@ class QueueOptions:
     priority_aging_s: float = attrs.field(default=10.0, validator=non_negative_number("scheduler"))
     # Which running sequence is preempted when the KV pool runs dry (servelab.kit.victims).
     preemption: str = attrs.field(default="newest", validator=one_of("scheduler", tuple(VICTIMS)))
+    # What happens to the victim's KV: "recompute" (freed; its tokens are computed again on
+    # resumption) or "swap" (copied to the host tier, `[kv_offload]`, and back on resumption;
+    # recompute when the tier cannot hold it).
+    preemption_mode: str = attrs.field(default="recompute", validator=one_of("scheduler", PREEMPTION_MODES))
 
 
 def option_or(options: Any, name: str, default: Any) -> Any:
@@ -122,6 +130,12 @@ class QueueScheduler:
         self.prefix_cache = context.allocator if isinstance(context.allocator, PrefixCachingAllocator) else None
         self._anticipating = context.allocator if isinstance(context.allocator, AnticipatingPrefixCache) else None
         self._victim_policy = VICTIMS[option_or(self.options, "preemption", "newest")]
+        self.swap = option_or(self.options, "preemption_mode", "recompute") == "swap"
+        self.host_tier = context.host_tier
+        if self.swap and self.host_tier is None:
+            raise ConfigError('[scheduler] preemption_mode = "swap" swaps KV to the host tier, which is off: '
+                              'set [kv_offload] host_blocks (or host_memory), or preemption_mode = "recompute"')
+        self.num_swap_outs = 0
         self.waiting: list[Sequence] = []  # holding no KV, in rank order
         self.running: list[Sequence] = []  # holding a slot (and KV for their computed tokens), in rank order
         self._ranks: dict[str, tuple] = {}  # sequence id -> rank
@@ -142,6 +156,8 @@ class QueueScheduler:
                 if seq.request_id == request_id:
                     queue.remove(seq)
                     self.allocator.free(request_id)
+                    if self.host_tier is not None:
+                        self.host_tier.discard(request_id)
                     self._ranks.pop(request_id, None)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "abort"
@@ -155,6 +171,8 @@ class QueueScheduler:
         self.running = list(itertools.filterfalse(done.__contains__, self.running))
         for seq in seqs:
             self.allocator.free(seq.request_id)
+            if self.host_tier is not None:
+                self.host_tier.discard(seq.request_id)
             self._ranks.pop(seq.request_id, None)
             seq.status = SequenceStatus.FINISHED
 
@@ -229,6 +247,8 @@ class QueueScheduler:
         uncomputed tokens (`whole`), or as many as `budget` allows. Returns how many it
         computes this step, or 0, holding nothing, when they do not fit. Does not move
         `seq` between queues."""
+        if self.host_tier is not None and self.host_tier.is_swapped(seq.request_id):
+            return self._swap_in(seq, budget, whole=whole)
         # A request scoring its prompt (prompt_logprobs) computes every position: no prefix reuse.
         if self.prefix_cache is not None and seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
             seq.num_computed_tokens = self.prefix_cache.match_prefix(seq)
@@ -238,6 +258,18 @@ class QueueScheduler:
             return num_new
         self.allocator.free(seq.request_id)  # lets go of the matched prefix
         seq.num_computed_tokens = 0
+        return 0
+
+    def _swap_in(self, seq: Sequence, budget: int, *, whole: bool) -> int:
+        """`_admit` for a sequence swapped out: fresh blocks for its computed tokens (their
+        K/V comes back from the host tier before the step) and its next tokens."""
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        fits = num_new == seq.num_uncomputed_tokens if whole else num_new > 0
+        if fits and self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
+            table = self.allocator.block_table(seq.request_id)
+            self.host_tier.swap_in(seq.request_id, list(table[:self.host_tier.num_swapped_blocks(seq.request_id)]))
+            return num_new
+        self.allocator.free(seq.request_id)
         return 0
 
     def _admit_waiting(self, builder: PlanBuilder, *, whole: bool) -> None:
@@ -281,12 +313,26 @@ class QueueScheduler:
         self.running.remove(seq)
         builder.drop(seq)
         builder.preempted.append(seq)
+        if not self._swap_out(seq):
+            seq.num_computed_tokens = 0
         self.allocator.free(seq.request_id)
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self._requeue(seq)
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Swap preemption: copy the blocks of `seq`'s computed tokens to the host tier
+        (it keeps `num_computed_tokens`). False where the mode is recompute, there is
+        nothing to keep, or the tier cannot hold it."""
+        if not self.swap or seq.num_computed_tokens == 0:
+            return False
+        blocks = blocks_for(seq.num_computed_tokens, self.host_tier.block_size)
+        table = self.allocator.block_table(seq.request_id)
+        if not self.host_tier.swap_out(seq.request_id, list(table[:blocks])):
+            return False
+        self.num_swap_outs += 1
+        return True
 
     def _shed_overflow(self, builder: PlanBuilder) -> None:
         """The start of a step: forks can overfill the batch, so preempt victims past
