@@ -139,7 +139,8 @@ def main() -> None:
                                                        f"engine.max_model_len={256 if real else 4096}"],
                              folder / "victims.json")
                 print(table(f"Preemption victims, continuous, {blocks} KV blocks ({where})", runs, [
-                    ("preemptions", lambda m: str(m["preemptions"])), THROUGHPUT,
+                    ("preemptions", lambda m: str(m["preemptions"])),
+                    ("tokens discarded", lambda m: str(m["discarded_tokens"])), THROUGHPUT,
                     ("TTFT p99 ms", ms("ttft_ms", "p99")), ("TPOT p99 ms", ms("tpot_ms", "p99"))]))
             if "sjf" in figures:
                 n = (8 if q else 32) if real else (100 if q else 2000)

@@ -205,6 +205,21 @@ def test_chunked_prefill_preempts_to_keep_the_best_ranked_moving():
     assert harness.scheduler.stats().num_preemptions == r1.num_preemptions
 
 
+@pytest.mark.parametrize("scheduler, budget", [("continuous", 16), ("chunked-prefill", 4)])
+def test_discarded_tokens_count_what_recompute_preemption_computes_again(scheduler, budget):
+    """Without a prefix cache, every token computed beyond each sequence's prompt and
+    outputs (the last output is never computed) was computed again after a preemption
+    threw it away: the scheduler's count is exactly that surplus."""
+    harness = Harness(scheduler, num_blocks=4, max_num_seqs=2, max_num_batched_tokens=budget, max_model_len=16)
+    seqs = [harness.add(prompt=3, max_tokens=6), harness.add(prompt=12, max_tokens=2)]
+    plans = harness.run(max_steps=60)
+    computed = sum(n for plan in plans for _, n in plan.scheduled)
+    needed = sum(len(s.prompt_token_ids) + s.params.max_tokens - 1 for s in seqs)
+    stats = harness.scheduler.stats()
+    assert stats.num_preemptions >= 1
+    assert stats.num_discarded_tokens == computed - needed > 0
+
+
 # ---------------------------------------------------------------- continuous policy
 
 

@@ -42,6 +42,7 @@ class RunRecord:
     allocator_stats_after: Any
     preemptions: int
     block_size: int
+    discarded_tokens: int = 0  # computed tokens recompute preemptions threw away
 
 
 def run_workload(engine: Any, recorder: StepRecorder, workload: Workload, config_name: str,
@@ -63,7 +64,7 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
     outputs: dict[int, RequestOutput] = {}
     recorder.reports.clear()
     stats_before = engine.allocator.stats()
-    preemptions_before = engine.scheduler.stats().num_preemptions
+    scheduler_before = engine.scheduler.stats()
     start = clock()
 
     def admit(arrival: Arrival) -> tuple[int, str]:
@@ -81,8 +82,9 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
         config_name=config_name, start_time=start, end_time=end,
         outputs=[outputs[i] for i in range(len(workload.requests))], steps=list(recorder.reports),
         allocator_stats_before=stats_before, allocator_stats_after=engine.allocator.stats(),
-        preemptions=engine.scheduler.stats().num_preemptions - preemptions_before,
+        preemptions=engine.scheduler.stats().num_preemptions - scheduler_before.num_preemptions,
         block_size=engine.config.engine.block_size,
+        discarded_tokens=engine.scheduler.stats().num_discarded_tokens - scheduler_before.num_discarded_tokens,
     )
 
 

@@ -95,6 +95,7 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
         "slot_steps_used": slot_steps_used,
         "slot_steps_wasted": slot_steps_wasted,
         "preemptions": record.preemptions,
+        "discarded_tokens": record.discarded_tokens,
         **_tiers(reports),
         "steps": len(reports),
         "engine_overhead_ms_at_max_batch": _overhead_at_max_batch(reports),

@@ -35,6 +35,7 @@ ROWS = [
     ("slot-steps used", lambda m: _fmt(m.get("slot_steps_used"))),
     ("slot-steps wasted", lambda m: _fmt(m.get("slot_steps_wasted"))),
     ("preemptions", lambda m: _fmt(m.get("preemptions"))),
+    ("tokens discarded by preemption", lambda m: _fmt(m.get("discarded_tokens"))),
     ("host KV blocks used, peak", lambda m: _fmt(m.get("host_blocks_used_peak"))),
     ("KV moves / step", lambda m: _fmt(m.get("kv_moves_per_step"), 2)),
     ("KV MB moved", lambda m: _fmt(None if m.get("kv_bytes_moved") is None else m["kv_bytes_moved"] / 1e6, 1)),

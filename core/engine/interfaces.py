@@ -409,6 +409,9 @@ class SchedulerStats:
     num_waiting: int  # queued sequences, not running: new, or preempted and waiting to resume
     num_running: int  # unfinished sequences holding a slot
     num_preemptions: int  # total since start
+    # Computed tokens whose KV a recompute preemption threw away, since start: each is
+    # computed again on resume unless a prefix-cache hit serves it.
+    num_discarded_tokens: int = 0
     num_scheduled_seqs: int = 0  # sequences the last schedule() planned
     num_scheduled_tokens: int = 0  # tokens the last schedule() planned
     num_idle_slots: int = 0  # slots held but not scheduled in the last planned step

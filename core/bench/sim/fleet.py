@@ -83,7 +83,7 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
         r.clock.advance_to(start)
         r.recorder.reports.clear()
     before = [r.engine.allocator.stats() for r in replicas]
-    preemptions_before = [r.engine.scheduler.stats().num_preemptions for r in replicas]
+    schedulers_before = [r.engine.scheduler.stats() for r in replicas]
     num_requests = len(workload.requests)
     replica_of: dict[int, int] = {}
     outputs: dict[int, Any] = {}
@@ -117,15 +117,19 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
         RunRecord(config_name=f"{fleet.name}/{r.replica_id}", start_time=start, end_time=end,
                   outputs=by_replica[r.replica_id], steps=list(r.recorder.reports),
                   allocator_stats_before=before[r.replica_id], allocator_stats_after=after[r.replica_id],
-                  preemptions=r.engine.scheduler.stats().num_preemptions - preemptions_before[r.replica_id],
-                  block_size=r.config.engine.block_size)
+                  preemptions=r.engine.scheduler.stats().num_preemptions
+                  - schedulers_before[r.replica_id].num_preemptions,
+                  block_size=r.config.engine.block_size,
+                  discarded_tokens=r.engine.scheduler.stats().num_discarded_tokens
+                  - schedulers_before[r.replica_id].num_discarded_tokens)
         for r in replicas]
     steps = sorted((step for record in per_replica for step in record.steps), key=lambda item: item[0])
     run = RunRecord(config_name=fleet.name, start_time=start, end_time=end,
                     outputs=[outputs[i] for i in range(num_requests)], steps=steps,
                     allocator_stats_before=_total(before), allocator_stats_after=_total(after),
                     preemptions=sum(record.preemptions for record in per_replica),
-                    block_size=fleet.config.engine.block_size)
+                    block_size=fleet.config.engine.block_size,
+                    discarded_tokens=sum(record.discarded_tokens for record in per_replica))
     return FleetRecord(run, [replica_of[i] for i in range(num_requests)], per_replica)
 
 

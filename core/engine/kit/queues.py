@@ -141,6 +141,7 @@ class QueueScheduler:
         self._ranks: dict[str, tuple] = {}  # sequence id -> rank
         self._order = itertools.count()
         self.num_preemptions = 0
+        self.num_discarded_tokens = 0
         self._last = SchedulerStats(num_waiting=0, num_running=0, num_preemptions=0)
 
     # ------------------------------------------------------------ Scheduler protocol
@@ -181,7 +182,8 @@ class QueueScheduler:
 
     def stats(self) -> SchedulerStats:
         return attrs.evolve(self._last, num_waiting=sum(map(len, self._queues())) - len(self.running),
-                            num_running=len(self.running), num_preemptions=self.num_preemptions)
+                            num_running=len(self.running), num_preemptions=self.num_preemptions,
+                            num_discarded_tokens=self.num_discarded_tokens)
 
     def fork(self, parent: Sequence, children: Seq[Sequence]) -> None:
         """Children share the parent's KV and run from the next step; one that cannot
@@ -314,6 +316,7 @@ class QueueScheduler:
         builder.drop(seq)
         builder.preempted.append(seq)
         if not self._swap_out(seq):
+            self.num_discarded_tokens += seq.num_computed_tokens
             seq.num_computed_tokens = 0
         self.allocator.free(seq.request_id)
         seq.num_preemptions += 1
