@@ -288,3 +288,18 @@ def test_observer_hooks_see_engine_steps_and_requests(llama_checkpoint):
     assert reports[0].allocator_stats.num_used_blocks == 2  # each prompt fits one block
     assert reports[-1].allocator_stats.num_used_blocks == 0  # both retired in the last step
     assert observer.started == [llm.engine]  # generate does not restart the engine
+
+
+def test_a_folder_named_servelab_ahead_of_the_package_is_named_not_skipped_plugins(tmp_path):
+    """Python started beside a folder named `servelab` (a clone of this repository, say)
+    imports that folder as an empty namespace package: the registry says so, naming the
+    folder, instead of skipping every plugin for a missing `hookimpl`."""
+    import subprocess
+
+    (tmp_path / "servelab").mkdir()
+    result = subprocess.run([sys.executable, "-c", "from servelab.registry import PluginRegistry\n"
+                             "PluginRegistry.from_entry_points()"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert f"found the folder {tmp_path / 'servelab'}" in result.stderr
+    assert "rename that folder" in result.stderr and "hookimpl" not in result.stderr

@@ -7,6 +7,7 @@ object at run time. Each registry is independent; nothing here is global.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from importlib import metadata
 from typing import Any, Iterable, Mapping
@@ -120,6 +121,7 @@ class PluginRegistry:
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
         """Import and register every entry point of `group`; a broken one warns and is skipped."""
+        refuse_shadowed_package()
         for entry_point in metadata.entry_points(group=group):
             distribution = entry_point.dist.name if entry_point.dist else "<unknown>"
             if self.manager.get_plugin(_plugin_name(distribution, entry_point.name)) is not None:
@@ -206,3 +208,18 @@ def build_policy(registered: RegisteredPolicy, options: Any, context: Any) -> An
             f"{registered.noun} {registered.name!r} from distribution "
             f"{registered.distribution!r} failed to load: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def refuse_shadowed_package() -> None:
+    """A folder named `servelab` in the directory Python starts from (or anywhere on
+    sys.path before the installed package) is imported as an empty namespace package in
+    its place: servelab's submodules still resolve, but its `__init__` never runs, so
+    every plugin would be skipped with a misleading "no attribute 'hookimpl'". Say what
+    happened instead."""
+    package = sys.modules.get("servelab")
+    spec = package.__spec__ if package is not None else None
+    if spec is not None and spec.origin is None:  # a namespace package: no __init__.py ran
+        folders = ", ".join(map(str, spec.submodule_search_locations or ()))
+        raise PluginError(f"'import servelab' found the folder {folders} (a folder named servelab with no "
+                          f"__init__.py, on sys.path ahead of the installed package), not servelab itself: run "
+                          f"Python from another directory, or rename that folder")
