@@ -45,7 +45,8 @@ class Checkpoint:
             config = ModelConfig.from_dict(file.hf_config())
             return cls(path, config, file.tokenizer(), file)
         if not path.is_dir():
-            raise CheckpointError(f"model {model!r} is neither a checkpoint directory nor a .gguf file, nor a "
+            what = "is not a checkpoint directory" if path.exists() else "does not exist"
+            raise CheckpointError(f"model {model!r} {what}: give a checkpoint directory, a .gguf file, or a "
                                   f"known name ({', '.join(builtin.names() + list(named_models.NAMED_MODELS))})")
         config = ModelConfig.from_directory(path)
         if not list(path.glob("*.safetensors")):
