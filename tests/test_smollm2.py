@@ -6,12 +6,12 @@ model serve every test of the module."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import pytest
 import torch
 
+from servelab.bench.sim.calibrate import one_thread  # the reference on one thread: a busy machine stalls a team
 from servelab import LLM, SamplingParams, StructuredOutput
 from servelab.model import named_models
 
@@ -31,18 +31,6 @@ CHATS = [
 CODE = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
         "import json\n\nwith open('data.json') as f:\n"]
 MAX_TOKENS = 20
-
-
-@contextlib.contextmanager
-def one_thread():
-    """transformers' reference runs on one thread: a team of torch threads on a busy machine
-    stalls at every operation's barrier (a 20-token generate took minutes instead of seconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

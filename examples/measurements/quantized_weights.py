@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -31,22 +33,14 @@ from torch.nn import functional as F
 from servelab import LLM, SamplingParams
 from servelab.model.packed_linear import PackedLinear
 from servelab.model.quantized_linear import QuantizedLinear
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from speed_figures import read_bandwidth_gbs  # noqa: E402 (the bandwidth probe of the speed figures)
 from servelab.model.rope import apply_rotary
 from servelab.workload import Workload, build_workload
 
 WEIGHTS = ("dequantize", "int8", "int4")
 WORKLOAD = "skewed:num_requests=64"
-
-
-def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 7) -> float:
-    """Best of `repeats` full reads of a tensor far larger than the caches."""
-    data = torch.ones(megabytes * 2**20 // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best / 1e9
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
