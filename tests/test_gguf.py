@@ -159,8 +159,12 @@ def test_named_model_not_installed_says_how_to_install(monkeypatch):
 
 
 def test_unknown_model_lists_what_is_known(tmp_path):
-    with pytest.raises(CheckpointError, match="neither a checkpoint directory nor a .gguf file.*smollm2-135m"):
+    with pytest.raises(CheckpointError, match="does not exist.*a .gguf file.*smollm2-135m"):
         Checkpoint.open(str(tmp_path / "absent"))
+    not_a_model = tmp_path / "notes.txt"
+    not_a_model.write_text("hello")
+    with pytest.raises(CheckpointError, match="is not a checkpoint directory.*smollm2-135m"):
+        Checkpoint.open(str(not_a_model))
 
 
 def _finish(writer) -> None:
