@@ -1,7 +1,7 @@
 """Building the `cpu-paged` C++ kernels through torch's extension machinery.
 
-The first build compiles cpu_paged.cpp, cpu_layer_ops.cpp, cpu_decoder.cpp,
-cpu_linear.cpp and cpu_quant.cpp (about a minute on two cores); torch caches the library (under
+The first build compiles the SOURCES below (about a minute on two cores: only
+cpu_bindings.cpp includes <torch/extension.h>, the costly header); torch caches the library (under
 $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so later starts only load it.
 The library's name carries the CPU's vector unit and a digest of the sources, so a cached
 library is loaded only where it was built from these very sources for this kind of CPU
@@ -38,8 +38,9 @@ import servelab
 
 logger = servelab.get_logger(__name__)  # silent below WARNING until the application configures logging
 SOURCES = [str(Path(__file__).with_name(name))
-           for name in ("cpu_paged.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp", "cpu_linear.cpp", "cpu_quant.cpp")]
-HEADERS = [str(Path(__file__).with_name("cpu_simd.h"))]
+           for name in ("cpu_bindings.cpp", "cpu_paged.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp", "cpu_linear.cpp",
+                         "cpu_quant.cpp")]
+HEADERS = [str(Path(__file__).with_name(name)) for name in ("cpu_simd.h", "cpu_kernels.h")]
 STALE_LOCK_SECONDS = 600
 
 

@@ -7,32 +7,15 @@
 // that path. What it removes is the Python between them: module calls, argument parsing
 // and dispatch for ~13 ops a layer, which at small batches cost as much as the layer's
 // arithmetic.
-#include <torch/extension.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include "cpu_kernels.h"
 
 #include <algorithm>
 #include <optional>
 #include <string_view>
 #include <vector>
-
-// cpu_layer_ops.cpp
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
-void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-             int64_t num_heads, int64_t head_dim);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-// cpu_linear.cpp
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                        int64_t out_features);
-// cpu_quant.cpp
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
-                        const std::optional<at::Tensor>& bias, bool scalar);
-// cpu_paged.cpp
-void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                 const at::Tensor& slot_mapping);
-void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-            const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
-            const at::Tensor& sequences, double scale, at::Tensor& out);
 
 namespace {
 
@@ -69,7 +52,7 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-class Decoder {
+class Model {
  public:
   // layers[i] = [input norm, post-attention norm, qkv, qkv bias, o, o bias, gate_up, gate_up bias,
   // down, down bias] with None for an absent bias; the linears' weights are packed.
@@ -77,7 +60,7 @@ class Decoder {
   // followed by each one's quantized block format (-1: a float weight).
   // mlp_rows_at_once: the MLP runs on at most this many rows at once, as the Python path does
   // (servelab.model.llama.MLP.by_row_chunks).
-  Decoder(const std::vector<std::vector<Optional>>& layers, const std::vector<std::vector<int64_t>>& out_features,
+  Model(const std::vector<std::vector<Optional>>& layers, const std::vector<std::vector<int64_t>>& out_features,
           at::Tensor embedding, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, double eps, double scale,
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t mlp_rows_at_once)
       : embedding_(std::move(embedding)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
@@ -159,11 +142,24 @@ class Decoder {
 
 }  // namespace
 
-void register_decoder(pybind11::module& m) {
-  pybind11::class_<Decoder>(m, "Decoder")
-      .def(pybind11::init<const std::vector<std::vector<Optional>>&, const std::vector<std::vector<int64_t>>&,
-                          at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, int64_t, int64_t, int64_t,
-                          int64_t>())
-      // No Python object is touched inside: other Python threads run meanwhile.
-      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+struct Decoder::State {
+  Model model;
+};
+
+Decoder::Decoder(const std::vector<std::vector<std::optional<at::Tensor>>>& layers,
+                 const std::vector<std::vector<int64_t>>& out_features, at::Tensor embedding, at::Tensor final_norm,
+                 at::Tensor cos, at::Tensor sin, double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, int64_t mlp_rows_at_once)
+    : state_(new State{Model(layers, out_features, std::move(embedding), std::move(final_norm), std::move(cos),
+                             std::move(sin), eps, scale, num_heads, num_kv_heads, head_dim, mlp_rows_at_once)}) {}
+
+Decoder::~Decoder() = default;
+
+at::Tensor Decoder::forward(const at::Tensor& input_ids, const at::Tensor& positions,
+                            const std::vector<at::Tensor>& caches, const at::Tensor& block_tables,
+                            const at::Tensor& query_start, const at::Tensor& context_lens,
+                            const at::Tensor& slot_mapping, const at::Tensor& sequences,
+                            const at::Tensor& logits_indices) const {
+  return state_->model.forward(input_ids, positions, caches, block_tables, query_start, context_lens, slot_mapping,
+                               sequences, logits_indices);
 }

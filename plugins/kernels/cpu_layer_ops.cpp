@@ -7,8 +7,7 @@
 // are widened to float32, element-wise products and sums round as torch's do, and a
 // half-precision result is rounded once, as torch's casts do. RMSNorm's sum of squares
 // accumulates in its own order, and SiLU's exponential is this file's own.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_kernels.h"
 
 #include <cmath>
 
@@ -179,11 +178,4 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     silu_and_mul_kernel<scalar_t>(gate_up, out);
   });
   return out;
-}
-
-void register_layer_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then x = RMSNorm(residual), in place");
-  m.def("rotary_", &rotary_, "rotary embedding of the leading heads of each row, in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate_up projection");
 }

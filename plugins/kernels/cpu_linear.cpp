@@ -12,8 +12,7 @@
 // Against oneDNN on the same machine this mostly saves the per-call work around its kernel,
 // which at the decode batch sizes (1-64 rows) is a large part of a small matmul, and the
 // stalls on weights that come from memory rather than cache (docs/performance.md).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_kernels.h"
 
 #include <algorithm>
 #include <cstring>
@@ -262,11 +261,4 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
                  [](auto count, auto... args) { block_bf16<decltype(count)::value>(args...); });
 #endif
   return out;
-}
-
-void register_linear(pybind11::module& m) {
-  m.def("panel_width", &panel_width, "output columns per packed panel (0: no vectorised linear here)");
-  m.def("panel_dtypes", &panel_dtypes, "the weight dtypes pack_panels takes on this CPU");
-  m.def("pack_panels", &pack_panels, "pack a [N, K] weight into panels for panel_linear");
-  m.def("panel_linear", &panel_linear, "x W^T + b with W packed by pack_panels");
 }

@@ -15,10 +15,9 @@
 // padding to a multiple of 4, then the row's float32 scale (kv_quant.py is the reference).
 // The kernel reads the bytes and dequantizes one block at a time into a float32 tile in L1
 // (value * scale, widened in registers), so memory traffic is the one-byte rows.
-#include <torch/extension.h>
+#include "cpu_kernels.h"
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
@@ -921,18 +920,3 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 // Whether rows of many query tokens take the tiled path for this head dim (else the row
 // by row one, which is slow for prompts: the backend then sends them to SDPA).
 bool tiles_prompts(int64_t head_dim) { return vectorised(head_dim); }
-
-void register_layer_ops(pybind11::module& m);  // cpu_layer_ops.cpp
-void register_decoder(pybind11::module& m);  // cpu_decoder.cpp
-void register_linear(pybind11::module& m);  // cpu_linear.cpp
-void register_quant(pybind11::module& m);  // cpu_quant.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_layer_ops(m);
-  register_decoder(m);
-  register_linear(m);
-  register_quant(m);
-  m.def("write_cache", &write_cache, "store new K/V rows at their cache slots");
-  m.def("attend", &attend, "paged attention for the given sequences' query rows");
-  m.def("tiles_prompts", &tiles_prompts, "whether prompt rows take the tiled path for this head dim");
-}

@@ -14,8 +14,7 @@
 // sums of every row of x at once (up to 4 rows, AVX2 2). With more rows, a task widens its 4
 // weight rows once into a float32 scratch row (L1/L2) and runs blocks of rows of x over it,
 // so the widening is paid once per call, not once per row. The threads split the tasks.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_kernels.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -267,11 +266,4 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
     default: run_linear<kQ4_1>(!scalar, w, w_stride, xs, m, k_padded, b, y, n); break;
   }
   return out;
-}
-
-void register_quant(pybind11::module& m) {
-  m.def("quant_path", &quant_path, "the path quant_linear takes here: avx512, avx2 or scalar");
-  m.def("quant_linear", &quant_linear, "x W^T + b with W as GGML blocks (q8_0, q4_0, q4_1)",
-        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("format"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("scalar") = false);
 }

@@ -1,0 +1,32 @@
+// The Python module of the cpu-paged library: every function the other files define.
+#include <torch/extension.h>
+
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_cache", &write_cache, "store new K/V rows at their cache slots");
+  m.def("attend", &attend, "paged attention for the given sequences' query rows");
+  m.def("tiles_prompts", &tiles_prompts, "whether prompt rows take the tiled path for this head dim");
+
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then x = RMSNorm(residual), in place");
+  m.def("rotary_", &rotary_, "rotary embedding of the leading heads of each row, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate_up projection");
+
+  m.def("panel_width", &panel_width, "output columns per packed panel (0: no vectorised linear here)");
+  m.def("panel_dtypes", &panel_dtypes, "the weight dtypes pack_panels takes on this CPU");
+  m.def("pack_panels", &pack_panels, "pack a [N, K] weight into panels for panel_linear");
+  m.def("panel_linear", &panel_linear, "x W^T + b with W packed by pack_panels");
+
+  m.def("quant_path", &quant_path, "the path quant_linear takes here: avx512, avx2 or scalar");
+  m.def("quant_linear", &quant_linear, "x W^T + b with W as GGML blocks (q8_0, q4_0, q4_1)",
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("format"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("scalar") = false);
+
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<const std::vector<std::vector<std::optional<at::Tensor>>>&,
+                          const std::vector<std::vector<int64_t>>&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          double, double, int64_t, int64_t, int64_t, int64_t>())
+      // No Python object is touched inside: other Python threads run meanwhile.
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,62 @@
+// What the cpu-paged library's translation units offer each other and cpu_bindings.cpp,
+// the one file that includes <torch/extension.h> (pybind11 and torch's Python headers
+// cost ~25 s of compiling a file, the ATen headers below ~2 s).
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+// cpu_paged.cpp
+void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                 const at::Tensor& slot_mapping);
+void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
+            const at::Tensor& sequences, double scale, at::Tensor& out);
+bool tiles_prompts(int64_t head_dim);
+
+// cpu_layer_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+             int64_t num_heads, int64_t head_dim);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// cpu_linear.cpp
+int64_t panel_width();
+std::vector<std::string> panel_dtypes();
+at::Tensor pack_panels(const at::Tensor& weight);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t out_features);
+
+// cpu_quant.cpp
+std::string quant_path();
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
+                        const std::optional<at::Tensor>& bias, bool scalar);
+
+// cpu_decoder.cpp: a Llama decoder's whole forward in one call (see there).
+class Decoder {
+ public:
+  Decoder(const std::vector<std::vector<std::optional<at::Tensor>>>& layers,
+          const std::vector<std::vector<int64_t>>& out_features, at::Tensor embedding, at::Tensor final_norm,
+          at::Tensor cos, at::Tensor sin, double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
+          int64_t head_dim, int64_t mlp_rows_at_once);
+  ~Decoder();
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const std::vector<at::Tensor>& caches,
+                     const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
+                     const at::Tensor& slot_mapping, const at::Tensor& sequences,
+                     const at::Tensor& logits_indices) const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
