@@ -33,7 +33,7 @@ from servelab.workload import BenchRequest, Workload, conversations, skewed
 EVICTIONS = ("lru", "lfu", "slru", "waiting-aware")
 VICTIMS = ("newest", "fewest-computed-tokens", "most-kv-blocks", "lowest-priority-then-newest")
 VOCAB = 8192  # builtin:tiny-random's; the simulator takes any ids
-REAL = ["--model", "builtin:tiny-random", "--repeats", "1"]
+REAL = ["--model", "builtin:tiny-random"]
 SIM = ["--sim", "h100", "--sim-model", "llama-3-8b"]
 
 
@@ -82,9 +82,15 @@ def table(title: str, runs: list[dict], columns: list[tuple[str, callable]]) -> 
     lines = [f"\n{title}\n", "| config | " + " | ".join(c for c, _ in columns) + " |",
              "|---|" + "---:|" * len(columns)]
     for run in runs:
-        m = run["metrics"]
+        m = {**run["metrics"], "repeats": run.get("repeats_output_tokens_per_s") or []}
         lines.append(f"| {Path(run['config']).stem} | " + " | ".join(f(m) for _, f in columns) + " |")
     return "\n".join(lines)
+
+
+def spread(m: dict) -> str:
+    """The min-max of the repeats' throughputs (one run: its value)."""
+    values = m["repeats"] or [m["output_tokens_per_s"]]
+    return f"{min(values):.1f}-{max(values):.1f}"
 
 
 def ms(metric: str, q: str):
@@ -92,6 +98,7 @@ def ms(metric: str, q: str):
 
 
 THROUGHPUT = ("output tok/s", lambda m: f"{m['output_tokens_per_s']:.1f}")
+SPREAD = ("tok/s min-max", lambda m: spread(m))
 
 
 def main() -> None:
@@ -99,6 +106,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--only", choices=("eviction", "victims", "sjf"), action="append")
     parser.add_argument("--mode", choices=("real", "sim"), action="append")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of the real runs, configs interleaved (the simulator is deterministic: 1)")
     args = parser.parse_args()
     figures = args.only or ["eviction", "victims", "sjf"]
     modes = args.mode or ["real", "sim"]
@@ -107,7 +116,7 @@ def main() -> None:
         folder = Path(tmp)
         for mode_name in modes:
             real = mode_name == "real"
-            mode = REAL if real else SIM
+            mode = [*REAL, "--repeats", str(args.repeats)] if real else [*SIM, "--repeats", "1"]
             where = "builtin:tiny-random, this CPU" if real else "simulated H100, llama-3-8b"
             if "eviction" in figures:
                 # Pool: num_kv_blocks x 16 tokens; system prompts alone are about twice that.
@@ -127,7 +136,8 @@ def main() -> None:
                              folder / "eviction.json")
                 print(table(f"Eviction policies, radix, {blocks} KV blocks ({where})", runs, [
                     ("prefix hit rate", lambda m: f"{100 * m['prefix_hit_rate']:.1f}%"),
-                    ("TTFT p50 ms", ms("ttft_ms", "p50")), ("TTFT p99 ms", ms("ttft_ms", "p99")), THROUGHPUT]))
+                    ("TTFT p50 ms", ms("ttft_ms", "p50")), ("TTFT p99 ms", ms("ttft_ms", "p99")), THROUGHPUT,
+                    SPREAD]))
             if "victims" in figures:
                 n, blocks = ((12, 20) if q else (64, 48)) if real else ((24, 300) if q else (1000, 1500))
                 configs = write_configs(folder, "victims", {
@@ -140,7 +150,7 @@ def main() -> None:
                              folder / "victims.json")
                 print(table(f"Preemption victims, continuous, {blocks} KV blocks ({where})", runs, [
                     ("preemptions", lambda m: str(m["preemptions"])),
-                    ("tokens discarded", lambda m: str(m["discarded_tokens"])), THROUGHPUT,
+                    ("tokens discarded", lambda m: str(m["discarded_tokens"])), THROUGHPUT, SPREAD,
                     ("TTFT p99 ms", ms("ttft_ms", "p99")), ("TPOT p99 ms", ms("tpot_ms", "p99"))]))
             if "sjf" in figures:
                 n = (8 if q else 32) if real else (100 if q else 2000)
@@ -155,7 +165,8 @@ def main() -> None:
                              folder / "sjf.json")
                 print(table(f"SJF vs FCFS, long-tailed outputs ({where})", runs, [
                     ("TTFT p50 ms", ms("ttft_ms", "p50")), ("TTFT p99 ms", ms("ttft_ms", "p99")),
-                    ("e2e p50 ms", ms("e2e_ms", "p50")), ("e2e p99 ms", ms("e2e_ms", "p99")), THROUGHPUT]))
+                    ("e2e mean ms", ms("e2e_ms", "mean")), ("e2e p50 ms", ms("e2e_ms", "p50")),
+                    ("e2e p99 ms", ms("e2e_ms", "p99")), THROUGHPUT, SPREAD]))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ speedup over plain decoding, for each drafter, at batch 1 and batch 16, on two w
     then asks for it again and starts it ("rewrite this passage"): the continuation
     copies the input, the case prompt lookup is made for.
 (b) open-ended: short prompts (a keyword, a docstring opening) the model continues freely.
+(c) code-editing and (d) summarisation, for an instruction-tuned model (`--model
+    smollm2-135m --workloads code-editing summarisation`): a chat request, rendered with
+    the model's own template, to edit a function (rename a name, add type hints) or to
+    summarise a passage; an edit copies most of its input, a summary some phrases.
 
 Greedy decoding, so every drafter produces exactly the plain run's tokens (checked here:
 a figure from a run that changed the output would mean nothing). Batch 1 runs the
@@ -31,7 +35,9 @@ import torch
 from servelab import LLM, SamplingParams
 from servelab.logging_setup import configure_logging
 
-WORKLOADS = ("repetitive", "open-ended")
+WORKLOADS = ("repetitive", "open-ended", "code-editing", "summarisation")
+EDITS = ("Rename the parameter `text` to `source` in this function and return the whole function.",
+         "Add type hints to this function and return the whole function.")
 
 
 def passages(count: int, chars: int = 400) -> list[str]:
@@ -52,7 +58,31 @@ def passages(count: int, chars: int = 400) -> list[str]:
     return picked
 
 
-def prompts(workload: str, count: int) -> list[str]:
+def sources(count: int) -> list[str]:
+    """Whole functions of the standard library, for the code-editing requests."""
+    import inspect
+    import json as json_module
+    import shlex
+    import textwrap
+
+    functions = (textwrap.dedent, textwrap.indent, textwrap.shorten, json_module.dumps, shlex.quote, shlex.join)
+    return [inspect.getsource(functions[i % len(functions)]) for i in range(count)]
+
+
+def chat_prompts(llm: LLM, requests: list[str]) -> list[str]:
+    """Each request as the model's chat template renders a one-message conversation."""
+    from servelab.server.chat import ChatTemplate
+
+    template = ChatTemplate.from_tokenizer(llm.tokenizer)
+    return [template.render([{"role": "user", "content": request}]).text for request in requests]
+
+
+def prompts(workload: str, count: int, llm: LLM) -> list[str]:
+    if workload == "code-editing":
+        return chat_prompts(llm, [f"{EDITS[i % len(EDITS)]}\n\n```python\n{source}```"
+                                  for i, source in enumerate(sources(count))])
+    if workload == "summarisation":
+        return chat_prompts(llm, [f"Summarise this passage in two sentences.\n\n{p}" for p in passages(count, 800)])
     if workload == "repetitive":
         # The passage, a blank line, and its first words again (cut at a space, so the
         # restart tokenises as the passage did).
@@ -104,8 +134,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     engines = {name: LLM(args.model, config={"drafter": cfg} if cfg else {}, max_num_seqs=16, seed=0)
                for name, cfg in configs.items()}
     rows = []
-    for workload in WORKLOADS:
-        texts = prompts(workload, args.num_requests)
+    for workload in args.workloads:
+        texts = prompts(workload, args.num_requests, next(iter(engines.values())))
         for batch in args.batches:
             seconds: dict[str, list[float]] = {name: [] for name in engines}
             stats_delta: dict[str, tuple[int, int, int, int]] = {}
@@ -193,6 +223,7 @@ def main() -> None:
     parser.add_argument("--drafters", nargs="+", default=list(drafter_configs("")))
     parser.add_argument("--extra-drafter", action="append", default=[], metavar="NAME=JSON",
                         help='one more drafter configuration, e.g. suffix-d8=\'{"name": "suffix", "max_depth": 8}\'')
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS[:2]))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -8,6 +8,8 @@ start to first token with the default config and peak memory of a throughput run
 
     OMP_NUM_THREADS=2 python examples/speed_figures.py --vllm-python ../peers/vllm/bin/python \
         --json speed.json
+    python examples/measurements/gguf_as_hf.py smollm2-135m ../peers/smollm2-hf   # a real model:
+    OMP_NUM_THREADS=2 python examples/speed_figures.py --model ../peers/smollm2-hf --vllm-python ...
 
 Without --vllm-python the vLLM column is left out.
 """
@@ -91,7 +93,7 @@ def servelab_run(llm: LLM, workload: Workload) -> float:
 
 def measure_dtype(dtype: str, args) -> dict:
     engines = {}
-    llm = LLM("builtin:tiny-random", dtype=dtype, **LIMITS, **attention_settings(args.attention))
+    llm = LLM(args.model, dtype=dtype, **LIMITS, **attention_settings(args.attention))
     workload = build_workload(WORKLOAD, llm.engine.model_config.vocab_size)
     warm = Workload("warm-up", tuple(sorted(workload.requests, key=lambda r: -len(r.prompt_token_ids))[:8]))
     servelab_run(llm, warm)
@@ -143,9 +145,9 @@ torch.set_num_threads({threads})
 from safetensors import safe_open
 from servelab import LLM, SamplingParams
 from servelab.workload import build_workload
-llm = LLM("builtin:tiny-random", dtype="{dtype}", max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048,
+llm = LLM("{model}", dtype="{dtype}", max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048,
           **{attention})
-w = build_workload("{workload}", 8192)
+w = build_workload("{workload}", llm.engine.model_config.vocab_size)
 llm.generate([list(r.prompt_token_ids) for r in w.requests],
              [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in w.requests])
 with safe_open(str(llm.engine.source.path / "model.safetensors"), "pt") as f:
@@ -157,10 +159,10 @@ print(peak * 1024, weights, kv)
 """
 
 
-def peak_memory(dtype: str, attention: str, threads: int) -> dict:
+def peak_memory(model: str, dtype: str, attention: str, threads: int) -> dict:
     """Peak RSS of a fresh process running the workload once, against the model's weights
     (checkpoint parameters in `dtype`) plus the KV pool."""
-    script = PEAK_SCRIPT.format(dtype=dtype, workload=WORKLOAD, attention=attention_settings(attention), threads=threads)
+    script = PEAK_SCRIPT.format(model=model, dtype=dtype, workload=WORKLOAD, attention=attention_settings(attention), threads=threads)
     out = subprocess.run([sys.executable, "-c", script],
                          capture_output=True, text=True, check=True).stdout.split()
     rss, weights, kv = map(int, out[-3:])
@@ -171,6 +173,9 @@ def peak_memory(dtype: str, attention: str, threads: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", help="Python of a venv with vLLM's CPU build (docs/bench.md)")
+    parser.add_argument("--model", default="builtin:tiny-random",
+                        help="an HF checkpoint directory every engine loads (examples/measurements/gguf_as_hf.py "
+                             "writes one from a GGUF model)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-repeats", type=int, default=1, help="transformers is slow: fewer repetitions")
@@ -182,11 +187,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     configure_logging(0)
     args.bandwidth = read_bandwidth_gbs()
-    figures = {"read_bandwidth_gbs": args.bandwidth, "workload": WORKLOAD, "limits": LIMITS,
+    figures = {"model": args.model, "read_bandwidth_gbs": args.bandwidth, "workload": WORKLOAD, "limits": LIMITS,
                "threads": torch.get_num_threads(), "dtypes": {}}
     for dtype in args.dtypes.split(","):
         figures["dtypes"][dtype] = measure_dtype(dtype, args)
-        figures["dtypes"][dtype]["memory"] = peak_memory(dtype, args.attention, torch.get_num_threads())
+        figures["dtypes"][dtype]["memory"] = peak_memory(args.model, dtype, args.attention, torch.get_num_threads())
     figures["cold_start_to_first_token_s"] = sorted(cold_start_seconds() for _ in range(3))
     print_table(figures)
     if args.json:

@@ -67,7 +67,7 @@ def test_sigterm_ends_the_builder_and_its_build(tmp_path):
     children = _build_children(watchdog)
     watchdog.send_signal(signal.SIGTERM)
     assert watchdog.wait(timeout=10) == 128 + signal.SIGTERM
-    assert _wait_until(lambda: not any(_alive(pid) for pid in children), 5), "the build outlived its watchdog"
+    assert _wait_until(lambda: not any(_alive(pid) for pid in children), 15), "the build outlived its watchdog"
     # the lock went with it: the next builder takes it
     again = _watchdog(tmp_path, "--lock", str(tmp_path / "builder.lock"))
     try:

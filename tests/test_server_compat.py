@@ -503,7 +503,8 @@ def test_best_of(http):
 
 
 def test_completion_logprobs_true(http):
-    one = http.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2, "logprobs": True}).json()
+    one = http.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2, "logprobs": True,
+                                             "ignore_eos": True}).json()
     logprobs = one["choices"][0]["logprobs"]  # as vLLM's logprobs 1: the most likely, and the chosen token
     assert len(logprobs["token_logprobs"]) == 2
     assert all(1 <= len(top) <= 2 and token in top for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]))
