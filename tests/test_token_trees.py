@@ -248,3 +248,42 @@ def test_logprobs_requests_verify_the_first_branch(reference):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert x.keys() == y.keys()
             assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+def _second_and_third_tokens(path: str, prompt: list[int], registry, num_requests: int, trees: bool) -> torch.Tensor:
+    config = {"drafter": {"name": "oracle-tree"}} if trees else {}
+    llm = LLM(path, config=config, registry=registry, max_model_len=128, max_num_seqs=64,
+              **{"allocator.name": "radix"})
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=1000 + i, ignore_eos=True)
+              for i in range(num_requests)]
+    outputs = llm.generate([prompt] * num_requests, params)
+    if trees:
+        stats = llm.engine.speculation_stats()
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert llm.engine.allocator.stats().num_used_blocks == 0
+    return torch.tensor([o.token_ids[1] * VOCAB + o.token_ids[2] for o in outputs])
+
+
+def test_sampled_tree_speculation_keeps_the_target_distribution(checkpoint_factory):
+    """Tokens 2 and 3 (the first ones tree verification produces) with trees and without:
+    a chi-square test of homogeneity over their joint values, fixed seeds."""
+    path = checkpoint_factory("llama")
+    start = spec_prompts()[1]
+    own = hf_greedy(path, start, 24)
+    prompt = start + own + start + own[:2]
+    # The oracle's "truth" is the greedy continuation: likely tokens on one branch of each tree.
+    registry = oracle_registry({tuple(prompt): hf_greedy(path, prompt, 4)}, depth=2)
+    num = 1500
+    plain = _second_and_third_tokens(path, prompt, registry, num, trees=False)
+    spec = _second_and_third_tokens(path, prompt, registry, num, trees=True)
+    values = torch.cat([plain, spec]).unique()
+    counts = torch.stack([(plain[:, None] == values).sum(0), (spec[:, None] == values).sum(0)]).double()
+    expected = counts.sum(0, keepdim=True) * counts.sum(1, keepdim=True) / counts.sum()
+    rare = expected.min(0).values < 5  # pooled, so every expected count is >= 5
+    counts = torch.cat([counts[:, ~rare], counts[:, rare].sum(1, keepdim=True)], dim=1)
+    expected = counts.sum(0, keepdim=True) * counts.sum(1, keepdim=True) / counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    dof = counts.shape[1] - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+    assert dof >= 3, "the distribution is too concentrated to test anything"
+    assert p_value > 1e-3
