@@ -16,6 +16,7 @@ import servelab
 from servelab import LLM, ConfigError, SamplingParams
 from servelab.interfaces import Draft
 from servelab.plugin_types import DrafterPlugin
+from servelab.testing import DrafterContract
 from servelab.token_tree import tree_error
 
 from test_hf_equivalence import hf_greedy
@@ -287,3 +288,59 @@ def test_sampled_tree_speculation_keeps_the_target_distribution(checkpoint_facto
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
     assert dof >= 3, "the distribution is too concentrated to test anything"
     assert p_value > 1e-3
+
+
+# ---------------------------------------------------------------- the drafter contract
+
+
+class LookupTree:
+    """A tree drafter for the contract: below the last token, what followed each of its
+    earlier occurrences (one branch per occurrence, most recent first), merged into a tree."""
+
+    proposes_trees = True
+
+    def __init__(self, options, context):
+        self.max_model_len = context.max_model_len
+
+    def propose(self, seqs):
+        proposals = {}
+        for seq in seqs:
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            room = min(self.max_model_len - seq.num_tokens, 12)
+            nodes, parents, index = [], [], {}
+            for i in range(len(tokens) - 2, -1, -1):
+                if tokens[i] != tokens[-1]:
+                    continue
+                parent = -1
+                for token in tokens[i + 1: i + 4]:
+                    key = (parent, token)
+                    if key not in index:
+                        if len(nodes) == room:
+                            break
+                        index[key] = len(nodes)
+                        nodes.append(token)
+                        parents.append(parent)
+                    parent = index[key]
+            if nodes:
+                proposals[seq.request_id] = Draft(nodes, parents=parents)
+        return proposals
+
+
+class TestLookupTreeContract(DrafterContract):
+    factory = LookupTree
+    num_speculative_tokens = 3
+
+
+class BrokenTree(LookupTree):
+    def propose(self, seqs):
+        return {seq.request_id: Draft([5, 6], parents=[0, -1]) for seq in seqs}
+
+
+def test_the_contract_refuses_a_malformed_tree():
+    from servelab.testing import ContractViolation
+
+    contract = DrafterContract()
+    contract._factory, contract._options = BrokenTree, None
+    contract.num_speculative_tokens = 3
+    with pytest.raises(ContractViolation, match="invariant violated: token trees are well formed: .*parents\\[0\\] = 0"):
+        contract.test_repetitive_sequences()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence as 
 import attrs
 
 from servelab.sequence import Sequence, SequenceStatus
+from servelab.token_tree import ancestor_mask, query_parents, tree_error
 from servelab.model.kv_sizing import (KV_CACHE_DTYPES, QUANTIZED_KV_MAX, QUANTIZED_KV_TORCH_DTYPE, kv_row_elements,
                                      kv_scale_offset)
 
@@ -82,6 +83,9 @@ __all__ = [
     "ValidatingProcessor",
     "WarmingProcessor",
     "ROOT_BLOCK_HASH",
+    "ancestor_mask",
+    "query_parents",
+    "tree_error",
     "chained_block_hash",
     "prefix_block_hashes",
     "sampling_rows",

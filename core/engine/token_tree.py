@@ -13,14 +13,15 @@ Node i sits at position base + depth(i), base being the root's position, and its
 the slot of logical position base + 1 + i; verification keeps one root path, whose K/V
 the engine moves into the slots base + 1, base + 2, ... before rolling the rest back.
 
-Torch-free: the scheduler-side code and the drafter contract import it.
+Torch-free (numpy only where a mask is built): servelab.interfaces re-exports it for plugins.
 """
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import TYPE_CHECKING, Sequence as Seq
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def tree_error(parents: Seq[int], num_tokens: int) -> str | None:
@@ -78,8 +79,10 @@ def query_parents(parents: Seq[int]) -> tuple[int, ...]:
     return (-1,) + tuple(parent + 1 for parent in parents)
 
 
-def row_depths(row_parents: Seq[int]) -> np.ndarray:
+def row_depths(row_parents: Seq[int]) -> "np.ndarray":
     """Depth of each query row below row 0 (row 0: 0)."""
+    import numpy as np
+
     out = np.zeros(len(row_parents), dtype=np.int64)
     for row, parent in enumerate(row_parents):
         if parent >= 0:
@@ -87,8 +90,10 @@ def row_depths(row_parents: Seq[int]) -> np.ndarray:
     return out
 
 
-def ancestor_mask(row_parents: Seq[int]) -> np.ndarray:
+def ancestor_mask(row_parents: Seq[int]) -> "np.ndarray":
     """[Q, Q] bool: mask[r, c] when row c is row r or one of its ancestors."""
+    import numpy as np
+
     num_rows = len(row_parents)
     mask = np.zeros((num_rows, num_rows), dtype=bool)
     for row, parent in enumerate(row_parents):

@@ -38,10 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from servelab.interfaces import (AttentionContext, AttentionMetadata, QuantizedKVBackend, TreeAttentionBackend,
-                                 kv_row_elements)
+                                 ancestor_mask, kv_row_elements)
 from servelab.plugins.kernels.kv_quant import dequantize_rows, storage_dtype, write_rows
 from servelab.plugins.kernels.options import TorchPagedOptions
-from servelab.token_tree import ancestor_mask
 
 
 @attrs.frozen
