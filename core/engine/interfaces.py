@@ -561,7 +561,8 @@ class Drafter(Protocol):
     gets `hidden_states` [len(seqs), hidden] — row i the final-normed hidden state of the
     target at the position that produced seq i's last token. A drafter keeping per-sequence
     state may define `release(request_id)`, called when a sequence finishes or is
-    preempted.
+    preempted. A drafter declaring `TreeDrafter.proposes_trees` may return token trees
+    (`Draft.parents`): k then bounds a tree's depth.
     """
 
     def propose(self, seqs: Seq[Sequence]) -> Mapping[str, "Draft | Seq[int]"]:
