@@ -46,7 +46,7 @@ def test_a_newer_version_is_refused_naming_everything():
     record = DrafterPlugin(name="from-the-future", factory="a:b", contract_version=7)
     with pytest.raises(PluginError, match=r"drafter 'from-the-future' from distribution 'third-party' declares "
                                           r"contract version 7, newer than this servelab's drafter contract "
-                                          r"\(version 2\)"):
+                                          r"\(version 3\)"):
         registry_with("servelab_register_drafters", record).select("drafters", "from-the-future")
 
 

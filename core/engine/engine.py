@@ -177,7 +177,10 @@ class LLMEngine:
         timer = StageTimer(self._timer)
         failed = self._admit_prepared() if self.requests.has_preparing() else []
         if self.speculator is not None:
-            self.speculator.propose([s for s in self.requests.sequences() if s.status is SequenceStatus.RUNNING])
+            running = [s for s in self.requests.sequences() if s.status is SequenceStatus.RUNNING]
+            chain_only = ({s.request_id for s in running if self.requests.of(s).logits_work}
+                          if self.speculator.proposes_trees and not self.requests.all_plain else frozenset())
+            self.speculator.propose(running, chain_only)
         plan = timer.mark(self._schedule())
         if plan.is_empty:
             return self._idle(plan, failed)
@@ -196,6 +199,10 @@ class LLMEngine:
             moves = self.host_tier.take_moves()
             if moves:
                 plan = attrs.evolve(plan, kv_moves=tuple(moves))
+        if self.speculator is not None and self.speculator.proposes_trees:  # the plan carries the token trees
+            trees = self.speculator.draft_trees(plan)
+            if trees:
+                plan = attrs.evolve(plan, draft_trees=trees)
         copies = self._forking.take_block_copies() if self._forking is not None else ()
         if copies:  # copy-on-write: shared blocks are copied before anything writes this step
             plan = attrs.evolve(plan, block_copies=tuple(copies))

@@ -12,8 +12,8 @@ from servelab.config import EngineConfig, EngineSection, build_options
 from servelab.errors import ConfigError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
                                  DrafterContext, EvictionContext, ForkingAllocator, ForkingScheduler, LMHeadRunner,
-                                 LogitsProcessorContext, QuantizedKVBackend, SchedulerContext, TargetModel,
-                                 TieredRunner)
+                                 LogitsProcessorContext, QuantizedKVBackend, SchedulerContext, SlotMovingRunner,
+                                 TargetModel, TieredRunner, TreeAttentionBackend, TreeDrafter)
 from servelab.kit.tier import HostTier
 from servelab.logits_pipeline import LogitsPipeline
 from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
@@ -145,7 +145,8 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
         _attach_host_tier(config, runner, host_tier, allocator)
     speculator = None
     if "drafters" in selected:
-        speculator = _build_speculator(config, registry, source, runner, limits, selected["drafters"], allocator)
+        speculator = _build_speculator(config, registry, source, runner, limits, selected["drafters"], allocator,
+                                       attention)
     pipeline = _build_logits_pipeline(config, registry, source, device)
     return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline, host_tier)
 
@@ -253,7 +254,8 @@ def _check_kv_cache_dtype(config: EngineConfig, attention: Any) -> None:
 
 
 def _build_speculator(config: EngineConfig, registry: PluginRegistry, source: ModelSource, runner: Any,
-                      limits: EngineLimits, selected: tuple[RegisteredPolicy, Any], allocator: Any) -> Speculator:
+                      limits: EngineLimits, selected: tuple[RegisteredPolicy, Any], allocator: Any,
+                      attention: Any) -> Speculator:
     engine = config.engine
     context = DrafterContext(
         vocab_size=source.model_config.vocab_size, max_model_len=limits.max_model_len,
@@ -262,9 +264,27 @@ def _build_speculator(config: EngineConfig, registry: PluginRegistry, source: Mo
         load_model=lambda spec, num_blocks: load_aux_model(spec, num_blocks, engine, registry, config.attention,
                                                            limits.max_model_len))
     drafter = build_policy(*selected, context)
+    if isinstance(drafter, TreeDrafter) and drafter.proposes_trees:
+        _check_trees(config, attention, runner)
     length, _ = split_length_options(config.drafter.options)
     return Speculator(config.drafter.name, drafter, allocator, limits.max_model_len, source.model_config.vocab_size,
-                      length)
+                      length, slot_mover=runner.move_slots if isinstance(runner, SlotMovingRunner) else None,
+                      block_size=engine.block_size)
+
+
+def _check_trees(config: EngineConfig, attention: Any, runner: Any) -> None:
+    """A drafter proposing token trees needs a backend that attends them under a tree mask
+    and a runner that moves an accepted path's K/V into place."""
+    drafter = config.drafter.name
+    if not (isinstance(attention, TreeAttentionBackend) and attention.supports_tree_attention):
+        raise ConfigError(
+            f"drafter {drafter!r} proposes token trees, but attention backend {config.attention.name!r} does not "
+            f"support tree masks (the TreeAttentionBackend capability, supports_tree_attention); choose attention "
+            f"'cpu-paged' or 'torch-paged', or configure the drafter to propose chains")
+    if not isinstance(runner, SlotMovingRunner):
+        raise ConfigError(
+            f"drafter {drafter!r} proposes token trees, but the model runner {type(runner).__name__} cannot move "
+            f"KV slots (the SlotMovingRunner capability, move_slots); configure the drafter to propose chains")
 
 
 def _build_logits_pipeline(config: EngineConfig, registry: PluginRegistry, source: ModelSource,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence as 
 import attrs
 
 from servelab.sequence import Sequence, SequenceStatus
+from servelab.token_tree import ancestor_mask, query_parents, tree_error
 from servelab.model.kv_sizing import (KV_CACHE_DTYPES, QUANTIZED_KV_MAX, QUANTIZED_KV_TORCH_DTYPE, kv_row_elements,
                                      kv_scale_offset)
 
@@ -62,6 +63,7 @@ __all__ = [
     "ReleasingDrafter",
     "ReleasingProcessor",
     "ResettablePrefixCache",
+    "SlotMovingRunner",
     "ReplicaSnapshot",
     "RouteRequest",
     "Router",
@@ -76,9 +78,14 @@ __all__ = [
     "StepInputs",
     "StepPlan",
     "TargetModel",
+    "TreeAttentionBackend",
+    "TreeDrafter",
     "ValidatingProcessor",
     "WarmingProcessor",
     "ROOT_BLOCK_HASH",
+    "ancestor_mask",
+    "query_parents",
+    "tree_error",
     "chained_block_hash",
     "prefix_block_hashes",
     "sampling_rows",
@@ -386,6 +393,11 @@ class StepPlan:
     # `block_copies` (copies queued before a move are among them, as `copy` moves).
     # Schedulers leave it empty; the engine fills it from the host tier.
     kv_moves: tuple["KVMove", ...] = ()
+    # Token trees of drafts (servelab.token_tree): (row of `scheduled`, parents of the draft
+    # nodes scheduled with it) for each sequence whose scheduled drafts branch; the runner
+    # lays their nodes out as query rows under a tree mask. Schedulers leave it empty; the
+    # engine fills it from the drafter's proposals. A sequence absent here verifies a chain.
+    draft_trees: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -517,10 +529,19 @@ class Draft:
     draft position, the token having been sampled from it; None means the tokens were
     chosen deterministically (q is one-hot), as lookup and top-1 drafters do. A drafter
     may also return a plain sequence of ints for a deterministic draft.
+
+    `parents` (drafter contract version 3) makes the draft a token tree: parents[i] is -1
+    for a child of the sequence's last token, else the index of an earlier node
+    (servelab.token_tree); None is a chain. Only a drafter that declares
+    `TreeDrafter.proposes_trees` may branch. For a tree, probs[i] is the distribution node
+    i was drawn from given its parent's path and its earlier siblings (the same q for
+    siblings drawn independently; q with the earlier siblings removed and renormalised for
+    siblings drawn without replacement); None: deterministic, distinct siblings.
     """
 
     token_ids: Seq[int]
     probs: "torch.Tensor | None" = None
+    parents: Seq[int] | None = None
 
     def __iter__(self):
         return iter(self.token_ids)
@@ -540,7 +561,8 @@ class Drafter(Protocol):
     gets `hidden_states` [len(seqs), hidden] — row i the final-normed hidden state of the
     target at the position that produced seq i's last token. A drafter keeping per-sequence
     state may define `release(request_id)`, called when a sequence finishes or is
-    preempted.
+    preempted. A drafter declaring `TreeDrafter.proposes_trees` may return token trees
+    (`Draft.parents`): k then bounds a tree's depth.
     """
 
     def propose(self, seqs: Seq[Sequence]) -> Mapping[str, "Draft | Seq[int]"]:
@@ -585,6 +607,10 @@ class AttentionMetadata:
     max_context_len: int
     query_lens_list: tuple[int, ...]  # the same as query_lens, on the host
     context_lens_list: tuple[int, ...]
+    # Per sequence, None (causal) or the parents of its query rows (row 0: -1; row r > 0: an
+    # earlier row): a token tree, attended under the tree mask by a TreeAttentionBackend.
+    # None for the whole step when no sequence has one.
+    tree_parents: tuple[tuple[int, ...] | None, ...] | None = None
 
 
 @runtime_checkable
@@ -868,6 +894,15 @@ class FinishAwareDrafter(Protocol):
 
 
 @runtime_checkable
+class TreeDrafter(Protocol):
+    """A drafter that proposes token trees (`Draft.parents`) when `proposes_trees` is True
+    (drafter contract version 3). The engine refuses it at start unless the attention
+    backend is a TreeAttentionBackend and the runner a SlotMovingRunner."""
+
+    proposes_trees: bool
+
+
+@runtime_checkable
 class HiddenStateDrafter(Protocol):
     """A drafter that reads the target's hidden states (when `needs_hidden_states` is True)."""
 
@@ -883,6 +918,16 @@ class ContiguousBlockTablesBackend(Protocol):
     (when `requires_contiguous_block_tables` is True): only a ContiguousAllocator serves it."""
 
     requires_contiguous_block_tables: bool
+
+
+@runtime_checkable
+class TreeAttentionBackend(Protocol):
+    """An attention backend that attends token trees (when `supports_tree_attention` is
+    True): for a sequence whose `AttentionMetadata.tree_parents` entry is set, query row r
+    sees the context before the sequence's first query row and the query rows on its own
+    root path only, not causally every earlier row (servelab.token_tree.ancestor_mask)."""
+
+    supports_tree_attention: bool
 
 
 @runtime_checkable
@@ -1010,6 +1055,16 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Release what outlives the step loop (other ranks); idempotent."""
+
+
+@runtime_checkable
+class SlotMovingRunner(Protocol):
+    """A runner that copies single KV slots (token positions) in every layer's K and V:
+    the engine moves the accepted root path of a verified token tree into place."""
+
+    def move_slots(self, moves: Seq[tuple[int, int]]) -> None:
+        """Copy slot `source` to slot `destination` (block * block_size + offset) for each
+        (source, destination), every source read before any destination is written."""
 
 
 @runtime_checkable

@@ -129,9 +129,12 @@ KINDS: dict[str, PolicyKind] = kinds_table([
     PolicyKind("schedulers", "scheduler", "scheduler", "SchedulerPlugin",
                interfaces.Scheduler, interfaces.SchedulerContext, default="continuous"),
     PolicyKind("drafters", "drafter", "drafter", "DrafterPlugin",
-               interfaces.Drafter, interfaces.DrafterContext, optional=True, version=2, changes=(
+               interfaces.Drafter, interfaces.DrafterContext, optional=True, version=3, changes=(
                    (2, "the optional AcceptingDrafter capability: accepted(request_id, token_ids) after "
-                       "each verification"),)),
+                       "each verification"),
+                   (3, "token trees: Draft.parents (a field with a default, None: a chain) and the optional "
+                       "TreeDrafter capability (proposes_trees), which the engine refuses at start unless the "
+                       "attention backend supports tree masks"),)),
     PolicyKind("attention", "attention", "attention backend", "AttentionPlugin",
                interfaces.AttentionBackend, interfaces.AttentionContext, default="cpu-paged"),
     PolicyKind("routers", "router", "router", "RouterPlugin",

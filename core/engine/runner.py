@@ -9,10 +9,11 @@ import attrs
 import numpy as np
 import torch
 
-from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, QuantizedKVBackend, Runner, StepPlan,
-                                 TieredRunner, sampling_rows)
+from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, QuantizedKVBackend, Runner,
+                                 SlotMovingRunner, StepPlan, TieredRunner, sampling_rows)
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import zeros_on_huge_pages
+from servelab.token_tree import query_parents, row_depths
 
 
 @attrs.frozen
@@ -39,7 +40,7 @@ def new_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-class ModelRunner(Runner, TieredRunner):
+class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
     supports_prompt_logprobs = True  # prepare(..., prompt_logprobs=True) adds prompt positions' logits rows
 
     def __init__(self, model: LlamaForCausalLM, backend: Any, num_blocks: int, block_size: int,
@@ -120,7 +121,17 @@ class ModelRunner(Runner, TieredRunner):
         positions = np.arange(num_tokens) - np.repeat(query_start[:-1] - (context_lens_np - query_lens_np),
                                                       query_lens_np)
         block_tables = _pad_tables(tables)
+        # Slots follow the logical order (a tree's node i in the i-th slot after its root)...
         slots = block_tables[seq_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
+        tree_parents = None
+        if plan.draft_trees:  # ...positions follow depth: a node sits one after its parent
+            tree_parents = [None] * len(query_lens)
+            for row, parents in plan.draft_trees:
+                row_parents = query_parents(parents)
+                tree_parents[row] = row_parents
+                first = int(query_start[row])
+                positions[first: first + len(row_parents)] = positions[first] + row_depths(row_parents)
+            tree_parents = tuple(tree_parents)
 
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device)
@@ -135,6 +146,7 @@ class ModelRunner(Runner, TieredRunner):
             max_context_len=int(context_lens_np.max()),
             query_lens_list=tuple(query_lens),
             context_lens_list=tuple(context_lens),
+            tree_parents=tree_parents,
         )
         return ModelInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
@@ -184,6 +196,24 @@ class ModelRunner(Runner, TieredRunner):
             for key_cache, value_cache in self.kv_caches:
                 for cache in (key_cache, value_cache):
                     cache.index_copy_(self.block_dim, index_to, cache.index_select(self.block_dim, index_from))
+
+    def move_slots(self, moves: Seq[tuple[int, int]]) -> None:
+        """Copy single token slots (source, destination) in every layer's K and V; all
+        sources are read before any destination is written."""
+        if not moves:
+            return
+        dim = self.block_dim
+        index_from = torch.tensor([source for source, _ in moves], dtype=torch.int64, device=self.device)
+        index_to = torch.tensor([destination for _, destination in moves], dtype=torch.int64, device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            for cache in (key_cache, value_cache):
+                # The slot dimension is the block dimension and the one after it (block_size slots).
+                shape = cache.shape
+                if shape[dim + 1] != self.block_size:
+                    raise RuntimeError(f"cannot move KV slots in a cache of shape {tuple(shape)}: the dimension "
+                                       f"after the block dimension {dim} is not the block size {self.block_size}")
+                slots = cache.view(*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2:])
+                slots.index_copy_(dim, index_to, slots.index_select(dim, index_from))
 
     @property
     def vocab_size(self) -> int:

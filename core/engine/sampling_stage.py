@@ -42,6 +42,7 @@ class Sampled:
     num_accepted: dict[str, int]  # by sequence id: of which accepted
     failures: dict[str, str]  # by sequence id: a logits processor failed it (it gets no token)
     scored_prompts: dict[str, list]  # by request id: prompt logprobs completed this step
+    paths: dict[str, tuple[int, ...]] = attrs.field(factory=dict)  # by sequence id: a token tree's accepted nodes
 
 
 class SamplingStage:
@@ -85,7 +86,7 @@ class SamplingStage:
             self._verify(logits, [sampled[i] for i in spec], [owners[i] for i in spec],
                          [first_rows[i] for i in spec], [num_rows[i] for i in spec], out)
         if hidden is not None:
-            self.speculator.remember_hidden(sampled, first_rows, out.num_accepted, hidden, out.forks)
+            self.speculator.remember_hidden(sampled, first_rows, out.num_accepted, hidden, out.forks, out.paths)
         return out
 
     # ------------------------------------------------------------ plain rows
@@ -157,6 +158,8 @@ class SamplingStage:
             out.new_tokens[seq] = result.token_ids
             out.num_drafts[seq.request_id] = n - 1
             out.num_accepted[seq.request_id] = result.num_accepted
+            if result.path is not None:
+                out.paths[seq.request_id] = result.path
             if held:  # processors forget rejected drafts and take the target's token
                 self.pipeline.settle_speculative(seq, held, n - 1, result.num_accepted, result.token_ids, out.failures)
             rows = row_logprobs.get(seq.request_id)

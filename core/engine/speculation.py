@@ -6,6 +6,14 @@ scheduler therefore charges them to the token budget and allocates KV slots for 
 without knowing about speculation. A step may schedule fewer drafts than were proposed
 (a tight budget); only the scheduled ones are verified. After the step every sequence's
 drafts are cleared; the next step proposes afresh from the verified tokens.
+
+A drafter that declares `TreeDrafter.proposes_trees` may propose token trees
+(`Draft.parents`, servelab.token_tree): the nodes ride on the sequence the same way, in
+their listed order, so a budget cut keeps a prefix of the list, which is a tree. The
+engine puts the scheduled trees in the plan (`StepPlan.draft_trees`), the runner lays
+them out under a tree mask, verification keeps one root path, and `settle` moves that
+path's K/V into the slots right after the verified tokens before it rolls the rest back:
+positions, slots and rollback are the engine's, never the drafter's.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import torch
 
 from servelab.errors import ConfigError
 from servelab.interfaces import (AcceptingDrafter, Draft, FinishAwareDrafter, ForkingAllocator, HiddenStateDrafter,
-                                 ReleasingDrafter, Sequence)
+                                 ReleasingDrafter, Sequence, StepPlan, TreeDrafter)
 from servelab.logging_setup import get_logger
 from servelab.speculation_length import DynamicLength, SpeculationLengthOptions
+from servelab.token_tree import first_branch, is_chain, tree_error
 from servelab.verification import Verified, verify
 
 logger = get_logger(__name__)
@@ -50,7 +59,8 @@ class Speculator:
     """The engine's half of speculative decoding, around one drafter."""
 
     def __init__(self, name: str, drafter: Any, allocator: Any, max_model_len: int, vocab_size: int,
-                 length: SpeculationLengthOptions | None = None) -> None:
+                 length: SpeculationLengthOptions | None = None, slot_mover: Any = None,
+                 block_size: int = 16) -> None:
         if not isinstance(allocator, ForkingAllocator):
             raise ConfigError(
                 f"drafter {name!r} needs an allocator that can roll back rejected draft slots "
@@ -61,6 +71,11 @@ class Speculator:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.needs_hidden_states = isinstance(drafter, HiddenStateDrafter) and bool(drafter.needs_hidden_states)
+        # Token trees: the drafter declares them; the runner's move_slots puts an accepted path in place.
+        self.proposes_trees = isinstance(drafter, TreeDrafter) and bool(drafter.proposes_trees)
+        self.slot_mover = slot_mover
+        self.block_size = block_size
+        self._parents: dict[str, list[int]] = {}  # seq id -> parents of its drafts, when they branch
         self._accepting = drafter if isinstance(drafter, AcceptingDrafter) else None
         self._finish_aware = drafter if isinstance(drafter, FinishAwareDrafter) else None
         # None: every sequence may draft as far as the drafter proposes (and its room allows).
@@ -72,8 +87,10 @@ class Speculator:
 
     # ------------------------------------------------------------ before the step
 
-    def propose(self, candidates: Seq[Sequence]) -> None:
-        """Set the drafts of every running sequence that is about to decode."""
+    def propose(self, candidates: Seq[Sequence], chain_only: Any = frozenset()) -> None:
+        """Set the drafts of every running sequence that is about to decode. Sequences whose
+        ids are in `chain_only` (their requests have logits processors or logprobs, which
+        follow one path) verify a tree's first branch."""
         room = {seq.request_id: self._room(seq) for seq in candidates if seq.is_decoding}
         if self.dynamic is not None:
             room = self.dynamic.budgets({seq_id: r for seq_id, r in room.items() if r > 0})
@@ -93,16 +110,47 @@ class Speculator:
             tokens = list(draft.token_ids if isinstance(draft, Draft) else draft)
             if self.dynamic is not None:
                 self.dynamic.proposed(len(tokens))
-            tokens = tokens[: room[seq.request_id]]
             probs = draft.probs if isinstance(draft, Draft) else None
+            parents = draft.parents if isinstance(draft, Draft) else None
             if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens):
                 # A broken drafter costs its speed-up, never the request: the draft is dropped.
                 logger.warning("drafter.invalid_draft", drafter=self.name, request_id=seq.request_id,
                                draft=tokens, vocab_size=self.vocab_size)
                 continue
+            if parents is not None:
+                parents = list(parents)
+                error = tree_error(parents, len(tokens)) if self.proposes_trees else (
+                    "the drafter does not declare TreeDrafter.proposes_trees")
+                if error is not None:
+                    logger.warning("drafter.invalid_tree", drafter=self.name, request_id=seq.request_id,
+                                   error=error)
+                    continue
+                if seq.request_id in chain_only and not is_chain(parents):
+                    keep = first_branch(parents)
+                    tokens = [tokens[i] for i in keep]
+                    probs = probs[keep] if probs is not None else None
+                    parents = None
+            # A prefix of the nodes is a tree: cutting it to the room bounds its slots and its depth.
+            tokens = tokens[: room[seq.request_id]]
             seq.draft_token_ids = tokens
             self._probs[seq.request_id] = probs[: len(tokens)] if probs is not None else None
+            if parents is not None and not is_chain(parents[: len(tokens)]):
+                self._parents[seq.request_id] = parents[: len(tokens)]
             self._drafted.append(seq)
+
+    def draft_trees(self, plan: StepPlan) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """`StepPlan.draft_trees` of a plan: the branching drafts scheduled, per plan row."""
+        if not self._parents:
+            return ()
+        trees = []
+        for row, (seq, num_new) in enumerate(plan.scheduled):
+            parents = self._parents.get(seq.request_id)
+            if parents is None:
+                continue
+            num_nodes = seq.num_computed_tokens + num_new - seq.num_tokens
+            if num_nodes >= 2 and num_new == num_nodes + 1 and not is_chain(parents[:num_nodes]):
+                trees.append((row, tuple(parents[:num_nodes])))
+        return tuple(trees)
 
     def _room(self, seq: Sequence) -> int:
         """Most drafts worth verifying: all accepted plus the bonus token must still fit
@@ -118,19 +166,27 @@ class Speculator:
         rows = torch.tensor([r for first, n in zip(first_rows, num_rows) for r in range(first, first + n)],
                             dtype=torch.int64, device=logits.device)
         drafts = [seq.draft_token_ids[: n - 1] for seq, n in zip(seqs, num_rows)]
-        probs = []
+        probs, parents = [], []
         for seq, draft in zip(seqs, drafts):
             q = self._probs.get(seq.request_id)
             probs.append(q[: len(draft)] if q is not None else None)
-        return verify(logits[rows], drafts, probs, [seq.params for seq in seqs], generators, default_generator)
+            tree = self._parents.get(seq.request_id)
+            parents.append(tree[: len(draft)] if tree is not None and not is_chain(tree[: len(draft)]) else None)
+        return verify(logits[rows], drafts, probs, [seq.params for seq in seqs], generators, default_generator,
+                      parents if any(tree is not None for tree in parents) else None)
 
-    def settle(self, seq: Sequence, num_verified_drafts: int, num_accepted: int, num_tokens_before: int) -> None:
+    def settle(self, seq: Sequence, num_verified_drafts: int, num_accepted: int, num_tokens_before: int,
+               path: Seq[int] | None = None) -> None:
         """After the accepted tokens were appended: keep the K/V of verified tokens only and
-        give the rejected drafts' slots back."""
+        give the rejected drafts' slots back. `path`: a token tree's accepted nodes, whose
+        K/V moves first from node i's slot to the slot of the token it became."""
         if self._accepting is not None and num_verified_drafts:
-            self._accepting.accepted(seq.request_id, list(seq.draft_token_ids[:num_accepted]))
+            accepted = [seq.draft_token_ids[i] for i in path] if path is not None else seq.draft_token_ids[:num_accepted]
+            self._accepting.accepted(seq.request_id, list(accepted))
         computed = seq.num_computed_tokens
         keep = min(num_tokens_before + num_accepted, seq.num_tokens)
+        if path is not None:
+            self._move_path(seq, path[: keep - num_tokens_before], num_tokens_before)
         if computed > keep:
             self.allocator.rollback(seq.request_id, computed - keep)
             seq.num_computed_tokens = keep
@@ -138,6 +194,21 @@ class Speculator:
         seq.num_accepted_tokens += num_accepted
         if self.dynamic is not None:
             self.dynamic.observe(seq.request_id, num_verified_drafts, num_accepted)
+
+    def _move_path(self, seq: Sequence, path: Seq[int], first: int) -> None:
+        """Accepted node path[j] was computed at logical position first + path[j]; its token
+        is now the sequence's token first + j. Sources never precede destinations (nodes
+        are listed parents first), and every source is read before any write."""
+        moves = [(first + node, first + j) for j, node in enumerate(path) if node != j]
+        if not moves:
+            return
+        table = self.allocator.block_table(seq.request_id)
+        size = self.block_size
+
+        def slot(position: int) -> int:
+            return table[position // size] * size + position % size
+
+        self.slot_mover([(slot(source), slot(destination)) for source, destination in moves])
 
     def record(self, num_drafts: int, num_accepted: int, num_verify_steps: int, num_sampling_steps: int,
                num_emitted: int) -> None:
@@ -150,11 +221,15 @@ class Speculator:
             num_emitted_tokens=s.num_emitted_tokens + num_emitted)
 
     def remember_hidden(self, sampled: Seq[Sequence], first_rows: Seq[int], num_accepted: dict[str, int],
-                        hidden: torch.Tensor, forks: Seq[tuple[Sequence, Seq[Sequence]]]) -> None:
+                        hidden: torch.Tensor, forks: Seq[tuple[Sequence, Seq[Sequence]]],
+                        paths: dict[str, Seq[int]] | None = None) -> None:
         """Keep, per sequence, the hidden state of the row that produced its last token:
-        the row after its accepted drafts (forked children share their parent's)."""
+        the row after its accepted drafts, a tree's last accepted node's (forked children
+        share their parent's)."""
         for seq, first in zip(sampled, first_rows):
-            self._hidden[seq.request_id] = hidden[first + num_accepted.get(seq.request_id, 0)]
+            path = paths.get(seq.request_id) if paths else None
+            offset = (path[-1] + 1 if path else 0) if path is not None else num_accepted.get(seq.request_id, 0)
+            self._hidden[seq.request_id] = hidden[first + offset]
         for parent, children in forks:
             for child in children:
                 self._hidden[child.request_id] = self._hidden[parent.request_id]
@@ -165,6 +240,7 @@ class Speculator:
             seq.draft_token_ids = []
             self._probs.pop(seq.request_id, None)
         self._drafted.clear()
+        self._parents.clear()
 
     def release(self, seq: Sequence) -> None:
         """`seq`'s request leaves the engine (finished, aborted, failed or discarded)."""

@@ -92,7 +92,8 @@ class UpdateStage:
             seq.num_sampling_steps += 1
             if seq.request_id in num_drafts:
                 self.speculator.settle(seq, num_drafts[seq.request_id], sampled.num_accepted[seq.request_id],
-                                       seq.num_tokens - len(emitted[seq.request_id]))
+                                       seq.num_tokens - len(emitted[seq.request_id]),
+                                       sampled.paths.get(seq.request_id))
         return finished, emitted
 
     def _append_token(self, seq: Sequence, token_id: int, now: float) -> bool:

@@ -15,6 +15,8 @@ the target's next-token distribution p_j after the verified tokens and drafts d_
 p is filtered by temperature, top-k, top-p and min-p exactly as without speculation
 (`sampler.filtered_probs`); a drafter that samples applies the same filters to q.
 Each request's random draws come from its own generator, so seeded requests reproduce.
+Drafts that form a token tree are verified by the multi-candidate rule of
+servelab.tree_verification, of which this chain rule is the one-branch case.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from servelab.sampler import filtered_probs, greedy_tokens
 from servelab.sampling_params import SamplingParams
+from servelab.tree_verification import verify_trees
 
 
 @attrs.frozen
@@ -34,6 +37,9 @@ class Verified:
 
     token_ids: list[int]  # accepted drafts followed by one target token
     num_accepted: int
+    # A token tree's accepted root path, as node indices (servelab.token_tree); None for a
+    # chain, whose accepted drafts are its first num_accepted.
+    path: tuple[int, ...] | None = None
 
 
 def verify(
@@ -43,13 +49,27 @@ def verify(
     params: Seq[SamplingParams],
     generators: Seq[torch.Generator | None],  # per sequence; None draws from default_generator
     default_generator: torch.Generator | None = None,
+    # Per sequence, the parents of its drafts when they form a token tree
+    # (servelab.tree_verification), None for a chain; None: every draft is a chain.
+    draft_parents: Seq[Seq[int] | None] | None = None,
 ) -> list[Verified]:
     num_seqs = len(draft_token_ids)
     results: list[Verified | None] = [None] * num_seqs
     starts = [0] * num_seqs
     for r in range(1, num_seqs):
         starts[r] = starts[r - 1] + len(draft_token_ids[r - 1]) + 1
-    greedy = [r for r in range(num_seqs) if params[r].is_greedy]
+    trees = [r for r in range(num_seqs) if draft_parents is not None and draft_parents[r] is not None]
+    if trees:
+        verified_trees = verify_trees(logits, [starts[r] for r in trees], [draft_token_ids[r] for r in trees],
+                                      [draft_parents[r] for r in trees], [draft_probs[r] for r in trees],
+                                      [params[r] for r in trees],
+                                      [generators[r] or default_generator for r in trees])
+        for r, (tokens, path) in zip(trees, verified_trees):
+            results[r] = Verified(tokens, len(path), path)
+        if len(trees) == num_seqs:
+            return results
+    chains = [r for r in range(num_seqs) if results[r] is None]
+    greedy = [r for r in chains if params[r].is_greedy]
     if greedy:  # exact match against the argmax: a handful of Python comparisons per sequence
         argmax = greedy_tokens(logits)
         for r in greedy:
@@ -59,7 +79,7 @@ def verify(
             while accepted < len(drafts) and drafts[accepted] == target[accepted]:
                 accepted += 1
             results[r] = Verified(drafts[:accepted] + [target[accepted]], accepted)
-    sampled = [r for r in range(num_seqs) if not params[r].is_greedy]
+    sampled = [r for r in chains if not params[r].is_greedy]
     if sampled:
         rows = [starts[r] + j for r in sampled for j in range(len(draft_token_ids[r]) + 1)]
         verified = _verify_sampled(logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)],

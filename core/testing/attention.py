@@ -33,6 +33,8 @@ class AttentionBackendContract(PolicyContract):
       cached prefix, a mixed batch of prompts, chunks and decodes, and decodes after block
       copies along kv_cache_block_dim(), with any `scale`
     - forward writes only the slots of the slot mapping
+    - a TreeAttentionBackend's token-tree rows attend to the context and their own root
+      path, equal to masked attention computed with an explicit mask (attention_tree.py)
     - tokens identical to the reference policies, end to end on a tiny model (float32)
 
     A backend declaring `requires_contiguous_block_tables` (it reads a sequence's K/V as
@@ -92,6 +94,27 @@ class AttentionBackendContract(PolicyContract):
                              shapes=shapes, scale=scale, seed=seed)
 
         run()
+
+    # ------------------------------------------------------------ token trees
+
+    @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+    @pytest.mark.parametrize("block_size", [1, 4, 16])
+    @pytest.mark.parametrize("seed", [0, 1, 2])
+    def test_token_trees_match_masked_attention(self, num_heads, num_kv_heads, block_size, seed):
+        """Only for a TreeAttentionBackend: random token trees beside decodes and chunks."""
+        import torch
+
+        from servelab.interfaces import AttentionContext, TreeAttentionBackend
+        from servelab.testing.attention_tree import TreeBatchCheck
+
+        probe = self.make(AttentionContext(num_heads=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=4,
+                                           dtype=torch.float32, device=torch.device(self.device)))
+        if not (isinstance(probe, TreeAttentionBackend) and probe.supports_tree_attention):
+            pytest.skip("not a TreeAttentionBackend")
+        for dtype in self.dtypes:
+            TreeBatchCheck(self.make, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
+                           block_size=block_size, dtype=getattr(torch, dtype), device=self.device,
+                           seed=seed * 1000 + num_heads * 10 + block_size).run()
 
     # ------------------------------------------------------------ end to end
 

@@ -18,9 +18,10 @@ from typing import Any, Mapping
 import attrs
 import pytest
 
-from servelab.interfaces import Drafter, DrafterContext, FinishAwareDrafter, ReleasingDrafter, Sequence
+from servelab.interfaces import Draft, Drafter, DrafterContext, FinishAwareDrafter, ReleasingDrafter, Sequence, TreeDrafter
 from servelab.sampling_params import SamplingParams
 from servelab.testing.contract import PolicyContract, check, exercising
+from servelab.token_tree import max_depth, tree_error
 
 KEYS = "proposals are keyed by the given request ids"
 VOCAB = "draft tokens are in the vocabulary"
@@ -31,6 +32,8 @@ DETERMINISTIC = "a deterministic drafter proposes the same drafts for the same s
 PROPOSE = "propose handles any batch of decoding sequences"
 RELEASE = "release forgets a sequence: a new sequence under its id gets a fresh drafter's drafts"
 FINISHED = "finished accepts any finished sequence, and drafts stay well formed after it"
+TREE = "token trees are well formed: one parent per token, each -1 or an earlier node"
+TREE_DECLARED = "only a drafter declaring TreeDrafter.proposes_trees proposes trees"
 
 
 def decoding_sequence(request_id: str, prompt: list[int], output: list[int]) -> Sequence:
@@ -38,6 +41,26 @@ def decoding_sequence(request_id: str, prompt: list[int], output: list[int]) -> 
     seq = Sequence(request_id, list(prompt), SamplingParams(), 0.0, output_token_ids=list(output))
     seq.num_computed_tokens = seq.num_tokens - 1
     return seq
+
+
+def _shape(draft: Any) -> tuple[list[int], list[int] | None]:
+    """A proposal's tokens and, for a tree, its parents."""
+    parents = draft.parents if isinstance(draft, Draft) else None
+    return list(draft), list(parents) if parents is not None else None
+
+
+def _accepted(tokens: list[int], parents: list[int] | None, truth: list[int]) -> int:
+    """Drafts greedy verification accepts when the target's tokens are `truth`: the
+    longest matching prefix of a chain, the longest matching root path of a tree."""
+    if parents is None:
+        return next((i for i, (d, t) in enumerate(zip(tokens, truth)) if d != t), min(len(tokens), len(truth)))
+    node, depth = -1, 0
+    while depth < len(truth):
+        node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == truth[depth]), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
 
 
 def _snapshot(seqs: list[Sequence]) -> list[dict[str, Any]]:
@@ -61,7 +84,11 @@ class DrafterContract(PolicyContract):
     - implements Drafter; an empty batch gets no proposals
     - proposals are keyed by the given request ids
     - draft tokens are in the vocabulary: ints in [0, vocab_size)
-    - at most num_speculative_tokens draft tokens per sequence
+    - at most num_speculative_tokens draft tokens per sequence (for a token tree: at most
+      that many deep)
+    - token trees (`Draft.parents`) come only from a drafter declaring
+      `TreeDrafter.proposes_trees`, and are well formed: one parent per token, each -1 or
+      an earlier node's index
     - drafts never run past max_model_len
     - propose never changes the sequences (any field of them)
     - a deterministic drafter proposes the same drafts for the same sequences
@@ -105,11 +132,19 @@ class DrafterContract(PolicyContract):
         check(set(proposals) <= ids, KEYS, lambda: f"unknown ids {sorted(set(proposals) - ids)}")
         k = self.max_drafts()
         by_id = {s.request_id: s for s in seqs}
-        for request_id, draft in proposals.items():
-            draft = list(draft)
+        for request_id, proposal in proposals.items():
+            draft = list(proposal)
             bad = [t for t in draft if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
             check(not bad, VOCAB, lambda: f"{request_id}: {bad} outside [0, {self.vocab_size}) in draft {draft}")
-            check(len(draft) <= k, AT_MOST_K, lambda: f"{request_id}: {len(draft)} drafts, k = {k}")
+            parents = proposal.parents if isinstance(proposal, Draft) else None
+            if parents is not None:
+                check(isinstance(drafter, TreeDrafter) and drafter.proposes_trees, TREE_DECLARED,
+                      f"{request_id}: a draft with parents from {type(drafter).__name__}")
+                error = tree_error(list(parents), len(draft))
+                check(error is None, TREE, lambda: f"{request_id}: {error} (parents {list(parents)})")
+            # A tree's k bounds its depth (the drafts one step can accept); its nodes take slots.
+            depth = max_depth(parents, len(draft))
+            check(depth <= k, AT_MOST_K, lambda: f"{request_id}: {depth} drafts deep, k = {k}")
             room = self.max_model_len - by_id[request_id].num_tokens
             check(len(draft) <= max(room, 0), MAX_MODEL_LEN,
                   lambda: f"{request_id} holds {by_id[request_id].num_tokens} tokens, {len(draft)} drafts, "
@@ -117,7 +152,7 @@ class DrafterContract(PolicyContract):
         if self.deterministic:
             with exercising(DETERMINISTIC):
                 again = drafter.propose(seqs)
-            same = {r: list(d) for r, d in again.items()} == {r: list(d) for r, d in proposals.items()}
+            same = ({r: _shape(d) for r, d in again.items()} == {r: _shape(d) for r, d in proposals.items()})
             check(same, DETERMINISTIC, "two calls on the same sequences disagree")
         return proposals
 
@@ -241,9 +276,9 @@ class DrafterContract(PolicyContract):
                     self.release(drafter, f"r{i}")
             for seq_id, draft in self.check_proposals(drafter, seqs).items():
                 truth = outputs[int(seq_id[1:])][step + 1:]
-                run = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), min(len(draft), len(truth)))
-                proposed += len(draft)
-                accepted += run
+                tokens, parents = _shape(draft)
+                proposed += len(tokens)
+                accepted += _accepted(tokens, parents, truth)
         print(f"drafter replay: {accepted} of {proposed} draft tokens accepted")
 
 

@@ -5,8 +5,11 @@ after it. Head i (0-based) is one residual SiLU layer feeding the target's own L
     logits_i = lm_head(x + silu(W_i x + b_i))     guesses the token i + 1 places after t
 
 The drafts are the heads' top-1 tokens, verified as a chain (deterministic proposals,
-so q is one-hot and verification stays lossless for sampled requests too). The heads
-cost one small matmul each per sequence: no extra model pass.
+so q is one-hot and verification stays lossless for sampled requests too). With
+`tree_nodes = N` they are a token tree instead: the static tree of N nodes over the
+heads' top-k tokens that their measured accuracies make most likely to be accepted
+(servelab.plugins.drafters.medusa_tree), as Medusa's sparse trees are. The heads cost
+one small matmul each per sequence: no extra model pass.
 
 Heads file: `medusa.safetensors` (tensors medusa_heads.{i}.weight [hidden, hidden] and
 medusa_heads.{i}.bias [hidden]) and `medusa_config.json` ({"num_heads": K,
@@ -22,7 +25,8 @@ from typing import Mapping, Sequence as Seq
 import torch
 
 from servelab.errors import ConfigError
-from servelab.interfaces import DrafterContext, Sequence
+from servelab.interfaces import Draft, DrafterContext, Sequence
+from servelab.plugins.drafters.medusa_tree import best_tree, load_accuracy
 from servelab.plugins.drafters.options import MedusaOptions
 
 HEADS_FILE = "medusa.safetensors"
@@ -58,6 +62,17 @@ class MedusaDrafter:
         self.lm_head = target.lm_head
         self.k = k
         self.max_model_len = context.max_model_len
+        self.tree = None
+        if self.options.tree_nodes:
+            top_k = min(self.options.tree_top_k, target.vocab_size)
+            self.tree = best_tree(load_accuracy(directory, k, top_k), self.options.tree_nodes)
+            self._node_heads = torch.tensor(self.tree.heads, device=device)
+            self._node_ranks = torch.tensor(self.tree.ranks, device=device)
+            self._top_k = max(self.tree.ranks) + 1
+
+    @property
+    def proposes_trees(self) -> bool:
+        return self.tree is not None
 
     def propose(self, seqs: Seq[Sequence], hidden_states: torch.Tensor | None = None) -> Mapping[str, list[int]]:
         if not seqs or hidden_states is None:
@@ -66,7 +81,18 @@ class MedusaDrafter:
             x = hidden_states.to(self.weight.dtype)  # [B, H]
             residual = torch.nn.functional.silu(torch.einsum("bh,koh->bko", x, self.weight) + self.bias)
             heads = x[:, None, :] + residual  # [B, k, H]
-            tokens = self.lm_head(heads.reshape(-1, heads.shape[-1])).argmax(dim=-1).view(len(seqs), self.k)
+            logits = self.lm_head(heads.reshape(-1, heads.shape[-1])).view(len(seqs), self.k, -1)
+            if self.tree is not None:
+                top = logits.topk(self._top_k, dim=-1).indices  # [B, k, top_k]
+                nodes = top[:, self._node_heads, self._node_ranks].tolist()  # [B, N]: each node's token
+                parents = self.tree.parents
+                proposals = {}
+                for seq, tokens in zip(seqs, nodes):
+                    room = max(0, self.max_model_len - seq.num_tokens)  # a prefix of the nodes is a tree
+                    if room:
+                        proposals[seq.request_id] = Draft(tokens[:room], parents=parents[:room])
+                return proposals
+            tokens = logits.argmax(dim=-1)
         drafts = tokens.tolist()
         return {seq.request_id: draft[: max(0, self.max_model_len - seq.num_tokens)]
                 for seq, draft in zip(seqs, drafts)}

@@ -36,12 +36,18 @@ class DraftModelOptions:
 
 @attrs.frozen(kw_only=True)
 class MedusaOptions:
-    """Medusa-1 heads on the target's last hidden state, verified as a chain of top-1 tokens."""
+    """Medusa-1 heads on the target's last hidden state, verified as a chain of top-1 tokens
+    or as a static tree of top-k tokens (tree_nodes > 0)."""
 
     # Heads file (medusa.safetensors + medusa_config.json); "": the target checkpoint's directory.
     heads: str = ""
     # k: heads used (at most the number trained); 0: all of them.
     num_speculative_tokens: int = attrs.field(default=0, validator=_non_negative)
+    # Token-tree mode: the static tree of this many nodes that the heads' measured accuracies
+    # (medusa_accuracy.json beside the heads) make most likely to be accepted; 0: the top-1 chain.
+    tree_nodes: int = attrs.field(default=0, validator=_non_negative)
+    # The most candidates per head a tree considers (its top-k).
+    tree_top_k: int = attrs.field(default=8, validator=_positive)
 
 
 def _probability(instance, attribute, value) -> None:

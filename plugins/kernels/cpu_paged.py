@@ -5,7 +5,9 @@ paged cache through each sequence's block table: nothing is gathered or copied. 
 few query tokens (decodes, verified drafts) are one task per (sequence, KV head); rows of
 many (prompts, chunks) are cut into tiles of query tokens attended flash-style, skipping
 the keys past each tile's causal limit (about 3x torch's CPU flash attention on this
-workload's prompts). `max_kernel_query_len`, when set, sends longer rows to torch-paged's
+workload's prompts). Token trees (`AttentionMetadata.tree_parents`) are attended by
+torch-paged's masked multi-token path, and their steps by the model's Python loop over
+layers. `max_kernel_query_len`, when set, sends longer rows to torch-paged's
 grouped scaled_dot_product_attention instead, as does a library without the tiled path (a
 CPU without AVX2, or a head dim that is not a multiple of the vector width), for rows
 longer than 16. The cache layout is torch-paged's.
@@ -163,11 +165,15 @@ class CpuPagedAttention(TorchPagedAttention):
                 return super().prepare(metadata)
         limit = self._kernel_row_limit
         query_lens, context_lens = metadata.query_lens_list, metadata.context_lens_list
-        if limit is None:
+        trees = metadata.tree_parents
+        if limit is None and trees is None:
             short, long = list(range(len(query_lens))), []
         else:
-            short = [i for i, q in enumerate(query_lens) if q <= limit]
-            long = [i for i, q in enumerate(query_lens) if q > limit]
+            limit = limit or max(query_lens)
+            # The kernel attends causally: token trees go to torch-paged's masked path.
+            is_tree = (lambda i: trees[i] is not None) if trees is not None else (lambda i: False)
+            short = [i for i, q in enumerate(query_lens) if q <= limit and not is_tree(i)]
+            long = [i for i, q in enumerate(query_lens) if q > limit or is_tree(i)]
         groups: tuple[_PrefillGroup, ...] = ()
         if long:
             host = _Host(metadata, self.context.num_kv_heads, self.context.num_blocks)

@@ -16,7 +16,9 @@ rows (prompts, chunks, drafts), sorted by length and cut by cost:
   area its members need, so a 4,000-token prompt never pads 64-token ones to its length.
   K and V are gathered and attended by scaled_dot_product_attention: `is_causal` for a
   group of whole prompts of one length (the kernel skips the masked half), a lower-right
-  causal mask otherwise.
+  causal mask otherwise. A sequence verifying a token tree (`AttentionMetadata.tree_parents`)
+  is a multi-token row whose mask shows each query row the context before its first row
+  and its own root path among the rows (servelab.token_tree).
 
 Cache layout: [num_kv_heads, num_blocks, block_size, head_dim]. Gathering a group's
 blocks then yields [kv_heads, seqs, context, head_dim] directly, the layout the attention
@@ -35,7 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from servelab.interfaces import AttentionContext, AttentionMetadata, QuantizedKVBackend, kv_row_elements
+from servelab.interfaces import (AttentionContext, AttentionMetadata, QuantizedKVBackend, TreeAttentionBackend,
+                                 ancestor_mask, kv_row_elements)
 from servelab.plugins.kernels.kv_quant import dequantize_rows, storage_dtype, write_rows
 from servelab.plugins.kernels.options import TorchPagedOptions
 
@@ -138,6 +141,7 @@ class _Host:
         self.query_starts = metadata.query_start_loc.cpu().numpy()
         self.block_tables = metadata.block_tables.cpu().numpy()
         self.head_offsets = np.arange(num_kv_heads) * num_cache_blocks
+        self.tree_parents = metadata.tree_parents  # per sequence: None, or its query rows' tree
 
     def cache_rows(self, index: np.ndarray, num_blocks: int) -> np.ndarray:
         """Rows of the cache viewed as [kvh * num_blocks, block_size * d]: for each KV head,
@@ -149,8 +153,9 @@ class _Host:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
 
-class TorchPagedAttention(QuantizedKVBackend):
+class TorchPagedAttention(QuantizedKVBackend, TreeAttentionBackend):
     supported_kv_cache_dtypes = frozenset({"int8", "fp8_e4m3", "fp8_e5m2"})
+    supports_tree_attention = True  # tree rows go to the multi-token path, under an explicit mask
 
     def __init__(self, options: TorchPagedOptions | None, context: AttentionContext) -> None:
         self.options = options or TorchPagedOptions()
@@ -251,6 +256,12 @@ class TorchPagedAttention(QuantizedKVBackend):
             # Query i of a sequence sits at absolute position context_len - query_len + i.
             absolute = (c_lens - q_lens)[:, None] + query_pos[None, :]
             visible = (key_pos[None, None, :] <= absolute[:, :, None]) & (key_pos < c_lens[:, None, None])
+            if host.tree_parents is not None:
+                for g, seq in enumerate(seqs):
+                    tree = host.tree_parents[seq]
+                    if tree is not None:  # a token tree: its rows see their own root path only
+                        first = int(c_lens[g] - q_lens[g])
+                        visible[g, : len(tree), first: first + len(tree)] = ancestor_mask(tree)
             # Padded queries see every key (their rows are dropped), so no row is all hidden.
             mask = host.tensor((visible | ~query_valid[:, :, None])[:, None])
         return _PrefillGroup(host.tensor(query_index), host.tensor(query_valid), host.tensor(query_index[query_valid]),
