@@ -1,6 +1,6 @@
 """Where a decode step's time goes, by kind of work, for one or more engine settings.
 
-Runs `builtin:tiny-random` with B running sequences in steady decode, profiles 20 steps
+Runs `builtin:tiny-random` (or `--model`, e.g. smollm2-135m) with B running sequences in steady decode, profiles 20 steps
 with torch's profiler, and sorts every op's self time into linear layers, LM head,
 attention, norms/rotary/activation, sampling and the rest (the engine's Python between
 ops is the step's wall time minus all op time). Each variant is a list of --set style
@@ -41,17 +41,17 @@ def parse_variant(text: str) -> dict:
     return overrides
 
 
-def profile_variant(overrides: dict, batch: int, dtype: str) -> dict[str, float]:
+def profile_variant(overrides: dict, batch: int, dtype: str, model: str) -> dict[str, float]:
     if overrides.get("attention.name") == "cpu-paged":  # time the kernels, not the fallback
         overrides = {"attention.build": "wait", **overrides}
-    llm = LLM("builtin:tiny-random", dtype=dtype, max_num_seqs=batch, max_model_len=1024,
+    llm = LLM(model, dtype=dtype, max_num_seqs=batch, max_model_len=1024,
               max_num_batched_tokens=max(2048, batch * 4), **overrides)
     engine = llm.engine
     rng = random.Random(0)
     for _ in range(batch):
         engine.add_request([rng.randrange(3, 8000) for _ in range(rng.randint(50, 300))],
                            SamplingParams(max_tokens=600, temperature=0, ignore_eos=True))
-    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine._sequences.values()):
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.unfinished_sequences()):
         engine.step()  # every prompt prefilled: from here on, pure decode steps
     for _ in range(3):
         engine.step()
@@ -90,12 +90,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", default="builtin:tiny-random")
     parser.add_argument("--variant", action="append", default=[], help="comma-separated key=value overrides")
     args = parser.parse_args()
     configure_logging(0)
     variants = args.variant or [""]
-    results = [profile_variant(parse_variant(v), args.batch, args.dtype) for v in variants]
-    print(f"decode step at batch {args.batch}, {args.dtype}, {torch.get_num_threads()} threads: ms per step")
+    results = [profile_variant(parse_variant(v), args.batch, args.dtype, args.model) for v in variants]
+    print(f"{args.model}: decode step at batch {args.batch}, {args.dtype}, {torch.get_num_threads()} threads: ms per step")
     print(f"{'':40}" + "".join(f"{(v or 'default')[:38]:>40}" for v in variants))
     for key in results[0]:
         print(f"{key:40}" + "".join(f"{r[key]:>40.2f}" for r in results))
