@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# cupy-paged on a GPU, in one run: kernel conformance tests and engine end to end
-# (tests/test_cupy_kernels.py), then the decode bandwidth benchmark
+# cupy-paged on a GPU, in one run: kernel conformance tests (quantized caches included)
+# and engine end to end (tests/test_cupy_kernels.py), the host tier's asynchronous CUDA
+# copies (tests/test_tier_copy.py), then the decode bandwidth benchmark
 # (examples/gpu_bench_attention.py). Results go to $OUT (or a temporary folder).
 #
 # Needs python3 with torch (CUDA), cupy, transformers, pytest, hypothesis and this
@@ -29,7 +30,7 @@ PYEOF
 
 XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 4"
-timeout 330 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_cupy_kernels.py 2>&1 | tee "$OUT/tests.log"
+timeout 400 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_cupy_kernels.py tests/test_tier_copy.py 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 timeout 120 "$PY" examples/gpu_bench_attention.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"

@@ -3,7 +3,9 @@ query and key, selecting the backend without CuPy or a GPU is a clear error, and
 the kernels match torch-paged and the engine matches transformers greedy decoding.
 
 What needs what:
-- compile tests: nvcc (skipped, with the reason, only where nvcc is absent);
+- compile tests, for the model's dtypes and the quantized caches (kv_cache_dtype int8,
+  fp8_e4m3, fp8_e5m2), and the host build of the quantized-row codecs (kv_quant.cuh) that
+  checks their bytes against torch's: nvcc (skipped, with the reason, only where nvcc is absent);
 - plan and selection-error tests: nothing (the error test runs where CuPy or a GPU is missing);
 - conformance and end-to-end tests: CuPy and a CUDA GPU (skipped with the reason otherwise).
 """
@@ -61,10 +63,21 @@ ATTENTION_BUILDS = (
        ("float32", 256, 4)]
 )
 WRITE_BUILDS = [(dtype, head_dim, 16) for dtype in DTYPES for head_dim in (64, 80, 96, 128)]
+QUANTIZED_KV = ("int8", "fp8_e4m3", "fp8_e5m2")
+# Each quantized cache with each model dtype at two serving head sizes (rows of 68 and 132
+# bytes, 4-aligned), and odd shapes: 80 and 96 (rows of 84 and 100), 12 (a 16-aligned row
+# of 16 bytes), 4 (8 bytes), 256.
+QUANTIZED_ATTENTION_BUILDS = (
+    [(kv, dtype, head_dim, 16) for kv in QUANTIZED_KV for dtype in DTYPES for head_dim in (64, 128)]
+    + [(kv, dtype, head_dim, block) for kv in QUANTIZED_KV for dtype, head_dim, block in
+       (("bfloat16", 80, 16), ("float16", 96, 8), ("float32", 12, 3), ("float16", 4, 1), ("bfloat16", 256, 32))]
+)
+QUANTIZED_WRITE_BUILDS = [(kv, dtype, head_dim) for kv in QUANTIZED_KV for dtype in DTYPES for head_dim in (4, 80, 128)]
 
 
-def nvcc(source: str, dtype: str, head_dim: int, block_size: int, *extra: str, output: Path) -> str:
-    defines = cupy_paged.compile_defines(DTYPES[dtype], head_dim, block_size)
+def nvcc(source: str, dtype: str, head_dim: int, block_size: int, *extra: str, output: Path,
+         kv_cache_dtype: str = "auto") -> str:
+    defines = cupy_paged.compile_defines(DTYPES[dtype], head_dim, block_size, kv_cache_dtype)
     command = [NVCC, "-std=c++17", *defines, *extra, "-o", str(output), str(KERNELS / source)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr}"
@@ -97,6 +110,111 @@ def test_decode_kernel_fits_in_registers_on_hopper(dtype, tmp_path):
                output=tmp_path / "paged_attention.cubin")
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and not any(spills), log
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kv_cache_dtype,dtype,head_dim,block_size", QUANTIZED_ATTENTION_BUILDS)
+def test_quantized_paged_attention_compiles_to_ptx(kv_cache_dtype, dtype, head_dim, block_size, tmp_path):
+    ptx = tmp_path / "paged_attention.ptx"
+    nvcc("paged_attention.cu", dtype, head_dim, block_size, "--ptx", "-arch=compute_90", output=ptx,
+         kv_cache_dtype=kv_cache_dtype)
+    text = ptx.read_text()
+    assert ".entry sl_paged_attention" in text and ".entry sl_reduce_partitions" in text
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kv_cache_dtype,dtype,head_dim", QUANTIZED_WRITE_BUILDS)
+def test_quantized_cache_write_compiles_to_ptx(kv_cache_dtype, dtype, head_dim, tmp_path):
+    ptx = tmp_path / "cache_write.ptx"
+    nvcc("cache_write.cu", dtype, head_dim, 16, "--ptx", "-arch=compute_80", output=ptx, kv_cache_dtype=kv_cache_dtype)
+    text = ptx.read_text()
+    assert ".entry sl_cache_write" in text and "shfl.sync.bfly" in text  # the warp's max of the row
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_KV)
+def test_quantized_decode_kernel_fits_in_registers_on_hopper(kv_cache_dtype, tmp_path):
+    log = nvcc("paged_attention.cu", "bfloat16", 128, 16, "-cubin", "-arch=sm_90", "-Xptxas", "-v",
+               output=tmp_path / "paged_attention.cubin", kv_cache_dtype=kv_cache_dtype)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and not any(spills), log
+
+
+def test_kernel_source_inlines_the_header():
+    """NVRTC gets one string (CuPy's compile cache is keyed by it), header included."""
+    header = (KERNELS / "kv_quant.cuh").read_text()
+    for name in cupy_paged.SOURCES:
+        assert '#include "kv_quant.cuh"' in (KERNELS / name).read_text()
+        text = cupy_paged.kernel_source(name)
+        assert '#include "kv_quant.cuh"' not in text and header in text
+
+
+@pytest.fixture(scope="module")
+def codec_binary(tmp_path_factory):
+    """kv_quant.cuh's codecs built for the host (tests/cuda/kv_quant_host.cu)."""
+    binary = tmp_path_factory.mktemp("codecs") / "kv_quant_host"
+    source = Path(__file__).resolve().parent / "cuda" / "kv_quant_host.cu"
+    command = [NVCC, "-std=c++17", "-I", str(KERNELS), "-o", str(binary), str(source)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr}"
+    return binary
+
+
+def _rows_to_quantize(head_dim: int) -> torch.Tensor:
+    """Rows over 60 decades of magnitude (fp8 subnormals, tiny and huge scales), a row of
+    zeros, one of signed zeros, and int8 ties (x / scale on .5 exactly)."""
+    generator = torch.Generator().manual_seed(head_dim)
+    rows = torch.randn(3000, head_dim, generator=generator) * torch.logspace(-30, 30, 3000).unsqueeze(1)
+    rows[0] = 0.0
+    rows[1] = -0.0
+    rows[2] = torch.arange(head_dim) - head_dim / 2 - 0.5
+    rows[2, 0] = 127.0
+    rows[3, : head_dim // 2] = 1e-3  # many elements far below the row's largest
+    return rows
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_KV)
+@pytest.mark.parametrize("head_dim", [4, 6, 80, 128])
+def test_quantized_rows_are_torch_reference_bytes(codec_binary, kv_cache_dtype, head_dim, tmp_path):
+    """The CUDA codecs (kv_quant.cuh, composed as sl_cache_write composes them) write the
+    bytes of servelab.plugins.kernels.kv_quant.quantize_rows, padding and scale included."""
+    import numpy as np
+
+    from servelab.plugins.kernels.kv_quant import quantize_rows
+
+    rows = _rows_to_quantize(head_dim)
+    rows.numpy().astype(np.float32).tofile(tmp_path / "in")
+    kind = cupy_paged.KV_CODES[kv_cache_dtype]
+    subprocess.run([str(codec_binary), "quantize", str(kind), str(head_dim), str(tmp_path / "in"),
+                    str(tmp_path / "out")], check=True, timeout=60)
+    got = torch.from_numpy(np.fromfile(tmp_path / "out", dtype=np.uint8)).view(len(rows), -1)
+    expected = quantize_rows(rows, kv_cache_dtype)
+    differ = (got != expected).any(dim=1).nonzero().flatten().tolist()
+    assert not differ, f"{len(differ)} rows differ, first {differ[:5]}: {got[differ[0]]} != {expected[differ[0]]}"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_KV)
+def test_quantized_elements_decode_as_torch_does(codec_binary, kv_cache_dtype, tmp_path):
+    """Every byte's value (decode times kWiden, as the attention kernel applies it) is
+    torch's value of that byte, for the finite ones (the writer never stores the others)."""
+    import numpy as np
+
+    from servelab.plugins.kernels.kv_quant import storage_dtype
+
+    kind = cupy_paged.KV_CODES[kv_cache_dtype]
+    subprocess.run([str(codec_binary), "decode", str(kind), str(tmp_path / "out")], check=True, timeout=60)
+    got = torch.from_numpy(np.fromfile(tmp_path / "out", dtype=np.float32))
+    expected = torch.arange(256, dtype=torch.uint8).view(storage_dtype(kv_cache_dtype)).float()
+    finite = torch.isfinite(expected)
+    assert torch.equal(got[finite], expected[finite])
+
+
+def test_the_quantized_write_launches_a_warp_per_row():
+    assert cupy_paged.write_grid(10, 8, 128, quantized=True) == 10  # 80 rows, 8 warps a block
+    assert cupy_paged.write_grid(10, 8, 128, quantized=False) == 40  # 10,240 elements, 256 a block
+    assert cupy_paged.write_grid(10 ** 6, 8, 128, quantized=True) == 65535  # then grid-stride
 
 
 # ---------------------------------------------------------------- launch plan (CPU)
@@ -190,8 +308,11 @@ class TestCupyPagedSplitKContract(AttentionBackendContract):
     max_examples = 5
 
 
-def _make_batch(generator, shapes, num_kv_heads, num_heads, head_dim, block_size, dtype, device):
-    """Caches of noise, shuffled block tables, and one step's queries / new K/V."""
+def _make_batch(generator, shapes, num_kv_heads, num_heads, head_dim, block_size, dtype, device,
+                kv_cache_dtype="auto"):
+    """Caches of noise (quantized rows of noise for a quantized cache), shuffled block
+    tables, and one step's queries / new K/V."""
+    from servelab.plugins.kernels.kv_quant import quantize_rows, storage_dtype
     from servelab.testing.attention_batch import metadata_for
 
     blocks_needed = [math.ceil(c / block_size) for c, _ in shapes]
@@ -201,7 +322,11 @@ def _make_batch(generator, shapes, num_kv_heads, num_heads, head_dim, block_size
     for count in blocks_needed:
         tables.append([physical.pop() for _ in range(count)])
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    caches = [torch.randn(shape, generator=generator).to(dtype).to(device) for _ in range(2)]
+    if kv_cache_dtype == "auto":
+        caches = [torch.randn(shape, generator=generator).to(dtype).to(device) for _ in range(2)]
+    else:
+        caches = [quantize_rows(torch.randn(shape, generator=generator).to(dtype), kv_cache_dtype)
+                  .view(storage_dtype(kv_cache_dtype)).to(device) for _ in range(2)]
     query_lens = [q for _, q in shapes]
     context_lens = [c for c, _ in shapes]
     tokens = sum(query_lens)
@@ -220,30 +345,35 @@ TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 GQA = [(4, 4), (8, 4), (16, 4), (32, 4)]  # ratios 1, 2, 4, 8
 
 
-def _conformance(num_heads, num_kv_heads, head_dim, block_size, dtype, options=None, shapes=CONFORMANCE_SHAPES):
+def _conformance(num_heads, num_kv_heads, head_dim, block_size, dtype, options=None, shapes=CONFORMANCE_SHAPES,
+                 kv_cache_dtype="auto"):
+    """cupy-paged against torch-paged on one mixed step: the cache write byte for byte
+    (quantized rows included), the attention output within TOLERANCE."""
     from servelab.interfaces import AttentionContext
     from servelab.plugins.kernels.torch_paged import TorchPagedAttention
 
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim * 10 + block_size)
     num_blocks, caches, query, key, value, metadata = _make_batch(
-        generator, shapes, num_kv_heads, num_heads, head_dim, block_size, dtype, "cuda")
+        generator, shapes, num_kv_heads, num_heads, head_dim, block_size, dtype, "cuda", kv_cache_dtype)
     context = AttentionContext(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               block_size=block_size, num_blocks=num_blocks, dtype=dtype, device=torch.device("cuda"))
+                               block_size=block_size, num_blocks=num_blocks, dtype=dtype, device=torch.device("cuda"),
+                               kv_cache_dtype=kv_cache_dtype)
     reference = TorchPagedAttention(None, context)
     backend = cupy_paged.CupyPagedAttention(options, context)
-    assert backend.kv_cache_shape() == reference.kv_cache_shape()
+    assert backend.kv_cache_shape() == reference.kv_cache_shape() == tuple(caches[0].shape)
+    assert backend.kv_cache_storage_dtype() == reference.kv_cache_storage_dtype() == caches[0].dtype
     scale = head_dim ** -0.5
     ref_caches = [c.clone() for c in caches]
     expected = reference.forward(query, key, value, *ref_caches, reference.prepare(metadata), scale)
     got = backend.forward(query, key, value, *caches, backend.prepare(metadata), scale)
     torch.cuda.synchronize()
-    for mine, theirs in zip(caches, ref_caches):
-        assert torch.equal(mine, theirs), "the cache write differs from torch-paged's"
+    for mine, theirs in zip(caches, ref_caches):  # as bytes: torch.equal has no fp8 on CUDA
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), "the cache write differs from torch-paged's"
     tolerance = TOLERANCE[dtype]
     error = (got.float() - expected.float()).abs().max().item()
     assert torch.allclose(got.float(), expected.float(), rtol=tolerance, atol=tolerance), (
         f"max abs error {error:.3g} > {tolerance} [{num_heads}/{num_kv_heads} heads, head_dim {head_dim}, "
-        f"block {block_size}, {dtype}]")
+        f"block {block_size}, {dtype}, kv_cache_dtype {kv_cache_dtype}]")
 
 
 @needs_gpu
@@ -265,6 +395,24 @@ def test_matches_torch_paged_other_dtypes(dtype, num_heads, num_kv_heads):
 @pytest.mark.parametrize("split_k", ["never", "always"])
 def test_matches_torch_paged_with_and_without_split_k(split_k):
     _conformance(32, 4, 128, 16, torch.bfloat16, CupyPagedOptions(partition_size=128, split_k=split_k))
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_KV)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype", [
+    (32, 4, 128, 16, torch.bfloat16), (8, 4, 64, 8, torch.float16), (4, 4, 80, 16, torch.float32),
+    (16, 4, 96, 32, torch.bfloat16)])
+def test_quantized_cache_matches_torch_paged(kv_cache_dtype, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Quantize-on-write is torch-paged's bytes; attention over the quantized cache (both
+    read the same rows) matches torch-paged's within the model dtype's tolerance."""
+    _conformance(num_heads, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype=kv_cache_dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_KV)
+def test_quantized_cache_matches_torch_paged_with_split_k(kv_cache_dtype):
+    _conformance(32, 4, 128, 16, torch.bfloat16, CupyPagedOptions(partition_size=128, split_k="always"),
+                 kv_cache_dtype=kv_cache_dtype)
 
 
 # ---------------------------------------------------------------- GPU: engine end to end

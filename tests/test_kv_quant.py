@@ -229,12 +229,18 @@ def test_a_backend_without_quantized_caches_is_refused(llama_checkpoint):
             **{"attention.name": "sdpa-contiguous", "allocator.name": "naive"})
 
 
-def test_cupy_paged_refuses_a_quantized_cache_before_looking_for_cupy():
-    from servelab.plugins.kernels.cupy_paged import CupyPagedAttention
+def test_cupy_paged_takes_the_quantized_caches_torch_paged_takes():
+    """cupy-paged states the capability for torch-paged's kv_cache_dtypes (its kernels are
+    checked in tests/test_cupy_kernels.py); without CuPy or a GPU, building it for one
+    fails on what is missing, not on the cache dtype."""
+    from servelab.plugins.kernels import cupy_paged
 
-    context = _context("fp8_e4m3", torch.float16, 4, 2, 64, 16)
-    with pytest.raises(ConfigError, match="cupy-paged has no kernels for a quantized KV cache"):
-        CupyPagedAttention(None, context)
+    assert cupy_paged.CupyPagedAttention.supported_kv_cache_dtypes == TorchPagedAttention.supported_kv_cache_dtypes
+    try:
+        cupy_paged.check_available("cuda")
+    except ConfigError:
+        with pytest.raises(ConfigError, match="cupy-paged needs CuPy and a CUDA GPU: "):
+            cupy_paged.CupyPagedAttention(None, _context("fp8_e4m3", torch.float16, 4, 2, 64, 16))
 
 
 def test_backends_declare_the_capability():

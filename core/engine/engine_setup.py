@@ -249,8 +249,8 @@ def _check_kv_cache_dtype(config: EngineConfig, attention: Any) -> None:
     supported = sorted(attention.supported_kv_cache_dtypes) if isinstance(attention, QuantizedKVBackend) else []
     raise ConfigError(
         f"[engine] kv_cache_dtype={kv_cache_dtype!r}: attention {config.attention.name!r} cannot store a quantized "
-        f"KV cache in that format (it supports {', '.join(supported) or 'none'}); choose attention 'cpu-paged' or "
-        f"'torch-paged' (int8, fp8_e4m3, fp8_e5m2), or kv_cache_dtype 'auto'")
+        f"KV cache in that format (it supports {', '.join(supported) or 'none'}); choose attention 'cpu-paged', "
+        f"'torch-paged' or 'cupy-paged' (CUDA) (int8, fp8_e4m3, fp8_e5m2), or kv_cache_dtype 'auto'")
 
 
 def _build_speculator(config: EngineConfig, registry: PluginRegistry, source: ModelSource, runner: Any,

@@ -13,6 +13,7 @@ from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, Quantiz
                                  SlotMovingRunner, StepPlan, TieredRunner, sampling_rows)
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import zeros_on_huge_pages
+from servelab.tier_copy import CpuTierCopier, CudaTierCopier, perform_moves, tier_copier
 from servelab.token_tree import query_parents, row_depths
 
 
@@ -59,35 +60,24 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
         self.kv_caches = [(new_kv_cache(shape, cache_dtype, device), new_kv_cache(shape, cache_dtype, device))
                           for _ in range(config.num_layers)]
         self._kv_shape, self._kv_dtype = shape, cache_dtype
-        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the host tier's K/V ([kv_offload])
+        # The host tier ([kv_offload]) and its copies, chosen by the device (servelab.tier_copy).
+        self.tier: CpuTierCopier | CudaTierCopier | None = None
 
     def attach_host_tier(self, num_host_blocks: int, path: str | None) -> None:
-        """The host tier's K and V per layer: the device cache's layout with
-        `num_host_blocks` blocks, in host memory (memory-mapped from `path` when given)."""
-        shape = list(self._kv_shape)
-        shape[self.block_dim] = num_host_blocks
-        self.host_caches = host_kv_caches(tuple(shape), self._kv_dtype, len(self.kv_caches), path,
-                                          pin=self.device.type == "cuda")
+        """The host tier's K and V per layer, `num_host_blocks` blocks of host memory
+        (memory-mapped from `path` when given): the device cache's layout on the CPU,
+        block-major and pinned for asynchronous copies on CUDA."""
+        self.tier = tier_copier(self.kv_caches, self.block_dim, num_host_blocks, path, self.device, host_kv_caches)
+
+    @property
+    def host_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.tier.host_caches if self.tier is not None else []
 
     def move_blocks(self, moves: Seq[KVMove]) -> None:
         """Perform the step's moves between tiers (and the copies among them), in order,
-        in every layer's K and V. Runs of one kind are batched while independent."""
-        dim = self.block_dim
-        for kind, sources, destinations in _move_batches(moves):
-            index_from = torch.tensor(sources, dtype=torch.int64)
-            index_to = torch.tensor(destinations, dtype=torch.int64)
-            for (key, value), (host_key, host_value) in zip(self.kv_caches, self.host_caches or
-                                                             [(None, None)] * len(self.kv_caches)):
-                for cache, host in ((key, host_key), (value, host_value)):
-                    if kind == "offload":
-                        host.index_copy_(dim, index_to, cache.index_select(dim, index_from.to(cache.device)).to(
-                            host.device, non_blocking=True))
-                    elif kind == "load":
-                        cache.index_copy_(dim, index_to.to(cache.device),
-                                          host.index_select(dim, index_from).to(cache.device, non_blocking=True))
-                    else:
-                        cache.index_copy_(dim, index_to.to(cache.device),
-                                          cache.index_select(dim, index_from.to(cache.device)))
+        in every layer's K and V; on CUDA offloads and loads are asynchronous, ordered
+        before the step's forward (servelab.tier_copy)."""
+        perform_moves(self.tier, self.kv_caches, self.block_dim, moves)
 
     def prepare(self, plan: StepPlan, allocator: KVAllocator, prompt_logprobs: bool = False) -> ModelInputs:
         """The step's tensors. With `prompt_logprobs`, sequences asking for prompt logprobs
@@ -231,7 +221,10 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
                           inputs.logits_indices)
 
     def close(self) -> None:
-        """Nothing outlives this process's step loop."""
+        """Waits for the host tier's copies still in flight (CUDA); nothing else outlives
+        this process's step loop."""
+        if self.tier is not None:
+            self.tier.synchronize()
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final-normed hidden states."""
@@ -246,8 +239,7 @@ def host_kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, 
     numel = int(np.prod(shape))
     if path is None:
         def new() -> torch.Tensor:
-            tensor = torch.zeros(shape, dtype=dtype)
-            return tensor.pin_memory() if pin and torch.cuda.is_available() else tensor
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
         return [(new(), new()) for _ in range(num_layers)]
     element = torch.empty((), dtype=dtype).element_size()
     with open(path, "ab") as handle:  # torch.from_file maps the file; it must be large enough
@@ -255,24 +247,6 @@ def host_kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, 
     flat = torch.from_file(path, shared=True, size=numel * 2 * num_layers, dtype=dtype)
     views = flat.view(num_layers, 2, *shape)
     return [(views[layer, 0], views[layer, 1]) for layer in range(num_layers)]
-
-
-def _move_batches(moves: Seq[KVMove]):
-    """(kind, sources, destinations) runs of `moves` safe to perform as one gather and one
-    scatter: the same kind, no destination repeated, no source written earlier in the run."""
-    batch: list[KVMove] = []
-    written: set[tuple[str, int]] = set()
-    for move in moves:
-        source_tier = "host" if move.kind == "load" else "device"
-        destination_tier = "host" if move.kind == "offload" else "device"
-        if batch and (move.kind != batch[0].kind or (source_tier, move.source) in written
-                      or (destination_tier, move.destination) in written):
-            yield batch[0].kind, [m.source for m in batch], [m.destination for m in batch]
-            batch, written = [], set()
-        batch.append(move)
-        written.add((destination_tier, move.destination))
-    if batch:
-        yield batch[0].kind, [m.source for m in batch], [m.destination for m in batch]
 
 
 def _pad_tables(tables: list[Any]) -> np.ndarray:

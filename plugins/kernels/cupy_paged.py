@@ -16,6 +16,13 @@ ConfigError that says what is missing.
 Cache layout: [num_kv_heads, num_blocks, block_size, head_dim], the same as torch-paged,
 so a (head, block) pair is one contiguous block_size * head_dim run that a group of lanes
 reads with coalesced 16-byte loads.
+
+Quantized KV cache (`[engine] kv_cache_dtype` int8, fp8_e4m3, fp8_e5m2): the same layout
+with torch-paged's quantized rows (kv_quant.py) as the last dimension. The kernels are
+compiled for the cache's element type too (-DSL_KV, kv_quant.cuh): `sl_cache_write`
+quantizes each (token, KV head) row with one warp, writing the bytes torch-paged writes,
+and `sl_paged_attention` reads the one-byte elements and multiplies each row's scale into
+its score (K) or softmax weight (V).
 """
 
 from __future__ import annotations
@@ -29,12 +36,16 @@ import numpy as np
 import torch
 
 from servelab.errors import ConfigError
-from servelab.interfaces import AttentionContext, AttentionMetadata
+from servelab.interfaces import AttentionContext, AttentionMetadata, QuantizedKVBackend, kv_row_elements
+from servelab.plugins.kernels.kv_quant import storage_dtype
 from servelab.plugins.kernels.options import CupyPagedOptions
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = ("cache_write.cu", "paged_attention.cu")
+HEADERS = ("kv_quant.cuh",)  # inlined into the sources' text (kernel_source)
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KV_CODES = {"auto": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # SL_KV in kv_quant.cuh
+WRITE_THREADS = 256  # threads per block of sl_cache_write
 ROWS_PER_CTA = 8  # SL_ROWS in paged_attention.cu
 THREADS = 128  # SL_THREADS
 NO_SPLIT = 1 << 30  # partition size that means "one partition"
@@ -42,9 +53,29 @@ MAX_SCRATCH_BYTES = 256 << 20  # split-K partial outputs per step, at most
 _UNAVAILABLE = "cupy-paged needs CuPy and a CUDA GPU: "
 
 
-def compile_defines(dtype: torch.dtype, head_dim: int, block_size: int) -> tuple[str, ...]:
+def compile_defines(dtype: torch.dtype, head_dim: int, block_size: int,
+                    kv_cache_dtype: str = "auto") -> tuple[str, ...]:
     """The -D options one instantiation of the kernels is compiled with (NVRTC and nvcc alike)."""
-    return (f"-DSL_DTYPE={DTYPE_CODES[dtype]}", f"-DSL_HEAD_DIM={head_dim}", f"-DSL_BLOCK_SIZE={block_size}")
+    return (f"-DSL_DTYPE={DTYPE_CODES[dtype]}", f"-DSL_HEAD_DIM={head_dim}", f"-DSL_BLOCK_SIZE={block_size}",
+            f"-DSL_KV={KV_CODES[kv_cache_dtype]}")
+
+
+def kernel_source(name: str) -> str:
+    """A .cu file's text with its `#include "kv_quant.cuh"` replaced by the header's text:
+    NVRTC compiles a string, and CuPy's compile cache is keyed by it, so an edit to the
+    header must change the string."""
+    text = (KERNEL_DIR / name).read_text()
+    for header in HEADERS:
+        text = text.replace(f'#include "{header}"', (KERNEL_DIR / header).read_text())
+    return text
+
+
+def write_grid(num_tokens: int, num_kv_heads: int, head_dim: int, quantized: bool) -> int:
+    """Blocks of WRITE_THREADS for sl_cache_write: a thread per element, or a warp per
+    (token, KV head) row for a quantized cache; grid-stride past 65,535."""
+    if quantized:
+        return min(-(-num_tokens * num_kv_heads // (WRITE_THREADS // 32)), 65535)
+    return min(-(-num_tokens * num_kv_heads * head_dim // WRITE_THREADS), 65535)
 
 
 def heads_per_cta(group_size: int) -> int:
@@ -143,15 +174,16 @@ def check_available(device: Any) -> None:
 _MODULES: dict[tuple, Any] = {}
 
 
-def _kernels(cupy: Any, dtype: torch.dtype, head_dim: int, block_size: int, device_index: int) -> dict[str, Any]:
+def _kernels(cupy: Any, dtype: torch.dtype, head_dim: int, block_size: int, kv_cache_dtype: str,
+             device_index: int) -> dict[str, Any]:
     """The three kernels of one instantiation, compiled once per process (and cached on
     disk by CuPy across processes)."""
-    key = (dtype, head_dim, block_size, device_index)
+    key = (dtype, head_dim, block_size, kv_cache_dtype, device_index)
     if key not in _MODULES:
-        options = ("--std=c++17", *compile_defines(dtype, head_dim, block_size))
+        options = ("--std=c++17", *compile_defines(dtype, head_dim, block_size, kv_cache_dtype))
         with cupy.cuda.Device(device_index):
-            write = cupy.RawModule(code=(KERNEL_DIR / "cache_write.cu").read_text(), options=options)
-            attend = cupy.RawModule(code=(KERNEL_DIR / "paged_attention.cu").read_text(), options=options)
+            write = cupy.RawModule(code=kernel_source("cache_write.cu"), options=options)
+            attend = cupy.RawModule(code=kernel_source("paged_attention.cu"), options=options)
             _MODULES[key] = {
                 "write": write.get_function("sl_cache_write"),
                 "attend": attend.get_function("sl_paged_attention"),
@@ -160,12 +192,13 @@ def _kernels(cupy: Any, dtype: torch.dtype, head_dim: int, block_size: int, devi
     return _MODULES[key]
 
 
-class CupyPagedAttention:
+class CupyPagedAttention(QuantizedKVBackend):
+    supported_kv_cache_dtypes = frozenset({"int8", "fp8_e4m3", "fp8_e5m2"})
+
     def __init__(self, options: CupyPagedOptions | None, context: AttentionContext) -> None:
-        if context.kv_cache_dtype != "auto":  # before CuPy is looked for: the answer is the same everywhere
-            raise ConfigError(f"cupy-paged has no kernels for a quantized KV cache ([engine] kv_cache_dtype="
-                              f"{context.kv_cache_dtype!r}); use kv_cache_dtype 'auto' with cupy-paged, or attention "
-                              f"'torch-paged' (any device) for a quantized cache")
+        if context.kv_cache_dtype not in KV_CODES:
+            raise ConfigError(f"cupy-paged: unknown kv_cache_dtype {context.kv_cache_dtype!r}; "
+                              f"one of {', '.join(KV_CODES)}")
         check_available(context.device)
         if context.dtype not in DTYPE_CODES:
             raise ConfigError(f"cupy-paged supports float32, float16 and bfloat16, not {context.dtype}")
@@ -183,18 +216,24 @@ class CupyPagedAttention:
         self.queries_per_cta = ROWS_PER_CTA // self.heads_per_cta
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         try:
-            self.kernels = _kernels(self.cupy, context.dtype, context.head_dim, context.block_size, self.device.index)
+            self.kernels = _kernels(self.cupy, context.dtype, context.head_dim, context.block_size,
+                                    context.kv_cache_dtype, self.device.index)
         except Exception as exc:  # a compile error names the instantiation
             raise ConfigError(f"cupy-paged: compiling the kernels for {context.dtype}, head_dim {context.head_dim}, "
-                              f"block_size {context.block_size} failed: {exc}") from exc
+                              f"block_size {context.block_size}, kv_cache_dtype {context.kv_cache_dtype} "
+                              f"failed: {exc}") from exc
+        self.quantized = context.kv_cache_dtype != "auto"
         self._streams: dict[int, Any] = {}
 
     def kv_cache_shape(self) -> tuple[int, ...]:
         c = self.context
-        return (c.num_kv_heads, c.num_blocks, c.block_size, c.head_dim)
+        return (c.num_kv_heads, c.num_blocks, c.block_size, kv_row_elements(c.head_dim, c.kv_cache_dtype))
 
     def kv_cache_block_dim(self) -> int:
         return 1
+
+    def kv_cache_storage_dtype(self) -> torch.dtype:
+        return storage_dtype(self.context.kv_cache_dtype) if self.quantized else self.context.dtype
 
     # ------------------------------------------------------------ per step
 
@@ -225,9 +264,8 @@ class CupyPagedAttention:
         cupy = self.cupy
         arr = _cupy_array
         with cupy.cuda.Device(self.device.index), self._stream():
-            total = num_tokens * c.num_kv_heads * c.head_dim
             self.kernels["write"](
-                (min(-(-total // 256), 65535),), (256,),
+                (write_grid(num_tokens, c.num_kv_heads, c.head_dim, self.quantized),), (WRITE_THREADS,),
                 (arr(cupy, key), arr(cupy, value), arr(cupy, key_cache), arr(cupy, value_cache),
                  arr(cupy, meta.slot_mapping), np.int32(num_tokens), np.int32(c.num_kv_heads),
                  np.int64(c.num_blocks * c.block_size)))
@@ -268,8 +306,11 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _cupy_array(cupy: Any, tensor: torch.Tensor) -> Any:
-    """A zero-copy CuPy view of a contiguous torch CUDA tensor. CuPy has no bfloat16, so
-    16-bit tensors travel as int16: the kernels only see the pointer."""
+    """A zero-copy CuPy view of a contiguous torch CUDA tensor. CuPy has no bfloat16 or
+    fp8, so 16-bit tensors travel as int16 and one-byte ones as uint8: the kernels only
+    see the pointer."""
     if tensor.element_size() == 2:
         tensor = tensor.view(torch.int16)
+    elif tensor.element_size() == 1:
+        tensor = tensor.view(torch.uint8)
     return cupy.from_dlpack(tensor.detach())

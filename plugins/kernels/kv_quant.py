@@ -5,7 +5,8 @@ q = x / scale with scale = max|x| / QUANTIZED_KV_MAX[kind] (int8: rounded half t
 clamped to +-127; fp8: rounded to nearest even by the cast, clamped to the format's largest
 finite value), followed by the scale as four float32 bytes (layout: servelab.interfaces.
 QuantizedKVBackend). A row of zeros has scale 0. The arithmetic is the C++ kernels' own
-(cpu_paged.cpp), so both write the same bytes.
+(cpu_paged.cpp) and the CUDA kernels' (kv_quant.cuh), so all write the same bytes, and it
+is the same on the CPU and on CUDA (the scale is a true division on both).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ def quantize_rows(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     head_dim = x.shape[-1]
     limit = QUANTIZED_KV_MAX[kv_cache_dtype]
     values = x.float()
-    scale = values.abs().amax(dim=-1, keepdim=True) / limit
+    # Divided by a tensor on the same device, not a Python number: torch on CUDA turns
+    # division by a host scalar into multiplication by its reciprocal, which differs in
+    # the last bit for some rows, and the reference must quantize alike on every device.
+    peak = values.abs().amax(dim=-1, keepdim=True)
+    scale = peak / peak.new_tensor(limit)
     inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     scaled = (values * inverse).clamp_(-limit, limit)
     if kv_cache_dtype == "int8":

@@ -6,8 +6,14 @@
 //   SL_DTYPE       0 = float, 1 = __half, 2 = __nv_bfloat16   (accumulation is float)
 //   SL_HEAD_DIM    elements per head (any size up to 32 * 16 / sizeof(dtype) * SL_MAX_CHUNKS)
 //   SL_BLOCK_SIZE  KV slots per cache block
+//   SL_KV          the cache's elements: 0 = scalar_t ("auto"), 1 = int8, 2 = fp8 e4m3,
+//                  3 = fp8 e5m2 (kv_quant.cuh)
 //
-// Cache layout: [num_kv_heads, num_blocks, SL_BLOCK_SIZE, SL_HEAD_DIM].
+// Cache layout: [num_kv_heads, num_blocks, SL_BLOCK_SIZE, ROW] with ROW = SL_HEAD_DIM
+// elements, or for a quantized cache sl_kv_row_bytes(SL_HEAD_DIM) bytes: the one-byte
+// elements, padding, the row's float32 scale. A quantized row is read as its raw elements
+// (widened in registers) and its scale, which multiplies the row's score (K) or its
+// softmax weight (V), so dequantization costs two multiplies per key and row.
 //
 // Work split. A CTA owns up to SL_ROWS query rows that share one KV head: a "tile" of a
 // sequence's queries (queries_per_cta consecutive query tokens) times heads_per_cta query
@@ -65,9 +71,24 @@ typedef __nv_bfloat16 scalar_t;
 #error "SL_DTYPE must be 0 (float), 1 (half) or 2 (bfloat16)"
 #endif
 
+#include "kv_quant.cuh"
+
 __device__ __forceinline__ float sl_to_float(float x) { return x; }
 __device__ __forceinline__ float sl_to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float sl_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// A quantized element divided by its codec's kWiden (folded into the row's scale).
+template <typename T> __device__ __forceinline__ float sl_to_float(T x) { return SlKV<T>::decode(x.bits); }
+
+#if SL_KV == 0
+typedef scalar_t cache_t;
+constexpr bool QUANTIZED = false;
+constexpr int ROW = SL_HEAD_DIM;                           // cache elements per (token, KV head) row
+#else
+typedef sl_kv_t cache_t;
+constexpr bool QUANTIZED = true;
+constexpr int ROW = sl_kv_row_bytes(SL_HEAD_DIM);
+constexpr int SCALE_OFFSET = sl_kv_scale_offset(SL_HEAD_DIM);
+#endif
 
 __device__ __forceinline__ void sl_from_float(float& out, float x) { out = x; }
 __device__ __forceinline__ void sl_from_float(__half& out, float x) { out = __float2half_rn(x); }
@@ -81,6 +102,7 @@ constexpr int sl_pick_vec(int head_dim, int vec) {
 }
 constexpr int sl_pow2_at_least(int n, int p) { return p >= n ? p : sl_pow2_at_least(n, p * 2); }
 constexpr int sl_min(int a, int b) { return a < b ? a : b; }
+constexpr int sl_pow2_dividing(int n, int cap) { return (cap > 1 && n % cap != 0) ? sl_pow2_dividing(n, cap / 2) : cap; }
 
 constexpr int VEC = sl_pick_vec(SL_HEAD_DIM, 16 / (int)sizeof(scalar_t));
 constexpr int NUM_CHUNKS = SL_HEAD_DIM / VEC;                          // chunks in a row
@@ -92,6 +114,12 @@ constexpr int NUM_WARPS = SL_THREADS / 32;
 constexpr int NUM_GROUPS = NUM_WARPS * GROUPS_PER_WARP;
 constexpr int WARP_TOKENS = GROUPS_PER_WARP * SL_NTOK;                  // keys a warp takes per iteration
 constexpr int CHUNK_BYTES = VEC * (int)sizeof(scalar_t);
+// A lane's chunk of a cache row: VEC elements, loaded in pieces as wide as the rows'
+// alignment allows (a quantized row of 132 bytes starts on 4 bytes only; an "auto"
+// cache's chunk is one load, as the query's).
+constexpr int KV_CHUNK_BYTES = VEC * (int)sizeof(cache_t);
+constexpr int KV_PIECE_BYTES = sl_min(KV_CHUNK_BYTES, sl_pow2_dividing(ROW * (int)sizeof(cache_t), 16));
+constexpr int KV_PIECES = KV_CHUNK_BYTES / KV_PIECE_BYTES;
 
 static_assert(NUM_CHUNKS * VEC == SL_HEAD_DIM, "VEC must divide the head size");
 static_assert(NCH <= SL_MAX_CHUNKS, "head size too large for this kernel");
@@ -102,7 +130,9 @@ template <> struct SlRaw<16> { typedef uint4 type; };
 template <> struct SlRaw<8> { typedef uint2 type; };
 template <> struct SlRaw<4> { typedef unsigned int type; };
 template <> struct SlRaw<2> { typedef unsigned short type; };
+template <> struct SlRaw<1> { typedef unsigned char type; };
 typedef SlRaw<CHUNK_BYTES>::type raw_t;
+typedef SlRaw<KV_PIECE_BYTES>::type kv_piece_t;
 
 // VEC elements at `src` (aligned to CHUNK_BYTES: the head size is a multiple of VEC and
 // every row starts on a row boundary of a 256-byte-aligned allocation), as floats.
@@ -111,6 +141,27 @@ __device__ __forceinline__ void sl_load_chunk(const scalar_t* __restrict__ src, 
     const scalar_t* elems = reinterpret_cast<const scalar_t*>(&raw);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) out[e] = sl_to_float(elems[e]);
+}
+
+// VEC elements of a cache row at `src` (aligned to KV_PIECE_BYTES), as floats.
+__device__ __forceinline__ void sl_load_kv_chunk(const cache_t* __restrict__ src, float* out) {
+    kv_piece_t raw[KV_PIECES];
+#pragma unroll
+    for (int p = 0; p < KV_PIECES; ++p) raw[p] = reinterpret_cast<const kv_piece_t*>(src)[p];
+    const cache_t* elems = reinterpret_cast<const cache_t*>(raw);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) out[e] = sl_to_float(elems[e]);
+}
+
+// The factor a row's loaded elements are multiplied by: its scale times the codec's
+// kWiden for a quantized row (every lane of a group reads the same four bytes), else 1.
+__device__ __forceinline__ float sl_row_scale(const cache_t* __restrict__ row) {
+#if SL_KV == 0
+    return 1.f;
+#else
+    return *reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(row) + SCALE_OFFSET) *
+           SlKV<cache_t>::kWiden;
+#endif
 }
 
 __device__ __forceinline__ float sl_neg_inf() { return __int_as_float(0xff800000); }
@@ -122,8 +173,8 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS) sl_paged_attention(
     float* __restrict__ part_out,                    // [T, num_heads, P, D]   (gridDim.z > 1)
     float* __restrict__ part_lse,                    // [T, num_heads, P]      (gridDim.z > 1)
     const scalar_t* __restrict__ query,              // [T, num_heads, D]
-    const scalar_t* __restrict__ key_cache,          // [num_kv_heads, num_blocks, BS, D]
-    const scalar_t* __restrict__ value_cache,        // [num_kv_heads, num_blocks, BS, D]
+    const cache_t* __restrict__ key_cache,           // [num_kv_heads, num_blocks, BS, ROW]
+    const cache_t* __restrict__ value_cache,         // [num_kv_heads, num_blocks, BS, ROW]
     const long long* __restrict__ block_tables,      // [B, max_blocks_per_seq]
     const int* __restrict__ tiles,                   // [num_tiles, 2]: sequence, first query
     const long long* __restrict__ query_start_loc,   // [B + 1]
@@ -193,9 +244,9 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS) sl_paged_attention(
         for (int e = 0; e < ELEMS; ++e) acc[r][e] = 0.f;
     }
 
-    const long long head_offset = (long long)kv_head * num_blocks * SL_BLOCK_SIZE * SL_HEAD_DIM;
-    const scalar_t* __restrict__ k_head = key_cache + head_offset;
-    const scalar_t* __restrict__ v_head = value_cache + head_offset;
+    const long long head_offset = (long long)kv_head * num_blocks * SL_BLOCK_SIZE * ROW;
+    const cache_t* __restrict__ k_head = key_cache + head_offset;
+    const cache_t* __restrict__ v_head = value_cache + head_offset;
     const long long* __restrict__ table = block_tables + (long long)seq * max_blocks_per_seq;
 
     // ------------------------------------------------ the key loop (warp-uniform bounds)
@@ -203,6 +254,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS) sl_paged_attention(
          warp_start += NUM_WARPS * WARP_TOKENS) {
         const int tok0 = warp_start + group_in_warp * SL_NTOK;
         float k[SL_NTOK][ELEMS], v[SL_NTOK][ELEMS];
+        float k_scale[SL_NTOK], v_scale[SL_NTOK];  // 1 unless the cache is quantized
         bool valid[SL_NTOK];
 #pragma unroll
         for (int j = 0; j < SL_NTOK; ++j) {
@@ -211,14 +263,16 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS) sl_paged_attention(
             long long row = 0;
             if (valid[j]) {
                 const long long block = table[tok / SL_BLOCK_SIZE];
-                row = (block * SL_BLOCK_SIZE + tok % SL_BLOCK_SIZE) * SL_HEAD_DIM;
+                row = (block * SL_BLOCK_SIZE + tok % SL_BLOCK_SIZE) * ROW;
             }
+            k_scale[j] = valid[j] ? sl_row_scale(k_head + row) : 0.f;
+            v_scale[j] = valid[j] ? sl_row_scale(v_head + row) : 0.f;
 #pragma unroll
             for (int i = 0; i < NCH; ++i) {
                 const int c = lane_in_group + TG * i;
                 if (valid[j] && c < NUM_CHUNKS) {
-                    sl_load_chunk(k_head + row + c * VEC, &k[j][i * VEC]);
-                    sl_load_chunk(v_head + row + c * VEC, &v[j][i * VEC]);
+                    sl_load_kv_chunk(k_head + row + c * VEC, &k[j][i * VEC]);
+                    sl_load_kv_chunk(v_head + row + c * VEC, &v[j][i * VEC]);
                 } else {
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
@@ -254,6 +308,13 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS) sl_paged_attention(
                 for (int j = 0; j < SL_NTOK; ++j) s[r][j] += __shfl_xor_sync(0xffffffffu, s[r][j], offset);
             }
         }
+        if constexpr (QUANTIZED) {  // the keys' scales, after the sum: the same on every lane
+#pragma unroll
+            for (int r = 0; r < SL_ROWS; ++r) {
+#pragma unroll
+                for (int j = 0; j < SL_NTOK; ++j) s[r][j] *= k_scale[j];
+            }
+        }
 
         // Online softmax, per row.
 #pragma unroll
@@ -278,8 +339,9 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS) sl_paged_attention(
             for (int j = 0; j < SL_NTOK; ++j) {
                 const float p = exp2f(s[r][j] - new_max);  // 0 for masked keys
                 l[r] += p;
+                const float pv = QUANTIZED ? p * v_scale[j] : p;
 #pragma unroll
-                for (int e = 0; e < ELEMS; ++e) acc[r][e] = fmaf(p, v[j][e], acc[r][e]);
+                for (int e = 0; e < ELEMS; ++e) acc[r][e] = fmaf(pv, v[j][e], acc[r][e]);
             }
         }
     }
