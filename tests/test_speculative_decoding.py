@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +56,20 @@ def medusa_heads(directory, hidden_size: int, num_heads: int = 3) -> str:
     return str(directory)
 
 
+def eagle_head(directory, checkpoint: str, feature_layers=(0,)) -> str:
+    """A random (untrained) EAGLE head for `checkpoint`: drafts mostly wrong."""
+    from servelab.plugins.drafters.eagle_head import EagleHead, HeadConfig, save_head
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig(hidden_size=config["hidden_size"], num_heads=config["num_attention_heads"],
+                                num_kv_heads=config["num_key_value_heads"],
+                                head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                                intermediate_size=config["intermediate_size"], feature_layers=feature_layers))
+    save_head(head, Path(directory), torch.float32)
+    return str(directory)
+
+
 def drafter_config(name: str, checkpoint_factory, tmp_path_factory) -> dict:
     if name == "ngram":
         return {"name": "ngram", "num_speculative_tokens": 4, "max_ngram": 3}
@@ -64,6 +79,12 @@ def drafter_config(name: str, checkpoint_factory, tmp_path_factory) -> dict:
         return {"name": "draft-model", "model": checkpoint_factory("llama"), "num_speculative_tokens": 5}
     if name == "medusa":
         return {"name": "medusa", "heads": medusa_heads(tmp_path_factory.mktemp("medusa"), 72)}
+    if name == "eagle":
+        return {"name": "eagle", "num_speculative_tokens": 3,
+                "heads": eagle_head(tmp_path_factory.mktemp("eagle"), checkpoint_factory("llama"))}
+    if name == "eagle-tree":
+        return {"name": "eagle", "num_speculative_tokens": 3, "tree_nodes": 6, "tree_top_k": 3,
+                "heads": eagle_head(tmp_path_factory.mktemp("eagle"), checkpoint_factory("llama"))}
     if name == "suffix":  # a shallow trie, so matches are cut at max_depth - k and the global cache evicts
         return {"name": "suffix", "num_speculative_tokens": 4, "max_depth": 7, "cache_tokens": 40}
     if name.endswith("-dynamic"):
@@ -81,7 +102,8 @@ def run(path: str, drafter: dict | None, **engine) -> tuple[list[list[int]], LLM
     return [o.token_ids for o in outputs], llm
 
 
-DRAFTERS = ["ngram", "suffix", "suffix-dynamic", "draft-model", "draft-model-self", "medusa"]
+DRAFTERS = ["ngram", "suffix", "suffix-dynamic", "draft-model", "draft-model-self", "medusa", "eagle",
+            "eagle-tree"]
 SETTINGS = {
     "continuous": {},
     # A 6-token budget cuts drafts short and chunks prompts around them.
@@ -294,6 +316,35 @@ class TestMedusa(DrafterContract):
         engine = LLM(tiny_checkpoint("llama"), config={"drafter": {"name": "medusa", "heads": self.heads}},
                      max_model_len=self.max_model_len).engine
         return engine.speculator.drafter
+
+
+class TestEagle(DrafterContract):
+    """Built in a real engine on the tiny model (the drafter reads its embeddings and LM
+    head); the contract shows it features before each proposal."""
+
+    plugin_name = "eagle"
+    feature_size = 72  # one feature layer of the tiny model's hidden size
+    num_speculative_tokens = 3
+    options: dict = {"num_speculative_tokens": 3}
+
+    @pytest.fixture(autouse=True)
+    def _heads(self, tmp_path_factory):
+        if not hasattr(type(self), "heads"):
+            from servelab.testing.tiny_model import tiny_checkpoint
+
+            type(self).heads = eagle_head(tmp_path_factory.mktemp("eagle-contract"), tiny_checkpoint("llama"))
+
+    def drafter(self):
+        from servelab.testing.tiny_model import tiny_checkpoint
+
+        engine = LLM(tiny_checkpoint("llama"), config={"drafter": {"name": "eagle", "heads": self.heads,
+                                                                  **self.options}},
+                     max_model_len=self.max_model_len).engine
+        return engine.speculator.drafter
+
+
+class TestEagleTree(TestEagle):
+    options = {"num_speculative_tokens": 3, "tree_nodes": 8, "tree_top_k": 3}
 
 
 def test_medusa_proposes_from_hidden_states(checkpoint_factory, tmp_path):

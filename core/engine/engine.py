@@ -225,6 +225,10 @@ class LLMEngine:
     def _execute(self, plan: StepPlan, inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.speculator is not None and self.speculator.needs_hidden_states:
             logits, hidden = self.runner.execute_with_hidden(inputs)
+        elif self.speculator is not None and self.speculator.feature_layers:
+            logits, features = self.runner.execute_with_features(inputs, self.speculator.feature_layers)
+            self.speculator.keep_features(plan, features)
+            hidden = None
         else:
             logits, hidden = self.runner.execute(inputs), None
         self._notify("servelab_runner_executed", plan=plan, inputs=inputs)

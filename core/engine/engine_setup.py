@@ -11,9 +11,10 @@ import torch
 from servelab.config import EngineConfig, EngineSection, build_options
 from servelab.errors import ConfigError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
-                                 DrafterContext, EvictionContext, ForkingAllocator, ForkingScheduler, LMHeadRunner,
-                                 LogitsProcessorContext, QuantizedKVBackend, SchedulerContext, SlotMovingRunner,
-                                 TargetModel, TieredRunner, TreeAttentionBackend, TreeDrafter)
+                                 DrafterContext, EvictionContext, FeatureDrafter, FeatureRunner, ForkingAllocator,
+                                 ForkingScheduler, LMHeadRunner, LogitsProcessorContext, QuantizedKVBackend,
+                                 SchedulerContext, SlotMovingRunner, TargetModel, TieredRunner, TreeAttentionBackend,
+                                 TreeDrafter)
 from servelab.kit.tier import HostTier
 from servelab.logits_pipeline import LogitsPipeline
 from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
@@ -68,7 +69,9 @@ def target_model(source: Any, runner: Any, engine: EngineSection) -> TargetModel
     config = source.model_config
     return TargetModel(hidden_size=config.hidden_size, vocab_size=config.vocab_size, lm_head=runner.lm_head,
                        path=str(source.path) if source.path is not None else None,
-                       dtype=DTYPES[engine.dtype], device=torch.device(engine.device))
+                       dtype=DTYPES[engine.dtype], device=torch.device(engine.device),
+                       embed=runner.embed if isinstance(runner, FeatureRunner) else None,
+                       num_layers=config.num_layers)
 
 
 def load_aux_model(spec: str, num_blocks: int, engine: EngineSection, registry: Any, attention: Any,
@@ -266,6 +269,10 @@ def _build_speculator(config: EngineConfig, registry: PluginRegistry, source: Mo
     drafter = build_policy(*selected, context)
     if isinstance(drafter, TreeDrafter) and drafter.proposes_trees:
         _check_trees(config, attention, runner)
+    if isinstance(drafter, FeatureDrafter) and not isinstance(runner, FeatureRunner):
+        raise ConfigError(f"drafter {config.drafter.name!r} reads the target's intermediate features "
+                          f"(FeatureDrafter); the {type(runner).__name__} does not return them (FeatureRunner): "
+                          f"use the single-process model runner")
     length, _ = split_length_options(config.drafter.options)
     return Speculator(config.drafter.name, drafter, allocator, limits.max_model_len, source.model_config.vocab_size,
                       length, slot_mover=runner.move_slots if isinstance(runner, SlotMovingRunner) else None,

@@ -37,6 +37,8 @@ __all__ = [
     "EvictionCandidate",
     "EvictionContext",
     "EvictionPolicy",
+    "FeatureDrafter",
+    "FeatureRunner",
     "FinishAwareDrafter",
     "FinishAwareRouter",
     "ForkingAllocator",
@@ -483,6 +485,9 @@ class TargetModel:
     path: str | None = None  # the checkpoint directory, when there is one
     dtype: Any = None  # torch.dtype the target runs in
     device: Any = None  # torch.device
+    # Token ids [N] -> input embeddings [N, hidden_size] (an EAGLE-style drafter's input); None where not offered.
+    embed: Callable[["torch.Tensor"], "torch.Tensor"] | None = None
+    num_layers: int = 0  # decoder layers (0: unknown); FeatureDrafter.feature_layers index them
 
 
 @runtime_checkable
@@ -910,6 +915,37 @@ class HiddenStateDrafter(Protocol):
 
     def propose(self, seqs: Seq[Sequence], hidden_states: "torch.Tensor") -> Mapping[str, "Draft | Seq[int]"]:
         """Drafts per request id; hidden_states[i] is behind seqs[i]'s last token."""
+
+
+@runtime_checkable
+class FeatureDrafter(Protocol):
+    """A drafter that reads the target's intermediate features at every computed position
+    (EAGLE-style): the residual stream after each decoder layer in `feature_layers`. After
+    each step, for every sequence whose computed tokens grew, the engine calls `observe`
+    with the features of its newly verified positions (prompt chunks, the last token and
+    accepted drafts; rejected drafts' rows are left out). The engine refuses it at start
+    unless the runner is a FeatureRunner."""
+
+    feature_layers: tuple[int, ...]
+
+    def observe(self, request_id: str, start: int, features: "torch.Tensor", next_token_ids: Seq[int]) -> None:
+        """features [n, len(feature_layers) * hidden] of positions start .. start + n - 1;
+        next_token_ids[i] is the token at position start + i + 1 (the one position
+        start + i predicted, now verified). `start` may be below what an earlier call
+        reached (the sequence was recomputed after a preemption): positions from `start`
+        on replace what was observed there. It may lie above it, where a prefix cache
+        served earlier positions without computing them."""
+
+
+@runtime_checkable
+class FeatureRunner(Protocol):
+    """A runner that returns the residual stream of chosen decoder layers at every row."""
+
+    def execute_with_features(self, inputs: Any, layers: tuple[int, ...]) -> "tuple[torch.Tensor, torch.Tensor]":
+        """Logits as `execute`, and features [T, len(layers) * hidden] in input-row order."""
+
+    def embed(self, token_ids: "torch.Tensor") -> "torch.Tensor":
+        """The target's input embeddings of token_ids [N]: [N, hidden], in its dtype."""
 
 
 @runtime_checkable

@@ -220,6 +220,13 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend, prepared,
                           inputs.logits_indices)
 
+    def execute_with_features(self, inputs: ModelInputs, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [R, vocab] float32 and the residual stream after each decoder layer in
+        `layers` at every input row: [T, len(layers) * hidden] (FeatureRunner)."""
+        prepared = self.backend.prepare(inputs.attention)
+        return self.model.forward_with_features(inputs.input_ids, inputs.positions, self.kv_caches, self.backend,
+                                                prepared, inputs.logits_indices, layers)
+
     def close(self) -> None:
         """Waits for the host tier's copies still in flight (CUDA); nothing else outlives
         this process's step loop."""
@@ -230,6 +237,11 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
         """float32 logits of final-normed hidden states."""
         with torch.inference_mode():
             return self.model.lm_head(hidden.to(self.model.lm_head.weight.dtype)).float()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The model's input embeddings of token_ids [N]: [N, hidden]."""
+        with torch.inference_mode():
+            return self.model.embed_tokens(token_ids.to(self.model.embed_tokens.weight.device))
 
 
 def host_kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, path: str | None,

@@ -14,6 +14,10 @@ engine puts the scheduled trees in the plan (`StepPlan.draft_trees`), the runner
 them out under a tree mask, verification keeps one root path, and `settle` moves that
 path's K/V into the slots right after the verified tokens before it rolls the rest back:
 positions, slots and rollback are the engine's, never the drafter's.
+
+A FeatureDrafter (EAGLE-style) reads the target's intermediate features: the runner
+returns them for every input row, and after the update each sequence's verified rows
+(prompt chunks, its last token, its accepted drafts or tree path) go to `observe`.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import attrs
 import torch
 
 from servelab.errors import ConfigError
-from servelab.interfaces import (AcceptingDrafter, Draft, FinishAwareDrafter, ForkingAllocator, HiddenStateDrafter,
-                                 ReleasingDrafter, Sequence, StepPlan, TreeDrafter)
+from servelab.interfaces import (AcceptingDrafter, Draft, FeatureDrafter, FinishAwareDrafter, ForkingAllocator,
+                                 HiddenStateDrafter, ReleasingDrafter, Sequence, StepPlan, TreeDrafter)
 from servelab.logging_setup import get_logger
 from servelab.speculation_length import DynamicLength, SpeculationLengthOptions
 from servelab.token_tree import first_branch, is_chain, tree_error
@@ -78,6 +82,12 @@ class Speculator:
         self._parents: dict[str, list[int]] = {}  # seq id -> parents of its drafts, when they branch
         self._accepting = drafter if isinstance(drafter, AcceptingDrafter) else None
         self._finish_aware = drafter if isinstance(drafter, FinishAwareDrafter) else None
+        self._feature_drafter = drafter if isinstance(drafter, FeatureDrafter) else None
+        self.feature_layers: tuple[int, ...] = tuple(drafter.feature_layers) if self._feature_drafter else ()
+        # This step's features [T, F] and, per scheduled sequence, (seq, first position, first row).
+        self._features: torch.Tensor | None = None
+        self._feature_rows: list[tuple[Sequence, int, int]] = []
+        self._paths: dict[str, list[int]] = {}  # seq id -> the accepted tree path settled this step
         # None: every sequence may draft as far as the drafter proposes (and its room allows).
         self.dynamic = DynamicLength(length) if length is not None and length.dynamic_length else None
         self._probs: dict[str, torch.Tensor | None] = {}
@@ -187,6 +197,8 @@ class Speculator:
         keep = min(num_tokens_before + num_accepted, seq.num_tokens)
         if path is not None:
             self._move_path(seq, path[: keep - num_tokens_before], num_tokens_before)
+            if self._feature_drafter is not None:
+                self._paths[seq.request_id] = list(path)
         if computed > keep:
             self.allocator.rollback(seq.request_id, computed - keep)
             seq.num_computed_tokens = keep
@@ -233,6 +245,35 @@ class Speculator:
         for parent, children in forks:
             for child in children:
                 self._hidden[child.request_id] = self._hidden[parent.request_id]
+
+    def keep_features(self, plan: StepPlan, features: torch.Tensor) -> None:
+        """The runner's features of this step's rows (before the update moves positions)."""
+        self._features = features
+        rows, row = [], 0
+        for seq, num_new in plan.scheduled:
+            rows.append((seq, seq.num_computed_tokens, row))
+            row += num_new
+        self._feature_rows = rows
+
+    def observe_features(self) -> None:
+        """After the update: each sequence's verified rows go to the FeatureDrafter."""
+        features, self._features = self._features, None
+        paths, self._paths = self._paths, {}
+        if features is None:
+            return
+        for seq, start, first in self._feature_rows:
+            count = seq.num_computed_tokens - start  # positions now verified (rejected drafts rolled back)
+            if count <= 0 or seq.finish_reason is not None:
+                continue
+            path = paths.get(seq.request_id)
+            if path is None:
+                rows = features[first: first + count]
+            else:  # a tree: the last token's row, then the accepted nodes' (node i is row 1 + i)
+                rows = features[torch.tensor([first] + [first + 1 + node for node in path[: count - 1]])]
+            prompt, lo, hi = seq.prompt_token_ids, start + 1, start + 1 + count
+            tokens = prompt[lo:hi] + seq.output_token_ids[max(0, lo - len(prompt)): max(0, hi - len(prompt))]
+            self._feature_drafter.observe(seq.request_id, start, rows, tokens)
+        self._feature_rows = []
 
     def end_step(self) -> None:
         """Drafts live for one step: unscheduled or unverified ones are dropped."""

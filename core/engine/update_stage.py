@@ -46,6 +46,7 @@ class UpdateStage:
         finished.extend(failed)
         new_logprobs = {} if self.requests.all_plain else self._new_logprobs(sampled, emitted)
         if self.speculator is not None:
+            self.speculator.observe_features()
             self.speculator.end_step()
             self.speculator.record(sum(sampled.num_drafts.values()), sum(sampled.num_accepted.values()),
                                    len(sampled.num_drafts), len(emitted), sum(map(len, emitted.values())))

@@ -18,7 +18,8 @@ from typing import Any, Mapping
 import attrs
 import pytest
 
-from servelab.interfaces import Draft, Drafter, DrafterContext, FinishAwareDrafter, ReleasingDrafter, Sequence, TreeDrafter
+from servelab.interfaces import (Draft, Drafter, DrafterContext, FeatureDrafter, FinishAwareDrafter, ReleasingDrafter,
+                                 Sequence, TreeDrafter)
 from servelab.sampling_params import SamplingParams
 from servelab.testing.contract import PolicyContract, check, exercising
 from servelab.token_tree import max_depth, tree_error
@@ -97,6 +98,9 @@ class DrafterContract(PolicyContract):
     - finished (a FinishAwareDrafter's) accepts any finished sequence, proposed for or
       not, with or without output, and the drafts after it stay well formed
     - well formed on every decode step of a real greedy generation (replayed)
+    - a FeatureDrafter is first shown seeded random features of every computed position
+      (`observe`, as the engine calls it after a step), so that it has something to draft
+      from; set `feature_size` (len(feature_layers) x the target's hidden size)
     - a lookup drafter (`lookup_drafter = True`) proposes the known continuation of a
       repeated n-gram, and its drafts do not restate accepted tokens
 
@@ -110,6 +114,7 @@ class DrafterContract(PolicyContract):
     lookup_drafter = False  # proposes what followed an earlier occurrence (prompt lookup, n-gram)
     vocab_size = 211
     max_model_len = 128
+    feature_size: int | None = None  # a FeatureDrafter's features per position
 
     def drafter(self) -> Any:
         return self.make(DrafterContext(vocab_size=self.vocab_size, max_model_len=self.max_model_len))
@@ -123,6 +128,8 @@ class DrafterContract(PolicyContract):
 
     def check_proposals(self, drafter: Any, seqs: list[Sequence]) -> Mapping[str, Any]:
         """Propose for `seqs` and check every invariant; returns the proposals."""
+        if isinstance(drafter, FeatureDrafter):
+            self.observe_features(drafter, seqs)
         before = _snapshot(seqs)
         with exercising(PROPOSE):
             proposals = drafter.propose(seqs)
@@ -155,6 +162,22 @@ class DrafterContract(PolicyContract):
             same = ({r: _shape(d) for r, d in again.items()} == {r: _shape(d) for r, d in proposals.items()})
             check(same, DETERMINISTIC, "two calls on the same sequences disagree")
         return proposals
+
+    def observe_features(self, drafter: Any, seqs: list[Sequence]) -> None:
+        """What the engine gives a FeatureDrafter after the step that computed `seqs`' tokens:
+        features (seeded random) of positions 0 .. num_computed_tokens - 1."""
+        import torch
+
+        check(self.feature_size, "the contract knows the feature size",
+              "set `feature_size` on the contract class (len(feature_layers) x the target's hidden size)")
+        generator = torch.Generator().manual_seed(7)
+        for seq in seqs:
+            computed = seq.num_computed_tokens
+            if computed == 0:
+                continue
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            drafter.observe(seq.request_id, 0, torch.randn(computed, self.feature_size, generator=generator),
+                            tokens[1: computed + 1])
 
     # ------------------------------------------------------------ scenarios
 

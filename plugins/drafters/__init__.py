@@ -1,8 +1,10 @@
-"""Built-in drafters (speculative decoding): n-gram prompt lookup, suffix decoding, a draft model, Medusa heads."""
+"""Built-in drafters (speculative decoding): n-gram prompt lookup, suffix decoding, a draft model, Medusa heads,
+an EAGLE-style head."""
 
 import servelab
 from servelab.plugin_types import DrafterPlugin
-from servelab.plugins.drafters.options import DraftModelOptions, MedusaOptions, NgramOptions, SuffixOptions
+from servelab.plugins.drafters.options import (DraftModelOptions, EagleOptions, MedusaOptions, NgramOptions,
+                                               SuffixOptions)
 
 
 @servelab.hookimpl
@@ -19,4 +21,7 @@ def servelab_register_drafters():
         DrafterPlugin(name="medusa", factory="servelab.plugins.drafters.medusa:MedusaDrafter",
                       options=MedusaOptions,
                       description="Medusa-1 heads on the target's last hidden state (top-1 chain)"),
+        DrafterPlugin(name="eagle", factory="servelab.plugins.drafters.eagle:EagleDrafter", options=EagleOptions,
+                      description="an EAGLE-style one-layer head on the target's fused features (chain or "
+                                  "EAGLE-2 dynamic tree)"),
     ]

@@ -50,6 +50,20 @@ class MedusaOptions:
     tree_top_k: int = attrs.field(default=8, validator=_positive)
 
 
+@attrs.frozen(kw_only=True)
+class EagleOptions:
+    """An EAGLE-style head on the target's fused features: a chain of its top-1 tokens, or
+    (tree_nodes > 0) EAGLE-2's dynamic tree ranked by the head's path probabilities."""
+
+    # Head files (eagle.safetensors + eagle_config.json); "": the target checkpoint's directory.
+    heads: str = ""
+    num_speculative_tokens: int = attrs.field(default=4, validator=_positive)  # k: the chain's length, the tree's depth
+    # Tree mode: propose this many nodes of highest path probability; 0: the top-1 chain.
+    tree_nodes: int = attrs.field(default=0, validator=_non_negative)
+    # Nodes expanded per depth, and children considered per expanded node.
+    tree_top_k: int = attrs.field(default=4, validator=_positive)
+
+
 def _probability(instance, attribute, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ConfigError(f"[drafter] {attribute.name} must be a probability in [0, 1], got {value!r}")

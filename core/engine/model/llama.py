@@ -207,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
         backend: Any,
         prepared: Any,
         logits_indices: torch.Tensor,  # [S] rows of the batch whose next-token logits are wanted
+        features: dict[int, torch.Tensor | None] | None = None,  # layer -> filled with its output stream [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, vocab] float32, hidden [S, hidden]
         has_panels, has_ops, has_decoder, has_quant = _capabilities(backend)
         panel_kernels = backend.panel_kernels if has_panels else None
@@ -220,10 +221,11 @@ class LlamaForCausalLM(nn.Module):
         ops = backend.layer_ops if has_ops else None
         if ops is not None and self._fusable(input_ids):
             selected = None
-            if has_decoder:
+            if has_decoder and features is None:  # the native decoder keeps no layer's output
                 selected = backend.decoder_forward(self, input_ids, positions, kv_caches, prepared, logits_indices)
             if selected is None:
-                selected = self._forward_fused(input_ids, positions, kv_caches, backend, prepared, logits_indices, ops)
+                selected = self._forward_fused(input_ids, positions, kv_caches, backend, prepared, logits_indices, ops,
+                                               features)
         else:
             hidden = self.embed_tokens(input_ids)
             cos, sin = self.rotary.tables(positions)
@@ -231,15 +233,31 @@ class LlamaForCausalLM(nn.Module):
             last = len(self.layers) - 1
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 hidden = layer(hidden, cos, sin, kv_cache, backend, prepared, keep_rows if i == last else None)
+                if features is not None and i in features:
+                    features[i] = hidden
             selected = self.norm(hidden if keep_rows is not None else hidden[logits_indices])
         return self.lm_head(selected).float(), selected
+
+    def forward_with_features(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                              kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any, prepared: Any,
+                              logits_indices: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits as `forward`, and the residual stream after each decoder layer in `layers`
+        (0-based, none the last) at every row: features [T, len(layers) * hidden], the
+        layers side by side in the order given (what an EAGLE-style drafter reads)."""
+        if any(not 0 <= layer < len(self.layers) - 1 for layer in layers):
+            raise ValueError(f"feature layers {layers} must lie in 0..{len(self.layers) - 2} (the last layer "
+                             f"computes only the rows whose logits are wanted)")
+        features: dict[int, torch.Tensor | None] = dict.fromkeys(layers)
+        logits, _ = self.forward(input_ids, positions, kv_caches, backend, prepared, logits_indices, features)
+        return logits, torch.cat([features[layer] for layer in layers], dim=-1)
 
     def _fusable(self, input_ids: torch.Tensor) -> bool:
         return input_ids.device.type == "cpu" and self.embed_tokens.weight.dtype == self.rotary.cos.dtype
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any, prepared: Any,
-                      logits_indices: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+                      logits_indices: torch.Tensor, ops: LayerOps,
+                      features: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         hidden = None
         keep_rows = _kept_rows(input_ids, logits_indices)
@@ -247,6 +265,8 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer.forward_fused(hidden, residual, positions, self.rotary, kv_cache, backend,
                                                    prepared, ops, keep_rows if i == last else None)
+            if features is not None and i in features:  # the stream is split in two here: the MLP's output and the residual
+                features[i] = hidden + residual
         selected = hidden + residual if keep_rows is not None else hidden[logits_indices] + residual[logits_indices]
         return ops.rms_norm(selected, self.norm.weight, self.norm.eps)
 
