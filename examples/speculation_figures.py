@@ -92,12 +92,16 @@ def prompts(workload: str, count: int, llm: LLM) -> list[str]:
     return [openings[i % len(openings)] for i in range(count)]
 
 
-def drafter_configs(draft_model: str) -> dict[str, dict | None]:
+def drafter_configs(draft_model: str, eagle_heads: str = "") -> dict[str, dict | None]:
+    eagle = {"name": "eagle", **({"heads": eagle_heads} if eagle_heads else {})}
     static = {
         "ngram": {"name": "ngram", "num_speculative_tokens": 4, "max_ngram": 3},
         "suffix": {"name": "suffix", "num_speculative_tokens": 4},
         "draft-model": {"name": "draft-model", "model": draft_model, "num_speculative_tokens": 4},
         "medusa": {"name": "medusa"},
+        "medusa-tree": {"name": "medusa", "tree_nodes": 16},
+        "eagle": eagle,
+        "eagle-tree": {**eagle, "tree_nodes": 16},
     }
     configs: dict[str, dict | None] = {"none": None}
     for name, config in static.items():
@@ -129,7 +133,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for item in args.extra_drafter:  # NAME=JSON: one more configuration, beside the built-in list
         name, _, config = item.partition("=")
         extra[name] = json.loads(config)
-    configs = {name: cfg for name, cfg in drafter_configs(args.draft_model).items() if name in args.drafters}
+    configs = {name: cfg for name, cfg in drafter_configs(args.draft_model, args.eagle_heads).items()
+               if name in args.drafters}
     configs.update(extra)
     engines = {name: LLM(args.model, config={"drafter": cfg} if cfg else {}, max_num_seqs=16, seed=0)
                for name, cfg in configs.items()}
@@ -174,6 +179,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     "accepted_per_target_step": accepted / steps if steps else None,
                     "acceptance_rate": accepted / drafted if drafted else None,
                     "tokens_per_target_step": emitted / steps if steps else None,
+                    "drafted_per_target_step": drafted / steps if steps else None, "model": args.model,
                     "draft_tokens": drafted, "accepted_tokens": accepted,
                 })
     return rows
@@ -220,6 +226,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:tiny")
     parser.add_argument("--draft-model", default="builtin:tiny-draft")
+    parser.add_argument("--eagle-heads", default="", help="directory of the EAGLE head (default: the model's)")
     parser.add_argument("--drafters", nargs="+", default=list(drafter_configs("")))
     parser.add_argument("--extra-drafter", action="append", default=[], metavar="NAME=JSON",
                         help='one more drafter configuration, e.g. suffix-d8=\'{"name": "suffix", "max_depth": 8}\'')

@@ -461,7 +461,7 @@ def test_embedded_models_greedy_unchanged_by_every_drafter(drafter, scheduler, e
     assert stats.num_accepted_tokens > 0, stats  # trained drafters do get accepted
 
 
-@pytest.mark.parametrize("name", ["spec-ngram", "spec-suffix", "spec-draft-model", "spec-medusa"])
+@pytest.mark.parametrize("name", ["spec-ngram", "spec-suffix", "spec-draft-model", "spec-medusa", "spec-eagle"])
 def test_example_configs_run(name):
     from pathlib import Path
 

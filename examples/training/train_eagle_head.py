@@ -12,7 +12,9 @@ The recipe (EAGLE-3, scaled down to a CPU):
 * **Head**: one Llama decoder layer (servelab.plugins.drafters.eagle_head.EagleHead),
   initialised from the target's last layer and final norm where the shapes agree; its
   input is the fused feature and the next token's embedding (the target's own, frozen),
-  its output feeds the target's LM head (frozen).
+  its output feeds the target's LM head (frozen), or with `--draft-vocab N` its own LM head
+  over the N most frequent tokens (EAGLE-3's reduced vocabulary: on a 49k-token model the
+  full LM head would cost the drafter more than its layer).
 * **Training-time test**: the head is unrolled `--depth` steps, each step reading its own
   previous output as drafting does (EagleHead.unrolled), with loss weight 0.8^step.
 * **Targets**: the target's own next-token distribution at each position (soft labels,
@@ -57,6 +59,8 @@ def load_target(spec: str) -> tuple[TrainLlama, object, Path]:
     config = json.loads((path / "config.json").read_text())
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
     config.setdefault("tie_word_embeddings", True)
+    if config.get("rope_theta") is None:  # newer transformers nest it under rope_parameters
+        config["rope_theta"] = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     model = TrainLlama(config)
     tensors = {}
     for file in sorted(path.glob("model*.safetensors")):  # not the drafters' heads beside it
@@ -84,12 +88,29 @@ def target_pass(target: TrainLlama, ids: torch.Tensor, layers: tuple[int, ...]) 
     return torch.cat(kept, dim=-1), torch.log_softmax(target.lm_head(target.model.norm(x)), dim=-1)
 
 
-def head_config(target: TrainLlama, layers: tuple[int, ...]) -> HeadConfig:
+def head_config(target: TrainLlama, layers: tuple[int, ...], draft_vocab_size: int) -> HeadConfig:
     c = target.config
     return HeadConfig(hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"],
                       num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
                       intermediate_size=c["intermediate_size"], feature_layers=layers,
-                      rms_norm_eps=c["rms_norm_eps"], rope_theta=c.get("rope_theta", 10000.0))
+                      rms_norm_eps=c["rms_norm_eps"], rope_theta=c.get("rope_theta", 10000.0),
+                      draft_vocab_size=draft_vocab_size)
+
+
+def head_log_probs(head: EagleHead, target: TrainLlama, h: torch.Tensor) -> torch.Tensor:
+    """The head's log-probabilities over its draft vocabulary (every token without one)."""
+    if head.config.draft_vocab_size:
+        return torch.log_softmax(head.lm_head(head.out_norm(h)), dim=-1)
+    return torch.log_softmax(target.lm_head(head.out_norm(h)), dim=-1)
+
+
+def in_draft_vocab(head: EagleHead, target_logp: torch.Tensor) -> torch.Tensor:
+    """The target's distribution over the head's draft vocabulary, renormalised."""
+    p = target_logp.exp()
+    if head.config.draft_vocab_size:
+        p = p[..., head.draft_tokens]
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+    return p
 
 
 def init_from_target(head: EagleHead, target: TrainLlama) -> None:
@@ -112,9 +133,8 @@ def step_losses(head: EagleHead, target: TrainLlama, batch: torch.Tensor, depth:
     outputs = head.unrolled(head.fused(features[:, :n]), target.model.embed_tokens(batch[:, 1: n + depth]), depth)
     losses = []
     for step, h in enumerate(outputs):
-        logp = torch.log_softmax(target.lm_head(head.out_norm(h)), dim=-1)
-        soft = target_logp[:, 1 + step: 1 + step + n].exp()
-        losses.append(-(soft * logp).sum(-1).mean())
+        soft = in_draft_vocab(head, target_logp[:, 1 + step: 1 + step + n])
+        losses.append(-(soft * head_log_probs(head, target, h)).sum(-1).mean())
     return losses
 
 
@@ -129,7 +149,9 @@ def agreement(head: EagleHead, target: TrainLlama, windows: torch.Tensor, depth:
         n = chunk.shape[1] - depth
         outputs = head.unrolled(head.fused(features[:, :n]), target.model.embed_tokens(chunk[:, 1: n + depth]), depth)
         for step, h in enumerate(outputs):
-            guess = target.lm_head(head.out_norm(h)).argmax(-1)
+            guess = head_log_probs(head, target, h).argmax(-1)
+            if head.config.draft_vocab_size:
+                guess = head.draft_tokens[guess]
             correct[step] += (guess == target_logp[:, 1 + step: 1 + step + n].argmax(-1)).sum().item()
             count[step] += guess.numel()
     return [c / n for c, n in zip(correct, count)]
@@ -147,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="EAGLE-3's reduced draft vocabulary: the head gets its own LM head over this many "
+                             "most frequent tokens (0: the target's LM head over every token)")
     parser.add_argument("--max-chars", type=int, default=None, help="cap on the corpus (quick runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
@@ -165,8 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layers must lie below the last layer ({num_layers - 1})")
     train_docs, val_docs = split_documents(corpus_documents(args.max_chars))
     train, val = token_stream(tokenizer, train_docs), token_stream(tokenizer, val_docs)
-    head = EagleHead(head_config(target, layers))
+    vocab = target.config["vocab_size"]
+    draft_vocab = args.draft_vocab if 0 < args.draft_vocab < vocab else 0
+    head = EagleHead(head_config(target, layers, draft_vocab))
     init_from_target(head, target)
+    if draft_vocab:  # the most frequent tokens of the training text, and the target's output rows for them
+        counts = torch.bincount(train, minlength=vocab)
+        tokens = counts.topk(draft_vocab).indices.sort().values
+        with torch.no_grad():
+            head.draft_tokens.copy_(tokens)
+            head.lm_head.weight.copy_(target.model.embed_tokens.weight[tokens])
+        print(f"[eagle] draft vocabulary: {draft_vocab} of {vocab} tokens, covering "
+              f"{counts[tokens].sum().item() / counts.sum().item():.1%} of the training text", flush=True)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     batches = Batches(train, args.seq_len, args.batch_size, args.seed + 301)
     windows = eval_windows(val, args.seq_len, 32)
@@ -195,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "eagle_training.json").write_text(json.dumps(
         {"target": args.target, "layers": list(layers), "steps": args.steps, "depth": args.depth,
          "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed,
+         "draft_vocab": draft_vocab,
          "seconds": round(time.perf_counter() - start, 1), "val_top1_agreement": [round(a, 4) for a in accuracy],
          "python": sys.version.split()[0], "torch": torch.__version__}, indent=2) + "\n")
     return 0

@@ -69,6 +69,10 @@ class EagleDrafter:
         self.k = self.options.num_speculative_tokens
         self.max_model_len = context.max_model_len
         self._caches: dict[str, _HeadCache] = {}
+        self._draft_tokens = self.head.draft_tokens if config.draft_vocab_size else None
+        if self._draft_tokens is not None and int(self._draft_tokens.max()) >= context.vocab_size:
+            raise ConfigError(f"drafter 'eagle': the head's draft vocabulary holds token ids beyond the target's "
+                              f"vocabulary of {context.vocab_size}")
 
     @property
     def proposes_trees(self) -> bool:
@@ -122,7 +126,14 @@ class EagleDrafter:
         return proposals
 
     def _logprobs(self, outputs: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.lm_head(self.head.out_norm(outputs)), dim=-1)
+        """Log-probabilities over the draft vocabulary (indices map through `_token_ids`)."""
+        head = self.head
+        if self._draft_tokens is not None:
+            return torch.log_softmax(head.lm_head(head.out_norm(outputs)).float(), dim=-1)
+        return torch.log_softmax(self.lm_head(head.out_norm(outputs)), dim=-1)
+
+    def _token_ids(self, indices: torch.Tensor) -> list[int]:
+        return (self._draft_tokens[indices] if self._draft_tokens is not None else indices).tolist()
 
     def _step(self, cache: _HeadCache, x: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
               draft_keys: list[torch.Tensor], draft_values: list[torch.Tensor],
@@ -147,13 +158,13 @@ class EagleDrafter:
         draft_keys: list[torch.Tensor] = []
         draft_values: list[torch.Tensor] = []
         for d in range(depth):
-            token = self._logprobs(x).argmax(dim=-1)
-            tokens.append(int(token))
+            token = self._token_ids(self._logprobs(x).argmax(dim=-1))
+            tokens.extend(token)
             if d + 1 == depth:
                 break
             mask = torch.ones(1, d + 1, dtype=torch.bool, device=self.device)
-            x = self._step(cache, x, token, torch.tensor([cache.end + d], device=self.device), draft_keys,
-                           draft_values, mask)
+            x = self._step(cache, x, torch.tensor(token, device=self.device),
+                           torch.tensor([cache.end + d], device=self.device), draft_keys, draft_values, mask)
         return tokens
 
     def _tree(self, cache: _HeadCache, depth: int, room: int) -> Draft:
@@ -165,8 +176,8 @@ class EagleDrafter:
         scores: list[float] = []
         depths: list[int] = []
         logp = self._logprobs(cache.last_output[None])[0]
-        top = logp.topk(width)
-        for value, token in zip(top.values.tolist(), top.indices.tolist()):
+        top = logp.topk(min(width, logp.shape[-1]))
+        for value, token in zip(top.values.tolist(), self._token_ids(top.indices)):
             tokens.append(token), parents.append(-1), scores.append(value), depths.append(0)
         predicted_by = {i: cache.last_output for i in range(len(tokens))}  # node -> the output that predicted it
         frontier = list(range(len(tokens)))
@@ -186,10 +197,10 @@ class EagleDrafter:
             outputs = self._step(cache, x, torch.tensor([tokens[node] for node in frontier], device=self.device),
                                  positions, draft_keys, draft_values, mask)
             expanded.extend(frontier)
-            top = self._logprobs(outputs).topk(width, dim=-1)
+            top = self._logprobs(outputs).topk(min(width, logp.shape[-1]), dim=-1)
             candidates = []
             for row, node in enumerate(frontier):
-                for value, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                for value, token in zip(top.values[row].tolist(), self._token_ids(top.indices[row])):
                     child = len(tokens)
                     tokens.append(token), parents.append(node), scores.append(scores[node] + value)
                     depths.append(d)

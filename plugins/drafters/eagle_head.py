@@ -8,7 +8,8 @@ output (EAGLE-3's "training-time test" teaches it to read its own outputs):
     g_t   = fuse([norm_1(f1_t), norm_2(f2_t), norm_3(f3_t)])      (EAGLE-3: several layers)
     u_t   = input_proj([g_t, embed_norm(E[x_{t+1}])])               (E: the target's embeddings)
     h_t   = u_t + attn(norm(u_t)) ;  h_t = h_t + mlp(norm(h_t))     (a Llama layer, RoPE at t)
-    p(x_{t+2}) = softmax(lm_head(out_norm(h_t)))
+    p(x_{t+2}) = softmax(lm_head(out_norm(h_t)))       (the target's LM head, or the head's
+                                                        own over a reduced draft vocabulary)
     next: u_{t+1} = input_proj([h_t, embed_norm(E[x̂_{t+2}])]) at position t + 1
 
 The same module serves training (batched windows, `attention_keys` under an explicit mask)
@@ -38,6 +39,9 @@ class HeadConfig:
     head_dim: int
     intermediate_size: int
     feature_layers: tuple[int, ...] = attrs.field(converter=tuple)  # the target's decoder layers it reads
+    # EAGLE-3's reduced draft vocabulary: the head's own LM head over this many tokens (the
+    # most frequent in the target's outputs, `draft_tokens`); 0: the target's LM head, every token.
+    draft_vocab_size: int = 0
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
 
@@ -80,6 +84,9 @@ class EagleHead(nn.Module):
         self.up_proj = nn.Linear(hidden, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, hidden, bias=False)
         self.out_norm = RMSNorm(hidden, c.rms_norm_eps)
+        if c.draft_vocab_size:
+            self.lm_head = nn.Linear(hidden, c.draft_vocab_size, bias=False)
+            self.register_buffer("draft_tokens", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         d = c.head_dim
         self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** (torch.arange(0, d, 2).float() / d)), persistent=False)
 
@@ -155,14 +162,16 @@ def load_head(directory: Path, dtype: torch.dtype, device: torch.device) -> Eagl
     from safetensors.torch import load_file
 
     head = EagleHead(HeadConfig.load(directory))
-    head.load_state_dict({name: tensor.float() for name, tensor in load_file(str(directory / HEAD_FILE)).items()})
-    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    head.load_state_dict({name: tensor if name == "draft_tokens" else tensor.float()
+                          for name, tensor in load_file(str(directory / HEAD_FILE)).items()})
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)  # .to(dtype) keeps int buffers
 
 
 def save_head(head: EagleHead, directory: Path, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(dtype).contiguous() for name, t in head.state_dict().items()}
+    tensors = {name: t.detach().contiguous() if name == "draft_tokens" else t.detach().to(dtype).contiguous()
+               for name, t in head.state_dict().items()}
     save_file(tensors, str(directory / HEAD_FILE), metadata={"format": "pt"})
     head.config.save(directory)
