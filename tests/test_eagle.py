@@ -67,6 +67,20 @@ def test_chunks_and_recomputation_give_the_same_drafts(drafter):
     assert drafter.propose([seq]) == {}, "a released sequence has nothing to draft from"
 
 
+def test_a_batch_drafts_what_each_sequence_drafts_alone(drafter):
+    """Chains are drafted for the whole batch in one pass per depth, contexts padded to the
+    longest: every sequence's chain equals its chain drafted alone."""
+    rows = {f"s{i}": [(7 * i + j) % 200 + 3 for j in range(length)] for i, length in enumerate([3, 11, 6, 20])}
+    seqs = [decoding_sequence(seq_id, tokens, []) for seq_id, tokens in rows.items()]
+    for i, (seq_id, tokens) in enumerate(rows.items()):
+        drafter.observe(seq_id, 0, features(len(tokens) - 1, seed=20 + i), tokens[1:])
+    together = drafter.propose(seqs)
+    alone = {seq.request_id: drafter.propose([seq])[seq.request_id] for seq in seqs}
+    assert together == alone and all(len(chain) == 4 for chain in together.values())
+    for seq_id in rows:
+        drafter.release(seq_id)
+
+
 def test_a_sequence_the_head_has_not_caught_up_with_gets_no_draft(drafter):
     tokens = [4, 5, 6, 7, 8]
     drafter.observe("late", 0, features(2), tokens[1:3])  # positions 0, 1 of 4

@@ -96,8 +96,10 @@ class EagleDrafter:
         context = 0 if cache is None else cache.keys.shape[1]
         keys = k if cache is None else torch.cat([cache.keys, k], dim=1)
         values = v if cache is None else torch.cat([cache.values, v], dim=1)
-        mask = torch.ones(n, context + n, dtype=torch.bool, device=self.device)
-        mask[:, context:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        mask = None  # one new position sees every key
+        if n > 1:
+            mask = torch.ones(n, context + n, dtype=torch.bool, device=self.device)
+            mask[:, context:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         h = head.finish(u, head.attend(q, keys, values, mask))
         self._caches[request_id] = _HeadCache(keys, values, (cache.positions if cache else []) + list(
             range(start, start + n)), h[-1])
@@ -110,6 +112,7 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence]) -> Mapping[str, Draft | list[int]]:
         proposals: dict[str, Draft | list[int]] = {}
+        chains: list[tuple[str, _HeadCache, int]] = []
         for seq in seqs:
             cache = self._caches.get(seq.request_id)
             # The head must have read every computed position's successor: its last output
@@ -122,7 +125,9 @@ class EagleDrafter:
             if self.proposes_trees:
                 proposals[seq.request_id] = self._tree(cache, min(self.k, room), room)
             else:
-                proposals[seq.request_id] = self._chain(cache, min(self.k, room))
+                chains.append((seq.request_id, cache, min(self.k, room)))
+        if chains:
+            proposals.update(self._chains(chains))
         return proposals
 
     def _logprobs(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -137,10 +142,10 @@ class EagleDrafter:
 
     def _step(self, cache: _HeadCache, x: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
               draft_keys: list[torch.Tensor], draft_values: list[torch.Tensor],
-              mask: torch.Tensor) -> torch.Tensor:
+              mask: torch.Tensor | None) -> torch.Tensor:
         """One head pass over new draft inputs (x [m, hidden] the outputs that predicted
         tokens [m]) at `positions`, seeing the context and, by mask [m, earlier drafts + m],
-        the earlier drafts' K/V; appends theirs."""
+        the earlier drafts' K/V (None: all of them); appends theirs."""
         head = self.head
         u = head.inputs(x, self.embed(tokens))
         q, k, v = head.qkv(u, positions)
@@ -148,24 +153,46 @@ class EagleDrafter:
         draft_values.append(v)
         keys = torch.cat([cache.keys, *draft_keys], dim=1)
         values = torch.cat([cache.values, *draft_values], dim=1)
-        seen = torch.cat([torch.ones(len(tokens), cache.keys.shape[1], dtype=torch.bool, device=self.device), mask],
-                         dim=1)
+        seen = None if mask is None else torch.cat(
+            [torch.ones(len(tokens), cache.keys.shape[1], dtype=torch.bool, device=self.device), mask], dim=1)
         return head.finish(u, head.attend(q, keys, values, seen))
 
-    def _chain(self, cache: _HeadCache, depth: int) -> list[int]:
-        tokens: list[int] = []
-        x = cache.last_output[None]
+    def _chains(self, chains: list[tuple[str, _HeadCache, int]]) -> dict[str, list[int]]:
+        """Top-1 chains for several sequences at once: one head pass per depth over all of
+        them, their contexts padded to the longest (padding masked out)."""
+        head = self.head
+        batch = len(chains)
+        depth = max(d for _, _, d in chains)
+        longest = max(cache.keys.shape[1] for _, cache, _ in chains)
+        first = chains[0][1].keys
+        context_keys = first.new_zeros(batch, first.shape[0], longest, first.shape[2])
+        context_values = torch.zeros_like(context_keys)
+        valid = torch.zeros(batch, longest, dtype=torch.bool, device=self.device)
+        for row, (_, cache, _) in enumerate(chains):
+            n = cache.keys.shape[1]
+            context_keys[row, :, :n], context_values[row, :, :n], valid[row, :n] = cache.keys, cache.values, True
+        padded = not bool(valid.all())
+        ends = torch.tensor([cache.end for _, cache, _ in chains], device=self.device)
+        x = torch.stack([cache.last_output for _, cache, _ in chains])
+        drafted: list[list[int]] = []
         draft_keys: list[torch.Tensor] = []
         draft_values: list[torch.Tensor] = []
         for d in range(depth):
-            token = self._token_ids(self._logprobs(x).argmax(dim=-1))
-            tokens.extend(token)
+            indices = self._logprobs(x).argmax(dim=-1)
+            tokens = self._draft_tokens[indices] if self._draft_tokens is not None else indices
+            drafted.append(tokens.tolist())
             if d + 1 == depth:
                 break
-            mask = torch.ones(1, d + 1, dtype=torch.bool, device=self.device)
-            x = self._step(cache, x, torch.tensor(token, device=self.device),
-                           torch.tensor([cache.end + d], device=self.device), draft_keys, draft_values, mask)
-        return tokens
+            u = head.inputs(x, self.embed(tokens))[:, None, :]  # [B, 1, hidden]
+            q, k, v = head.qkv(u, (ends + d)[:, None])
+            draft_keys.append(k)
+            draft_values.append(v)
+            keys = torch.cat([context_keys, *draft_keys], dim=2)
+            values = torch.cat([context_values, *draft_values], dim=2)
+            mask = None if not padded else torch.cat(
+                [valid, valid.new_ones(batch, d + 1)], dim=1)[:, None, None, :]
+            x = head.finish(u, head.attend(q, keys, values, mask))[:, 0]
+        return {seq_id: [drafted[d][row] for d in range(k)] for row, (seq_id, _, k) in enumerate(chains)}
 
     def _tree(self, cache: _HeadCache, depth: int, room: int) -> Draft:
         """EAGLE-2's dynamic tree: expand the best `tree_top_k` nodes per depth, keep the best

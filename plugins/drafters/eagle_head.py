@@ -61,8 +61,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel: drafting calls it per token
 
 
 class EagleHead(nn.Module):
@@ -89,6 +88,14 @@ class EagleHead(nn.Module):
             self.register_buffer("draft_tokens", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         d = c.head_dim
         self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** (torch.arange(0, d, 2).float() / d)), persistent=False)
+        self._fused: tuple[torch.Tensor, torch.Tensor] | None = None  # (qkv, gate_up) weights, for drafting
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, d] tables
+
+    def fuse_for_inference(self) -> None:
+        """Concatenate the q/k/v and gate/up weights (fewer, larger matmuls per draft token);
+        the parameters themselves stay as they are. Call again after changing them."""
+        self._fused = (torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+                       torch.cat([self.gate_proj.weight, self.up_proj.weight]))
 
     # ------------------------------------------------------------------ the pieces of a pass
 
@@ -102,24 +109,39 @@ class EagleHead(nn.Module):
         return self.input_proj(torch.cat([x, self.embed_norm(token_embeddings)], dim=-1))
 
     def qkv(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """u [..., T, hidden] at positions [T] -> q [..., heads, T, d], k and v [..., kv_heads, T, d]."""
+        """u [..., T, hidden] at positions [T] (or [B, T] for u [B, T, hidden]) -> q [..., heads, T, d],
+        k and v [..., kv_heads, T, d]."""
         c = self.config
         x = self.input_layernorm(u)
         shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, c.num_heads, c.head_dim).transpose(-2, -3)
-        k = self.k_proj(x).view(*shape, c.num_kv_heads, c.head_dim).transpose(-2, -3)
-        v = self.v_proj(x).view(*shape, c.num_kv_heads, c.head_dim).transpose(-2, -3)
-        freqs = torch.outer(positions.float(), self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        if self._fused is not None:
+            q, k, v = F.linear(x, self._fused[0]).split(
+                [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(*shape, c.num_heads, c.head_dim).transpose(-2, -3)
+        k = k.reshape(*shape, c.num_kv_heads, c.head_dim).transpose(-2, -3)
+        v = v.reshape(*shape, c.num_kv_heads, c.head_dim).transpose(-2, -3)
+        cos, sin = self._rope_tables(positions, q.dtype)
+        if positions.dim() > 1:  # per-row positions [B, T]: broadcast over the heads
+            cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [..., heads, T, d] over k, v [..., kv_heads, S, d] where mask [T, S] (True: seen)."""
-        groups = self.config.num_heads // self.config.num_kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] at positions, from tables grown as positions come."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if self._rope is None or self._rope[0].shape[0] < needed or self._rope[0].dtype != dtype:
+            size = max(needed, 2 * (self._rope[0].shape[0] if self._rope is not None else 1024))
+            freqs = torch.outer(torch.arange(size, device=self.inv_freq.device).float(), self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._rope[0][positions], self._rope[1][positions]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [..., heads, T, d] over k, v [..., kv_heads, S, d] where mask [T, S] (True: seen;
+        None: every key)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              enable_gqa=self.config.num_heads != self.config.num_kv_heads)
 
     def finish(self, u: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The layer's output h from its input u and the attention output [..., heads, T, d]."""
@@ -127,7 +149,11 @@ class EagleHead(nn.Module):
         out = attended.transpose(-2, -3).reshape(*u.shape[:-1], c.num_heads * c.head_dim)
         h = u + self.o_proj(out)
         x = self.post_attention_layernorm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._fused is not None:
+            gate, up = F.linear(x, self._fused[1]).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return h + self.down_proj(F.silu(gate) * up)
 
     # ------------------------------------------------------------------ training
 
@@ -164,7 +190,9 @@ def load_head(directory: Path, dtype: torch.dtype, device: torch.device) -> Eagl
     head = EagleHead(HeadConfig.load(directory))
     head.load_state_dict({name: tensor if name == "draft_tokens" else tensor.float()
                           for name, tensor in load_file(str(directory / HEAD_FILE)).items()})
-    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)  # .to(dtype) keeps int buffers
+    head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)  # .to(dtype) keeps int buffers
+    head.fuse_for_inference()
+    return head
 
 
 def save_head(head: EagleHead, directory: Path, dtype: torch.dtype) -> None:
