@@ -62,9 +62,10 @@ def eagle_head(directory, checkpoint: str, feature_layers=(0,)) -> str:
 
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     torch.manual_seed(0)
-    head = EagleHead(HeadConfig(hidden_size=config["hidden_size"], num_heads=config["num_attention_heads"],
+    heads = config["num_attention_heads"]
+    head = EagleHead(HeadConfig(hidden_size=config["hidden_size"], num_heads=heads,
                                 num_kv_heads=config["num_key_value_heads"],
-                                head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                                head_dim=config.get("head_dim") or config["hidden_size"] // heads,
                                 intermediate_size=config["intermediate_size"], feature_layers=feature_layers))
     save_head(head, Path(directory), torch.float32)
     return str(directory)
@@ -79,12 +80,19 @@ def drafter_config(name: str, checkpoint_factory, tmp_path_factory) -> dict:
         return {"name": "draft-model", "model": checkpoint_factory("llama"), "num_speculative_tokens": 5}
     if name == "medusa":
         return {"name": "medusa", "heads": medusa_heads(tmp_path_factory.mktemp("medusa"), 72)}
+    if name == "medusa-tree":  # a static tree from made-up accuracies (rank r of head h: 0.5 / (h + r + 1))
+        heads = Path(medusa_heads(tmp_path_factory.mktemp("medusa"), 72))
+        (heads / "medusa_accuracy.json").write_text(json.dumps(
+            {"top_k_accuracy": [[0.5 / (h + r + 1) for r in range(4)] for h in range(3)]}))
+        return {"name": "medusa", "heads": str(heads), "tree_nodes": 6, "tree_top_k": 4}
     if name == "eagle":
         return {"name": "eagle", "num_speculative_tokens": 3,
                 "heads": eagle_head(tmp_path_factory.mktemp("eagle"), checkpoint_factory("llama"))}
     if name == "eagle-tree":
         return {"name": "eagle", "num_speculative_tokens": 3, "tree_nodes": 6, "tree_top_k": 3,
                 "heads": eagle_head(tmp_path_factory.mktemp("eagle"), checkpoint_factory("llama"))}
+    if name == "suffix-tree":
+        return {"name": "suffix", "num_speculative_tokens": 4, "max_depth": 7, "cache_tokens": 40, "tree_nodes": 6}
     if name == "suffix":  # a shallow trie, so matches are cut at max_depth - k and the global cache evicts
         return {"name": "suffix", "num_speculative_tokens": 4, "max_depth": 7, "cache_tokens": 40}
     if name.endswith("-dynamic"):
@@ -102,8 +110,8 @@ def run(path: str, drafter: dict | None, **engine) -> tuple[list[list[int]], LLM
     return [o.token_ids for o in outputs], llm
 
 
-DRAFTERS = ["ngram", "suffix", "suffix-dynamic", "draft-model", "draft-model-self", "medusa", "eagle",
-            "eagle-tree"]
+DRAFTERS = ["ngram", "suffix", "suffix-tree", "suffix-dynamic", "draft-model", "draft-model-self", "medusa",
+            "medusa-tree", "eagle", "eagle-tree"]
 SETTINGS = {
     "continuous": {},
     # A 6-token budget cuts drafts short and chunks prompts around them.
@@ -325,7 +333,7 @@ class TestEagle(DrafterContract):
     plugin_name = "eagle"
     feature_size = 72  # one feature layer of the tiny model's hidden size
     num_speculative_tokens = 3
-    options: dict = {"num_speculative_tokens": 3}
+    eagle_options: dict = {"num_speculative_tokens": 3}
 
     @pytest.fixture(autouse=True)
     def _heads(self, tmp_path_factory):
@@ -338,13 +346,13 @@ class TestEagle(DrafterContract):
         from servelab.testing.tiny_model import tiny_checkpoint
 
         engine = LLM(tiny_checkpoint("llama"), config={"drafter": {"name": "eagle", "heads": self.heads,
-                                                                  **self.options}},
+                                                                  **self.eagle_options}},
                      max_model_len=self.max_model_len).engine
         return engine.speculator.drafter
 
 
 class TestEagleTree(TestEagle):
-    options = {"num_speculative_tokens": 3, "tree_nodes": 8, "tree_top_k": 3}
+    eagle_options = {"num_speculative_tokens": 3, "tree_nodes": 8, "tree_top_k": 3}
 
 
 def test_medusa_proposes_from_hidden_states(checkpoint_factory, tmp_path):

@@ -178,9 +178,65 @@ def test_options_are_checked():
         LLM("builtin:tiny", config={"drafter": {"name": "suffix", "depth": 3}})
 
 
+def reference_tree_paths(tokens: list[int], depth: int, k: int, min_prob: float) -> dict[tuple[int, ...], float]:
+    """Every continuation (up to k tokens) of the longest matched context of `tokens`, with
+    its probability: the product of follower counts over the context's continued count."""
+    for m in range(min(depth - k, len(tokens)), 0, -1):
+        context = tuple(tokens[len(tokens) - m:])
+        if not any(nxt is not None for _, nxt, _ in occurrences([(0, tokens)], context)):
+            continue
+        paths: dict[tuple[int, ...], float] = {}
+        frontier = [((), 1.0)]
+        while frontier:
+            path, prob = frontier.pop()
+            if len(path) == min(k, m):  # the adaptive length at factor 1
+                continue
+            followers = collections.Counter(t[nxt] for _, nxt, t in occurrences([(0, tokens)], context + path)
+                                            if nxt is not None)
+            total = sum(followers.values())
+            for token, count in followers.items():
+                child = (path + (token,), prob * count / total)
+                if child[1] >= min_prob:
+                    paths[child[0]] = child[1]
+                    frontier.append(child)
+        return paths
+    return {}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.integers(0, 3), min_size=2, max_size=40), nodes=st.integers(1, 8),
+       min_prob=st.sampled_from([0.0, 0.2]))
+def test_tree_mode_proposes_the_most_probable_continuations(tokens, nodes, min_prob):
+    """Tree mode's nodes are the `nodes` most probable continuations of the match (by the
+    trie's count ratios), as a well-formed tree listing parents first."""
+    from servelab.token_tree import tree_error
+
+    options = SuffixOptions(num_speculative_tokens=3, max_depth=6, min_token_prob=min_prob, cache_tokens=0,
+                            tree_nodes=nodes)
+    drafter = SuffixDrafter(options, DrafterContext(vocab_size=4, max_model_len=1000))
+    draft = drafter.propose([decoding_sequence("s", tokens[:1], tokens[1:])]).get("s")
+    reference = reference_tree_paths(tokens, options.max_depth, 3, min_prob)
+    if draft is None:
+        assert not reference
+        return
+    parents = list(draft.parents)
+    assert tree_error(parents, len(draft.token_ids)) is None
+    paths = []
+    for i, token in enumerate(draft.token_ids):
+        paths.append((paths[parents[i]] if parents[i] >= 0 else ()) + (token,))
+    assert len(set(paths)) == len(paths) == min(nodes, len(reference))
+    got = sorted((reference[path] for path in paths), reverse=True)  # KeyError: not a continuation
+    assert got == pytest.approx(sorted(reference.values(), reverse=True)[: len(paths)])
+
+
 class TestSuffix(DrafterContract):
     lookup_drafter = True
     plugin_name = "suffix"
+
+
+class TestSuffixTree(DrafterContract):
+    plugin_name = "suffix"
+    options = SuffixOptions(tree_nodes=6)
 
 
 def test_engine_feeds_finished_outputs_to_the_cache():

@@ -90,6 +90,8 @@ class SuffixOptions:
     min_token_prob: float = attrs.field(default=0.1, validator=_probability)
     # Tokens of previous outputs kept in the global cache (oldest outputs evicted first); 0: no global cache.
     cache_tokens: int = attrs.field(default=16384, validator=_non_negative)
+    # Token-tree mode: the this-many most probable continuations of the match as a tree; 0: the chain.
+    tree_nodes: int = attrs.field(default=0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.max_depth <= self.num_speculative_tokens:

@@ -24,6 +24,11 @@ the one the adaptive length lets draft furthest): one walk per trie per step.
 The global cache holds the outputs of finished sequences (not prompts, as in the
 paper), up to cache_tokens tokens; when a new output would pass that, the oldest
 outputs are evicted first (FIFO) and their counts taken back.
+
+With `tree_nodes = N` the drafter proposes a token tree from the same match: the N most
+probable continuations below the matched node, best first by the product of count
+ratios along each path (at most the adaptive length deep, none below min_token_prob),
+as Arctic Inference's suffix decoding speculates a tree.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from __future__ import annotations
 import collections
 from typing import Mapping, Sequence as Seq
 
-from servelab.interfaces import DrafterContext, Sequence
+from servelab.interfaces import Draft, DrafterContext, Sequence
 from servelab.plugins.drafters.options import SuffixOptions
-from servelab.plugins.drafters.suffix_trie import Chain, Cursor, SuffixTrie
+from servelab.plugins.drafters.suffix_trie import Chain, Cursor, Node, SuffixTrie
 
 
 class _SequenceState:
@@ -85,35 +90,52 @@ class SuffixDrafter:
         self.cache = GlobalCache(self.depth, self.options.cache_tokens)
         self._states: dict[str, _SequenceState] = {}
 
-    def propose(self, seqs: Seq[Sequence]) -> Mapping[str, list[int]]:
-        proposals = {}
+    @property
+    def proposes_trees(self) -> bool:
+        return self.options.tree_nodes > 0
+
+    def propose(self, seqs: Seq[Sequence]) -> Mapping[str, list[int] | Draft]:
+        proposals: dict[str, list[int] | Draft] = {}
         for seq in seqs:
-            chain = self.best_chain(seq)
-            if chain.token_ids:
+            chain, trie, node, length = self._best(seq)
+            if not chain.token_ids:
+                continue
+            if self.proposes_trees:
+                room = self.max_model_len - seq.num_tokens
+                tokens, parents = trie.tree(node, length, min(self.options.tree_nodes, room),
+                                            self.options.min_token_prob)
+                if tokens:
+                    proposals[seq.request_id] = Draft(tokens, parents=parents)
+            else:
                 proposals[seq.request_id] = list(chain.token_ids)
         return proposals
 
     def best_chain(self, seq: Sequence) -> Chain:
         """The proposal for `seq`: its own trie's chain or the global one's, the higher score."""
+        return self._best(seq)[0]
+
+    def _best(self, seq: Sequence) -> tuple[Chain, SuffixTrie | None, Node | None, int]:
+        """The better of the two tries' chains, with its trie, matched node and length cap
+        (a tree grows from the same match)."""
         k = min(self.options.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         state = self._caught_up(seq)
         if k <= 0:
-            return Chain()
+            return Chain(), None, None, 0
         best = self._chain(state.trie, state.cursor, k)
         if self.cache.num_tokens:
             other = self._chain(self.cache.trie, self._global_cursor(seq, state), k)
-            if other.score > best.score:
+            if other[0].score > best[0].score:
                 best = other
         return best
 
-    def _chain(self, trie: SuffixTrie, cursor: Cursor, k: int) -> Chain:
+    def _chain(self, trie: SuffixTrie, cursor: Cursor, k: int) -> tuple[Chain, SuffixTrie, Node | None, int]:
         node = trie.match(cursor, self.max_match)
         if node is None:
-            return Chain()
+            return Chain(), trie, None, 0
         o = self.options
         length = min(k, int(o.max_spec_factor * node.depth + o.max_spec_offset + 1e-9))
         chain = trie.walk(node, length, o.min_token_prob)
-        return Chain(chain.token_ids, chain.probs, node.depth)
+        return Chain(chain.token_ids, chain.probs, node.depth), trie, node, length
 
     def _caught_up(self, seq: Sequence) -> _SequenceState:
         state = self._states.get(seq.request_id)

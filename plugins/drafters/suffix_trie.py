@@ -18,6 +18,9 @@ bounded cache evicts.
 
 from __future__ import annotations
 
+import heapq
+import itertools
+
 from typing import Iterable, Sequence as Seq
 
 import attrs
@@ -158,6 +161,32 @@ class SuffixTrie:
             if nodes[m].continued:
                 return nodes[m]
         return None
+
+    def tree(self, node: Node, max_depth: int, max_nodes: int, min_prob: float) -> tuple[list[int], list[int]]:
+        """From `node`, the `max_nodes` most probable continuations as a token tree (tokens,
+        parents listed first): best first by the product of count / continued along each
+        path, at most max_depth deep, none below min_prob. A child is never more probable
+        than its parent, so every node's parent is taken before it."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        order = itertools.count()
+        heap: list[tuple[float, int, Node, int, int]] = []
+
+        def push(parent: Node, prob: float, index: int, depth: int) -> None:
+            if parent.children is None or depth > max_depth:
+                return
+            for child in heapq.nlargest(max_nodes, parent.children.values(), key=lambda c: (c.count, c.last)):
+                heapq.heappush(heap, (-prob * child.count / parent.continued, next(order), child, index, depth))
+
+        push(node, 1.0, -1, 1)
+        while heap and len(tokens) < max_nodes:
+            negative, _, child, parent, depth = heapq.heappop(heap)
+            if -negative < min_prob:
+                break
+            parents.append(parent)
+            tokens.append(child.token)
+            push(child, -negative, len(tokens) - 1, depth + 1)
+        return tokens, parents
 
     def walk(self, node: Node, max_tokens: int, min_prob: float) -> Chain:
         """From `node`, the most frequent child at each step while the chain's probability

@@ -240,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_with_features(self, input_ids: torch.Tensor, positions: torch.Tensor,
                               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any, prepared: Any,
-                              logits_indices: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                              logits_indices: torch.Tensor,
+                              layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits as `forward`, and the residual stream after each decoder layer in `layers`
         (0-based, none the last) at every row: features [T, len(layers) * hidden], the
         layers side by side in the order given (what an EAGLE-style drafter reads)."""
@@ -265,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer.forward_fused(hidden, residual, positions, self.rotary, kv_cache, backend,
                                                    prepared, ops, keep_rows if i == last else None)
-            if features is not None and i in features:  # the stream is split in two here: the MLP's output and the residual
+            if features is not None and i in features:  # the stream is split here: the MLP's output + the residual
                 features[i] = hidden + residual
         selected = hidden + residual if keep_rows is not None else hidden[logits_indices] + residual[logits_indices]
         return ops.rms_norm(selected, self.norm.weight, self.norm.eps)
