@@ -97,6 +97,7 @@ def drafter_configs(draft_model: str, eagle_heads: str = "") -> dict[str, dict |
     static = {
         "ngram": {"name": "ngram", "num_speculative_tokens": 4, "max_ngram": 3},
         "suffix": {"name": "suffix", "num_speculative_tokens": 4},
+        "suffix-tree": {"name": "suffix", "num_speculative_tokens": 4, "tree_nodes": 8},
         "draft-model": {"name": "draft-model", "model": draft_model, "num_speculative_tokens": 4},
         "medusa": {"name": "medusa"},
         "medusa-tree": {"name": "medusa", "tree_nodes": 16},
