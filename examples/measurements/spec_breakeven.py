@@ -13,9 +13,10 @@ the batch it was measured at, with a context of `--context-len` tokens:
     speedup = tokens per target step x plain step / (draft passes + verification step)
 
 and the acceptance it would need to break even: the tokens per step at which the
-speedup is 1. Draft costs, per step and per sequence:
+speedup is 1. Draft passes run inside the engine's step: they pay their kernels and
+launches, not the engine's per-step overhead. Draft costs, per step:
 
-* ngram, suffix: none (host-side lookups, overlapped with the GPU);
+* ngram, suffix (chain or tree): none (host-side lookups, overlapped with the GPU);
 * draft-model: k steps of a Llama-3.2-1B-shaped model (hidden 2048, 16 layers);
 * medusa: one pass of a 1-layer model of the target's width and vocabulary (an upper
   bound: Medusa's heads are one H x H matmul each, plus the LM head for each head's row);
@@ -37,23 +38,27 @@ DRAFT_MODEL = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=81
 
 
 def draft_seconds(name: str, target_shape, hardware, batch: int, context: int, k: int, tree_top_k: int) -> float:
-    """One step's drafting time for `batch` sequences."""
+    """One step's drafting time for `batch` sequences. A draft pass runs inside the engine's
+    step, so it pays its kernels (and launches) but not the engine's per-step overhead."""
     base = name.split("+")[0]
     t = target_shape
-    if base in ("none", "ngram", "suffix"):
+
+    def passes(model: CostModel, count: int, rows: int) -> float:
+        one = model.step([rows] * batch, [context + rows] * batch, batch * rows).seconds - hardware.step_overhead_s
+        return count * one
+
+    if base in ("none", "ngram", "suffix", "suffix-tree"):
         return 0.0
     if base == "draft-model":
         d = DRAFT_MODEL
-        model = CostModel(_shape(d["hidden"], d["layers"], d["heads"], d["kv_heads"], d["intermediate"], d["vocab"],
-                                 t.max_position_embeddings), hardware)
-        return k * model.step([1] * batch, [context] * batch, batch).seconds
+        return passes(CostModel(_shape(d["hidden"], d["layers"], d["heads"], d["kv_heads"], d["intermediate"],
+                                       d["vocab"], t.max_position_embeddings), hardware), k, 1)
     one_layer = _shape(t.hidden_size, 1, t.num_heads, t.num_kv_heads, t.intermediate_size,
                        32000 if base.startswith("eagle") else t.vocab_size, t.max_position_embeddings)
     model = CostModel(one_layer, hardware)
     if base.startswith("medusa"):
-        return model.step([1] * batch, [context] * batch, batch).seconds
-    rows = tree_top_k if base == "eagle-tree" else 1
-    return k * model.step([rows] * batch, [context + rows] * batch, batch * rows).seconds
+        return passes(model, 1, 1)
+    return passes(model, k, tree_top_k if base == "eagle-tree" else 1)
 
 
 def price(rows: list[dict], sim: str, sim_model: str, context: int, k: int, tree_top_k: int) -> list[dict]:
