@@ -41,7 +41,8 @@ def test_assets_are_packaged_and_small():
         for file in ("config.json", "model.safetensors", "tokenizer.json"):
             assert (path / file).is_file(), f"{name}/{file} is missing"
         total += sum(f.stat().st_size for f in path.iterdir())
-    assert total <= 6.5 * 2**20, f"embedded models take {total / 2**20:.2f} MiB"
+    # The models (6 MB in bf16) and their drafters' heads: Medusa's 0.2 MB, EAGLE's 1.1 MB.
+    assert total <= 7.5 * 2**20, f"embedded models take {total / 2**20:.2f} MiB"
     tiny = json.loads((builtin.ASSETS / "tiny" / "config.json").read_text())
     draft = json.loads((builtin.ASSETS / "tiny-draft" / "config.json").read_text())
     assert tiny["architectures"] == ["LlamaForCausalLM"] and tiny["model_type"] == "llama"

@@ -18,6 +18,7 @@ oneDNN at prompt sizes and faster at decode sizes (docs/performance.md).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Protocol
 
 import torch
@@ -99,9 +100,19 @@ def use_panel_linears(root: nn.Module, kernels: PanelKernels) -> int:
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build packs linear weights for oneDNN on this device and dtype."""
+    """Whether this torch build packs linear weights for oneDNN on this device and dtype,
+    on this CPU (bfloat16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: asked once)."""
     return (device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _packs(dtype))
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def prepack_linears(root: nn.Module, keep_weights: tuple[str, ...] = ()) -> int:
