@@ -15,6 +15,7 @@ from servelab import LLM, ConfigError, SamplingParams
 from servelab.testing.drafter import decoding_sequence
 from servelab.testing.tiny_model import tiny_checkpoint
 
+from test_medusa_tree import embedded_plain, medusa_run  # noqa: F401 (a fixture)
 from test_speculative_decoding import eagle_head
 
 HIDDEN = 72  # the "llama" test checkpoint's
@@ -90,32 +91,16 @@ def test_a_sequence_the_head_has_not_caught_up_with_gets_no_draft(drafter):
 # ---------------------------------------------------------------- the shipped head
 
 
-@pytest.fixture(scope="module")
-def embedded_plain():
-    prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "The with statement", "import os\n",
-               "class Point:\n    def __init__(self"]
-    llm = LLM("builtin:tiny", max_model_len=256)
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    return prompts, [o.token_ids for o in llm.generate(prompts, params)]
-
-
-def eagle_run(prompts, drafter, **engine):
-    llm = LLM("builtin:tiny", config={"drafter": drafter}, max_model_len=256, **engine)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    assert llm.engine.allocator.stats().num_used_blocks == 0
-    return [o.token_ids for o in outputs], llm.engine.speculation_stats()
-
-
 @pytest.mark.parametrize("engine", [{}, {"scheduler.name": "chunked-prefill", "max_num_batched_tokens": 12},
                                     {"attention.name": "torch-paged", "max_num_seqs": 1},
                                     {"allocator.name": "radix"}],
                          ids=["continuous", "chunked-prefill", "torch-paged-batch-1", "radix"])
 def test_shipped_head_keeps_greedy_tokens_and_is_accepted(engine, embedded_plain):
     prompts, expected = embedded_plain
-    tokens, chain = eagle_run(prompts, {"name": "eagle"}, **engine)
+    tokens, chain = medusa_run(prompts, {"name": "eagle"}, **engine)
     assert tokens == expected
     assert chain.acceptance_rate > 0.2, chain  # a trained head, not noise
-    tokens, tree = eagle_run(prompts, {"name": "eagle", "tree_nodes": 12}, **engine)
+    tokens, tree = medusa_run(prompts, {"name": "eagle", "tree_nodes": 12}, **engine)
     assert tokens == expected
     assert tree.mean_tokens_per_step >= chain.mean_tokens_per_step, (tree, chain)
 
