@@ -108,7 +108,9 @@ def test_each_worst_case_is_refused_fast_naming_its_limit(server, http, name):
     assert error["param"] == param, error
     if limit is not None:
         assert limit in error["message"], error
-    assert elapsed < 1.0, f"{name}: refused after {elapsed:.2f} s"
+    # Before the bounds these took minutes; refused before any work is seconds at most, even
+    # with the suite's other worker sharing the two cores (parsing the largest body is ~1 s)
+    assert elapsed < 5.0, f"{name}: refused after {elapsed:.2f} s"
     assert _health_ms(server) < 1000
 
 
