@@ -59,6 +59,10 @@ def weight_bytes_per_token(llm: LLM, dtype: torch.dtype) -> int:
     return (layer_params + head_params) * torch.finfo(dtype).bits // 8
 
 
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def servelab_latency(llm: LLM, repeats: int) -> dict[str, list[float]]:
     ttft, tpot = [], []
     for _ in range(repeats):
@@ -116,7 +120,11 @@ def measure_dtype(dtype: str, args) -> dict:
         for name, (run, _) in engines.items():
             if not name.startswith("transformers") or repeat < args.hf_repeats:
                 throughput[name].append(run())
-    latency = {name: measure() for name, (_, measure) in engines.items()}
+                progress(f"{dtype} repetition {repeat + 1}/{args.repeats}: {name} {throughput[name][-1]:.1f} tok/s")
+    latency = {}
+    for name, (_, measure) in engines.items():
+        latency[name] = measure()
+        progress(f"{dtype} batch 1: {name} TPOT {statistics.median(latency[name]['tpot_ms']):.2f} ms")
     result = {"roofline_tpot_ms": weight_bytes_per_token(llm, getattr(torch, dtype)) / args.bandwidth / 1e6,
               "weight_bytes_per_token": weight_bytes_per_token(llm, getattr(torch, dtype)),
               "vllm_start_seconds": vllm.start_seconds if vllm else None, "engines": {}}

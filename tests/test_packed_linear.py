@@ -55,6 +55,22 @@ def test_prepack_replaces_every_linear_and_keeps_the_tied_head():
     assert not hasattr(model.layers[0][0], "weight")  # the unpacked copy is dropped
 
 
+def test_without_onednn_the_layers_hold_their_plain_weights_until_panels_take_them():
+    """Where oneDNN cannot pack a dtype on this CPU (bfloat16 on AVX2) the layers are wrapped
+    all the same: torch's linear on the same Parameter, bit-identical (the library's panels
+    taking them over: test_cpu_paged.py's test_the_linears_move_to_the_library_once_it_is_ready)."""
+    model = _Tiny().to(torch.bfloat16)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = model.layers[0](x)
+    first = model.layers[0][0].weight
+    assert prepack_linears(model, keep_weights=("lm_head",), onednn=False) == 5
+    layer = model.layers[0][0]
+    assert isinstance(layer, PackedLinear) and layer.packed_weight is None and layer.weight is first
+    with torch.inference_mode():
+        assert torch.equal(model.layers[0](x), expected)
+
+
 def test_a_failed_pack_falls_back_with_one_warning(monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("no oneDNN here")

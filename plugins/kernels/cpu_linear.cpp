@@ -1,11 +1,14 @@
-// y = x W^T + b for the decoder's linear layers, W packed once into panels: float32 on
-// every vectorised build, bfloat16 where the CPU has AVX-512 BF16's dot product.
+// y = x W^T + b for the decoder's linear layers, W packed once into panels, float32 or
+// bfloat16 on every vectorised build: bfloat16 through AVX-512 BF16's dot product where the
+// CPU has it, and elsewhere (AVX2, AVX-512 without BF16) widened to float32 in registers as
+// each weight is loaded, with the input widened once per call and float32 sums, so that
+// such a CPU still reads half the bytes of float32 weights.
 //
-// A panel is 4 vectors of output columns over the whole reduction, contiguous, so one
+// A panel is a few vectors of output columns over the whole reduction, contiguous, so one
 // panel streams from memory in order and then stays in L2 for every block of rows:
 // float32 [K][width]; bfloat16 [K/2][width][2], each pair of reduction steps side by side
 // as the dot-product instruction takes them. Each block of rows keeps its sums of one
-// panel in registers (rows x 4 vectors, float32) and reads each weight once per block. The
+// panel in registers (rows x the panel's vectors, float32) and reads each weight once per block. The
 // threads split the panels; a thread working through many blocks of rows asks for its
 // next panel while it computes this one.
 //
@@ -27,11 +30,14 @@ namespace {
 
 using servelab_simd::Native;
 
-constexpr int kPanelVectors = 4;
+// A panel is kPanelVectors vectors of output columns. A block keeps rows x kPanelVectors
+// sums in registers with the panel's vectors and a broadcast beside them: 6 x 4 (+ 5) of
+// AVX-512's 32 registers, 6 x 2 (+ 3) of AVX2's 16. On AVX2 the narrower panel halves the
+// bytes a block streams from L2 per multiply-add against the 3 x 4 it replaced, which was
+// bound by that stream: 1.8x at 64 rows (docs/performance.md).
+constexpr int kPanelVectors = Native::kWidth == 16 ? 4 : 2;
 constexpr int kPanelWidth = servelab_simd::kHasVectorUnit ? kPanelVectors * Native::kWidth : 0;
-// Rows a block keeps in registers: rows x 4 sums, 4 weight vectors and a broadcast fit the
-// 32 AVX-512 registers at 6 rows; AVX2's 16 take 3 with the weights read from L1 as operands.
-constexpr int kMaxRows = Native::kWidth == 16 ? 6 : 3;
+constexpr int kMaxRows = 6;
 // A thread asks for its next panel only when it has this many blocks of rows to spread the
 // requests over; with fewer, the hardware prefetcher keeps up and the requests only compete.
 constexpr int64_t kPrefetchFromBlocks = 4;
@@ -47,11 +53,12 @@ void with_rows(int rows, const F& f) {
 }
 
 #if defined(__AVX2__)
-// The float32 block: one block of rows times one panel. `columns` below the panel's width:
+// The float32 block: one block of rows times one panel of float32 weights, or of bfloat16
+// ones widened as they are loaded (TW). `columns` below the panel's width:
 // the last panel of a layer whose width is not a multiple, padded with zeros; only the real
 // columns are stored.
-template <int kRows>
-inline void block(const float* x, int64_t x_stride, const float* panel, int64_t k_size, const float* bias,
+template <int kRows, typename TW>
+inline void block(const float* x, int64_t x_stride, const TW* panel, int64_t k_size, const float* bias,
                   int columns, float* y, int64_t y_stride, const char* prefetch, int64_t prefetch_every) {
   using S = Native;
   constexpr int W = S::kWidth;
@@ -59,16 +66,16 @@ inline void block(const float* x, int64_t x_stride, const float* panel, int64_t 
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kPanelVectors; ++j) sums[r][j] = S::zero();
   for (int64_t k = 0; k < k_size; ++k) {
-    const float* w = panel + k * kPanelWidth;
-    const typename S::V w0 = S::loadu(w), w1 = S::loadu(w + W), w2 = S::loadu(w + 2 * W), w3 = S::loadu(w + 3 * W);
+    const TW* w = panel + k * kPanelWidth;
+    typename S::V weights[kPanelVectors];
+#pragma GCC unroll 4
+    for (int j = 0; j < kPanelVectors; ++j) weights[j] = S::load(w + j * W);
     if (prefetch != nullptr && k % prefetch_every == 0) _mm_prefetch(prefetch + (k / prefetch_every) * 64, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       const typename S::V a = S::set1(x[r * x_stride + k]);
-      sums[r][0] = S::fmadd(a, w0, sums[r][0]);
-      sums[r][1] = S::fmadd(a, w1, sums[r][1]);
-      sums[r][2] = S::fmadd(a, w2, sums[r][2]);
-      sums[r][3] = S::fmadd(a, w3, sums[r][3]);
+#pragma GCC unroll 4
+      for (int j = 0; j < kPanelVectors; ++j) sums[r][j] = S::fmadd(a, weights[j], sums[r][j]);
     }
   }
   if (columns == kPanelWidth) {
@@ -155,17 +162,17 @@ bool has_bf16_dot_product() {
 // stride, prefetch, every) runs one block of R rows. `steps` is a block's loop length
 // (K, or K's pairs), over which the blocks of a thread spread their requests for its next
 // panel: a line every `every` steps, each block its share (prefetch: null for none).
-template <typename T, typename BlockWith>
-void for_each_block(const T* x, int64_t x_stride, const T* weights, int64_t panel_values, int64_t k_size,
+template <typename T, typename TW, typename BlockWith>
+void for_each_block(const T* x, int64_t x_stride, const TW* weights, int64_t panel_values, int64_t k_size,
                     int64_t steps, const T* bias, T* y, int64_t m, int64_t n, int64_t num_panels,
                     const BlockWith& block_with) {
   const int64_t blocks = (m + kMaxRows - 1) / kMaxRows;
-  const int64_t lines = panel_values * static_cast<int64_t>(sizeof(T)) / 64;
+  const int64_t lines = panel_values * static_cast<int64_t>(sizeof(TW)) / 64;
   const int64_t every = std::max<int64_t>(1, blocks * steps / lines);
   const int64_t lines_per_block = (steps + every - 1) / every;
   at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
-      const T* panel = weights + p * panel_values;
+      const TW* panel = weights + p * panel_values;
       const char* next = reinterpret_cast<const char*>(panel + panel_values);
       const int columns = static_cast<int>(std::min<int64_t>(kPanelWidth, n - p * kPanelWidth));
       const bool ask_next = blocks >= kPrefetchFromBlocks && p + 1 < last;
@@ -188,30 +195,28 @@ void for_each_block(const T* x, int64_t x_stride, const T* weights, int64_t pane
 // on oneDNN).
 int64_t panel_width() { return kPanelWidth; }
 
-// The weight dtypes pack_panels takes on this CPU: float32 with any vector path, bfloat16
-// with AVX-512 BF16.
+// The weight dtypes pack_panels takes on this CPU: float32 and bfloat16 with any vector path.
 std::vector<std::string> panel_dtypes() {
-  std::vector<std::string> dtypes;
-  if (kPanelWidth > 0) dtypes.push_back("float32");
-  if (has_bf16_dot_product()) dtypes.push_back("bfloat16");
-  return dtypes;
+  if (kPanelWidth == 0) return {};
+  return {"float32", "bfloat16"};
 }
 
-// W [N, K] -> panels, the last one padded with zero columns: float32 [ceil(N / width), K,
-// width]; bfloat16 [ceil(N / width), ceil(K / 2), width, 2], an odd K padded with a zero step.
+// W [N, K] -> panels, the last one padded with zero columns: [ceil(N / width), K, width] in
+// W's dtype; bfloat16 where the CPU has the BF16 dot product [ceil(N / width), ceil(K / 2),
+// width, 2], an odd K padded with a zero step.
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(kPanelWidth > 0, "this build has no vectorised linear kernel");
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || (bf16 && has_bf16_dot_product())),
-              "weight must be a 2-D float32 tensor", has_bf16_dot_product() ? " or bfloat16 tensor" : "");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16, pairs = bf16 && has_bf16_dot_product();
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || bf16),
+              "weight must be a 2-D float32 or bfloat16 tensor");
   const int64_t n = weight.size(0), k = weight.size(1), num_panels = (n + kPanelWidth - 1) / kPanelWidth;
-  const int64_t k_padded = bf16 ? (k + 1) / 2 * 2 : k;
+  const int64_t k_padded = pairs ? (k + 1) / 2 * 2 : k;
   at::Tensor padded = weight;
   if (num_panels * kPanelWidth != n || k_padded != k) {
     padded = at::zeros({num_panels * kPanelWidth, k_padded}, weight.options());
     padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
   }
-  if (!bf16) return padded.reshape({num_panels, kPanelWidth, k}).permute({0, 2, 1}).contiguous();
+  if (!pairs) return padded.reshape({num_panels, kPanelWidth, k}).permute({0, 2, 1}).contiguous();
   return padded.reshape({num_panels, kPanelWidth, k_padded / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
@@ -220,18 +225,18 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         int64_t out_features) {
   TORCH_CHECK(kPanelWidth > 0, "this build has no vectorised linear kernel");
-  const bool bf16 = panels.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(panels.dim() == (bf16 ? 4 : 3) && panels.size(2) == kPanelWidth && panels.is_contiguous() &&
-                  (panels.scalar_type() == at::kFloat || (bf16 && has_bf16_dot_product())),
+  const bool bf16 = panels.scalar_type() == at::kBFloat16, pairs = bf16 && panels.dim() == 4;
+  TORCH_CHECK(panels.dim() == (pairs ? 4 : 3) && panels.size(2) == kPanelWidth && panels.is_contiguous() &&
+                  (panels.scalar_type() == at::kFloat || bf16) && (!pairs || has_bf16_dot_product()),
               "panels must come from pack_panels");
   const int64_t num_panels = panels.size(0), n = out_features;
   const int64_t k_size = x.size(-1);
-  const bool k_fits = bf16 ? (k_size + 1) / 2 == panels.size(1) : k_size == panels.size(1);
+  const bool k_fits = pairs ? (k_size + 1) / 2 == panels.size(1) : k_size == panels.size(1);
   TORCH_CHECK(n > (num_panels - 1) * kPanelWidth && n <= num_panels * kPanelWidth, "out_features ", n,
               " does not match ", num_panels, " panels of ", kPanelWidth);
   const char* dtype = bf16 ? "bfloat16" : "float32";
   TORCH_CHECK(x.scalar_type() == panels.scalar_type() && k_fits, "x must be ", dtype, " with ",
-              bf16 ? 2 * panels.size(1) : panels.size(1), bf16 ? " (or one fewer)" : "", " features, got ",
+              pairs ? 2 * panels.size(1) : panels.size(1), pairs ? " (or one fewer)" : "", " features, got ",
               x.scalar_type(), " with ", k_size);
   TORCH_CHECK(!bias.has_value() ||
                   (bias->scalar_type() == panels.scalar_type() && bias->numel() == n && bias->is_contiguous()),
@@ -243,6 +248,22 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (m == 0) return out;
+  if (bf16 && !pairs) {
+#if defined(__AVX2__)
+    // Widened: the input and bias once to float32, the weights as they are loaded, the
+    // float32 sums rounded to bfloat16 (to nearest even) at the end.
+    const at::Tensor rows32 = rows.to(at::kFloat).contiguous();
+    const std::optional<at::Tensor> bias32 =
+        bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
+    at::Tensor out32 = at::empty({m, n}, rows32.options());
+    for_each_block(rows32.data_ptr<float>(), rows32.stride(0), panels.data_ptr<c10::BFloat16>(),
+                   k_size * kPanelWidth, k_size, k_size, bias32.has_value() ? bias32->data_ptr<float>() : nullptr,
+                   out32.data_ptr<float>(), m, n, num_panels,
+                   [](auto count, auto... args) { block<decltype(count)::value>(args...); });
+    out.view({m, n}).copy_(out32);
+#endif
+    return out;
+  }
   const int64_t x_stride = rows.stride(0);
   if (!bf16) {
 #if defined(__AVX2__)

@@ -16,7 +16,7 @@ from servelab.model.kv_sizing import DTYPE_BYTES
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import release_freed_memory
 from servelab.model.model_config import ModelConfig
-from servelab.model.packed_linear import can_prepack, prepack_linears
+from servelab.model.packed_linear import PACKABLE_DTYPES, can_prepack, prepack_linears
 from servelab.model.quantized_linear import quantize_linears
 from servelab.model.rope import RotaryEmbedding
 from servelab.model.tokenizer import Tokenizer
@@ -92,6 +92,10 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
         quantize_linears(model, weights)
     if prepack_weights and can_prepack(torch_device, torch_dtype):
         prepack_linears(model, keep_weights=("lm_head",))
+    elif prepack_weights and torch_device.type == "cpu" and torch_dtype in PACKABLE_DTYPES:
+        # oneDNN cannot pack this dtype on this CPU: torch's linear serves the layers until a
+        # native library's matmul takes them (bfloat16 on AVX2)
+        prepack_linears(model, keep_weights=("lm_head",), onednn=False)
     release_freed_memory()
     return model.eval()
 

@@ -10,10 +10,13 @@ unpacked weight is dropped unless `keep_weights` names the layer: the LM head ke
 since drafters and tied embeddings read it as a plain tensor.
 
 Once an attention backend's native library is loaded, the layers can move to its matmul
-(`use_panel_linears`, see plugins/kernels/cpu_linear.cpp; float32 everywhere it builds,
-bfloat16 on CPUs with AVX-512 BF16): each weight is repacked into the library's panels and
-the oneDNN copy is freed, so the weights are held once. The library's kernel is level with
-oneDNN at prompt sizes and faster at decode sizes (docs/performance.md).
+(`use_panel_linears`, see plugins/kernels/cpu_linear.cpp; float32 and bfloat16 wherever it
+builds): each weight is repacked into the library's panels and the oneDNN copy is freed, so
+the weights are held once. The library's kernel is level with oneDNN at prompt sizes and
+faster at decode sizes (docs/performance.md). Where this torch cannot pack a dtype for
+oneDNN on this CPU (bfloat16 without AVX-512), `prepack_linears(..., onednn=False)` wraps
+the layers all the same, holding their plain weights for torch's linear until the panels
+take them over.
 """
 
 from __future__ import annotations
@@ -33,15 +36,18 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held as a oneDNN-packed tensor (CPU only)."""
+    """y = x W^T + b with W held as a oneDNN-packed tensor (CPU only), or with `onednn`
+    false as the plain weight, until a native library's panels take it (`use_panels`)."""
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False, onednn: bool = True) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.dtype = linear.weight.dtype
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()) if onednn else None
         self.bias = None if linear.bias is None else linear.bias.detach()
-        if keep_weight:  # the same Parameter: a tied embedding stays tied
+        self._keep_weight = keep_weight
+        if keep_weight or not onednn:  # the same Parameter: a tied embedding stays tied
             self.weight = linear.weight
 
         self.panels: torch.Tensor | None = None  # the weight as the library's panels, once moved there
@@ -50,6 +56,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is None:
+            if self.packed_weight is None:
+                return nn.functional.linear(x, self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         if torch.autograd._profiler_enabled():  # a library call is invisible to torch's profiler otherwise
             with record_function(self._profile_name):
@@ -60,11 +68,13 @@ class PackedLinear(nn.Module):
         """Move this layer (still on oneDNN) onto `kernels`' matmul (see PanelKernels);
         False, leaving it on oneDNN, where the library has no kernel for the layer's dtype.
         `profile_name` names its calls in torch's profiler."""
-        if str(self.packed_weight.dtype).removeprefix("torch.") not in kernels.panel_dtypes():
+        if str(self.dtype).removeprefix("torch.") not in kernels.panel_dtypes():
             return False
         weight = self.weight.detach() if hasattr(self, "weight") else self.unpacked_weight()
         self.panels, self._kernels, self._profile_name = kernels.pack_panels(weight), kernels, profile_name
         self.packed_weight = None
+        if not self._keep_weight and hasattr(self, "weight"):
+            del self.weight
         return True
 
     def unpacked_weight(self) -> torch.Tensor:
@@ -115,9 +125,10 @@ def _packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def prepack_linears(root: nn.Module, keep_weights: tuple[str, ...] = ()) -> int:
+def prepack_linears(root: nn.Module, keep_weights: tuple[str, ...] = (), onednn: bool = True) -> int:
     """Replace every nn.Linear under `root` by a PackedLinear; returns how many. Layers
     named in `keep_weights` (attribute names, e.g. "lm_head") keep their plain weight too.
+    `onednn` false (see can_prepack) wraps them with their plain weights, for panels later.
 
     Falls back (one warning, nothing replaced) when a weight cannot be packed or the packed
     layer disagrees with the original on a probe input.
@@ -125,9 +136,9 @@ def prepack_linears(root: nn.Module, keep_weights: tuple[str, ...] = ()) -> int:
     targets = [(parent, name, child) for parent in root.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     try:
-        packed = [(parent, name, PackedLinear(child, keep_weight=name in keep_weights))
+        packed = [(parent, name, PackedLinear(child, keep_weight=name in keep_weights, onednn=onednn))
                   for parent, name, child in targets]
-        if targets:
+        if targets and onednn:
             _check_probe(targets[0][2], packed[0][2])
     except (RuntimeError, AttributeError) as exc:
         logger.warning("packed_linear.unavailable", reason=str(exc).splitlines()[0][:200])
