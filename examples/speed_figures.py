@@ -103,9 +103,10 @@ def measure_dtype(dtype: str, args) -> dict:
     servelab_run(llm, warm)
     engines["servelab"] = (lambda: servelab_run(llm, workload), lambda: servelab_latency(llm, args.repeats))
     path = str(llm.engine.source.path)
-    hf = HfStaticBaseline(path, dtype, 8, list(warm.requests))
-    engines["transformers (static batch 8)"] = (lambda: hf.run(workload)["output_tokens_per_s"],
-                                                 lambda: hf_latency(hf.model, args.repeats))
+    if not args.no_transformers:
+        hf = HfStaticBaseline(path, dtype, 8, list(warm.requests))
+        engines["transformers (static batch 8)"] = (lambda: hf.run(workload)["output_tokens_per_s"],
+                                                     lambda: hf_latency(hf.model, args.repeats))
     vllm = None
     if args.vllm_python:
         from servelab.bench.vllm_baseline import VllmBaseline
@@ -187,6 +188,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-repeats", type=int, default=1, help="transformers is slow: fewer repetitions")
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="leave transformers out (on a 30-layer model its runs take longer than the rest)")
     parser.add_argument("--attention", default="cpu-paged", help="attention backend (default: the engine's default)")
     parser.add_argument("--threads", type=int, help="threads for every engine (default: torch's, one per core)")
     parser.add_argument("--json", help="write the figures here")

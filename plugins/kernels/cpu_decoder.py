@@ -49,8 +49,8 @@ def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
 def _runnable(linear: torch.nn.Module, kernels: Any) -> bool:
     if isinstance(linear, QuantizedLinearLayer):
         return linear.kernels is kernels  # handed this library's kernel (before, the torch path)
-    # a PackedLinear on oneDNN's packing or the library's panels (not one holding a plain weight)
-    return getattr(linear, "panels", None) is not None or getattr(linear, "packed_weight", None) is not None
+    # on oneDNN's packing or the library's panels (not a layer still holding a plain weight)
+    return hasattr(linear, "panels") and (linear.panels is not None or linear.packed_weight is not None)
 
 
 def _weight_and_bias(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -48,9 +48,9 @@ class CpuPagedOptions:
     fused ops once it is ready (false: torch's ops). native_decoder: with layer_ops, a step
     whose every row the kernel attends runs the whole decoder in one native call (false:
     the model's Python loop over layers; the results are identical). panel_linears: once
-    the library is ready, the model's linear layers (packed for oneDNN; float32, and
-    bfloat16 where the CPU has AVX-512 BF16) move to its own matmul, weights repacked and
-    the oneDNN copy freed (false: they stay on oneDNN). The prefill_* options are
+    the library is ready, the model's linear layers (float32 and bfloat16, packed for
+    oneDNN or, where it packs no bfloat16, plain) move to its own matmul, weights repacked
+    and the other copy freed (false: they stay on oneDNN or torch's linear). The prefill_* options are
     torch-paged's, for the rows longer than max_kernel_query_len (0, the default: the kernel
     attends every row, prompts on its tiled path; a positive limit sends longer rows to
     torch-paged's scaled_dot_product_attention, and such steps to the Python loop).
