@@ -43,6 +43,8 @@ class RunRecord:
     preemptions: int
     block_size: int
     discarded_tokens: int = 0  # computed tokens recompute preemptions threw away
+    requests: tuple = ()  # the workload's BenchRequests, in workload order (deadlines, classes)
+    replica_of: tuple[int, ...] = ()  # per request, in workload order: the replica that served it (fleets)
 
 
 def run_workload(engine: Any, recorder: StepRecorder, workload: Workload, config_name: str,
@@ -85,6 +87,7 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
         preemptions=engine.scheduler.stats().num_preemptions - scheduler_before.num_preemptions,
         block_size=engine.config.engine.block_size,
         discarded_tokens=engine.scheduler.stats().num_discarded_tokens - scheduler_before.num_discarded_tokens,
+        requests=tuple(workload.requests),
     )
 
 
@@ -96,11 +99,13 @@ def workload_arrivals(workload: Workload, start: float) -> list[Arrival[int]]:
 
 def request_params(request: Any) -> SamplingParams:
     """Greedy for exactly max_tokens tokens; a request carrying the bench JSON schema ends
-    instead when its JSON is complete (structured output ends at EOS)."""
+    instead when its JSON is complete (structured output ends at EOS). Its deadline, if
+    any, goes with it (SamplingParams.deadline)."""
     if request.json_schema:
         from servelab.structured import StructuredOutput
         from servelab.workload import BENCH_SCHEMA
 
         return SamplingParams(max_tokens=request.max_tokens, temperature=0, logprobs=request.logprobs,
-                              structured=StructuredOutput.json(BENCH_SCHEMA))
-    return SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True, logprobs=request.logprobs)
+                              structured=StructuredOutput.json(BENCH_SCHEMA), deadline=request.deadline)
+    return SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True, logprobs=request.logprobs,
+                          deadline=request.deadline)

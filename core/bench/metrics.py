@@ -7,12 +7,14 @@ from typing import Any
 import attrs
 
 from servelab.bench.driver import RunRecord
+from servelab.bench.per_request import attainment, by_class, is_good, request_records
 from servelab.bench.stage_profile import stage_profile
 
 
 @attrs.frozen
 class SLO:
-    """A request counts towards goodput when it meets both bounds."""
+    """A request counts towards goodput when it meets both bounds (and its own deadline,
+    where the workload gives it one)."""
 
     ttft_ms: float = 1000.0
     tpot_ms: float = 200.0
@@ -69,10 +71,8 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
     seconds = record.end_time - record.start_time
     latencies = request_latencies(record)
     num_output = sum(len(o.token_ids) for o in record.outputs)
-    good = sum(
-        1 for o, ttft in zip(record.outputs, latencies["ttft_ms"])
-        if ttft <= slo.ttft_ms and _tpot(o) <= slo.tpot_ms
-    )
+    rows = request_records(record)
+    good = sum(is_good(row, slo) for row in rows)
     reports = [report for _, report in record.steps]
     slot_steps_used = sum(r.num_seqs for r in reports)
     slot_steps_wasted = sum(r.scheduler_stats.num_idle_slots for r in reports)
@@ -88,6 +88,8 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
         **{name: distribution(values) for name, values in latencies.items()},
         "itl_ms": {"mean": mean_itl_ms(record)},
         "goodput_rps": good / seconds,
+        "deadline_attainment": attainment(rows),  # None: no request had a deadline
+        "by_class": by_class(rows, slo, seconds),
         "kv_utilization": _mean(_kv_used_fraction(r) for r in reports),
         "kv_waste_fraction": _mean(_kv_waste_fraction(r, record.block_size) for r in reports),
         "prefix_hit_rate": hits / lookups if lookups else None,
@@ -140,14 +142,6 @@ def _overhead_at_max_batch(reports) -> float | None:
     fullest = max(r.num_seqs for r in reports)
     values = sorted(1000 * r.overhead_seconds for r in reports if r.num_seqs == fullest)
     return values[len(values) // 2]
-
-
-def _tpot(output) -> float:
-    metrics = output.metrics
-    num_tokens = len(output.token_ids)
-    if num_tokens < 2:
-        return 0.0
-    return 1000 * (metrics.finish_time - metrics.first_token_time) / (num_tokens - 1)
 
 
 def _kv_used_fraction(report) -> float:

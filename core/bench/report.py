@@ -21,9 +21,10 @@ ROWS = [
     ("TTFT p50/p90/p99 ms", lambda m: _trio(m.get("ttft_ms"))),
     ("TPOT p50/p90/p99 ms", lambda m: _trio(m.get("tpot_ms"))),
     ("e2e p50/p90/p99 ms", lambda m: _trio(m.get("e2e_ms"))),
-    ("TTFT / TPOT / ITL mean ms", lambda m: "/".join(_fmt((m.get(k) or {}).get("mean"))
+    ("TTFT / TPOT / ITL mean ms", lambda m: "/".join(_ms((m.get(k) or {}).get("mean"))
                                                      for k in ("ttft_ms", "tpot_ms", "itl_ms"))),
     ("goodput req/s", lambda m: _fmt(m.get("goodput_rps"), 2)),
+    ("deadlines met", lambda m: _pct(m.get("deadline_attainment"))),
     ("KV dtype / bytes a token", lambda m: "-" if "kv_cache_dtype" not in m
      else f"{m['kv_cache_dtype']} / {m['kv_bytes_per_token']:,}"),
     ("KV blocks", lambda m: _fmt(m.get("kv_blocks"))),
@@ -42,10 +43,18 @@ ROWS = [
 ]
 
 
+def _ms(value: float | None) -> str:
+    """Milliseconds with the digits that matter: whole above 100, tenths above 10,
+    hundredths below (a tiny model's TPOT is a fraction of a millisecond)."""
+    if value is None:
+        return "-"
+    return _fmt(float(value), 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2)
+
+
 def _trio(values: dict | None) -> str:
     if not values:
         return "-"
-    return "/".join(_fmt(values[k], 0) for k in ("p50", "p90", "p99"))
+    return "/".join(_ms(values[k]) for k in ("p50", "p90", "p99"))
 
 
 def _pct(value: float | None) -> str:
@@ -85,6 +94,7 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{name}: router {fleet['router']} over {fleet['replicas']} replicas, "
                          f"requests per replica {min(counts)}-{max(counts)}, prefix hit rate per replica "
                          + " ".join(_pct(rate) for rate in fleet["prefix_hit_rate_per_replica"]))
+    lines.extend(_class_lines(result["runs"]))
     for name, metrics in columns:
         lines.extend(format_stage_profile(name, metrics.get("stage_profile", [])))
     for name, points in result.get("rate_sweep", {}).items():
@@ -93,9 +103,34 @@ def format_table(result: dict[str, Any]) -> str:
         for point in points:
             m = point["metrics"]
             lines.append(f"  {point['rate']:>7g} {m['output_tokens_per_s']:>10.1f} "
-                         f"{_fmt(m['ttft_ms']['p50'], 0) + '/' + _fmt(m['ttft_ms']['p99'], 0):>16} "
-                         f"{_fmt(m['tpot_ms']['p50'], 0) + '/' + _fmt(m['tpot_ms']['p99'], 0):>16} "
+                         f"{_ms(m['ttft_ms']['p50']) + '/' + _ms(m['ttft_ms']['p99']):>16} "
+                         f"{_ms(m['tpot_ms']['p50']) + '/' + _ms(m['tpot_ms']['p99']):>16} "
                          f"{m['goodput_rps']:>8.2f}")
     for path in result.get("plots", []):
         lines.append(f"plot: {path}")
+    lines.extend(_change_lines(result["runs"]))
+    lines.extend(f"warning: {w['message']}" for w in result.get("warnings", []))
     return "\n".join(lines)
+
+
+def _class_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """Deadline attainment and goodput per request class, where the workload has classes."""
+    lines = []
+    for run in runs:
+        classes = run["metrics"].get("by_class") or {}
+        if len(classes) < 2 and all(c["deadline_attainment"] is None for c in classes.values()):
+            continue
+        lines.append(f"{run['config']} by request class: " + "; ".join(
+            f"{name} {c['num_requests']} requests, deadlines met {_pct(c['deadline_attainment'])}, "
+            f"goodput {c['goodput_rps']:.2f} req/s" for name, c in classes.items()))
+    return lines
+
+
+def _change_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """One line per config after the first: what it changed relative to the first."""
+    lines = []
+    for run in runs[1:]:
+        if "changes" in run:
+            changed = ", ".join(run["changes"]) or "nothing (the same settings as the first config)"
+            lines.append(f"{run['config']} changes relative to {runs[0]['config']}: {changed}")
+    return lines

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from servelab.bench import plots
+from servelab.bench.comparison import DEFAULT_IMBALANCE_FACTOR, annotate
 from servelab.bench.driver import RunRecord, StepRecorder, run_workload
 from servelab.bench.metrics import SLO, summarize
 from servelab.bench.repetitions import DEFAULT_REPEATS, run_repetitions, warm_up
@@ -39,6 +40,7 @@ class BenchOptions:
     sim_interconnect: str | None = None  # links between simulated devices (default: the accelerator's)
     warm_cache: bool = False  # keep prefix caches across the warm-up and repetitions
     replicas: int = 1  # > 1: each config is a simulated fleet of this many replicas behind its [router]
+    imbalance_factor: float = DEFAULT_IMBALANCE_FACTOR  # warn when a replica takes more than this times its share
 
 
 class _Engine:
@@ -121,7 +123,7 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
                                 for name, points in sweep.items()}
     if options.plots_dir:
         result["plots"] = _plots(options.plots_dir, chosen, sweep)
-    return result
+    return annotate(result, configs, chosen, options.sim_accelerator is not None, options.imbalance_factor)
 
 
 def kv_layout(engine: Any, dtype_bytes: int) -> dict[str, Any]:

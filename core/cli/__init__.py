@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                        "engine.tensor_parallel_size > 1: nvlink4, nvlink3, pcie5, pcie4 (default: the accelerator's)")
     bench.add_argument("--replicas", type=int, default=1, help="with --sim: run each config as a fleet of N "
                        "replicas behind its [router] (default round-robin) and compare routers")
+    bench.add_argument("--imbalance-factor", type=float, default=2.0, metavar="N",
+                       help="with --replicas: warn when one replica takes more than N times its even share")
     _add_kv_cache_dtype_argument(bench)
     bench.set_defaults(handler=_cmd_bench)
 
@@ -229,7 +231,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else (),
         save_workload=Path(args.save_workload) if args.save_workload else None,
         sim_accelerator=args.sim, sim_model=args.sim_model, sim_interconnect=args.sim_interconnect,
-        warm_cache=args.warm_cache, replicas=args.replicas,
+        warm_cache=args.warm_cache, replicas=args.replicas, imbalance_factor=args.imbalance_factor,
     )
     if args.calibrate:
         result = _calibrate(configs[0][1], args.workload)

@@ -214,6 +214,7 @@ class LLMEngine:
         for seq, _ in plan.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+                seq.num_cached_tokens = seq.num_computed_tokens  # what the prefix cache held
         if plan.kv_moves:
             self.runner.move_blocks(plan.kv_moves)
         if plan.block_copies:

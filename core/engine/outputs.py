@@ -23,6 +23,10 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_sampling_steps: int = 0
+    # Computed tokens recompute preemptions threw away, over all completions.
+    num_discarded_tokens: int = 0
+    # Prompt tokens found in the prefix cache when the request was first scheduled.
+    num_cached_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -143,7 +147,9 @@ def request_output(request_id: str, prompt: str | None, seqs: Seq[Sequence],
         metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, min(first_token_times, default=None),
                                max(finish_times, default=None), sum(s.num_preemptions for s in seqs),
                                sum(s.num_draft_tokens for s in seqs), sum(s.num_accepted_tokens for s in seqs),
-                               sum(s.num_sampling_steps for s in seqs)),
+                               sum(s.num_sampling_steps for s in seqs),
+                               num_discarded_tokens=sum(s.num_discarded_tokens for s in seqs),
+                               num_cached_tokens=first.num_cached_tokens),
         prompt_logprobs=with_token_text(first.prompt_logprobs, decode, texts),
         error=errors[0] if errors else None,
     )

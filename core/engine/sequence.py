@@ -40,6 +40,10 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # Computed tokens its recompute preemptions threw away, in total (the kit's scheduler counts them).
+    num_discarded_tokens: int = 0
+    # Prompt tokens whose K/V a prefix cache held when it was first scheduled (the engine records it).
+    num_cached_tokens: int = 0
     # Which of its request's n completions this sequence is (parallel sampling).
     completion_index: int = 0
     # The output text cut just before the stop string that ended it; None otherwise.

@@ -24,6 +24,18 @@ Spec strings (`servelab bench --workload SPEC`):
 Any generator takes `structured_fraction` (that share of the requests, chosen by the
 seed, must output JSON valid against BENCH_SCHEMA and ends when it is complete, at EOS)
 and `logprobs` (every request asks for that many logprobs).
+
+Deadlines (per-request SLOs: seconds after arrival by which the request should finish,
+handed to the engine as SamplingParams.deadline, which deadline-aware schedulers read):
+
+    fixed:num_requests=64,deadline_s=2                      # every request, class "standard"
+    skewed:deadline_s=1,deadline_per_token_s=0.05           # 1 s plus 50 ms an output token
+    skewed:deadline_s=5,urgent_fraction=0.25,urgent_deadline_s=0.5
+        # a quarter of the requests (chosen by the seed) are class "urgent" with a 0.5 s
+        # deadline (plus deadline_per_token_s an output token); the rest "standard"
+
+A `file:` workload's lines may carry `deadline` (seconds) and `request_class` (a label);
+the bench reports deadline attainment and goodput per class.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from typing import Any, Callable
 
 import attrs
 
+from servelab.deadlines import DeadlineOptions, checked_deadline, checked_request_class
 from servelab.errors import ConfigError
 
 FIRST_TOKEN_ID = 3  # skip the usual <unk>/<s>/</s> ids
@@ -53,6 +66,8 @@ class BenchRequest:
     arrival_time: float = 0.0  # seconds after the run starts
     json_schema: bool = False  # the output must be JSON valid against BENCH_SCHEMA
     logprobs: int | None = None  # SamplingParams.logprobs
+    deadline: float | None = None  # seconds after arrival by which it should finish (SamplingParams.deadline)
+    request_class: str | None = None  # a label the bench groups attainment and goodput by
 
 
 @attrs.frozen
@@ -65,7 +80,9 @@ class Workload:
             handle.write(json.dumps({"workload": self.name}) + "\n")
             for r in self.requests:
                 extra = {**({"json_schema": True} if r.json_schema else {}),
-                         **({"logprobs": r.logprobs} if r.logprobs is not None else {})}
+                         **({"logprobs": r.logprobs} if r.logprobs is not None else {}),
+                         **({"deadline": r.deadline} if r.deadline is not None else {}),
+                         **({"request_class": r.request_class} if r.request_class is not None else {})}
                 handle.write(json.dumps({"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens,
                                          "arrival_time": r.arrival_time, **extra}) + "\n")
 
@@ -85,11 +102,14 @@ class Workload:
                 name = record["workload"]
                 continue
             try:
-                requests.append(BenchRequest(list(record["prompt_token_ids"]), int(record["max_tokens"]),
-                                             float(record.get("arrival_time", 0.0)),
-                                             bool(record.get("json_schema", False)), record.get("logprobs")))
+                request = BenchRequest(list(record["prompt_token_ids"]), int(record["max_tokens"]),
+                                       float(record.get("arrival_time", 0.0)),
+                                       bool(record.get("json_schema", False)), record.get("logprobs"))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(f"{path}:{number}: a request needs prompt_token_ids and max_tokens ({exc})") from None
+            requests.append(attrs.evolve(request, deadline=checked_deadline(record.get("deadline"), f"{path}:{number}"),
+                                         request_class=checked_request_class(record.get("request_class"),
+                                                                      f"{path}:{number}")))
         return cls(name, tuple(requests))
 
     @property
@@ -282,6 +302,7 @@ def build_workload(spec: str, vocab_size: int) -> Workload:
     burst_size = int(options.pop("burst_size", 8))
     structured_fraction = float(options.pop("structured_fraction", 0))
     logprobs = options.pop("logprobs", None)
+    deadlines = DeadlineOptions.pop_from(options)
     if not 0 <= structured_fraction <= 1:
         raise ConfigError(f"workload structured_fraction must be in [0, 1], got {structured_fraction}")
     if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
@@ -296,7 +317,7 @@ def build_workload(spec: str, vocab_size: int) -> Workload:
     structured = set(random.Random(seed + 1).sample(range(len(requests)), round(structured_fraction * len(requests))))
     if structured or logprobs is not None:
         requests = [attrs.evolve(r, json_schema=i in structured, logprobs=logprobs) for i, r in enumerate(requests)]
-    return Workload(spec, tuple(requests))
+    return Workload(spec, tuple(deadlines.apply(requests, seed)))
 
 
 def _number(text: str) -> Any:

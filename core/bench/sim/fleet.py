@@ -14,6 +14,7 @@ from typing import Any, Callable
 import attrs
 
 from servelab.arrivals import Arrival, serve_arrivals
+from servelab.bench.comparison import annotate
 from servelab.bench.driver import RunRecord, StepRecorder, workload_arrivals
 from servelab.bench.metrics import SLO, summarize
 from servelab.bench.sim.runner import VirtualClock
@@ -97,7 +98,8 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
         route = RouteRequest(request_id, request.prompt_token_ids, request.max_tokens, arrival.time)
         choice = checked_route(fleet.router, fleet.router_name, route, snapshots)
         replicas[choice].engine.add_request(
-            request.prompt_token_ids, SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True),
+            request.prompt_token_ids, SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True,
+                                                     deadline=request.deadline),
             request_id=request_id, arrival_time=arrival.time)
         replica_of[arrival.item] = choice
         return choice, request_id
@@ -129,7 +131,8 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
                     allocator_stats_before=_total(before), allocator_stats_after=_total(after),
                     preemptions=sum(record.preemptions for record in per_replica),
                     block_size=fleet.config.engine.block_size,
-                    discarded_tokens=sum(record.discarded_tokens for record in per_replica))
+                    discarded_tokens=sum(record.discarded_tokens for record in per_replica),
+                    requests=tuple(workload.requests), replica_of=tuple(replica_of[i] for i in range(num_requests)))
     return FleetRecord(run, [replica_of[i] for i in range(num_requests)], per_replica)
 
 
@@ -174,12 +177,14 @@ def run_fleet_bench(configs: list[tuple[str, EngineConfig]], options: Any) -> di
         if longest > fleet.engine.limits.max_model_len:
             raise ConfigError(f"workload has a request of {longest} tokens, over config {fleet.name!r}'s "
                               f"max_model_len={fleet.engine.limits.max_model_len}; raise [engine] max_model_len")
-    runs = []
+    runs, records = [], []
     for fleet in fleets:
         record = run_fleet(fleet, workload)
+        records.append(record.run)
         metrics = fleet_metrics(record, options.slo, options.replicas, fleet.router_name)
         runs.append({"config": fleet.name, "metrics": metrics,
                      "repeats_output_tokens_per_s": [metrics["output_tokens_per_s"]]})
-    return {"workload": {"spec": workload.name, "num_requests": len(workload.requests),
-                         "prompt_tokens": workload.num_prompt_tokens, "output_tokens": workload.num_output_tokens},
-            "slo": attrs.asdict(options.slo), "replicas": options.replicas, "runs": runs}
+    result = {"workload": {"spec": workload.name, "num_requests": len(workload.requests),
+                           "prompt_tokens": workload.num_prompt_tokens, "output_tokens": workload.num_output_tokens},
+              "slo": attrs.asdict(options.slo), "replicas": options.replicas, "runs": runs}
+    return annotate(result, configs, records, True, options.imbalance_factor)

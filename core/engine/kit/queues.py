@@ -317,6 +317,7 @@ class QueueScheduler:
         builder.preempted.append(seq)
         if not self._swap_out(seq):
             self.num_discarded_tokens += seq.num_computed_tokens
+            seq.num_discarded_tokens += seq.num_computed_tokens
             seq.num_computed_tokens = 0
         self.allocator.free(seq.request_id)
         seq.num_preemptions += 1
