@@ -167,13 +167,34 @@ def is_cached() -> bool:
 
 
 def load_library() -> ModuleType:
-    """Build (when the cache lacks it) and import the kernels' library in this process."""
+    """Build (when the cache lacks it) and import the kernels' library in this process.
+
+    A library already in the cache is imported as it is, without torch's build step: that
+    step writes its build file with this checkout's source paths, so on a cache another
+    checkout of the same sources filled (same name, same digest) it would silently compile
+    the whole library again, and the two checkouts would take turns rebuilding it."""
     from torch.utils import cpp_extension
 
     name, flags = _flags()
+    directory = _build_directory()
+    if directory is not None and (directory / f"{name}.so").is_file():
+        return _import_library(name, directory / f"{name}.so")
     _clear_stale_lock(cpp_extension, name)
     return cpp_extension.load(name=name, sources=SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                               verbose=False)
+
+
+def _import_library(name: str, path: Path) -> ModuleType:
+    """Import the built extension module at `path` (what torch's loader does once it has built)."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 def _clear_stale_lock(cpp_extension: ModuleType, name: str) -> None:
