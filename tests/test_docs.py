@@ -191,3 +191,14 @@ def test_cheap_commands_run(where, argv, monkeypatch, capsys, unconfigured_loggi
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert cli.main(argv[1:]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.strip()
+
+
+def test_plugins_page_lists_every_built_in_policy():
+    """docs/plugins.md's table names every policy this distribution registers."""
+    from servelab.registry import PluginRegistry
+
+    table = (ROOT / "docs/plugins.md").read_text()
+    listed = set(re.findall(r"^\| [a-z_]+ \| `([a-z0-9_-]+)` \|", table, re.MULTILINE))
+    described = PluginRegistry.from_entry_points().describe()
+    built_in = {p["name"] for policies in described.values() for p in policies if p["distribution"] == "servelab"}
+    assert built_in - listed == set(), f"docs/plugins.md lacks {sorted(built_in - listed)}"

@@ -151,3 +151,22 @@ def test_ten_starts_on_a_cold_cache_leave_one_builder_that_builds_the_library(tm
     assert run.returncode == 0, run.stderr[-2000:]
     assert "cpu-paged C++ kernels" in run.stderr + run.stdout
     assert not _builders(str(cache))
+
+
+def test_a_cached_library_is_imported_without_torch_s_build_step(monkeypatch):
+    """A library in the cache loads as it is: torch's build step would write this checkout's
+    source paths into the cache's build file, and rebuild a library another checkout of the
+    same sources built (the two would take turns rebuilding it, silently, at every start)."""
+    import servelab.plugins.kernels.cpu_build as cpu_build
+    from torch.utils import cpp_extension
+
+    if not cpu_build.is_cached():
+        pytest.skip("the kernels are not built on this machine")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("torch's build step ran for a cached library")
+
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    module = cpu_build.load_library()
+    assert module.__name__ == cpu_build._flags()[0]
+    assert Path(module.__file__).parent == cpu_build._build_directory()

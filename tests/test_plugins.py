@@ -303,3 +303,22 @@ def test_a_folder_named_servelab_ahead_of_the_package_is_named_not_skipped_plugi
     assert result.returncode != 0
     assert f"found the folder {tmp_path / 'servelab'}" in result.stderr
     assert "rename that folder" in result.stderr and "hookimpl" not in result.stderr
+
+
+@pytest.mark.parametrize("module", ["servelab.plugins.kernels.cpu_build", "servelab.plugins.schedulers"])
+def test_a_clone_named_servelab_is_named_when_a_plugin_module_runs_beside_it(tmp_path, module):
+    """`python -m servelab.plugins...` (the kernels' build step) beside a clone named
+    `servelab` runs the clone's `plugins` package under the empty namespace package: it
+    names the folder instead of failing on a missing `servelab.hookimpl`."""
+    import shutil
+    import subprocess
+
+    clone = tmp_path / "servelab"
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "plugins", clone / "plugins", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    result = subprocess.run([sys.executable, "-m", module], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"found the folder {clone}" in result.stderr
+    assert "rename that folder" in result.stderr and "has no attribute 'hookimpl'" not in result.stderr

@@ -15,11 +15,12 @@ import pytest
 import servelab
 from servelab import config, hookspecs
 from servelab.errors import PluginError
-from servelab.interfaces import (AllocatorContext, AllocatorStats, KVAllocator, RouteRequest, Router, RouterContext,
+from servelab.interfaces import (AllocatorContext, AllocatorStats, DrafterContext, KVAllocator, RouteRequest, Router, RouterContext,
                                  ReplicaSnapshot, Scheduler, SchedulerContext, Sequence, SequenceStatus)
 from servelab.plugin_types import KINDS, POLICY_KINDS, PolicyKind, PolicyPlugin, kind_of_section, kinds_table
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
 from servelab.sampling_params import SamplingParams
+from servelab.testing import DrafterContract
 
 
 class Gizmo(typing.Protocol):
@@ -177,8 +178,10 @@ def test_the_scheduler_example_runs_requests_one_at_a_time():
 
 def test_the_drafter_and_router_examples_work():
     registered = selected_example(KINDS["drafters"])
-    drafter = build_policy(registered, _options(registered), None)
+    drafter = build_policy(registered, _options(registered), DrafterContext(vocab_size=16, max_model_len=4))
     seq = Sequence("r", [5, 6, 7], SamplingParams(), 0.0)
+    assert drafter.propose([seq]) == {"r": [7]}  # one position left before max_model_len
+    drafter = build_policy(registered, _options(registered), DrafterContext(vocab_size=16, max_model_len=64))
     assert drafter.propose([seq]) == {"r": [7, 7]}
 
     registered = selected_example(KINDS["routers"])
@@ -203,3 +206,16 @@ def test_the_attention_and_logits_processor_examples_work():
                              LogitsProcessorContext(vocab_size=4, eos_token_ids=frozenset()))
     logits = processor.apply(torch.zeros(2, 4), [None, None])
     assert torch.isinf(logits[:, 2]).all() and not torch.isinf(logits[:, [0, 1, 3]]).any()
+
+
+_DRAFTER_EXAMPLE = example_plugin(KINDS["drafters"])
+
+
+class TestTheDrafterExampleKeepsTheDrafterContract(DrafterContract):
+    """The hookspec's drafter example passes the contract a plugin author runs."""
+
+    factory = staticmethod(_DRAFTER_EXAMPLE["RepeatLast"])
+    options = _DRAFTER_EXAMPLE["RepeatOptions"]()
+    # The end-to-end replay (16 s on a tiny model) runs for every built-in drafter; the
+    # example's invariants are caught by the scenario and random-batch tests.
+    test_replays_a_greedy_generation = None

@@ -161,14 +161,16 @@ def servelab_register_drafters() -> list[DrafterPlugin]:
             num_speculative_tokens: int = 2
 
         class RepeatLast:
-            # Proposes the sequence's last token again, k times.
+            # Proposes the sequence's last token again, k times (fewer near max_model_len).
 
             def __init__(self, options: RepeatOptions, context: DrafterContext):
                 self.k = options.num_speculative_tokens
+                self.max_model_len = context.max_model_len
 
             def propose(self, seqs):
-                return {seq.request_id: seq.token_slice(seq.num_tokens - 1, seq.num_tokens) * self.k
-                        for seq in seqs}
+                # A draft never runs past max_model_len: each drafted token takes a position.
+                return {seq.request_id: seq.token_slice(seq.num_tokens - 1, seq.num_tokens)
+                        * min(self.k, self.max_model_len - seq.num_tokens) for seq in seqs}
 
         @servelab.hookimpl
         def servelab_register_drafters():
