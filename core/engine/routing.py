@@ -54,6 +54,13 @@ def checked_route(router: Router, name: str, request: RouteRequest, replicas: Se
     return choice
 
 
+def reported_prefix_summary(allocator: Any) -> PrefixSummary | None:
+    """What `allocator`'s prefix cache holds, where it reports it (a `prefix_summary()`
+    method, as the `hash` and `radix` allocators have); None otherwise."""
+    report = getattr(allocator, "prefix_summary", None)
+    return report() if callable(report) else None
+
+
 def replica_snapshot(engine: Any, replica_id: int, prefix_summary: PrefixSummary | None = None) -> ReplicaSnapshot:
     """The load of one engine (an LLMEngine) as a router sees it."""
     queued = running = num_waiting = num_running = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelab.interfaces import AllocatorContext
+from servelab.interfaces import AllocatorContext, PrefixSummary
 from servelab.kit import PrefixCachingPagedAllocator
 from servelab.plugins.allocators.radix_tree import RadixTree
 
@@ -30,3 +30,8 @@ class RadixAllocator(PrefixCachingPagedAllocator):
     @property
     def tree(self) -> RadixTree:
         return self.index
+
+    def prefix_summary(self) -> PrefixSummary:
+        """What this cache holds, as a router reads it (`ReplicaSnapshot.prefix_summary`):
+        the same chained hashes the `hash` allocator names its blocks with."""
+        return PrefixSummary(self.block_size, self.index.block_hashes())

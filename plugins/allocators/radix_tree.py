@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterable
 
-from servelab.interfaces import EvictionCandidate
+from servelab.interfaces import ROOT_BLOCK_HASH, EvictionCandidate, chained_block_hash
 from servelab.kit import LeastRecentlyUsed
 
 Chunk = tuple[int, ...]
@@ -65,6 +65,9 @@ class RadixTree:
         self._ids = itertools.count()
         self.root = _Node([], [], None, 0, next(self._ids))
         self._node_of: dict[int, _Node] = {}  # block id -> node holding it
+        # block id -> chained hash of the prefix it ends (`chained_block_hash`), for routers
+        self._hash_of: dict[int, int] = {}
+        self._hashes: frozenset[int] | None = frozenset()  # their values, until the tree changes
         self._clock = 0
         self._changed: Callable[[int], None] | None = None  # the cache's EvictionQueue, when it keeps one
 
@@ -135,6 +138,9 @@ class RadixTree:
         else:
             node = self._add_child(node, [chunk], [block], now)
         self._node_of[block] = node
+        parent_hash = ROOT_BLOCK_HASH if parent_block is None else self._hash_of[parent_block]
+        self._hash_of[block] = chained_block_hash(parent_hash, chunk)
+        self._hashes = None
         return block
 
     def touch(self, block: int) -> None:
@@ -186,7 +192,9 @@ class RadixTree:
             node.chunks.pop()
             removed = node.blocks.pop()
             del self._node_of[removed]
+            del self._hash_of[removed]
             evicted.append(removed)
+        self._hashes = None
         if node.blocks:
             self._leaf_changed(node)  # its tail is named by its new last block
             return evicted, False
@@ -259,6 +267,14 @@ class RadixTree:
         del node.blocks[position:]
         node.children = {tail.key: tail}
         self._leaf_changed(tail)  # a leaf's tail keeps its name but is a new node
+
+    def block_hashes(self) -> frozenset[int]:
+        """The chained hash (`chained_block_hash`) of every cached block: the names a
+        `PrefixSummary` gives the prefixes the tree holds. Kept as blocks enter and
+        leave, so a router reading it at every arrival costs no walk of the tree."""
+        if self._hashes is None:
+            self._hashes = frozenset(self._hash_of.values())
+        return self._hashes
 
     def _nodes(self):
         stack = [self.root]

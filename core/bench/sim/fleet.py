@@ -23,7 +23,8 @@ from servelab.config import EngineConfig
 from servelab.errors import ConfigError
 from servelab.interfaces import AllocatorStats, FinishAwareRouter, RouteRequest, RouterContext
 from servelab.registry import PluginRegistry
-from servelab.routing import build_router, checked_route, replica_snapshot, router_section
+from servelab.routing import (build_router, checked_route, replica_snapshot, reported_prefix_summary,
+                              router_section)
 from servelab.sampling_params import SamplingParams
 from servelab.workload import Workload
 
@@ -92,9 +93,11 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
     finished_hook = fleet.router.request_finished if isinstance(fleet.router, FinishAwareRouter) else None
 
     def admit(arrival: Arrival) -> tuple[int, str]:
-        """Route the request on every replica's load at its arrival (idle clocks are there)."""
+        """Route the request on every replica's load at its arrival (idle clocks are there)
+        and, where its allocator reports one, its prefix cache's summary."""
         request, request_id = workload.requests[arrival.item], f"req-{arrival.item}"
-        snapshots = [replica_snapshot(r.engine, r.replica_id) for r in replicas]
+        snapshots = [replica_snapshot(r.engine, r.replica_id, reported_prefix_summary(r.engine.allocator))
+                     for r in replicas]
         route = RouteRequest(request_id, request.prompt_token_ids, request.max_tokens, arrival.time)
         choice = checked_route(fleet.router, fleet.router_name, route, snapshots)
         replicas[choice].engine.add_request(

@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from servelab.bench.sim.cost_model import CostModel
-from servelab.interfaces import KVAllocator, Runner, StepPlan, TieredRunner, sampling_rows
+from servelab.interfaces import KVAllocator, Runner, SlotMovingRunner, StepPlan, TieredRunner, sampling_rows
 
 
 class VirtualClock:
@@ -45,9 +45,12 @@ def plan_shape(plan: StepPlan) -> SimInputs:
     return SimInputs(query_lens, context_lens, sampled, num_rows)
 
 
-class SimRunner(Runner, TieredRunner):
+class SimRunner(Runner, TieredRunner, SlotMovingRunner):
     """Costs each step with the roofline and returns all-zero logits over a one-token
-    vocabulary, so greedy sampling yields token 0 and every policy runs unchanged."""
+    vocabulary, so greedy sampling yields token 0 and every policy runs unchanged. Token
+    trees run too: the tree's nodes are scheduled tokens the cost model charges, and
+    moving the accepted path's K/V slots (`move_slots`) is a few rows within the device's
+    memory, not modelled."""
 
     device = torch.device("cpu")
     supports_prompt_logprobs = False
@@ -106,6 +109,9 @@ class SimRunner(Runner, TieredRunner):
 
     def copy_blocks(self, copies: Any) -> None:
         """Copy-on-write copies cost nothing worth modelling here."""
+
+    def move_slots(self, moves: Any) -> None:
+        """An accepted tree path's K/V moving into place: nothing to move, nor worth costing."""
 
     def close(self) -> None:
         """Nothing to release."""
