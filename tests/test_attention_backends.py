@@ -151,7 +151,7 @@ def test_torch_paged_masks_only_where_lengths_differ():
 
 @pytest.mark.parametrize("allocator", ["paged", "radix"])
 def test_sdpa_contiguous_refuses_allocators_without_contiguous_tables(allocator, monkeypatch):
-    from servelab.model.source import CheckpointSource
+    from servelab.model_source import CheckpointSource
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the policies were checked")

@@ -15,7 +15,7 @@ from servelab import LLM, SamplingParams
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
 from servelab.interfaces import AttentionContext, QuantizedKVBackend, kv_row_elements
-from servelab.model.kv_sizing import kv_row_bytes
+from servelab.kv_sizing import kv_row_bytes
 from servelab.plugins.kernels.cpu_paged import CpuPagedAttention
 from servelab.plugins.kernels.kv_quant import dequantize_rows, quantize_rows
 from servelab.plugins.kernels.options import CpuPagedOptions

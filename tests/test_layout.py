@@ -16,7 +16,14 @@ PACKAGES = {name: ROOT / folder for name, folder in
             tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items()}
 WINGS = ("servelab.cli", "servelab.server", "servelab.bench", "servelab.testing", "servelab.distributed")
 PLUGIN_MAY_IMPORT = {"servelab", "servelab.interfaces", "servelab.errors", "servelab.options", "servelab.plugin_types",
-                     "servelab.kit"}
+                     "servelab.kit", "servelab.contracts"}
+# The engine core in layers, lowest first: a module imports its own layer and the ones
+# below, never one above (the wings sit above them all, the plugins beside the wings).
+# Records: the plain data every layer passes around; contracts: one module per policy
+# kind (servelab.contracts) and their re-export; model and kit: the parts the engine is
+# built of; engine: the rest of the core, the `servelab` package itself among it.
+RECORD_MODULES = {"servelab.errors", "servelab.logging_setup", "servelab.sampling_params", "servelab.sequence",
+                  "servelab.token_tree", "servelab.kv_sizing", "servelab.options", "servelab.structured"}
 
 
 def module_name(path: Path) -> str:
@@ -81,6 +88,36 @@ def core_modules() -> list[Path]:
 
 def imports_of(path: Path) -> list[str]:
     return imported_modules(path.read_text(), module_name(path), path.name == "__init__.py")
+
+
+def dependencies(path: Path) -> set[str]:
+    """The servelab modules `path` needs, for the layering and cycle rules: as
+    `imports_of`, except that `from package import submodule` needs the submodule alone
+    (Python imports every parent package first whatever the form, so that edge says nothing)."""
+    tree = ast.parse(path.read_text())
+    names = imports_of(path)
+    bare = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if all(is_submodule(f"{node.module}.{alias.name}") for alias in node.names):
+                bare.add(node.module)
+    own = module_name(path)
+    return {m for m in names if m not in bare and m != own}
+
+
+def layer_of(module: str) -> int:
+    """0 records, 1 contracts, 2 model, 3 kit, 4 the rest of the engine core, 5 wings and plugins."""
+    if wing_of(module) or is_in_plugins(module):
+        return 5
+    if module in RECORD_MODULES:
+        return 0
+    if module in ("servelab.interfaces", "servelab.contracts") or module.startswith("servelab.contracts."):
+        return 1
+    if module == "servelab.model" or module.startswith("servelab.model."):
+        return 2
+    if module == "servelab.kit" or module.startswith("servelab.kit."):
+        return 3
+    return 4
 
 
 def test_import_scanner_sees_every_form():
@@ -180,3 +217,63 @@ def test_no_undeclared_member_probes():
     found = {(module_name(p), name) for p in modules("servelab")
              for name in literal_probes(p.read_text())}
     assert found - set(PROBES_ALLOWED) == set()
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {module_name(p): dependencies(p) for p in modules("servelab")}
+    return {m: {t for t in targets if t in graph} for m, targets in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_cycle_finder_finds_a_cycle_through_three_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    """Imports inside functions count: hiding a cycle there is still a cycle."""
+    graph = import_graph()
+    assert "servelab.server.intake" in graph["servelab.server.engine_core"]
+    assert cycles(graph) == []
+
+
+def test_no_imports_running_back_up():
+    assert layer_of("servelab.model.llama") < layer_of("servelab.runner")
+    assert layer_of("servelab.contracts.scheduler") < layer_of("servelab.model.llama")
+    upward = sorted(f"{module} imports {target}" for module, targets in import_graph().items()
+                    for target in targets if layer_of(target) > layer_of(module))
+    assert upward == []
+
+
+def test_record_modules_exist():
+    names = {module_name(p) for p in modules("servelab")}
+    assert RECORD_MODULES <= names

@@ -18,7 +18,7 @@ from servelab.bench.driver import RunRecord, StepRecorder, run_workload
 from servelab.bench.metrics import SLO, summarize
 from servelab.bench.repetitions import DEFAULT_REPEATS, run_repetitions, warm_up
 from servelab.config import EngineConfig
-from servelab.model.kv_sizing import DTYPE_BYTES
+from servelab.kv_sizing import DTYPE_BYTES
 from servelab.errors import ConfigError
 from servelab.registry import PluginRegistry
 from servelab.workload import Workload, build_workload, parse_spec

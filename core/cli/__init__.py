@@ -12,7 +12,7 @@ from servelab.bench.repetitions import DEFAULT_REPEATS
 from servelab.config import WEIGHTS, EngineConfig
 from servelab.errors import ServelabError
 from servelab.logging_setup import configure_logging
-from servelab.model.kv_sizing import KV_CACHE_DTYPES
+from servelab.kv_sizing import KV_CACHE_DTYPES
 from servelab.registry import PluginRegistry
 from servelab.server.options import add_serve_arguments, serve_options
 
@@ -269,7 +269,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _calibrate(config: EngineConfig, spec: str | None) -> dict:
     from servelab.bench.sim.calibrate import KINDS, calibrate
-    from servelab.model.source import CheckpointSource
+    from servelab.model_source import CheckpointSource
     from servelab.workload import build_workload, parse_spec
 
     vocab_size = CheckpointSource(config.engine.model).model_config.vocab_size

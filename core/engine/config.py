@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import attrs
 
 from servelab.errors import ConfigError
-from servelab.model.kv_sizing import DTYPE_BYTES, KV_CACHE_DTYPES
+from servelab.kv_sizing import DTYPE_BYTES, KV_CACHE_DTYPES
 from servelab.options import positive_int
 from servelab.plugin_types import KINDS, PolicyKind
 

@@ -27,7 +27,7 @@ from servelab.errors import RequestError
 from servelab.interfaces import ForkingAllocator, Sequence, SequenceStatus, StepPlan
 from servelab.intake import Intake
 from servelab.logging_setup import get_logger
-from servelab.model.source import ModelSource
+from servelab.model_source import ModelSource
 from servelab.outputs import RequestOutput, StageTimer, StepReport, StepResult, request_output
 from servelab.plan_check import PlanCheck
 from servelab.registry import PluginRegistry

@@ -17,12 +17,12 @@ from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousA
                                  TreeDrafter)
 from servelab.kit.tier import HostTier
 from servelab.logits_pipeline import LogitsPipeline
-from servelab.model.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
+from servelab.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
 from servelab.model.model_config import ModelConfig
 from servelab.model.onednn_caches import limit_onednn_caches
 from servelab.model.shard_layout import local_model_config
-from servelab.model.source import CheckpointSource, ModelSource
+from servelab.model_source import CheckpointSource, ModelSource
 from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy, check_contract_version
 from servelab.sampler import filtered_probs

@@ -2,8 +2,9 @@
 
 Everything spelled per kind elsewhere is read off `KINDS`: the registry's hook names
 and error words, the config's sections and defaults, the record classes below. Adding a
-kind is a row here, its Protocol (and context record) in `servelab.interfaces` and its
-registration hookspec in `servelab.hookspecs`.
+kind is a row here, its contract module in `servelab.contracts` (its Protocol, context
+record and capabilities; `PolicyKind.contract` names it) and its registration hookspec in
+`servelab.hookspecs`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
-from servelab import interfaces
+from servelab.contracts import allocator, attention, drafter, eviction, logits_processor, router, scheduler
 from servelab.errors import PluginError
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
@@ -77,8 +78,8 @@ class PolicyKind:
     section: str
     noun: str
     record_name: str  # the class of its registration records, e.g. "AllocatorPlugin"
-    protocol: type  # what its factory builds (servelab.interfaces)
-    context: type  # what its factory is called with (servelab.interfaces)
+    protocol: type  # what its factory builds (its contract module, servelab.contracts.<kind>)
+    context: type  # what its factory is called with (the same module)
     default: str | None = None
     selectable: bool = True
     optional: bool = False
@@ -91,6 +92,11 @@ class PolicyKind:
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "record", _record_class(self))
+
+    @property
+    def contract(self) -> str:
+        """The module holding this kind's whole contract (servelab.contracts.<kind>)."""
+        return self.protocol.__module__
 
     @property
     def hook_name(self) -> str:
@@ -123,27 +129,27 @@ def kinds_table(kinds: Iterable[PolicyKind]) -> dict[str, PolicyKind]:
 KINDS: dict[str, PolicyKind] = kinds_table([
     # key, config section, noun in errors, record class, what the factory builds, and gets
     PolicyKind("allocators", "allocator", "allocator", "AllocatorPlugin",
-               interfaces.KVAllocator, interfaces.AllocatorContext, default="paged", version=2, changes=(
+               allocator.KVAllocator, allocator.AllocatorContext, default="paged", version=2, changes=(
                    (2, "reset_prefix_cache moved out of PrefixCachingAllocator into the optional "
                        "ResettablePrefixCache capability; AllocatorContext gained `eviction`"),)),
     PolicyKind("schedulers", "scheduler", "scheduler", "SchedulerPlugin",
-               interfaces.Scheduler, interfaces.SchedulerContext, default="continuous"),
+               scheduler.Scheduler, scheduler.SchedulerContext, default="continuous"),
     PolicyKind("drafters", "drafter", "drafter", "DrafterPlugin",
-               interfaces.Drafter, interfaces.DrafterContext, optional=True, version=3, changes=(
+               drafter.Drafter, drafter.DrafterContext, optional=True, version=3, changes=(
                    (2, "the optional AcceptingDrafter capability: accepted(request_id, token_ids) after "
                        "each verification"),
                    (3, "token trees: Draft.parents (a field with a default, None: a chain) and the optional "
                        "TreeDrafter capability (proposes_trees), which the engine refuses at start unless the "
                        "attention backend supports tree masks"),)),
     PolicyKind("attention", "attention", "attention backend", "AttentionPlugin",
-               interfaces.AttentionBackend, interfaces.AttentionContext, default="cpu-paged"),
+               attention.AttentionBackend, attention.AttentionContext, default="cpu-paged"),
     PolicyKind("routers", "router", "router", "RouterPlugin",
-               interfaces.Router, interfaces.RouterContext, default="round-robin", optional=True, version=2,
+               router.Router, router.RouterContext, default="round-robin", optional=True, version=2,
                changes=((2, "RouteRequest gained `session` (None unless the caller gives one)"),)),
     PolicyKind("logits_processors", "logits_processors", "logits processor", "LogitsProcessorPlugin",
-               interfaces.LogitsProcessor, interfaces.LogitsProcessorContext, selectable=False),
+               logits_processor.LogitsProcessor, logits_processor.LogitsProcessorContext, selectable=False),
     PolicyKind("evictors", "eviction", "eviction policy", "EvictionPlugin",
-               interfaces.EvictionPolicy, interfaces.EvictionContext, default="lru"),
+               eviction.EvictionPolicy, eviction.EvictionContext, default="lru"),
 ])
 
 

@@ -34,22 +34,15 @@ import attrs
 import structlog
 
 import servelab
-from servelab.errors import RequestError, ServelabError
+from servelab.errors import RequestError
 from servelab.interfaces import AllocatorStats, ClosingProcessor, SchedulerStats, SequenceStatus, WarmingProcessor
 from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
+from servelab.server.errors import AdmissionFailed, EngineUnavailable
+from servelab.server.intake import Intake
 
 logger = structlog.get_logger(__name__)
 HEARTBEAT_SECONDS = 0.5  # while work is queued, the loop sends something at least this often
-
-
-class EngineUnavailable(ServelabError):
-    """The engine is stopping or has failed; no new request can start."""
-
-
-class AdmissionFailed(ServelabError):
-    """The engine raised something other than RequestError while taking this request in:
-    a fault of ours, not of the client's; the request is refused and nothing of it remains."""
 
 
 @attrs.frozen
@@ -137,8 +130,6 @@ class EngineCore:
         self._last_snapshot = EMPTY_SNAPSHOT
         self._last_sent = time.monotonic()
         engine.registry.register(self._counter)
-        from servelab.server.intake import Intake
-
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the loop, admitted groups included
         self._intake = Intake(engine, lambda command: self._inbox.put(command))
         self._processors = list(engine.logits_pipeline.processors.values())

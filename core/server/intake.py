@@ -22,6 +22,7 @@ import structlog
 
 from servelab.errors import RequestError
 from servelab.request import RequestSpec
+from servelab.server.errors import AdmissionFailed, EngineUnavailable
 
 logger = structlog.get_logger(__name__)
 
@@ -79,8 +80,6 @@ class Intake:
                     self._thread = threading.Thread(target=self._run, name="servelab-intake", daemon=True)
                     self._thread.start()
         if closed:
-            from servelab.server.engine_core import EngineUnavailable
-
             self._post(("refuse", command_id, EngineUnavailable("the server is shutting down")))
             return
         self._jobs.put(group)
@@ -123,8 +122,6 @@ class Intake:
             self._prepare(group)
 
     def _prepare(self, group: Group) -> None:
-        from servelab.server.engine_core import AdmissionFailed
-
         if group.cancelled:
             return self._refuse(group, None)
         try:
@@ -147,8 +144,6 @@ class Intake:
 
     def _decide(self, group: Group) -> None:
         """Once every preparation of the group is done: hand it to the loop, or refuse it."""
-        from servelab.server.engine_core import AdmissionFailed
-
         with self._lock:
             if group.decided or not all(ticket.done() for ticket in group.tickets):
                 return
@@ -166,8 +161,6 @@ class Intake:
         self._post(("admit", group.command_id, group))
 
     def _refuse(self, group: Group, error: BaseException | None) -> None:
-        from servelab.server.engine_core import EngineUnavailable
-
         with self._lock:
             self._forget(group)
             records, group.records = group.records, []

@@ -126,7 +126,7 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     """The engine process (its model loaded), the front end's tokenizer, and everything the routes share."""
     from prometheus_client import disable_created_metrics
 
-    from servelab.model.kv_sizing import DTYPE_BYTES
+    from servelab.kv_sizing import DTYPE_BYTES
     from servelab.model.loader import Checkpoint
     from servelab.server.app import ServerState
     from servelab.server.codec import TextCodec

@@ -32,7 +32,7 @@ import torch
 
 from servelab import LLM, SamplingParams
 from servelab.bench.driver import StepRecorder, run_workload
-from servelab.model.kv_sizing import KV_CACHE_DTYPES, blocks_for
+from servelab.kv_sizing import KV_CACHE_DTYPES, blocks_for
 from servelab.testing.tiny_model import tiny_checkpoint
 from servelab.workload import build_workload
 

@@ -34,7 +34,7 @@ from servelab.bench.sim.hardware import CPU_HERE_TERMS, STEP_FEATURES, Accelerat
 from servelab.bench.sim.runner import SimInputs, VirtualClock, plan_shape
 from servelab.bench.sim.source import SimSource
 from servelab.config import EngineConfig
-from servelab.model.kv_sizing import DTYPE_BYTES
+from servelab.kv_sizing import DTYPE_BYTES
 from servelab.registry import PluginRegistry
 from servelab.workload import Workload
 
@@ -196,7 +196,7 @@ def profile_of(terms: StepTerms) -> Accelerator:
 def simulate(config: EngineConfig, workload: Workload, profile: Accelerator) -> dict[str, float]:
     """The same workload through the same policies, timed by the fitted cost model."""
     from servelab.engine import LLMEngine
-    from servelab.model.source import CheckpointSource
+    from servelab.model_source import CheckpointSource
 
     shape = CheckpointSource(config.engine.model).model_config
     clock = VirtualClock()

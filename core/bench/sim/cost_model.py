@@ -31,7 +31,7 @@ from servelab.bench.sim.hardware import GIB, Accelerator, Interconnect, intercon
 from servelab.bench.sim.shapes import num_parameters
 from servelab.model.shard_layout import check_shardable, local_model_config
 from servelab.errors import ConfigError
-from servelab.model.kv_sizing import DTYPE_BYTES, kv_pool_blocks
+from servelab.kv_sizing import DTYPE_BYTES, kv_pool_blocks
 from servelab.model.model_config import ModelConfig
 
 KV_MEMORY_FRACTION = 0.9  # of the memory left after weights and runtime: TensorRT-LLM's and vLLM's default

@@ -22,7 +22,7 @@ from servelab.bench.sim.runner import VirtualClock
 from servelab.bench.sim.source import SimSource
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
-from servelab.model.kv_sizing import blocks_for
+from servelab.kv_sizing import blocks_for
 from servelab.model.model_config import ModelConfig
 from servelab.registry import PluginRegistry
 from servelab.workload import GENERATORS, build_workload, parse_spec

@@ -10,7 +10,7 @@ from servelab.bench.sim.hardware import Accelerator, Interconnect, accelerator, 
 from servelab.bench.sim.runner import SimRunner, VirtualClock
 from servelab.bench.sim.shapes import model_shape
 from servelab.config import EngineConfig, EngineSection
-from servelab.model.kv_sizing import DTYPE_BYTES
+from servelab.kv_sizing import DTYPE_BYTES
 from servelab.model.model_config import ModelConfig
 
 

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from servelab.interfaces import LayerOpsBackend, NativeDecoderBackend, PanelKernelsBackend, QuantKernelsBackend
+from servelab.contracts.attention import (LayerOpsBackend, NativeDecoderBackend, PanelKernelsBackend,
+                                         QuantKernelsBackend)
 from servelab.model.model_config import ModelConfig
 from servelab.model.packed_linear import use_panel_linears
 from servelab.model.quantized_linear import use_quant_kernels

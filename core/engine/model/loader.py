@@ -12,7 +12,7 @@ import torch
 from servelab.errors import CheckpointError
 from servelab.model import builtin, named_models
 from servelab.model.gguf_checkpoint import GGUFFile, find_gguf, is_gguf
-from servelab.model.kv_sizing import DTYPE_BYTES
+from servelab.kv_sizing import DTYPE_BYTES
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import release_freed_memory
 from servelab.model.model_config import ModelConfig

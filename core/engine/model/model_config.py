@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from servelab.errors import CheckpointError
-from servelab.model.kv_sizing import kv_row_bytes
+from servelab.kv_sizing import kv_row_bytes
 
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",

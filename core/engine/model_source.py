@@ -13,6 +13,7 @@ from servelab.config import EngineSection
 from servelab.model.loader import DTYPES, Checkpoint, load_model
 from servelab.model.model_config import ModelConfig
 from servelab.model.tokenizer import Tokenizer
+from servelab.runner import ModelRunner
 
 
 class ModelSource(Protocol):
@@ -34,8 +35,6 @@ class CheckpointSource:
         self.path = self.checkpoint.path
 
     def build_runner(self, attention: Any, engine: EngineSection, num_blocks: int, max_positions: int) -> Any:
-        from servelab.runner import ModelRunner
-
         model = load_model(self.checkpoint, engine.dtype, engine.device, max_positions, engine.prepack_weights,
                            engine.weights)
         return ModelRunner(model, attention, num_blocks, engine.block_size, DTYPES[engine.dtype],

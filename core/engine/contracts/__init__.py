@@ -1,0 +1,17 @@
+"""The policy contracts, one module per kind: everything the author of one kind of policy
+reads is in its module (the records it receives and returns, its Protocol, its optional
+capabilities, and where its changes by version are listed).
+
+| kind (`KINDS` key) | module |
+|---|---|
+| allocators | `servelab.contracts.allocator` |
+| schedulers | `servelab.contracts.scheduler` |
+| drafters | `servelab.contracts.drafter` |
+| attention | `servelab.contracts.attention` |
+| routers | `servelab.contracts.router` |
+| logits_processors | `servelab.contracts.logits_processor` |
+| evictors | `servelab.contracts.eviction` |
+| (the model runner) | `servelab.contracts.runner` |
+
+`KINDS[key].contract` names a kind's module. `servelab.interfaces` re-exports all of them.
+"""
