@@ -10,8 +10,8 @@ def _refuse_shadowed_servelab() -> None:
     package, but servelab's own `__init__` never ran, and the first `servelab.hookimpl` would
     fail with "module 'servelab' has no attribute 'hookimpl'". Name the folder instead."""
     package = sys.modules.get("servelab")
-    spec = getattr(package, "__spec__", None)
-    if spec is not None and spec.origin is None and not hasattr(package, "hookimpl"):
+    spec = package.__spec__ if package is not None else None
+    if spec is not None and spec.origin is None and "hookimpl" not in vars(package):
         folders = ", ".join(map(str, spec.submodule_search_locations or ()))
         raise ImportError(f"'import servelab' found the folder {folders} (a folder named servelab with no "
                           f"__init__.py, on sys.path ahead of the installed package), not servelab itself: run "

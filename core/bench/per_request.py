@@ -19,12 +19,12 @@ def request_records(record: RunRecord) -> list[dict[str, Any]]:
     out = []
     for index, output in enumerate(record.outputs):
         request = record.requests[index] if record.requests else None
-        metrics, deadline = output.metrics, getattr(request, "deadline", None)
+        metrics, deadline = output.metrics, None if request is None else request.deadline
         e2e, ttft, tpot = metrics.e2e_latency, metrics.ttft, output.tpot
         out.append({
             "index": index,
             "request_id": output.request_id,
-            "request_class": getattr(request, "request_class", None),
+            "request_class": None if request is None else request.request_class,
             "arrival_s": metrics.arrival_time - record.start_time,
             "prompt_tokens": len(output.prompt_token_ids),
             "output_tokens": len(output.token_ids),

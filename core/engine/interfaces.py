@@ -72,6 +72,7 @@ from servelab.contracts.router import (  # noqa: F401
     RouterContext,
     Router,
     FinishAwareRouter,
+    PrefixReportingAllocator,
 )
 from servelab.contracts.logits_processor import (  # noqa: F401
     LogitsProcessorContext,
@@ -155,6 +156,7 @@ __all__ = [
     "RouterContext",
     "Router",
     "FinishAwareRouter",
+    "PrefixReportingAllocator",
     "LogitsProcessorContext",
     "ProcessorRequest",
     "LogitsProcessor",

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from servelab.config import DEFAULT_ROUTER, EngineConfig, PolicySection, build_options
 from servelab.errors import ConfigError, PluginError
-from servelab.interfaces import PrefixSummary, ReplicaSnapshot, RouteRequest, Router, RouterContext, SequenceStatus
+from servelab.interfaces import PrefixReportingAllocator, PrefixSummary, ReplicaSnapshot, RouteRequest, Router, RouterContext, SequenceStatus
 from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, build_policy
 
@@ -55,10 +55,9 @@ def checked_route(router: Router, name: str, request: RouteRequest, replicas: Se
 
 
 def reported_prefix_summary(allocator: Any) -> PrefixSummary | None:
-    """What `allocator`'s prefix cache holds, where it reports it (a `prefix_summary()`
-    method, as the `hash` and `radix` allocators have); None otherwise."""
-    report = getattr(allocator, "prefix_summary", None)
-    return report() if callable(report) else None
+    """What `allocator`'s prefix cache holds, where it reports it (PrefixReportingAllocator,
+    as the `hash` and `radix` allocators are); None otherwise."""
+    return allocator.prefix_summary() if isinstance(allocator, PrefixReportingAllocator) else None
 
 
 def replica_snapshot(engine: Any, replica_id: int, prefix_summary: PrefixSummary | None = None) -> ReplicaSnapshot:

@@ -135,3 +135,14 @@ class FinishAwareRouter(Protocol):
 
     def request_finished(self, request_id: str, replica_id: int) -> None:
         """A request it routed finished, failed or was aborted (called once)."""
+
+
+@runtime_checkable
+class PrefixReportingAllocator(Protocol):
+    """An allocator that reports what its prefix cache holds, in the names routers read
+    (the `hash` and `radix` allocators): a simulated fleet hands each replica's summary
+    to the router as `ReplicaSnapshot.prefix_summary` at every arrival, so it should be
+    cheap to call (kept as blocks enter and leave, not recomputed)."""
+
+    def prefix_summary(self) -> PrefixSummary:
+        """The chained hashes of every block the cache can serve, at its block size."""
