@@ -19,6 +19,7 @@ from servelab.contracts.eviction import (  # noqa: F401
     EvictionContext,
     EvictionPolicy,
     DemandAwareEviction,
+    EvictionObserver,
 )
 from servelab.contracts.scheduler import (  # noqa: F401
     SchedulerContext,
@@ -111,6 +112,7 @@ __all__ = [
     "EvictionContext",
     "EvictionPolicy",
     "DemandAwareEviction",
+    "EvictionObserver",
     "SchedulerContext",
     "KVMove",
     "StepPlan",

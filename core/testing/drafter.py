@@ -90,7 +90,8 @@ class DrafterContract(PolicyContract):
     - token trees (`Draft.parents`) come only from a drafter declaring
       `TreeDrafter.proposes_trees`, and are well formed: one parent per token, each -1 or
       an earlier node's index
-    - drafts never run past max_model_len
+    - drafts never run past max_model_len (a tree's nodes count, near-full histories
+      that branch included)
     - propose never changes the sequences (any field of them)
     - a deterministic drafter proposes the same drafts for the same sequences
     - release forgets a sequence: a new sequence under its id gets a fresh drafter's
@@ -215,6 +216,20 @@ class DrafterContract(PolicyContract):
         ]
         self.check_proposals(self.drafter(), seqs)
         for seq in seqs:  # one at a time, too: a batch must not change anyone's drafts
+            self.check_proposals(self.drafter(), [seq])
+
+    def test_nearly_full_sequences_that_branch(self):
+        """Histories where one token was followed by several others (11 then 12, 13, 14 or
+        15), one to three positions short of max_model_len: a tree drafter sees branches
+        there, and its nodes, not only its depth, must fit the positions left."""
+        branching = [11, 12, 11, 13, 11, 14, 11, 15, 16]
+        seqs = []
+        for room in (1, 2, 3):
+            length = self.max_model_len - room
+            tokens = (branching * (length // len(branching) + 1))[: length - 1] + [11]
+            seqs.append(decoding_sequence(f"branching-{room}", tokens[: length // 2], tokens[length // 2:]))
+        self.check_proposals(self.drafter(), seqs)
+        for seq in seqs:
             self.check_proposals(self.drafter(), [seq])
 
     def release(self, drafter: Any, request_id: str) -> None:

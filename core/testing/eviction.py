@@ -14,13 +14,19 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from servelab.interfaces import AllocatorContext, EvictionCandidate, EvictionContext, EvictionPolicy
-from servelab.kit.eviction import EVICTS_EACH_ONCE, EVICTS_ONLY_UNREFERENCED, HONOURS_CAPACITY
+import pytest
+
+from servelab.interfaces import AllocatorContext, EvictionCandidate, EvictionContext, EvictionObserver, EvictionPolicy
+from servelab.kit.eviction import EVICTS_EACH_ONCE, EVICTS_ONLY_UNREFERENCED, HONOURS_CAPACITY, KeyedEviction
 from servelab.testing.contract import PolicyContract, check, exercising
 from servelab.testing.drafter import decoding_sequence
 
 DETERMINISTIC = "eviction is deterministic: the same candidates give the same choice"
 HELD_KEPT = "a block a sequence holds keeps its K/V through eviction"
+ORDER_FREE = "the choice does not depend on the order candidates come in"
+UNIQUE_KEYS = "eviction keys differ between candidates (the tie-break KeyedEviction asks for)"
+PURE_KEYS = "eviction keys are pure functions of the candidate"
+OBSERVED = "evicted(candidates) accepts what the cache evicted"
 
 
 def candidate_sets(seed: int = 0, count: int = 30) -> list[tuple[list[EvictionCandidate], int]]:
@@ -47,7 +53,12 @@ class EvictionContract(PolicyContract):
       (blocks no sequence holds), in the caches too (a held block keeps its K/V)
     - eviction names each candidate at most once
     - eviction frees the blocks the pool needs (honours capacity)
-    - eviction is deterministic
+    - eviction is deterministic, and the choice does not depend on the order candidates
+      come in (the same candidates as a set give the same blocks)
+    - a `KeyedEviction`'s keys differ between candidates (ties broken by `last_access` or
+      `inserted`), and are pure functions of the candidate: the same before and after
+      evictions (the O(log n) queue recomputes keys to tell current entries from stale)
+    - an `EvictionObserver` accepts `evicted(candidates)` after every eviction
     """
 
     kind = "evictors"
@@ -78,6 +89,41 @@ class EvictionContract(PolicyContract):
             first = list(self.make(self.context()).choose(list(candidates), needed))
             again = list(self.make(self.context()).choose(list(candidates), needed))
             check(first == again, DETERMINISTIC, f"{first} then {again}")
+
+    def test_choices_do_not_depend_on_candidate_order(self):
+        for index, (candidates, needed) in enumerate(candidate_sets(seed=2)):
+            shuffled = list(candidates)
+            random.Random(index).shuffle(shuffled)
+            first = sorted(self.make(self.context()).choose(list(candidates), needed))
+            again = sorted(self.make(self.context()).choose(shuffled, needed))
+            check(first == again, ORDER_FREE, f"{first} from {[c.block for c in candidates]}, {again} from "
+                                              f"{[c.block for c in shuffled]} (the same candidates, reordered)")
+
+    def test_keys_are_unique_and_pure(self):
+        """Keys over every candidate set: pairwise different, and unchanged by evictions
+        the policy is told of."""
+        policy = self.make(self.context())
+        if not isinstance(policy, KeyedEviction):
+            pytest.skip("not a KeyedEviction (no key to check)")
+        for candidates, needed in candidate_sets(seed=3):
+            keys = [policy.key(c) for c in candidates]
+            for i, left in enumerate(keys):
+                twins = [candidates[j].block for j in range(i + 1, len(keys)) if keys[j] == left]
+                check(not twins, UNIQUE_KEYS, lambda: f"blocks {candidates[i].block} and {twins} share the key "
+                      f"{left!r}: which goes first depends on the order the index lists them; end the key with "
+                      "last_access or inserted")
+            chosen = set(policy.choose(list(candidates), needed))
+            if isinstance(policy, EvictionObserver):
+                with exercising(OBSERVED):
+                    policy.evicted(tuple(c for c in candidates if c.block in chosen))
+            survivors = [c for c in candidates if c.block not in chosen]
+            after = {c.block: policy.key(c) for c in survivors}
+            moved = [(c.block, k, after[c.block]) for c, k in zip(candidates, keys)
+                     if c.block in after and after[c.block] != k]
+            check(not moved, PURE_KEYS, lambda: f"after an eviction, block {moved[0][0]}'s key went from "
+                  f"{moved[0][1]!r} to {moved[0][2]!r}: the eviction queue would lose it; keep state in "
+                  "evicted(...) and let it into a key only as it stood when the candidate was first keyed "
+                  "(KeyedEviction.memo_key)")
 
     def test_caches_keep_held_blocks(self):
         """Both kit prefix caches, a pool too small for every prefix: sequences hold their

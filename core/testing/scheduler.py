@@ -141,10 +141,13 @@ class SchedulerContract(PolicyContract):
         harness.check_all_done()
 
     def test_no_request_starves(self):
-        """One slot, a 40-token job, then a 2-token job arriving every second: whatever the
-        order, the long job is served within `liveness_steps` steps."""
+        """One slot, a 40-token job, then a 2-token job arriving every second from one
+        second later: whatever the order, the long job is served within `liveness_steps`
+        steps. It arrives strictly first, so no tie with the first short job (broken by the
+        order of `add`) can serve it by accident: a policy serving the newest first fails."""
         harness = self.harness(max_num_seqs=1, num_blocks=64, max_num_batched_tokens=64, max_model_len=64)
         harness.add(20, max_tokens=20, request_id="long")
+        harness.now += 1.0
         for _ in range(self.liveness_steps):
             harness.add(1, max_tokens=1)
             harness.step()

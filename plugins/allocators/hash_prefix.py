@@ -15,6 +15,11 @@ A block no sequence holds stays cached, and evictable: every unheld cached block
 eviction candidate, taken (its name dropped) only when the free list runs dry, in the
 order of the `[eviction]` policy (least recently used by default: a sequence's blocks are
 released last block first, so its tail goes before its head among equals).
+
+A policy may choose a block before the blocks cached after it (LRU rarely does, a
+frequency or cost policy may): a lookup walks from the root, so those descendants could
+never be hit again. They go with it, in the same eviction, instead of holding the pool
+as orphans. (They are unheld: a sequence holding a block holds every block before it.)
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class HashIndex:
         self.evictable: dict[int, EvictionCandidate] = {}  # unheld cached blocks
         self.hits: dict[int, int] = {}  # block id -> lookups that reused it
         self.last_access: dict[int, int] = {}  # block id -> tick of its last use
+        self.children: dict[int, set[int]] = {}  # block id -> the cached blocks right after it
         self._clock = 0
         self._changed: Callable[[int], None] | None = None  # the cache's EvictionQueue, when it keeps one
 
@@ -95,6 +101,8 @@ class HashIndex:
         self.block_of[block_hash] = block
         self.hits[block] = 0
         self.last_access[block] = self._clock
+        if parent is not None:
+            self.children.setdefault(parent, set()).add(block)
         return block
 
     def touch(self, block: int) -> None:
@@ -119,11 +127,22 @@ class HashIndex:
         return [block]
 
     def drop(self, block: int, max_blocks: int, is_unheld: Callable[[int], bool]) -> tuple[list[int], bool]:
-        del self.evictable[block]
-        entry = self.cached.pop(block)
-        del self.block_of[entry.block_hash]
-        del self.hits[block], self.last_access[block]
-        return [block], False
+        """Uncache `block` and every cached block after it (no lookup could reach them)."""
+        parent = self.block_of.get(self.cached[block].parent_hash)
+        if parent is not None and parent in self.children:
+            self.children[parent].discard(block)
+        dropped, stack = [], [block]
+        while stack:
+            current = stack.pop()
+            if current not in self.evictable:  # held: impossible below an unheld block, kept regardless
+                continue
+            del self.evictable[current]
+            entry = self.cached.pop(current)
+            del self.block_of[entry.block_hash]
+            del self.hits[current], self.last_access[current]
+            dropped.append(current)
+            stack.extend(sorted(self.children.pop(current, ()), reverse=True))
+        return dropped, False
 
     def lookup(self, parent_hash: int, tokens: Chunk) -> int | None:
         """The cached block holding `tokens` after the prefix `parent_hash`, confirmed."""

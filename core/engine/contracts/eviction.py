@@ -14,6 +14,7 @@ __all__ = [
     "EvictionContext",
     "EvictionPolicy",
     "DemandAwareEviction",
+    "EvictionObserver",
 ]
 
 
@@ -63,3 +64,22 @@ class DemandAwareEviction(Protocol):
     cached prefix runs through it (`AnticipatingPrefixCache`)."""
 
     uses_demand: bool
+
+
+@runtime_checkable
+class EvictionObserver(Protocol):
+    """An eviction policy that keeps state which evictions move (an aging clock, as
+    GreedyDual-Size-Frequency's L): the cache calls `evicted(candidates)` after every
+    eviction, with the entries it evicted in order, as the policy was offered them (a
+    radix tail may lose fewer blocks than its `size`; a `hash` block takes its cached
+    descendants, which no lookup could reach any more, with it).
+
+    It is called on both of the cache's paths: after `choose`, and after a key-ordered
+    policy (`servelab.kit.KeyedEviction`) is served from its O(log n) queue, so an
+    observing policy keeps the queue. The queue recomputes a key to tell a current entry
+    from a stale one, so `key(candidate)` must stay a pure function of the candidate:
+    state the policy updates in `evicted` may enter a key only as it stood when the
+    policy first keyed that candidate (memoize per `(block, last_access)`)."""
+
+    def evicted(self, candidates: Seq[EvictionCandidate]) -> None:
+        """These entries were just evicted, first to go first."""

@@ -34,14 +34,38 @@ HONOURS_CAPACITY = "eviction frees the blocks the pool needs"
 
 class KeyedEviction:
     """A policy that evicts in ascending order of `key(candidate)` until enough blocks
-    are covered. Subclasses define `key`; keys must differ between candidates (end them
-    with `last_access` or `inserted`, which are unique) so the order is deterministic."""
+    are covered. Subclasses define `key`, with two rules the eviction contract checks:
+
+    - keys differ between candidates (end them with `last_access` or `inserted`, which
+      are unique), so the order never depends on the order candidates come in;
+    - a key is a pure function of its candidate: the same candidate gives the same key
+      every time it is asked (the queue recomputes keys to tell current entries from
+      stale ones). A policy with state (an aging clock) updates it in `evicted(...)`
+      (`servelab.interfaces.EvictionObserver`, called on the queue path too) and lets it
+      into a key only as it stood when that candidate was first keyed (`memo_key`)."""
 
     def __init__(self, options: Any = None, context: EvictionContext | None = None) -> None:
         self.options, self.context = options, context
 
     def key(self, candidate: EvictionCandidate) -> Any:
         raise NotImplementedError
+
+    def memo_key(self, candidate: EvictionCandidate, compute: Callable[[EvictionCandidate], Any]) -> Any:
+        """`compute(candidate)` the first time this candidate (its block, at its
+        `last_access`) is keyed, the same value ever after: how a key reading state stays
+        pure. Forget evicted blocks with `forget_keys` (O(1) a block)."""
+        memo = self.__dict__.setdefault("_memo_keys", {})  # block -> (last_access, key)
+        entry = memo.get(candidate.block)
+        if entry is None or entry[0] != candidate.last_access:
+            entry = memo[candidate.block] = (candidate.last_access, compute(candidate))
+        return entry[1]
+
+    def forget_keys(self, candidates: Seq[EvictionCandidate]) -> None:
+        """Drop the memoized keys of `candidates`' blocks (call it from `evicted`)."""
+        memo = self.__dict__.get("_memo_keys")
+        if memo:
+            for candidate in candidates:
+                memo.pop(candidate.block, None)
 
     def choose(self, candidates: Seq[EvictionCandidate], num_blocks: int) -> list[int]:
         chosen: list[int] = []

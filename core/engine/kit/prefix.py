@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence as Seq, runtime_c
 import attrs
 
 from servelab.interfaces import (ROOT_BLOCK_HASH, AllocatorContext, AllocatorStats, DemandAwareEviction,
-                                 EvictionCandidate, EvictionContext, Sequence, chained_block_hash)
+                                 EvictionCandidate, EvictionContext, EvictionObserver, Sequence, chained_block_hash)
 from servelab.kit.blocks import PagedAllocator, SeqBlocks
 from servelab.kit.eviction import EvictionQueue, LeastRecentlyUsed, checked_choice, orders_by_key
 
@@ -136,6 +136,7 @@ class PrefixCachingPagedAllocator(PagedAllocator):
         self.eviction = context.eviction if context.eviction is not None else LeastRecentlyUsed(
             None, EvictionContext(context.num_blocks, context.block_size))
         self.uses_demand = isinstance(self.eviction, DemandAwareEviction) and bool(self.eviction.uses_demand)
+        self._observer = self.eviction if isinstance(self.eviction, EvictionObserver) else None
         self._queue: EvictionQueue | None = None  # the key order kept incrementally, where it can be
         if orders_by_key(self.eviction) and not self.uses_demand and isinstance(index, IncrementalPrefixIndex):
             is_unheld = self._is_unheld
@@ -259,31 +260,43 @@ class PrefixCachingPagedAllocator(PagedAllocator):
             self._evict_in_key_order(count)
             return
         is_unheld = self._is_unheld
+        gone: list[EvictionCandidate] = []
         while count > 0 and self._num_cached:
             candidates = self.index.candidates(is_unheld)
             if self.uses_demand:
                 candidates = self._with_demand(candidates)
+            by_block = {c.block: c for c in candidates}
             changed = False
             for chosen in checked_choice(self.eviction, candidates, count):
                 evicted, changed = self.index.drop(chosen, count, is_unheld)
                 self._free_evicted(evicted)
+                gone.append(by_block[chosen])
                 count -= len(evicted)
                 if changed or count <= 0:
                     break
             if not changed:
                 break
+        self._tell_evicted(gone)
 
     def _evict_in_key_order(self, count: int) -> None:
         """`_evict` for a key-ordered policy: the same order, from the queue."""
         queue = self._queue
+        gone: list[EvictionCandidate] = []
         while count > 0 and self._num_cached:
             candidate = queue.pop()
             if candidate is None:
                 break
             evicted, _ = self.index.drop(candidate.block, count, self._is_unheld)
             self._free_evicted(evicted)
+            gone.append(candidate)
             count -= len(evicted)
         queue.compact(len(self.index))
+        self._tell_evicted(gone)
+
+    def _tell_evicted(self, gone: list[EvictionCandidate]) -> None:
+        """An observing policy (EvictionObserver) learns what this eviction took."""
+        if gone and self._observer is not None:
+            self._observer.evicted(tuple(gone))
 
     def _free_evicted(self, blocks: list[int]) -> None:
         """Evicted `blocks` join the free list (their contents going down to the host tier
