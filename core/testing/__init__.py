@@ -22,6 +22,8 @@ from servelab.testing.drafter import DrafterContract
 from servelab.testing.eviction import EvictionContract
 from servelab.testing.kv_tier import KVTierContract
 from servelab.testing.logits_processor import LogitsProcessorContract
+from servelab.testing import objectives
+from servelab.testing.objectives import Objective, ObjectiveMissed
 from servelab.testing.router import RouterContract
 from servelab.testing.scheduler import SchedulerContract
 from servelab.testing.scheduler_harness import SchedulerHarness
@@ -36,10 +38,13 @@ __all__ = [
     "EvictionContract",
     "KVTierContract",
     "LogitsProcessorContract",
+    "Objective",
+    "ObjectiveMissed",
     "RouterContract",
     "SchedulerContract",
     "SchedulerHarness",
     "VictimContract",
     "check",
     "make_allocator",
+    "objectives",
 ]

@@ -19,6 +19,7 @@ import pytest
 from servelab.interfaces import AllocatorContext, EvictionCandidate, EvictionContext, EvictionObserver, EvictionPolicy
 from servelab.kit.eviction import EVICTS_EACH_ONCE, EVICTS_ONLY_UNREFERENCED, HONOURS_CAPACITY, KeyedEviction
 from servelab.testing.contract import PolicyContract, check, exercising
+from servelab.testing.objectives import ObjectiveChecks
 from servelab.testing.drafter import decoding_sequence
 
 DETERMINISTIC = "eviction is deterministic: the same candidates give the same choice"
@@ -45,7 +46,7 @@ def candidate_sets(seed: int = 0, count: int = 30) -> list[tuple[list[EvictionCa
     return sets
 
 
-class EvictionContract(PolicyContract):
+class EvictionContract(PolicyContract, ObjectiveChecks):
     """Invariants (each failure message starts "invariant violated: <name>"):
 
     - implements EvictionPolicy

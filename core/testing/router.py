@@ -22,6 +22,7 @@ from servelab.interfaces import (FinishAwareRouter, PrefixSummary, ReplicaSnapsh
                                  prefix_block_hashes)
 from servelab.routing import route_problem
 from servelab.testing.contract import PolicyContract, check, exercising
+from servelab.testing.objectives import ObjectiveChecks
 
 BLOCK_SIZE = 4
 
@@ -148,7 +149,7 @@ def churn_scenario(num_replicas: int = 4, num_requests: int = 48) -> list[FleetE
     return events
 
 
-class RouterContract(PolicyContract):
+class RouterContract(PolicyContract, ObjectiveChecks):
     """Invariants (each failure message starts "invariant violated: <name>"):
 
     - implements Router

@@ -21,12 +21,13 @@ import pytest
 from servelab.errors import ConfigError
 from servelab.interfaces import ForkingScheduler, Scheduler, SchedulerContext
 from servelab.testing.contract import PolicyContract, check
+from servelab.testing.objectives import ObjectiveChecks
 from servelab.testing.scheduler_harness import SchedulerHarness
 
 LIVENESS = "no request starves"
 
 
-class SchedulerContract(PolicyContract):
+class SchedulerContract(PolicyContract, ObjectiveChecks):
     """Invariants (each failure message starts "invariant violated: <name>"):
 
     - implements Scheduler; an empty scheduler plans nothing
@@ -45,6 +46,9 @@ class SchedulerContract(PolicyContract):
     - no progress: an empty plan while requests are unfinished
     - no request starves: a long request is served while short ones keep arriving
     - tokens identical to the reference policies, end to end on a tiny model
+
+    Opt-in objective checks (`objectives = (...)`, servelab.testing.objectives) pin what
+    the scheduler is for: `earliest_deadline_first()`, `shortest_job_first()`, ...
     """
 
     kind = "schedulers"

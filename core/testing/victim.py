@@ -19,6 +19,7 @@ from servelab.kit import VICTIMS, ContinuousScheduler
 from servelab.kit.victims import VICTIM_IS_RUNNING
 from servelab.sampling_params import SamplingParams
 from servelab.testing.contract import check, exercising, installed_factory
+from servelab.testing.objectives import ObjectiveChecks
 from servelab.testing.scheduler_harness import SchedulerHarness
 
 DETERMINISTIC = "the victim policy is deterministic"
@@ -43,11 +44,12 @@ def describe(victim: Any) -> str:
     return f"{victim.request_id} ({victim.status.value})" if isinstance(victim, Sequence) else repr(victim)
 
 
-class VictimContract:
+class VictimContract(ObjectiveChecks):
     """Invariants: the victim is a running sequence (one of those given, never a waiting,
     finished or unknown one); deterministic; and a scheduler preempting by it keeps every
     scheduler invariant (budget, slots, no request lost or duplicated)."""
 
+    kind = "victims"
     victim: Callable[..., Any] | None = None
     victim_name: str | None = None
 
@@ -55,6 +57,10 @@ class VictimContract:
         if self.victim is not None:
             return self.victim
         return VICTIMS[self.victim_name or "newest"]
+
+    def choose_victim(self, running: list[Sequence], allocator: Any) -> Any:
+        """The policy's victim among `running` (what objectives ask it)."""
+        return self._policy()(running, allocator)
 
     def test_victim_is_running(self):
         from servelab.testing.scheduler_workloads import make_allocator

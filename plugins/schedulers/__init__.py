@@ -24,7 +24,7 @@ def servelab_register_schedulers():
         ),
         SchedulerPlugin(
             name="chunked-prefill",
-            factory="servelab.plugins.schedulers.chunked_prefill:ChunkedPrefillScheduler",
+            factory="servelab.kit:ChunkedPrefillScheduler",
             options=QueueOptions,
             description="continuous batching with prompts split into chunks under the token budget, decodes first",
         ),

@@ -9,6 +9,9 @@ Scheduling (`servelab.kit.queues`, `servelab.kit.victims`):
   victim), `schedule()` (the step, from `PlanBuilder` and the helpers).
 - `ContinuousScheduler` (the `continuous` scheduler): a `QueueScheduler` whose step is
   continuous batching; a policy that only reorders overrides `rank` and is done.
+- `ChunkedPrefillScheduler` (the `chunked-prefill` scheduler): a `QueueScheduler` whose
+  step runs decodes first and splits prompts into chunks under the token budget; the
+  same seams (`rank`, `admissible`, `victim`) make a policy of it.
 - `QueueOptions` (`priority_aging_s`, `preemption`), `ContinuousOptions` (+ `policy`),
   `PlanBuilder`, `VICTIMS` (the victim policies by name), `check_whole_prompts_fit`,
   `option_or` (an option the options class may lack).
@@ -32,6 +35,7 @@ A plugin imports these from `servelab.kit` (part of the public surface, like
 """
 
 from servelab.kit.continuous import ContinuousOptions, ContinuousScheduler
+from servelab.kit.chunked import ChunkedPrefillScheduler
 from servelab.kit.blocks import FreeBlocks, PagedAllocator, SeqBlocks, blocks_for
 from servelab.kit.eviction import EvictionQueue, KeyedEviction, LeastRecentlyUsed, checked_choice, orders_by_key
 from servelab.kit.prefix import IncrementalPrefixIndex, PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
@@ -40,6 +44,7 @@ from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check
 from servelab.kit.victims import VICTIMS, check_victim, checked_victim
 
 __all__ = [
+    "ChunkedPrefillScheduler",
     "ContinuousOptions",
     "ContinuousScheduler",
     "EvictionQueue",
