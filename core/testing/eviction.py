@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from servelab.interfaces import AllocatorContext, EvictionCandidate, EvictionContext, EvictionObserver, EvictionPolicy
-from servelab.kit.eviction import EVICTS_EACH_ONCE, EVICTS_ONLY_UNREFERENCED, HONOURS_CAPACITY, KeyedEviction
+from servelab.kit.eviction import (EVICTS_EACH_ONCE, EVICTS_ONLY_UNREFERENCED, HONOURS_CAPACITY, PURE_KEYS,
+                                   KeyedEviction)
 from servelab.testing.contract import PolicyContract, check, exercising
 from servelab.testing.objectives import ObjectiveChecks
 from servelab.testing.drafter import decoding_sequence
@@ -26,7 +27,6 @@ DETERMINISTIC = "eviction is deterministic: the same candidates give the same ch
 HELD_KEPT = "a block a sequence holds keeps its K/V through eviction"
 ORDER_FREE = "the choice does not depend on the order candidates come in"
 UNIQUE_KEYS = "eviction keys differ between candidates (the tie-break KeyedEviction asks for)"
-PURE_KEYS = "eviction keys are pure functions of the candidate"
 OBSERVED = "evicted(candidates) accepts what the cache evicted"
 
 

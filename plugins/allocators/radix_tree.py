@@ -148,7 +148,10 @@ class RadixTree:
         self._touch_path(self._node_of[block], self._tick())
 
     def held(self, block: int) -> None:
-        """Nothing to do: a held block leaves its candidate, which the next look finds."""
+        """A held block leaves its leaf's evictable tail: the tail's candidate changed."""
+        node = self._node_of[block]
+        if not node.children:
+            self._leaf_changed(node)
 
     def unheld(self, block: int) -> None:
         """The leaf holding `block` may have become (more) evictable."""

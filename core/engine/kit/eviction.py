@@ -30,6 +30,7 @@ from servelab.interfaces import EvictionCandidate, EvictionContext
 EVICTS_ONLY_UNREFERENCED = "eviction never evicts a referenced block"
 EVICTS_EACH_ONCE = "eviction names each candidate at most once"
 HONOURS_CAPACITY = "eviction frees the blocks the pool needs"
+PURE_KEYS = "eviction keys are pure functions of the candidate"
 
 
 class KeyedEviction:
@@ -105,10 +106,12 @@ class EvictionQueue:
 
     def __init__(self, key: Callable[[EvictionCandidate], Any],
                  candidate_of: Callable[[int], EvictionCandidate | None],
-                 all_candidates: Callable[[], list[EvictionCandidate]]) -> None:
+                 all_candidates: Callable[[], list[EvictionCandidate]], policy_name: str = "the policy") -> None:
         self._key, self._candidate_of, self._all = key, candidate_of, all_candidates
+        self._policy_name = policy_name
         self._heap: list[tuple[Any, int, int]] = []
         self._order = itertools.count()  # never compare blocks: equal keys pop in push order
+        self._latest: dict[int, int] = {}  # block -> the push order of its latest entry
 
     def __len__(self) -> int:
         """Heap entries, stale ones included."""
@@ -117,17 +120,29 @@ class EvictionQueue:
     def changed(self, block: int) -> None:
         candidate = self._candidate_of(block)
         if candidate is not None:
-            heapq.heappush(self._heap, (self._key(candidate), next(self._order), block))
+            order = next(self._order)
+            heapq.heappush(self._heap, (self._key(candidate), order, block))
+            self._latest[block] = order
 
     def pop(self) -> EvictionCandidate | None:
         """The current entry with the smallest key, taken off the queue (it comes back with
-        its next change); None when nothing is evictable."""
+        its next change); None when nothing is evictable. An entry whose candidate did not
+        change since it was pushed (it is the block's latest) but whose key did is refused
+        with PolicyViolation: the key read state that moved, and the entry would be lost."""
         heap = self._heap
         while heap:
-            key, _, block = heapq.heappop(heap)
+            key, order, block = heapq.heappop(heap)
             candidate = self._candidate_of(block)
-            if candidate is not None and self._key(candidate) == key:
+            if candidate is None:
+                continue
+            now = self._key(candidate)
+            if now == key:
                 return candidate
+            if self._latest.get(block) == order:
+                raise PolicyViolation(PURE_KEYS, f"{self._policy_name} keyed block {block} {key!r} when it was "
+                                                 f"queued and {now!r} now, the candidate unchanged: a key must give "
+                                                 f"the same value for the same candidate (KeyedEviction.memo_key), "
+                                                 f"or the queue loses the entry")
         return None
 
     def compact(self, live: int) -> None:
@@ -135,6 +150,7 @@ class EvictionQueue:
         (the index's size) by far, so the heap stays O(live)."""
         if len(self._heap) > 4 * live + 1024:
             self._heap = [(self._key(c), next(self._order), c.block) for c in self._all()]
+            self._latest = {block: order for _, order, block in self._heap}
             heapq.heapify(self._heap)
 
 

@@ -141,7 +141,7 @@ class PrefixCachingPagedAllocator(PagedAllocator):
         if orders_by_key(self.eviction) and not self.uses_demand and isinstance(index, IncrementalPrefixIndex):
             is_unheld = self._is_unheld
             self._queue = EvictionQueue(self.eviction.key, lambda block: index.candidate(block, is_unheld),
-                                        lambda: index.candidates(is_unheld))
+                                        lambda: index.candidates(is_unheld), type(self.eviction).__name__)
             index.watch(self._queue.changed, is_unheld)
         self.lookups = PrefixLookups()
         self._num_cached = 0  # blocks in the index that no sequence holds
