@@ -133,7 +133,7 @@ def declared_version(cls: type, kind: str, factory: Callable[..., Any] | None) -
     name = _class_attribute(cls, "plugin_name")
     registered = None
     if name is not None:
-        registered = _installed_registry().policies(kind).get(name)
+        registered = _installed_registry().select(kind, name)
     elif factory is not None:
         registered = _record_naming(kind, factory)
     if registered is None:
