@@ -60,12 +60,49 @@ def test_plugins_json():
                             "evictors"}
     for entries in listing.values():
         for entry in entries:
-            assert set(entry) == {"name", "distribution", "description"}
+            assert {"name", "qualified_name", "distribution", "description"} <= set(entry) <= {
+                "name", "qualified_name", "distribution", "description", "clash"}
+            assert entry["qualified_name"].endswith(":" + entry["name"])
     builtins = {"allocators": "paged", "schedulers": "continuous", "attention": "torch-paged",
                 "logits_processors": "structured"}
     for kind, name in builtins.items():
         [entry] = [e for e in listing[kind] if e["name"] == name]
         assert entry["distribution"] == "servelab" and entry["description"]
+
+
+RESEARCH_PLUGIN = """
+import servelab
+from servelab.plugin_types import DrafterPlugin, SchedulerPlugin
+
+@servelab.hookimpl
+def servelab_register_drafters():
+    return [DrafterPlugin(name="suffix", factory="nowhere:Trie", description="a research suffix trie")]
+
+@servelab.hookimpl
+def servelab_register_schedulers():
+    return [SchedulerPlugin(name="research-fair", factory="nowhere:Fair", description="fair share")]
+"""
+
+
+def test_plugins_shows_a_name_a_package_shares_with_a_builtin(tmp_path):
+    """An installed package registering `suffix`, a name servelab's own drafter took later."""
+    info = tmp_path / "servelab_research-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: servelab_research\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[servelab.plugins]\nresearch = research_plugin\n")
+    (tmp_path / "research_plugin.py").write_text(RESEARCH_PLUGIN)
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run(command("plugins"), capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.split()[:2] == ["research-fair", "servelab_research"] for line in lines), result.stdout
+    assert sum(line.split()[:2] in (["suffix", "*"], ["suffix", "servelab"]) for line in lines) == 0
+    assert [line.split()[1] for line in lines if line.split()[:1] == ["suffix*"]] == ["servelab", "servelab_research"]
+    clash = lines[lines.index("name clashes (*): select any policy by its qualified name, distribution:name") + 1]
+    assert clash.strip() == ("two plugins register the drafter 'suffix': distribution 'servelab' ('servelab:suffix') "
+                             "and distribution 'servelab_research' ('servelab-research:suffix'); 'suffix' selects "
+                             "'servelab-research:suffix' (a third-party policy over servelab's built-in); select "
+                             "the other by its qualified name")
 
 
 def test_plugins_plain_lists_names():

@@ -42,6 +42,35 @@ class OffByOneLookup(RepeatLookupDrafter):
         return super()._draft(tokens)[1:]
 
 
+class EchoingLookup(RepeatLookupDrafter):
+    """The bug: proposes the last k accepted tokens whenever the last n-gram occurred before."""
+
+    def _draft(self, tokens):
+        return tokens[-self.options.num_speculative_tokens:] if super()._draft(tokens) else []
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_a_correct_lookup_drafter_passes_the_lookup_rules_for_every_k(k):
+    """k = 5 on the 5-periodic context proposes [14 15 11 12 13], the last five tokens and
+    the true continuation: right, not a restatement."""
+    from servelab.plugins.drafters.ngram import NgramDrafter
+    from servelab.plugins.drafters.options import NgramOptions
+
+    for factory, options in ((RepeatLookupDrafter, LookupOptions(num_speculative_tokens=k)),
+                             (NgramDrafter, NgramOptions(num_speculative_tokens=k))):
+        correct = contract(DrafterContract, factory, options)
+        correct.lookup_drafter = True
+        correct.test_lookup_proposes_the_known_continuation()
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_a_drafter_echoing_the_last_tokens_is_caught_for_every_k(k):
+    broken = contract(DrafterContract, EchoingLookup, LookupOptions(num_speculative_tokens=k))
+    broken.lookup_drafter = True
+    with pytest.raises(ContractViolation, match="invariant violated: drafts do not restate accepted tokens"):
+        broken.test_lookup_proposes_the_known_continuation()
+
+
 @pytest.mark.parametrize("drafter, invariant", [
     (RestatingLookup, "drafts do not restate accepted tokens"),
     (OffByOneLookup, "a lookup drafter proposes the known continuation"),

@@ -9,6 +9,7 @@ import importlib
 import sys
 import textwrap
 import types
+import warnings
 
 import pluggy
 import pytest
@@ -91,8 +92,8 @@ def test_entry_point_of_a_third_party_distribution_is_discovered(fake_dist):
     assert policy.distribution == "fakepkg"
     assert policy.plugin.description == "from a fake dist"
     assert registry.select("schedulers", "continuous").distribution == "servelab"
-    assert {"name": "fake-sjf", "distribution": "fakepkg", "description": "from a fake dist"} \
-        in registry.describe()["schedulers"]
+    assert {"name": "fake-sjf", "qualified_name": "fakepkg:fake-sjf", "distribution": "fakepkg",
+            "description": "from a fake dist"} in registry.describe()["schedulers"]
 
 
 def test_broken_entry_point_warns_and_is_skipped(fake_dist):
@@ -172,24 +173,45 @@ def test_failed_registration_leaves_registry_usable():
 # ---------------------------------------------------------------- selection errors
 
 
-def test_two_plugins_claiming_one_name_is_an_error_naming_both():
+def test_two_third_party_plugins_sharing_a_bare_name_refuse_it_naming_the_qualified_names():
     registry = PluginRegistry()
-    registry.register(policy_plugin("servelab_register_allocators", AllocatorPlugin(name="dup", factory="a:b")),
-                      distribution="dist-one")
+    registry.register(policy_plugin("servelab_register_allocators", AllocatorPlugin(name="dup", factory="a:b"),
+                                    AllocatorPlugin(name="mine", factory="a:c")), distribution="dist-one")
     registry.register(policy_plugin("servelab_register_allocators", AllocatorPlugin(name="dup", factory="c:d")),
-                      distribution="dist-two")
-    with pytest.raises(PluginError, match="'dup'") as excinfo:
+                      distribution="dist_Two")
+    with pytest.raises(PluginError) as excinfo:
         registry.select("allocators", "dup")
-    assert "dist-one" in str(excinfo.value) and "dist-two" in str(excinfo.value)
+    assert str(excinfo.value) == ("two plugins register the allocator 'dup': distribution 'dist-one' ('dist-one:dup') "
+                                  "and distribution 'dist_Two' ('dist-two:dup'); select one by its qualified name")
+    assert "uninstall" not in str(excinfo.value)
+    assert registry.select("allocators", "dist-one:dup").plugin.factory == "a:b"
+    assert registry.select("allocators", "Dist.Two:dup").plugin.factory == "c:d"  # normalised as pip does
+    assert registry.select("allocators", "mine").distribution == "dist-one"  # the rest is untouched
+    assert "dup" not in registry.policies("allocators")
 
 
-def test_shadowing_a_builtin_is_an_error():
+def test_a_builtin_added_later_does_not_take_a_third_party_name():
+    """A package registers a name servelab later ships as a built-in: the package keeps
+    it, with one warning naming both and the qualified names; the built-in stays reachable."""
     registry = PluginRegistry.from_entry_points()
     registry.register(policy_plugin("servelab_register_allocators", AllocatorPlugin(name="paged", factory="a:b")),
-                      distribution="impostor")
-    with pytest.raises(PluginError, match="impostor") as excinfo:
-        registry.policies("allocators")
-    assert "servelab" in str(excinfo.value)
+                      distribution="research")
+    with pytest.warns(servelab.registry.PluginNameClashWarning) as caught:
+        assert registry.select("allocators", "paged").distribution == "research"
+    assert str(caught[0].message) == (
+        "two plugins register the allocator 'paged': distribution 'servelab' ('servelab:paged') and distribution "
+        "'research' ('research:paged'); 'paged' selects 'research:paged' (a third-party policy over servelab's "
+        "built-in); select the other by its qualified name")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        registry.select("allocators", "paged")  # one warning per process
+        assert registry.select("allocators", "servelab:paged").distribution == "servelab"
+        assert registry.select("schedulers", "continuous").distribution == "servelab"
+    clash, = registry.clashes("allocators")
+    assert (clash.name, clash.chosen.distribution) == ("paged", "research")
+    entries = [e for e in registry.describe()["allocators"] if e["name"] == "paged"]
+    assert [e["qualified_name"] for e in entries] == ["research:paged", "servelab:paged"]
+    assert all(e["clash"] == str(caught[0].message) for e in entries)
 
 
 def test_unknown_name_lists_installed_names_and_distributions():

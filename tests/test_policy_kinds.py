@@ -15,8 +15,8 @@ import pytest
 import servelab
 from servelab import config, hookspecs
 from servelab.errors import PluginError
-from servelab.interfaces import (AllocatorContext, AllocatorStats, DrafterContext, KVAllocator, RouteRequest, Router, RouterContext,
-                                 ReplicaSnapshot, Scheduler, SchedulerContext, Sequence, SequenceStatus)
+from servelab.interfaces import (AllocatorContext, AllocatorStats, DrafterContext, KVAllocator, RouteRequest, Router,
+                                 RouterContext, ReplicaSnapshot, Scheduler, SchedulerContext, Sequence, SequenceStatus)
 from servelab.plugin_types import KINDS, POLICY_KINDS, PolicyKind, PolicyPlugin, kind_of_section, kinds_table
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy
 from servelab.sampling_params import SamplingParams

@@ -185,12 +185,20 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(listing, indent=2))
         return 0
+    clashes = []
     for kind, plugins in listing.items():
         print(f"{kind}:")
         if not plugins:
             print("  (none installed)")
         for plugin in plugins:
-            print(f"  {plugin['name']:<20} {plugin['distribution']:<16} {plugin['description']}")
+            marker = "*" if "clash" in plugin else ""
+            print(f"  {plugin['name'] + marker:<20} {plugin['distribution']:<16} {plugin['description']}")
+            if "clash" in plugin and plugin["clash"] not in clashes:
+                clashes.append(plugin["clash"])
+    if clashes:
+        print("\nname clashes (*): select any policy by its qualified name, distribution:name")
+        for clash in clashes:
+            print(f"  {clash}")
     return 0
 
 

@@ -3,10 +3,19 @@
 Built-in and third-party plugins arrive the same way: modules named under the
 `servelab.plugins` entry-point group. A test or notebook can also register a plugin
 object at run time. Each registry is independent; nothing here is global.
+
+Names survive upgrades: every policy is also addressable by its qualified name,
+`distribution:name` (the distribution normalised as pip does: "Servelab_Research" and
+"servelab-research" are one). Two providers of one bare name never break anything else;
+selecting that bare name picks the third-party policy over servelab's own built-in, with
+one warning naming both and their qualified names (a built-in added later must not take
+a name a package already uses), and is refused, naming the qualified names, when two
+third-party packages share it.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from importlib import metadata
@@ -28,6 +37,23 @@ _warned_unversioned: set[tuple[str, str, str]] = set()
 
 class ContractVersionWarning(UserWarning):
     """A plugin declares no contract version: it is taken as the first."""
+
+
+class PluginNameClashWarning(UserWarning):
+    """A bare policy name two distributions register was selected: the third-party one won."""
+
+
+_warned_clashes: set[tuple[str, str, str]] = set()
+
+
+def normalized_distribution(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503): lower case, runs of -_. as one -."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def qualified_name(distribution: str, name: str) -> str:
+    """The name that selects one provider's policy whatever else is installed."""
+    return f"{normalized_distribution(distribution)}:{name}"
 
 
 def check_contract_version(registered: "RegisteredPolicy", kind: PolicyKind) -> None:
@@ -69,6 +95,39 @@ class RegisteredPolicy:
     def name(self) -> str:
         return self.plugin.name
 
+    @property
+    def qualified_name(self) -> str:
+        return qualified_name(self.distribution, self.plugin.name)
+
+
+@attrs.frozen
+class NameClash:
+    """One bare name that several providers register, and which of them the bare name selects."""
+
+    kind: str
+    name: str
+    providers: tuple[RegisteredPolicy, ...]
+    chosen: RegisteredPolicy | None  # None: two third-party providers; the bare name is refused
+
+    def describe(self) -> str:
+        providers = " and ".join(f"distribution {p.distribution!r} ({p.qualified_name!r})" for p in self.providers)
+        noun = self.providers[0].noun
+        if self.chosen is None:
+            return (f"two plugins register the {noun} {self.name!r}: {providers}; select one by its qualified "
+                    f"name")
+        return (f"two plugins register the {noun} {self.name!r}: {providers}; {self.name!r} selects "
+                f"{self.chosen.qualified_name!r} (a third-party policy over servelab's built-in); select the "
+                f"other by its qualified name")
+
+
+@attrs.frozen
+class Catalogue:
+    """One kind's policies: by bare name (clashes resolved), by qualified name, and the clashes."""
+
+    by_name: dict[str, RegisteredPolicy]
+    by_qualified_name: dict[str, RegisteredPolicy]
+    clashes: dict[str, NameClash]
+
 
 class PluginRegistry:
     """A pluggy manager plus the catalogue of policies its plugins register."""
@@ -85,7 +144,7 @@ class PluginRegistry:
             raise PluginError(f"policy kinds without a registration hookspec: {', '.join(missing)} "
                               f"(add it to servelab.hookspecs)")
         self._distribution_of: dict[int, str] = {}
-        self._catalogue: dict[str, dict[str, RegisteredPolicy]] | None = None
+        self._catalogue: dict[str, Catalogue] | None = None
         self._implemented: dict[str, bool] = {}  # hook name -> has an implementation, until the next register
 
     @classmethod
@@ -139,29 +198,48 @@ class PluginRegistry:
 
     # ------------------------------------------------------------ catalogue
 
-    def policies(self, kind: str) -> dict[str, RegisteredPolicy]:
-        """All policies of `kind` by name; two providers of one name is an error."""
+    def catalogue(self, kind: str) -> Catalogue:
         if kind not in self.kinds:
             raise PluginError(f"unknown policy kind {kind!r}; kinds are {', '.join(self.kinds)}")
         if self._catalogue is None:
             self._catalogue = {k: self._collect(k) for k in self.kinds}
         return self._catalogue[kind]
 
+    def policies(self, kind: str) -> dict[str, RegisteredPolicy]:
+        """The policies of `kind` by bare name, each clash resolved as `select` resolves it
+        (a name two third-party packages share is left out: only its qualified names select it)."""
+        return self.catalogue(kind).by_name
+
+    def clashes(self, kind: str) -> list[NameClash]:
+        return list(self.catalogue(kind).clashes.values())
+
     def select(self, kind: str, name: str) -> RegisteredPolicy:
-        """The policy called `name`, or an error listing what is installed."""
-        available = self.policies(kind)
-        if name in available:
-            check_contract_version(available[name], self.kinds[kind])
-            return available[name]
-        if available:
-            listing = ", ".join(f"{p.name} ({p.distribution})" for p in available.values())
+        """The policy called `name` (bare, or qualified `distribution:name`), or an error
+        listing what is installed."""
+        catalogue = self.catalogue(kind)
+        if ":" in name:
+            distribution, _, bare = name.partition(":")
+            found = catalogue.by_qualified_name.get(qualified_name(distribution, bare))
+        else:
+            found = catalogue.by_name.get(name)
+            clash = catalogue.clashes.get(name)
+            if clash is not None and clash.chosen is None:
+                raise PluginError(clash.describe())
+            if clash is not None and (kind, name, found.distribution) not in _warned_clashes:
+                _warned_clashes.add((kind, name, found.distribution))
+                warnings.warn(clash.describe(), PluginNameClashWarning, stacklevel=2)
+        if found is not None:
+            check_contract_version(found, self.kinds[kind])
+            return found
+        if catalogue.by_qualified_name:
+            listing = ", ".join(f"{p.name} ({p.distribution})" for p in catalogue.by_qualified_name.values())
             hint = f"installed: {listing}"
         else:
             hint = "none is installed (install the servelab package, or a plugin package that provides one)"
         raise PluginError(f"unknown {self.kinds[kind].noun} {name!r}; {hint}")
 
-    def _collect(self, kind: str) -> dict[str, RegisteredPolicy]:
-        found: dict[str, RegisteredPolicy] = {}
+    def _collect(self, kind: str) -> Catalogue:
+        providers: dict[str, list[RegisteredPolicy]] = {}
         policy_kind = self.kinds[kind]
         hook_caller = getattr(self.manager.hook, policy_kind.hook_name)
         for impl in hook_caller.get_hookimpls():
@@ -172,24 +250,48 @@ class PluginRegistry:
                         f"{impl.plugin_name} ({distribution}) returned {record!r} from "
                         f"{policy_kind.hook_name}; expected PolicyPlugin records"
                     )
-                if record.name in found:
-                    other = found[record.name].distribution
-                    raise PluginError(
-                        f"two plugins register the {policy_kind.noun} {record.name!r}: "
-                        f"distribution {other!r} and distribution {distribution!r}; uninstall one"
-                    )
-                found[record.name] = RegisteredPolicy(kind, record, distribution, policy_kind.noun)
-        return found
+                providers.setdefault(record.name, []).append(
+                    RegisteredPolicy(kind, record, distribution, policy_kind.noun))
+        by_name: dict[str, RegisteredPolicy] = {}
+        by_qualified: dict[str, list[RegisteredPolicy]] = {}
+        clashes: dict[str, NameClash] = {}
+        for name, registered in providers.items():
+            for policy in registered:
+                by_qualified.setdefault(policy.qualified_name, []).append(policy)
+            chosen = _bare_name_choice(registered)
+            if chosen is not None:
+                by_name[name] = chosen
+            if len(registered) > 1:
+                clashes[name] = NameClash(kind, name, tuple(registered), chosen)
+        # One distribution registering a name twice: neither qualified name can tell them apart.
+        unique = {qualified: found[0] for qualified, found in by_qualified.items() if len(found) == 1}
+        return Catalogue(by_name, unique, clashes)
 
     def describe(self) -> dict[str, list[dict[str, str]]]:
-        """Every policy by kind: name, distribution, description (for `servelab plugins`)."""
-        return {
-            kind: [
-                {"name": p.name, "distribution": p.distribution, "description": p.plugin.description}
-                for p in sorted(self.policies(kind).values(), key=lambda p: p.name)
-            ]
-            for kind in self.kinds
-        }
+        """Every policy by kind: name, qualified name, distribution, description, and for a
+        name several distributions register, what selecting it does (for `servelab plugins`)."""
+        listing = {}
+        for kind in self.kinds:
+            catalogue = self.catalogue(kind)
+            entries = []
+            for policy in sorted(catalogue.by_qualified_name.values(), key=lambda p: (p.name, p.distribution)):
+                entry = {"name": policy.name, "qualified_name": policy.qualified_name,
+                         "distribution": policy.distribution, "description": policy.plugin.description}
+                clash = catalogue.clashes.get(policy.name)
+                if clash is not None:
+                    entry["clash"] = clash.describe()
+                entries.append(entry)
+            listing[kind] = entries
+        return listing
+
+
+def _bare_name_choice(providers: list[RegisteredPolicy]) -> RegisteredPolicy | None:
+    """Who a bare name shared by `providers` selects: the only one; else the only
+    third-party one where the rest are servelab's built-ins; else nobody."""
+    if len(providers) == 1:
+        return providers[0]
+    third_party = [p for p in providers if p.distribution != BUILTIN_DISTRIBUTION]
+    return third_party[0] if len(third_party) == 1 else None
 
 
 def _plugin_name(distribution: str, entry_point_name: str) -> str:

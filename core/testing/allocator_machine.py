@@ -24,7 +24,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from servelab.interfaces import AllocatorContext, ForkingAllocator, KVAllocator, PrefixCachingAllocator
+from servelab.interfaces import (AllocatorContext, ForkingAllocator, KVAllocator, PrefixCachingAllocator,
+                                 ResettablePrefixCache)
 from servelab.testing.allocator_prefix_rules import PrefixRules
 from servelab.testing.allocator_stats import (
     BLOCKS_CONSERVED,
@@ -68,6 +69,7 @@ class AllocatorMachine(PrefixRules, RuleBasedStateMachine):
         check(isinstance(self.alloc, KVAllocator), "implements KVAllocator", type(self.alloc).__name__)
         self.forking = isinstance(self.alloc, ForkingAllocator)
         self.caching = isinstance(self.alloc, PrefixCachingAllocator)
+        self.resettable = self.caching and isinstance(self.alloc, ResettablePrefixCache)  # optional since version 2
         self.store = KVStore(self.alloc, self.num_blocks, self.block_size)
         self.ledger = PrefixLedger()
         self.live: dict[str, Any] = {}  # seq id -> Sequence; tokens in prompt_token_ids, computed = written

@@ -1,7 +1,7 @@
 """The allocator contract's prefix-caching scenarios (PrefixCachingAllocator only):
 hits reuse computed blocks and hold the K/V of the whole matched prefix, equal block
 content after a different parent never hits, the statistics count one lookup per
-admission, and `reset_prefix_cache` drops what no sequence holds.
+admission, and `reset_prefix_cache` (the optional ResettablePrefixCache) drops what no sequence holds.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from servelab.interfaces import PrefixCachingAllocator
+from servelab.interfaces import PrefixCachingAllocator, ResettablePrefixCache
 from servelab.testing.allocator_stats import PREFIX_STATS, PrefixLedger, check_stats_bounds
 from servelab.testing.contract import check, exercising
 from servelab.testing.kv_store import PREFIX_HIT_TOKENS, KVStore, new_sequence
@@ -93,6 +93,7 @@ class PrefixCacheScenarios:
 
     def test_reset_prefix_cache_drops_unheld_blocks(self):
         alloc, store = self.caching_allocator()
+        self.require(alloc, ResettablePrefixCache)  # an optional capability (allocator contract version 2)
         self.admit(alloc, store, "a", list(range(3, 14)))
         self.admit(alloc, store, "b", [40, 41, 42, 43, 44])
         alloc.free("a")

@@ -42,7 +42,7 @@ class PrefixRules:
                 self.write()
         return multiple(*ids)
 
-    @precondition(lambda self: self.caching)
+    @precondition(lambda self: self.resettable)
     @rule()
     def reset_prefix_cache(self) -> None:
         held = {seq_id: list(self.alloc.block_table(seq_id)) for seq_id in self.live}

@@ -10,6 +10,14 @@ named `Test*`. The policy under test comes from one of:
 - a `servelab_factory` fixture defined in the subclass, for factories that need other
   fixtures (a temporary directory, a GPU).
 
+The policy is checked against the contract version it declares: the class attribute
+`contract_version`, else its installed record's (`plugin_name`, or a factory some
+installed record names), where no version means version 1 for a third-party policy and
+the current version for servelab's own; a factory no record names is checked against the
+current version. A rule a later version added is skipped for it (`since`), a rule about
+an optional capability runs only on a policy that implements it (`require`), and every
+failure names the contract, its version and where that version came from.
+
 Nothing here imports torch, transformers or hypothesis: the contracts import them
 inside the tests that need them, so `import servelab.testing` stays cheap.
 """
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -30,7 +39,28 @@ UNDER_TEST = "contract-under-test"  # the name a factory-only policy is register
 
 class ContractViolation(AssertionError):
     """A policy broke an invariant of its contract; the message starts with
-    "invariant violated: <name>"."""
+    "invariant violated: <name>" and ends naming the contract version checked."""
+
+
+# The contract version the running contract test checks, named in every violation:
+# "(allocator contract version 1, declared by ...)"; set while a contract test runs.
+_checking: list[str] = []
+_ADDED_IN: dict[str, int] = {}  # contract test (module.qualname) -> the version that added its rule
+
+
+def _violation(message: str) -> ContractViolation:
+    return ContractViolation(message + (f"\n({_checking[-1]})" if _checking else ""))
+
+
+def since(version: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a contract test as a rule version `version` of its contract added: a policy
+    declaring an earlier version skips it."""
+
+    def mark(test: Callable[..., Any]) -> Callable[..., Any]:
+        _ADDED_IN[f"{test.__module__}.{test.__qualname__}"] = version
+        return test
+
+    return mark
 
 
 def check(condition: Any, invariant: str, detail: str | Callable[[], str] = "") -> None:
@@ -41,7 +71,7 @@ def check(condition: Any, invariant: str, detail: str | Callable[[], str] = "") 
     if condition:
         return
     text = detail() if callable(detail) else detail
-    raise ContractViolation(f"invariant violated: {invariant}" + (f": {text}" if text else ""))
+    raise _violation(f"invariant violated: {invariant}" + (f": {text}" if text else ""))
 
 
 @contextlib.contextmanager
@@ -54,8 +84,8 @@ def exercising(invariant: str) -> Iterator[None]:
         raise
     except Exception as error:
         trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        raise ContractViolation(f"invariant violated: {invariant}: the policy raised "
-                                f"{type(error).__name__}: {error}\n\n{trace}") from error
+        raise _violation(f"invariant violated: {invariant}: the policy raised "
+                         f"{type(error).__name__}: {error}\n\n{trace}") from error
 
 
 def _class_attribute(cls: type, name: str) -> Any:
@@ -81,6 +111,41 @@ def installed_factory(kind: str, name: str) -> tuple[Callable[..., Any], type]:
     return registered.plugin.load_factory(), registered.plugin.options
 
 
+def _record_naming(kind: str, factory: Callable[..., Any]) -> Any:
+    """The installed record (a RegisteredPolicy) whose factory is `factory`, or None."""
+    named = inspect.isfunction(factory) or inspect.isclass(factory)
+    spelled = f"{factory.__module__}:{factory.__qualname__}" if named else None
+    for registered in _installed_registry().policies(kind).values():
+        if registered.plugin.factory is factory or registered.plugin.factory == spelled:
+            return registered
+    return None
+
+
+def declared_version(cls: type, kind: str, factory: Callable[..., Any] | None) -> tuple[int, str]:
+    """(the contract version a contract class checks its policy against, where it came from)."""
+    from servelab.plugin_types import KINDS
+    from servelab.registry import BUILTIN_DISTRIBUTION
+
+    current = KINDS[kind].version
+    stated = _class_attribute(cls, "contract_version")
+    if stated is not None:
+        return stated, f"contract_version = {stated} on {cls.__name__}"
+    name = _class_attribute(cls, "plugin_name")
+    registered = None
+    if name is not None:
+        registered = _installed_registry().select(kind, name)
+    elif factory is not None:
+        registered = _record_naming(kind, factory)
+    if registered is None:
+        return current, "the current version: no installed record names this factory"
+    where = f"{registered.noun} {registered.name!r} from distribution {registered.distribution!r}"
+    if registered.plugin.contract_version is not None:
+        return registered.plugin.contract_version, f"declared by {where}"
+    if registered.distribution == BUILTIN_DISTRIBUTION:
+        return current, f"{where}, which moves with its contract"
+    return 1, f"{where} declares none: version 1"
+
+
 class PolicyContract:
     """Base of the policy contracts (one per kind); subclasses set `kind` and write the tests."""
 
@@ -88,6 +153,9 @@ class PolicyContract:
     factory: Callable[..., Any] | None = None  # factory(options, context) -> policy
     plugin_name: str | None = None  # or: the installed policy of this name
     options: Any = None  # options instance handed to the factory (default: the options class's defaults)
+    # The contract version the policy is checked against (None: its record's, see the module docstring).
+    contract_version: int | None = None
+    _declared: tuple[int, str] | None = None  # (version, where from), set for each test
     # Hypothesis budget per randomised test; `pytest --servelab-max-examples=N` overrides it.
     # Runs are derandomized (the same examples every run) unless `--servelab-random` is given.
     max_examples = 30
@@ -115,7 +183,17 @@ class PolicyContract:
         return options
 
     @pytest.fixture(autouse=True)
-    def _servelab_contract_setup(self, request, servelab_factory, servelab_options) -> None:
+    def _servelab_contract_setup(self, request, servelab_factory, servelab_options) -> Iterator[None]:
+        from servelab.plugin_types import KINDS
+
+        self._declared = declared_version(type(self), self.kind, servelab_factory)
+        version, where = self._declared
+        noun = KINDS[self.kind].noun
+        test = request.function
+        added = _ADDED_IN.get(f"{test.__module__}.{test.__qualname__}", 1)
+        if added > version:
+            pytest.skip(f"a rule of {noun} contract version {added}; the policy is checked against version "
+                        f"{version} ({where})")
         self._factory = servelab_factory
         self._options = servelab_options
         # Selected by name from the installed plugins, exactly as a config would select it?
@@ -126,6 +204,26 @@ class PolicyContract:
         override = request.config.getoption("servelab_max_examples", default=None)
         self._max_examples = override or self.max_examples
         self._derandomize = not request.config.getoption("servelab_random", default=False)
+        _checking.append(f"{noun} contract version {version}: {where}")
+        try:
+            yield
+        finally:
+            _checking.pop()
+
+    @property
+    def version(self) -> int:
+        """The contract version this policy is checked against."""
+        if self._declared is None:  # a contract built outside pytest's fixtures
+            from servelab.plugin_types import KINDS
+
+            return self.contract_version or KINDS[self.kind].version
+        return self._declared[0]
+
+    def require(self, policy: Any, capability: type) -> None:
+        """Skip the running test unless `policy` implements the optional `capability`."""
+        if not isinstance(policy, capability):
+            pytest.skip(f"a rule of the optional capability {capability.__name__}, which "
+                        f"{type(policy).__name__} does not implement")
 
     def make(self, context: Any) -> Any:
         """A fresh policy instance for `context`."""

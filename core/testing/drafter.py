@@ -18,10 +18,10 @@ from typing import Any, Mapping
 import attrs
 import pytest
 
-from servelab.interfaces import (Draft, Drafter, DrafterContext, FeatureDrafter, FinishAwareDrafter, ReleasingDrafter,
-                                 Sequence, TreeDrafter)
+from servelab.interfaces import (AcceptingDrafter, Draft, Drafter, DrafterContext, FeatureDrafter, FinishAwareDrafter,
+                                 ReleasingDrafter, Sequence, TreeDrafter)
 from servelab.sampling_params import SamplingParams
-from servelab.testing.contract import PolicyContract, check, exercising
+from servelab.testing.contract import PolicyContract, check, exercising, since
 from servelab.token_tree import max_depth, tree_error
 
 KEYS = "proposals are keyed by the given request ids"
@@ -77,6 +77,21 @@ def _changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[
 
 KNOWN_CONTINUATION = "a lookup drafter proposes the known continuation"
 RESTATED = "drafts do not restate accepted tokens"
+ACCEPTED = "accepted takes the accepted prefix of every verified draft, and drafts stay well formed after it"
+# Contexts ending in 11 12 13, which occurred before: 5-periodic, and of period 10.
+LOOKUP_CONTEXTS = ([11, 12, 13, 14, 15, 11, 12, 13], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 11, 12, 13])
+
+
+def known_continuation(tokens: list[int], k: int) -> list[int]:
+    """The k tokens after `tokens` if what followed the previous occurrence of its last
+    three tokens follows again (past the end of `tokens`, it repeats with the same period)."""
+    tail = tokens[-3:]
+    start = max(i for i in range(len(tokens) - 3) if tokens[i:i + 3] == tail)
+    period = len(tokens) - 3 - start
+    extended = list(tokens)
+    while len(extended) < len(tokens) + k:
+        extended.append(extended[-period])
+    return extended[len(tokens):]
 
 
 class DrafterContract(PolicyContract):
@@ -102,8 +117,12 @@ class DrafterContract(PolicyContract):
     - a FeatureDrafter is first shown seeded random features of every computed position
       (`observe`, as the engine calls it after a step), so that it has something to draft
       from; set `feature_size` (len(feature_layers) x the target's hidden size)
+    - accepted (an AcceptingDrafter's, version 2) takes the accepted prefix of every
+      verified draft, and the drafts after it stay well formed
     - a lookup drafter (`lookup_drafter = True`) proposes the known continuation of a
-      repeated n-gram, and its drafts do not restate accepted tokens
+      repeated n-gram, and its drafts do not restate accepted tokens (where the
+      continuation itself equals the last tokens, as in a periodic context, proposing it
+      is right)
 
     k is the contract class's `num_speculative_tokens`, else the options'; a contract
     that can find neither fails (the at-most-k check never silently skips).
@@ -183,20 +202,22 @@ class DrafterContract(PolicyContract):
     # ------------------------------------------------------------ scenarios
 
     def test_lookup_proposes_the_known_continuation(self):
-        """[11 12 13 14 15 11 12 13]: 11 12 13 occurred before, followed by 14 15 11."""
-        import pytest
-
+        """11 12 13 occurred before, followed by 14 15 ...: in a 5-periodic context, where
+        the continuation of 5 tokens equals the last 5 accepted ones (so proposing them is
+        right), and in one whose period (10) exceeds any k, where a draft equal to the
+        last accepted tokens is always a restatement."""
         if not self.lookup_drafter:
             pytest.skip("not a lookup drafter (set lookup_drafter = True)")
-        tokens = [11, 12, 13, 14, 15, 11, 12, 13]
-        continuation = [14, 15, 11, 12, 13][: self.max_drafts()]
-        for prompt, output in ((tokens, []), (tokens[:5], tokens[5:])):
-            seq = decoding_sequence("lookup", prompt, output)
-            draft = list(self.check_proposals(self.drafter(), [seq]).get("lookup", []))
-            check(draft != tokens[len(tokens) - len(draft):] or not draft, RESTATED,
-                  f"draft {draft} repeats the last accepted tokens {tokens[-len(draft):]} instead of what followed them")
-            check(draft and draft == continuation[: len(draft)], KNOWN_CONTINUATION,
-                  f"draft {draft} after {tokens}; the known continuation is {continuation}")
+        for tokens in LOOKUP_CONTEXTS:
+            continuation = known_continuation(tokens, self.max_drafts())
+            for prompt, output in ((tokens, []), (tokens[:5], tokens[5:])):
+                seq = decoding_sequence("lookup", prompt, output)
+                draft = list(self.check_proposals(self.drafter(), [seq]).get("lookup", []))
+                restated = bool(draft) and draft == tokens[-len(draft):] and draft != continuation[: len(draft)]
+                check(not restated, RESTATED, lambda: f"draft {draft} repeats the last accepted tokens "
+                                                      f"instead of what followed them ({continuation})")
+                check(draft and draft == continuation[: len(draft)], KNOWN_CONTINUATION,
+                      f"draft {draft} after {tokens}; the known continuation is {continuation}")
 
     def test_empty_batch_gets_no_proposals(self):
         drafter = self.drafter()
@@ -255,6 +276,29 @@ class DrafterContract(PolicyContract):
             got = {r: list(d) for r, d in reused.items()}
             want = {r: list(d) for r, d in fresh.items()}
             check(got == want, RELEASE, f"after release, drafts {got}; a fresh drafter proposes {want}")
+
+    @since(2)
+    def test_accepted_drafts_feed_the_drafter(self):
+        """What the engine does after verification (drafter contract version 2): `accepted`
+        with the accepted prefix of each draft (empty when the first was rejected)."""
+        drafter = self.drafter()
+        self.require(drafter, AcceptingDrafter)
+        pattern = [41, 42, 43, 44, 45]
+        seqs = [decoding_sequence("a", pattern * 3, pattern[:2]), decoding_sequence("b", [5, 6, 5, 6, 5], [6]),
+                decoding_sequence("c", [9], [])]
+        for step in range(3):
+            proposals = self.check_proposals(drafter, seqs)
+            for seq in seqs:
+                draft = list(proposals.get(seq.request_id, []))
+                if not draft:
+                    continue
+                kept = draft[: (step + len(seq.request_id)) % (len(draft) + 1)]  # all, some or none accepted
+                with exercising(ACCEPTED):
+                    drafter.accepted(seq.request_id, kept)
+                seq.output_token_ids.extend(kept + [pattern[step]])
+                seq.num_computed_tokens = seq.num_tokens - 1
+        with exercising(ACCEPTED):
+            self.check_proposals(drafter, seqs)
 
     def test_finished_sequences_feed_the_drafter(self):
         """What the engine does when sequences finish: `finished`, then `release`."""

@@ -21,7 +21,7 @@ import attrs
 from servelab.interfaces import (FinishAwareRouter, PrefixSummary, ReplicaSnapshot, RouteRequest, Router, RouterContext,
                                  prefix_block_hashes)
 from servelab.routing import route_problem
-from servelab.testing.contract import PolicyContract, check, exercising
+from servelab.testing.contract import PolicyContract, check, exercising, since
 from servelab.testing.objectives import ObjectiveChecks
 
 BLOCK_SIZE = 4
@@ -159,6 +159,7 @@ class RouterContract(PolicyContract, ObjectiveChecks):
     - request duplicated: a choice is one replica id, never several; no request is routed twice
     - deterministic: fresh routers given the same calls choose the same replicas
     - request_finished (where defined) accepts every request the router routed
+    - version 2: requests carrying a `session` key are routed like any other
     """
 
     kind = "routers"
@@ -190,6 +191,16 @@ class RouterContract(PolicyContract, ObjectiveChecks):
 
     def test_replicas_reporting_their_prefix_caches(self):
         self.run_fleet(churn_scenario(self.num_replicas), report_prefixes=True)
+
+    @since(2)
+    def test_requests_carrying_a_session(self):
+        """Version 2: RouteRequest.session; a router that ignores it still routes every
+        request to a live replica, the same way each time."""
+        events = [attrs.evolve(event, request=attrs.evolve(event.request, session=f"user-{i % 3}"))
+                  for i, event in enumerate(churn_scenario(self.num_replicas))]
+        first = self.run_fleet(events)
+        second = self.run_fleet(events)
+        check(first == second, "deterministic", lambda: _first_difference(first, second))
 
     def test_same_calls_same_choices(self):
         for report_prefixes in (False, True):
