@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from servelab.bench.driver import RunRecord
+from servelab.bench.per_request import request_records
 
 # Metrics fixed by the decisions alone (a real run's times move with the machine's load).
 DECISION_METRICS = ("output_tokens", "steps", "preemptions", "discarded_tokens", "prefix_hit_rate",
@@ -64,8 +65,6 @@ def annotate(result: dict[str, Any], configs: list[tuple[str, Any]], records: li
              simulated: bool, imbalance_factor: float) -> dict[str, Any]:
     """`result` with each run's per-request records and changes relative to the first
     config, and the comparison's warnings (module doc)."""
-    from servelab.bench.per_request import request_records
-
     changes = config_changes(configs)
     for run, record in zip(result["runs"], records):
         run["changes"] = changes[run["config"]]

@@ -2,6 +2,7 @@
 
     python examples/measurements/eviction_cost.py                  # radix and hash, every eviction policy
     python examples/measurements/eviction_cost.py --sizes 1000 30000
+    python examples/measurements/eviction_cost.py --policies lru gdsf   # a stateful policy (EvictionObserver)
 
 A pool of N blocks is filled with N cached, unheld one-block prefixes (each from a
 finished sequence), then sequences that each need one new block arrive one at a time:
@@ -12,7 +13,9 @@ to the baseline, for each policy kept in order by the cache's queue (the built-i
 policies) and through a sort of every candidate per eviction (a policy with its own
 `choose`, a demand-aware one, and every policy before the queue): the sort grows as
 N log N per eviction, and on a GPU-sized pool (tens of thousands of blocks) it is a
-large part of a step.
+large part of a step. `gdsf` is GreedyDual-Size-Frequency as docs/writing-a-policy.md
+writes it: a key plus `evicted(...)` (an aging clock), served from the queue like the
+built-ins; through the sort it is what overriding `choose` to learn of evictions cost.
 """
 
 from __future__ import annotations
@@ -49,12 +52,39 @@ class Sorted:
         return KeyedEviction.choose(self.policy, candidates, num_blocks)
 
 
+class SortedObserver(Sorted):
+    """`Sorted` for a policy that is told of evictions."""
+
+    def evicted(self, candidates):
+        self.policy.evicted(candidates)
+
+
+class GDSF(KeyedEviction):
+    """GreedyDual-Size-Frequency (docs/writing-a-policy.md): L + frequency x depth / size."""
+
+    clock = 0.0
+
+    def value(self, c):
+        return self.clock + (c.hits + 1) * c.depth / c.size
+
+    def key(self, c):
+        return self.memo_key(c, self.value), c.last_access
+
+    def evicted(self, candidates):
+        self.clock = max(self.clock, *(self.key(c)[0] for c in candidates))
+        self.forget_keys(candidates)
+
+
 def filled(allocator_name: str, eviction: str, num_blocks: int, *, sort: bool):
     """A prefix cache of `num_blocks` blocks, every one cached and unheld."""
-    policy_factory, policy_options = installed_factory("evictors", eviction)
-    policy = policy_factory(policy_options(), EvictionContext(num_blocks=num_blocks, block_size=BLOCK))
+    context = EvictionContext(num_blocks=num_blocks, block_size=BLOCK)
+    if eviction == "gdsf":
+        policy = GDSF(None, context)
+    else:
+        policy_factory, policy_options = installed_factory("evictors", eviction)
+        policy = policy_factory(policy_options(), context)
     if sort:
-        policy = Sorted(policy)
+        policy = SortedObserver(policy) if eviction == "gdsf" else Sorted(policy)
     factory, options = installed_factory("allocators", allocator_name)
     allocator = factory(options(), AllocatorContext(num_blocks=num_blocks, block_size=BLOCK,
                                                     max_model_len=64 * BLOCK, eviction=policy))
