@@ -108,6 +108,13 @@ def test_two_configs_side_by_side_with_json_and_plots(llama_checkpoint, tmp_path
             assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
     table = format_table(result)
     assert "wide" in table and "narrow" in table and "TTFT p50/p90/p99 ms" in table
+    assert result["runs"][1]["changes"] == ["engine.max_num_seqs=2 (wide: 64)"]
+    assert [w["kind"] for w in result["warnings"]] == []  # two at a time changes the order of admission
+    for run in result["runs"]:
+        records = run["requests"]
+        assert len(records) == 8 and sum(r["output_tokens"] for r in records) == expected_tokens
+        assert sum(r["preemptions"] for r in records) == run["metrics"]["preemptions"]
+        assert all(r["ttft_ms"] <= r["e2e_ms"] and r["deadline_met"] is None for r in records)
     json.dumps(result)  # the --json output must serialise
 
 
@@ -126,6 +133,9 @@ def test_cli_bench_writes_json(llama_checkpoint, tmp_path):
                 "prefix_hit_rate", "acceptance_rate", "slot_steps_used", "slot_steps_wasted", "preemptions"):
         assert key in metrics
     assert "output tokens/s" in proc.stdout
+    records = result["runs"][0]["requests"]
+    assert len(records) == 4 and records[0]["replica"] == 0 and records[0]["prompt_tokens"] >= 1
+    assert result["warnings"] == []
 
 
 def test_hf_baseline_column_runs_interleaved(llama_checkpoint):

@@ -96,8 +96,10 @@ def comparison_warnings(names: list[str], records: list[RunRecord], metrics: lis
         if _comparable(metrics[index], simulated) == _comparable(metrics[reference], simulated):
             warnings.append({"kind": "same_metrics", "configs": [names[reference], name],
                              "message": f"config {name!r} equals {names[reference]!r} on every metric"
-                             + ("" if simulated else " that does not depend on timing noise")
-                             + ": whatever it changed made no measurable difference on this workload"})
+                             + (": whatever it changed made no measurable difference on this workload" if simulated
+                                else " its decisions fix (steps, preemptions, discarded tokens, prefix hits, "
+                                     "slot-steps, KV use): whatever it changed did not change what the engine "
+                                     "did, only its speed could differ")})
     for name, m in zip(names, metrics):
         if "fleet" in m:
             warnings.extend(_lopsided(name, m["fleet"]["requests_per_replica"], imbalance_factor))
@@ -105,12 +107,16 @@ def comparison_warnings(names: list[str], records: list[RunRecord], metrics: lis
 
 
 def _identical(first: str, second: str, simulated: bool) -> dict[str, Any]:
-    detail = ("every request's timings, to the digit" if simulated else
-              "the same admission and finish order, so any difference in the table is timing noise")
+    if simulated:
+        detail, verdict = "every request's timings, to the digit", "had no effect on this workload"
+    else:
+        detail = "the same admission, first-token and finish order"
+        verdict = ("changed nothing the engine decided on this workload: the two columns differ in speed at "
+                   "most (a kernel or dtype change), never in scheduling, preemption or caching")
     return {"kind": "identical", "configs": [first, second],
             "message": f"configs {first!r} and {second!r} produced identical per-request results ({detail}; "
-                       "same preemptions, discarded tokens, prefix hits and outputs): what "
-                       f"{second!r} changes had no effect on this workload"}
+                       f"same preemptions, discarded tokens, prefix hits and outputs): what {second!r} changes "
+                       + verdict}
 
 
 def _lopsided(name: str, counts: list[int], factor: float) -> list[dict[str, Any]]:
