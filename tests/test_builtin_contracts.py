@@ -17,7 +17,7 @@ from servelab import PluginRegistry
 from servelab.plugins.schedulers.continuous import ContinuousOptions
 from servelab.plugins.schedulers.queues import QueueOptions
 from servelab.testing import (AllocatorContract, AttentionBackendContract, DrafterContract, RouterContract,
-                              SchedulerContract, check)
+                              SchedulerContract, check, objectives)
 
 ALLOCATOR_EXAMPLES = 100
 SCHEDULER_EXAMPLES = 150
@@ -94,6 +94,7 @@ class RankOrder:
 
 class TestContinuous(RankOrder, SchedulerContract):
     plugin_name = "continuous"
+    objectives = (objectives.first_come_first_served(),)
     options_variants = tuple(ContinuousOptions(policy=policy, priority_aging_s=aging)
                              for policy in ("prefill-first", "decode-first") for aging in (0.0, 3.0))
 
@@ -105,6 +106,7 @@ class TestStatic(RankOrder, SchedulerContract):
 
 class TestChunkedPrefill(RankOrder, SchedulerContract):
     plugin_name = "chunked-prefill"
+    objectives = (objectives.first_come_first_served(),)
     options_variants = (QueueOptions(priority_aging_s=0.0), QueueOptions(priority_aging_s=3.0))
 
 

@@ -12,7 +12,7 @@ from servelab.kit import VICTIMS, KeyedEviction, LeastRecentlyUsed
 from servelab.plugins.allocators.hash_prefix import HashAllocator
 from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.eviction.policies import LeastFrequentlyUsed, SegmentedLRU, WaitingAware
-from servelab.testing import ContractViolation, EvictionContract, VictimContract, make_allocator
+from servelab.testing import ContractViolation, EvictionContract, VictimContract, make_allocator, objectives
 from servelab.testing.drafter import decoding_sequence
 
 # ---------------------------------------------------------------- the contracts, built-ins
@@ -24,10 +24,12 @@ class TestLRU(EvictionContract):
 
 class TestLFU(EvictionContract):
     plugin_name = "lfu"
+    objectives = (objectives.hot_prefix_survives_a_scan(),)
 
 
 class TestSLRU(EvictionContract):
     plugin_name = "slru"
+    objectives = (objectives.hot_prefix_survives_a_scan(),)
 
 
 class TestWaitingAware(EvictionContract):

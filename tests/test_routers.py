@@ -10,7 +10,7 @@ from servelab.errors import ConfigError, PluginError
 from servelab.interfaces import PrefixSummary, ReplicaSnapshot, RouteRequest, RouterContext, prefix_block_hashes
 from servelab.plugins.routers.prefix_affinity import PrefixAffinityOptions, PrefixAffinityRouter
 from servelab.routing import build_router
-from servelab.testing import RouterContract
+from servelab.testing import RouterContract, objectives
 
 
 class TestRoundRobin(RouterContract):
@@ -23,6 +23,7 @@ class TestLeastLoaded(RouterContract):
 
 class TestPrefixAffinity(RouterContract):
     plugin_name = "prefix-affinity"
+    objectives = (objectives.longest_cached_prefix_wins(),)
 
 
 class TestPrefixAffinityNoMargin(RouterContract):

@@ -13,7 +13,7 @@ import pytest
 from servelab import LLM, SamplingParams
 from servelab.interfaces import AllocatorContext, DrafterContext
 from servelab.testing import (AllocatorContract, DrafterContract, LogitsProcessorContract, SchedulerContract,
-                              SchedulerHarness, check)
+                              SchedulerHarness, check, objectives)
 from servelab.testing.drafter import decoding_sequence
 from servelab_sjf.lifo import LIFOPagedAllocator
 from servelab_sjf.lookup import LookupOptions, RepeatLookupDrafter
@@ -24,6 +24,7 @@ from servelab_sjf.sjf import SJFOptions, SJFScheduler
 
 class TestSJF(SchedulerContract):
     plugin_name = "sjf"
+    objectives = (objectives.shortest_job_first(),)  # what SJF is for, beside what every scheduler must do
     options_variants = (SJFOptions(aging_tokens_per_s=0.0), SJFOptions(aging_tokens_per_s=2.0))
 
     def before_step(self, harness):
