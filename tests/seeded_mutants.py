@@ -98,14 +98,14 @@ class StickyVictim:
 class VictimScheduler(ContinuousScheduler):
     """The continuous scheduler preempting by `policy` (what a victim plugin amounts to)."""
 
-    policy = staticmethod(blocks_per_lost_token)
+    choose_victim = staticmethod(blocks_per_lost_token)
 
     def victim(self, running):
-        return self.policy(running, self.allocator)
+        return self.choose_victim(running, self.allocator)
 
 
 class InvertedRefCountScheduler(VictimScheduler):
-    policy = staticmethod(inverted_ref_count)
+    choose_victim = staticmethod(inverted_ref_count)
 
 
 # ---------------------------------------------------------------- evictors: GDSF

@@ -195,22 +195,66 @@ def test_every_package_directory_is_listed_in_pyproject():
     assert found - listed == set(), "packages missing from pyproject.toml"
 
 
-# getattr(obj, "name", ...) with a literal name is a probe for a member some contract may
-# or may not declare. Every optional member the code relies on is declared as a
+# getattr(obj, "name", ...) with a literal name (or any other spelling of reading an
+# attribute by a string: literal_probes) is a probe for a member some contract may or may not declare. Every optional member the code relies on is declared as a
 # capability Protocol in servelab.interfaces and found with isinstance instead; the
 # probes left read things that are not servelab contracts.
 PROBES_ALLOWED = {
     ("servelab.model.memory", "madvise"): "a libc symbol, absent on some platforms",
+    ("servelab.server.serve", "sched_getaffinity"): "an os function, absent outside Linux",
+    ("servelab.model.packed_linear", "_reorder_linear_weight"): "a torch op, absent from some builds",
+    ("servelab.model.packed_linear", "weight"): "a torch module's parameter, deleted once packed",
+    ("servelab.distributed.sharded_model", "packed_weight"): "torch modules of the model, packed or not",
+    ("servelab.plugins.kernels.cpu_decoder", "panels"): "torch modules of the model, packed or not",
+    ("servelab.arrivals", "advance_to"): "the engine's clock is any callable; a virtual one can be advanced",
+    ("servelab.testing.allocator_machine", "alloc"): "a hypothesis state machine's attribute before its first rule",
     ("servelab.model.memory", "malloc_trim"): "a libc symbol, absent outside glibc",
     ("servelab.server.replicas", "cause"): "Ray's exception wrapper carries the actor's error",
     ("servelab.bench.vllm_baseline", "name"): "the peer's log is a file or a stream",
 }
 
 
+def _literal(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _is_attribute_map(node: ast.AST) -> bool:
+    """`vars(x)` or `x.__dict__`: an object's attributes as a mapping."""
+    return ((isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars")
+            or (isinstance(node, ast.Attribute) and node.attr == "__dict__"))
+
+
 def literal_probes(source: str) -> list[str]:
-    return [node.args[1].value for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)]
+    """Attribute reads by a literal name, in every spelling: getattr / hasattr(obj, "name"),
+    obj.__getattribute__("name"), object.__getattribute__(obj, "name"),
+    operator.attrgetter("name"), vars(obj)["name"], obj.__dict__["name"] and their `.get`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and _is_attribute_map(node.value) and _literal(node.slice):
+            found.append(_literal(node.slice))
+        if not isinstance(node, ast.Call):
+            continue
+        func, args = node.func, node.args
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        if name in ("getattr", "hasattr") and isinstance(func, ast.Name) and len(args) >= 2 and _literal(args[1]):
+            found.append(_literal(args[1]))
+        elif name == "__getattribute__" and args:  # never needed: a computed name is a probe too
+            found.append(_literal(args[-1]) or "<computed>")
+        elif name == "attrgetter":
+            found.extend(_literal(arg) or "<computed>" for arg in args)
+        elif (name == "get" and isinstance(func, ast.Attribute) and _is_attribute_map(func.value) and args
+              and _literal(args[0])):
+            found.append(_literal(args[0]))
+    return found
+
+
+def test_the_probe_finder_sees_every_spelling():
+    source = ("getattr(a, 'one')\nhasattr(a, 'two')\na.__getattribute__('three')\n"
+              "object.__getattribute__(a, 'four')\noperator.attrgetter('five')\nattrgetter('six', 'seven')\n"
+              "vars(a)['eight']\na.__dict__['nine']\nvars(a).get('ten')\na.__dict__.get('eleven', 0)\n"
+              "getattr(a, name)\nd['twelve']\nd.get('thirteen')\noptions.__getattribute__(name)\n")
+    assert sorted(literal_probes(source)) == sorted(["one", "two", "three", "four", "five", "six", "seven", "eight",
+                                                     "nine", "ten", "eleven", "<computed>"])
 
 
 def test_no_undeclared_member_probes():

@@ -14,7 +14,7 @@ import pytest
 
 import servelab
 from servelab import config, hookspecs
-from servelab.errors import PluginError
+from servelab.errors import ConfigError, PluginError
 from servelab.interfaces import (AllocatorContext, AllocatorStats, DrafterContext, KVAllocator, RouteRequest, Router,
                                  RouterContext, ReplicaSnapshot, Scheduler, SchedulerContext, Sequence, SequenceStatus)
 from servelab.plugin_types import KINDS, POLICY_KINDS, PolicyKind, PolicyPlugin, kind_of_section, kinds_table
@@ -75,7 +75,8 @@ def test_a_new_kind_in_a_copy_of_the_table_gets_its_hook_section_record_and_word
 
     registry.register(plugin_returning(GIZMOS.hook_name, GIZMOS.record(name="plain", factory=Spinner)), "dist-b")
     with pytest.raises(PluginError, match="two plugins register the gizmo widget 'plain'"):
-        registry.policies("gizmos")
+        registry.select("gizmos", "plain")
+    assert registry.select("gizmos", "dist-b:plain").distribution == "dist-b"
 
     broken = RegisteredPolicy("gizmos", GIZMOS.record(name="broken", factory="no_such_module_xyz:G"), "dist-c",
                               GIZMOS.noun)
@@ -97,13 +98,14 @@ def test_the_table_refuses_a_key_or_section_used_twice():
 
 def test_the_old_names_are_read_off_the_table():
     assert POLICY_KINDS == ("allocators", "schedulers", "drafters", "attention", "routers", "logits_processors",
-                            "evictors")
+                            "evictors", "victims")
     assert config.POLICY_SECTIONS == ("allocator", "scheduler", "drafter", "attention", "router", "eviction")
     assert config.DEFAULT_POLICIES == {"allocator": "paged", "scheduler": "continuous", "attention": "cpu-paged",
                                        "eviction": "lru"}
     assert config.DEFAULT_ROUTER == "round-robin"
     assert [kind.noun for kind in KINDS.values()] == ["allocator", "scheduler", "drafter", "attention backend",
-                                                      "router", "logits processor", "eviction policy"]
+                                                      "router", "logits processor", "eviction policy",
+                                                      "preemption victim"]
     defaults = config.EngineConfig()
     for kind in KINDS.values():
         assert getattr(servelab.plugin_types, kind.record_name) is kind.record
@@ -112,6 +114,21 @@ def test_the_old_names_are_read_off_the_table():
             assert (section is None) if kind.optional else (section.name == kind.default)
             chosen = config.EngineConfig.from_dict({kind.section: {"name": "x"}})
             assert getattr(chosen, kind.section).name == "x"
+
+
+def test_a_kind_another_kind_selects_has_no_section_of_its_own():
+    assert KINDS["victims"].selected_by == "[scheduler] preemption"
+    assert "preemption" not in config.SECTIONS
+    with pytest.raises(ConfigError, match="unknown config section"):
+        config.EngineConfig.from_dict({"preemption": {"name": "newest"}})
+
+
+def test_each_kind_names_its_contract_module():
+    assert {key: kind.contract for key, kind in KINDS.items()} == {
+        "allocators": "servelab.contracts.allocator", "schedulers": "servelab.contracts.scheduler",
+        "drafters": "servelab.contracts.drafter", "attention": "servelab.contracts.attention",
+        "routers": "servelab.contracts.router", "logits_processors": "servelab.contracts.logits_processor",
+        "evictors": "servelab.contracts.eviction", "victims": "servelab.contracts.victim"}
 
 
 def test_every_kind_has_a_typed_registration_hookspec():

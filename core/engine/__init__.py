@@ -14,7 +14,7 @@ from servelab.hookspecs import hookimpl
 from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepReport
 from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
-                                   LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin)
+                                   LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin, VictimPlugin)
 from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
 from servelab.structured import StructuredOutput
@@ -46,6 +46,7 @@ __all__ = [
     "ServelabError",
     "StepReport",
     "StructuredOutput",
+    "VictimPlugin",
     "get_logger",
     "hookimpl",
 ]

@@ -50,7 +50,8 @@ SELECTABLE_KINDS: tuple[PolicyKind, ...] = tuple(k for k in KINDS.values() if k.
 POLICY_SECTIONS = tuple(k.section for k in SELECTABLE_KINDS)  # sections that choose a policy by name
 DEFAULT_POLICIES = {k.section: k.default for k in SELECTABLE_KINDS if k.default is not None and not k.optional}
 DEFAULT_ROUTER = KINDS["routers"].default
-SECTIONS = ("engine", *POLICY_SECTIONS, *(k.section for k in KINDS.values() if not k.selectable), "kv_offload")
+SECTIONS = ("engine", *POLICY_SECTIONS, *(k.section for k in KINDS.values() if not k.selectable and not k.selected_by),
+            "kv_offload")
 LOGPROBS_MODES = ("raw", "processed")
 WEIGHTS = ("dequantize", "int8", "int4")  # `[engine] weights` (servelab.model.quantized_linear)
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

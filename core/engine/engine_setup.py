@@ -3,12 +3,13 @@ config and the model, with errors that name the key to change."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
 
 from servelab.config import EngineConfig, EngineSection, build_options
+from servelab.contracts.victim import VictimContext
 from servelab.errors import ConfigError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
                                  DrafterContext, EvictionContext, FeatureDrafter, FeatureRunner, ForkingAllocator,
@@ -128,7 +129,9 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
         eviction=eviction, host_tier=host_tier))
     scheduler = build_policy(*selected["schedulers"], SchedulerContext(
         allocator=allocator, max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
-        max_model_len=limits.max_model_len, clock=clock, host_tier=host_tier))
+        max_model_len=limits.max_model_len, clock=clock, host_tier=host_tier,
+        victims=victim_builder(registry, VictimContext(block_size=engine.block_size, max_num_seqs=engine.max_num_seqs,
+                                                       can_swap=host_tier is not None))))
     attention_context = AttentionContext(
         num_heads=shard_config.num_heads, num_kv_heads=shard_config.num_kv_heads, head_dim=shard_config.head_dim,
         block_size=engine.block_size, num_blocks=limits.num_kv_blocks, dtype=DTYPES[engine.dtype], device=device,
@@ -152,6 +155,16 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
                                        attention)
     pipeline = _build_logits_pipeline(config, registry, source, device)
     return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline, host_tier)
+
+
+def victim_builder(registry: PluginRegistry, context: VictimContext) -> Callable[[str], Any]:
+    """victims(name): the victim policy `name` (`[scheduler] preemption`), from the registry."""
+
+    def build(name: str) -> Any:
+        registered = registry.select("victims", name)
+        return build_policy(registered, registered.plugin.options(), context)
+
+    return build
 
 
 def host_tier_blocks(config: EngineConfig, model: ModelConfig) -> int:

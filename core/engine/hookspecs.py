@@ -16,7 +16,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
-                                       LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin)
+                                       LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin, VictimPlugin)
 
 PROJECT = "servelab"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -233,6 +233,35 @@ def servelab_register_routers() -> list[RouterPlugin]:
         def servelab_register_routers():
             return [RouterPlugin(name="fewest-waiting", factory=FewestWaiting,
                                  description="the replica with the fewest queued sequences")]
+    """
+
+
+@hookspec
+def servelab_register_victims() -> list[VictimPlugin]:
+    """Return the preemption victim policies this plugin provides (`[scheduler] preemption
+    = ...`; every scheduler built on `servelab.kit` preempts by it).
+
+    A factory is called as `factory(options, VictimContext)` and returns a
+    `servelab.contracts.victim.VictimPolicy`; `choose` may return a `Preemption` to decide
+    swap or recompute too. A complete plugin, the cost-aware score (bytes reclaimed per
+    second of recompute, discounted by what a prefix cache shares)::
+
+        import servelab
+        from servelab.kit import KeyedVictim
+        from servelab.plugin_types import VictimPlugin
+
+        class CheapestToRedo(KeyedVictim):
+            # Most blocks freed per token to recompute; a shared block frees nothing.
+
+            def key(self, seq, allocator):
+                table = allocator.block_table(seq.request_id)
+                owned = sum(1 for block in table if allocator.ref_count(block) == 1)
+                return owned / (1 + seq.num_computed_tokens)
+
+        @servelab.hookimpl
+        def servelab_register_victims():
+            return [VictimPlugin(name="cheapest-to-redo", factory=CheapestToRedo,
+                                 description="most KV freed per token recomputed")]
     """
 
 

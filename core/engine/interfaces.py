@@ -29,6 +29,11 @@ from servelab.contracts.scheduler import (  # noqa: F401
     Scheduler,
     ForkingScheduler,
 )
+from servelab.contracts.victim import (  # noqa: F401
+    Preemption,
+    VictimContext,
+    VictimPolicy,
+)
 from servelab.contracts.drafter import (  # noqa: F401
     ancestor_mask,
     query_parents,
@@ -98,6 +103,9 @@ from servelab.contracts.runner import (  # noqa: F401
 )
 
 __all__ = [
+    "Preemption",
+    "VictimContext",
+    "VictimPolicy",
     "Sequence",
     "SequenceStatus",
     "AllocatorContext",

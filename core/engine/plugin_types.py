@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
-from servelab.contracts import allocator, attention, drafter, eviction, logits_processor, router, scheduler
+from servelab.contracts import (allocator, attention, drafter, eviction, logits_processor, router, scheduler,
+                                victim)
 from servelab.errors import PluginError
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
@@ -88,6 +89,9 @@ class PolicyKind:
     version: int = 1
     oldest_compatible: int = 1
     changes: tuple[tuple[int, str], ...] = ()
+    # For a kind another kind's option names (the victim: `[scheduler] preemption`), that
+    # option; such a kind has no config section of its own.
+    selected_by: str | None = None
     record: type = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -150,6 +154,10 @@ KINDS: dict[str, PolicyKind] = kinds_table([
                logits_processor.LogitsProcessor, logits_processor.LogitsProcessorContext, selectable=False),
     PolicyKind("evictors", "eviction", "eviction policy", "EvictionPlugin",
                eviction.EvictionPolicy, eviction.EvictionContext, default="lru"),
+    # Named by the scheduler's `preemption` option, not a section of its own.
+    PolicyKind("victims", "preemption", "preemption victim", "VictimPlugin",
+               victim.VictimPolicy, victim.VictimContext, default="newest", selectable=False,
+               selected_by="[scheduler] preemption"),
 ])
 
 

@@ -163,6 +163,10 @@ class PolicyContract:
     @pytest.fixture
     def servelab_factory(self) -> Callable[..., Any]:
         """The policy's factory; override this fixture to build it from other fixtures."""
+        return self.declared_factory()
+
+    def declared_factory(self) -> Callable[..., Any]:
+        """The factory `factory` or `plugin_name` names."""
         factory = _class_attribute(type(self), "factory")
         name = _class_attribute(type(self), "plugin_name")
         if factory is None and name is None:

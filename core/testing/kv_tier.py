@@ -18,7 +18,7 @@ import random
 from typing import Any
 
 from servelab.interfaces import AllocatorContext, KVMove, chained_block_hash, ROOT_BLOCK_HASH
-from servelab.testing.contract import check, exercising
+from servelab.testing.contract import _class_attribute, check, exercising
 
 READS_WHAT_IT_WROTE = "a swapped-in sequence reads exactly the K/V it wrote"
 PREFIX_COMES_BACK = "a prefix block brought back from the host tier holds what went down"
@@ -69,8 +69,7 @@ class KVTierContract:
     block_size = 4
 
     def make(self) -> Any:
-        factory = type(self).__dict__.get("factory") or next(
-            vars(k)["factory"] for k in type(self).__mro__ if vars(k).get("factory") is not None)
+        factory = _class_attribute(type(self), "factory")  # a function stays unbound
         return factory(self.num_host_blocks, self.block_size, None)
 
     def test_swap_round_trip(self):

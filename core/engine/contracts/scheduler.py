@@ -40,6 +40,10 @@ class SchedulerContext:
     # The KV tier below the device pool (`[kv_offload]`), or None: swap preemption
     # (`[scheduler] preemption_mode = "swap"`) moves a victim's blocks there and back.
     host_tier: Any = None
+    # victims(name) -> the victim policy `name` (servelab.contracts.victim), built through the
+    # engine's registry, for a scheduler whose victim is chosen by name (`[scheduler]
+    # preemption`); None outside an engine.
+    victims: Any = None
 
 
 @attrs.frozen

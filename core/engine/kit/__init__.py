@@ -13,8 +13,10 @@ Scheduling (`servelab.kit.queues`, `servelab.kit.victims`):
   step runs decodes first and splits prompts into chunks under the token budget; the
   same seams (`rank`, `admissible`, `victim`) make a policy of it.
 - `QueueOptions` (`priority_aging_s`, `preemption`), `ContinuousOptions` (+ `policy`),
-  `PlanBuilder`, `VICTIMS` (the victim policies by name), `check_whole_prompts_fit`,
-  `option_or` (an option the options class may lack).
+  `PlanBuilder`, `VICTIMS` (the built-in victim policies by name), `KeyedVictim` (a victim
+  policy as one sort key), `check_whole_prompts_fit`,
+  `kit_options` (the kit's options a scheduler runs with: its options class extends
+  `QueueOptions` or `ContinuousOptions`, else the kit's defaults).
 
 KV blocks (`servelab.kit.blocks`, `servelab.kit.prefix`, `servelab.kit.eviction`):
 
@@ -40,8 +42,8 @@ from servelab.kit.blocks import FreeBlocks, PagedAllocator, SeqBlocks, blocks_fo
 from servelab.kit.eviction import EvictionQueue, KeyedEviction, LeastRecentlyUsed, checked_choice, orders_by_key
 from servelab.kit.prefix import IncrementalPrefixIndex, PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
 from servelab.kit.tier import HostTier
-from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, option_or
-from servelab.kit.victims import VICTIMS, check_victim, checked_victim
+from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, kit_options
+from servelab.kit.victims import VICTIMS, KeyedVictim, as_preemption, check_victim, checked_victim, last_max
 
 __all__ = [
     "ChunkedPrefillScheduler",
@@ -62,11 +64,14 @@ __all__ = [
     "QueueScheduler",
     "SeqBlocks",
     "VICTIMS",
+    "KeyedVictim",
     "blocks_for",
     "check_whole_prompts_fit",
     "checked_choice",
+    "as_preemption",
     "check_victim",
     "checked_victim",
-    "option_or",
+    "last_max",
+    "kit_options",
     "orders_by_key",
 ]

@@ -31,7 +31,7 @@ import attrs
 
 from servelab.interfaces import SchedulerContext, Sequence, SequenceStatus, StepPlan
 from servelab.options import one_of
-from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, option_or
+from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit
 
 POLICIES = ("prefill-first", "decode-first")
 
@@ -45,15 +45,19 @@ class ContinuousOptions(QueueOptions):
 class ContinuousScheduler(QueueScheduler):
     name = "continuous"
 
+    options_class = ContinuousOptions
+
     def __init__(self, options: Any, context: SchedulerContext) -> None:
         check_whole_prompts_fit(self.name, context)
-        super().__init__(options if options is not None else ContinuousOptions(), context)
+        super().__init__(options, context)
+        kit = self.queue_options  # a plain QueueOptions: the policy's one default, ContinuousOptions'
+        self.policy = kit.policy if isinstance(kit, ContinuousOptions) else ContinuousOptions().policy
 
     def schedule(self) -> StepPlan:
         builder = PlanBuilder(self.context.max_num_batched_tokens)
         self._shed_overflow(builder)
         ready = self._claim_running(builder)
-        policy = option_or(self.options, "policy", "prefill-first")
+        policy = self.policy
         if policy == "decode-first":
             builder.add_each_that_fits(ready)
         if not builder.preempted:

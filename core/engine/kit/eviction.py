@@ -47,6 +47,7 @@ class KeyedEviction:
 
     def __init__(self, options: Any = None, context: EvictionContext | None = None) -> None:
         self.options, self.context = options, context
+        self._memo_keys: dict[int, tuple[int, Any]] = {}  # block -> (last_access, key), for memo_key
 
     def key(self, candidate: EvictionCandidate) -> Any:
         raise NotImplementedError
@@ -55,7 +56,7 @@ class KeyedEviction:
         """`compute(candidate)` the first time this candidate (its block, at its
         `last_access`) is keyed, the same value ever after: how a key reading state stays
         pure. Forget evicted blocks with `forget_keys` (O(1) a block)."""
-        memo = self.__dict__.setdefault("_memo_keys", {})  # block -> (last_access, key)
+        memo = self._memo_keys
         entry = memo.get(candidate.block)
         if entry is None or entry[0] != candidate.last_access:
             entry = memo[candidate.block] = (candidate.last_access, compute(candidate))
@@ -63,10 +64,8 @@ class KeyedEviction:
 
     def forget_keys(self, candidates: Seq[EvictionCandidate]) -> None:
         """Drop the memoized keys of `candidates`' blocks (call it from `evicted`)."""
-        memo = self.__dict__.get("_memo_keys")
-        if memo:
-            for candidate in candidates:
-                memo.pop(candidate.block, None)
+        for candidate in candidates:
+            self._memo_keys.pop(candidate.block, None)
 
     def choose(self, candidates: Seq[EvictionCandidate], num_blocks: int) -> list[int]:
         chosen: list[int] = []

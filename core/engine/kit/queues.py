@@ -8,8 +8,8 @@ Seams, each a method a subclass overrides (the rest stays the kit's):
   when the sequence is added; lower runs first);
 - `admissible(seq)`: the admission filter (False: `seq` waits this step, and the
   sequences behind it may be admitted);
-- `victim(running)`: the preemption victim (by default the policy named by the
-  `preemption` option, `servelab.kit.victims`);
+- `victim(running)`: the preemption victim (by default the victim policy named by the
+  `preemption` option, a policy kind of its own: `servelab.contracts.victim`);
 - `schedule()`: the step itself, written from the helpers:
 
     builder = PlanBuilder(self.context.max_num_batched_tokens)
@@ -47,7 +47,8 @@ from servelab.interfaces import (
     StepPlan,
 )
 from servelab.kit.blocks import blocks_for
-from servelab.kit.victims import VICTIMS, check_victim
+from servelab.contracts.victim import Preemption
+from servelab.kit.victims import as_preemption, resolve_victim
 from servelab.options import non_negative_number, one_of
 
 
@@ -60,19 +61,32 @@ class QueueOptions:
 
     # Seconds of waiting worth one priority level (0: strict priority, no aging).
     priority_aging_s: float = attrs.field(default=10.0, validator=non_negative_number("scheduler"))
-    # Which running sequence is preempted when the KV pool runs dry (servelab.kit.victims).
-    preemption: str = attrs.field(default="newest", validator=one_of("scheduler", tuple(VICTIMS)))
+    # Which running sequence is preempted when the KV pool runs dry: the name of a victim
+    # policy (kind `victims`; the built-ins are in servelab.kit.victims), bare or qualified.
+    preemption: str = attrs.field(default="newest", validator=attrs.validators.instance_of(str))
     # What happens to the victim's KV: "recompute" (freed; its tokens are computed again on
     # resumption) or "swap" (copied to the host tier, `[kv_offload]`, and back on resumption;
     # recompute when the tier cannot hold it).
     preemption_mode: str = attrs.field(default="recompute", validator=one_of("scheduler", PREEMPTION_MODES))
 
 
-def option_or(options: Any, name: str, default: Any) -> Any:
-    """`options.<name>` where the options class has that field, else `default` (an options
-    class of its own need not repeat the kit's)."""
-    fields = attrs.fields_dict(type(options)) if attrs.has(type(options)) else {}
-    return options.__getattribute__(name) if name in fields else default
+def kit_options(options: Any, options_class: type) -> Any:
+    """The kit's options a scheduler runs with, composed explicitly: `options` itself where
+    its class extends the kit's (`class MyOptions(ContinuousOptions)`), else the kit's
+    defaults (`options_class()`: one default per option, the class's). An options class
+    that repeats one of the kit's fields without extending the kit's is refused, since the
+    kit would not read it."""
+    if options is None:
+        return options_class()
+    if isinstance(options, QueueOptions):
+        return options
+    repeated = sorted(set(attrs.fields_dict(type(options))) & set(attrs.fields_dict(QueueOptions))
+                      if attrs.has(type(options)) else ())
+    if repeated:
+        raise ConfigError(f"[scheduler] options class {type(options).__name__} declares {', '.join(repeated)} "
+                          f"without extending servelab.kit.{options_class.__name__}, so the kit would not read "
+                          f"them: declare it as `class {type(options).__name__}({options_class.__name__})`")
+    return options_class()
 
 
 def check_whole_prompts_fit(name: str, context: SchedulerContext) -> None:
@@ -122,15 +136,17 @@ class QueueScheduler:
     """
 
     name = "queue"
+    options_class: type = QueueOptions  # the kit's options this scheduler reads (`kit_options`)
 
     def __init__(self, options: Any, context: SchedulerContext) -> None:
-        self.options = options if options is not None else QueueOptions()
+        self.queue_options = kit_options(options, self.options_class)
+        self.options = options if options is not None else self.queue_options
         self.context = context
         self.allocator = context.allocator
         self.prefix_cache = context.allocator if isinstance(context.allocator, PrefixCachingAllocator) else None
         self._anticipating = context.allocator if isinstance(context.allocator, AnticipatingPrefixCache) else None
-        self._victim_policy = VICTIMS[option_or(self.options, "preemption", "newest")]
-        self.swap = option_or(self.options, "preemption_mode", "recompute") == "swap"
+        self._victim_policy = resolve_victim(self.queue_options.preemption, context)
+        self.swap = self.queue_options.preemption_mode == "swap"
         self.host_tier = context.host_tier
         if self.swap and self.host_tier is None:
             raise ConfigError('[scheduler] preemption_mode = "swap" swaps KV to the host tier, which is off: '
@@ -210,7 +226,7 @@ class QueueScheduler:
     def rank(self, seq: Sequence) -> tuple:
         """The sort key of `seq` in both queues, computed once when it is added (lower
         first). Default: priority then arrival, with `priority_aging_s` aging (module doc)."""
-        aging = option_or(self.options, "priority_aging_s", 0.0)
+        aging = self.queue_options.priority_aging_s
         if aging > 0:
             return (seq.arrival_time + seq.priority * aging,)
         return seq.priority, seq.arrival_time
@@ -219,9 +235,10 @@ class QueueScheduler:
         """May waiting `seq` be admitted now? False leaves it waiting this step."""
         return True
 
-    def victim(self, running: Seq[Sequence]) -> Sequence:
-        """The running sequence to preempt (`running` is never empty)."""
-        return self._victim_policy(running, self.allocator)
+    def victim(self, running: Seq[Sequence]) -> Sequence | Preemption:
+        """The running sequence to preempt (`running` is never empty), or a Preemption of it
+        that also decides swap or recompute. Default: the `preemption` option's policy."""
+        return self._victim_policy.choose(running, self.allocator)
 
     # ------------------------------------------------------------ ranks
 
@@ -303,19 +320,20 @@ class QueueScheduler:
         """`_make_room` once the first allocation failed: preempt victims and retry; False
         if `seq` itself had to go."""
         while True:
-            victim = self._victim()
-            self._preempt(victim, builder)
-            if victim is seq:
+            preemption = self._victim()
+            self._preempt(preemption.victim, builder, preemption.swap)
+            if preemption.victim is seq:
                 return False
             if self.allocator.allocate(seq.request_id, seq.num_computed_tokens + num_new):
                 return True
 
-    def _preempt(self, seq: Sequence, builder: PlanBuilder) -> None:
-        """Preempt by recompute: free its KV, keep its tokens, queue it to resume."""
+    def _preempt(self, seq: Sequence, builder: PlanBuilder, swap: bool | None = None) -> None:
+        """Preempt: free its KV (swapped to the host tier first where `swap`, or the mode
+        when None, asks and the tier can hold it), keep its tokens, queue it to resume."""
         self.running.remove(seq)
         builder.drop(seq)
         builder.preempted.append(seq)
-        if not self._swap_out(seq):
+        if not self._swap_out(seq, self.swap if swap is None else swap):
             self.num_discarded_tokens += seq.num_computed_tokens
             seq.num_discarded_tokens += seq.num_computed_tokens
             seq.num_computed_tokens = 0
@@ -325,11 +343,11 @@ class QueueScheduler:
         self.num_preemptions += 1
         self._requeue(seq)
 
-    def _swap_out(self, seq: Sequence) -> bool:
+    def _swap_out(self, seq: Sequence, swap: bool) -> bool:
         """Swap preemption: copy the blocks of `seq`'s computed tokens to the host tier
-        (it keeps `num_computed_tokens`). False where the mode is recompute, there is
-        nothing to keep, or the tier cannot hold it."""
-        if not self.swap or seq.num_computed_tokens == 0:
+        (it keeps `num_computed_tokens`). False where recompute was chosen, there is no
+        tier, nothing to keep, or the tier cannot hold it."""
+        if not swap or self.host_tier is None or seq.num_computed_tokens == 0:
             return False
         blocks = blocks_for(seq.num_computed_tokens, self.host_tier.block_size)
         table = self.allocator.block_table(seq.request_id)
@@ -342,12 +360,13 @@ class QueueScheduler:
         """The start of a step: forks can overfill the batch, so preempt victims past
         max_num_seqs; a prefix cache that anticipates is told who waits."""
         while len(self.running) > self.context.max_num_seqs:
-            self._preempt(self._victim(), builder)
+            preemption = self._victim()
+            self._preempt(preemption.victim, builder, preemption.swap)
         if self._anticipating is not None:
             self._anticipating.anticipate(self.waiting)
 
-    def _victim(self) -> Sequence:
-        return check_victim(self.victim(self.running), self.running, f"{type(self).__name__}.victim")
+    def _victim(self) -> Preemption:
+        return as_preemption(self.victim(self.running), self.running, f"{type(self).__name__}.victim")
 
     # ------------------------------------------------------------ accounting
 

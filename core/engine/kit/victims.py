@@ -1,10 +1,10 @@
-"""Preemption victims: which running sequence the kit's queue scheduler preempts (by
-recompute) when the KV pool runs dry. Selected by name with `[scheduler] preemption`;
-a scheduler of the kit may also override `QueueScheduler.victim`.
+"""Preemption victims: which running sequence the kit's queue scheduler preempts when the
+KV pool runs dry. A victim policy is a kind of its own (`servelab.contracts.victim`,
+registered through `servelab_register_victims`) selected by name with
+`[scheduler] preemption`; most are one sort key (`KeyedVictim`), and may also decide
+whether the victim's KV is swapped to the host tier or recomputed (`Preemption`).
 
-A victim policy is a callable `(running, allocator) -> Sequence` that returns one of
-`running` (the running batch, best rank first; never empty). The kit refuses any other
-answer with PolicyViolation naming the invariant, before it changes anything.
+The built-ins (registered by servelab.plugins.victims):
 
 - `newest` (default): the last of the running batch in rank order: the lowest priority,
   and among equals the newest arrival. The best-ranked sequence is never preempted
@@ -18,22 +18,32 @@ answer with PolicyViolation naming the invariant, before it changes anything.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Sequence as Seq
 
-from servelab.errors import PolicyViolation
+from servelab.contracts.victim import Preemption, VictimContext, VictimPolicy
+from servelab.errors import ConfigError, PolicyViolation
 from servelab.interfaces import KVAllocator, Sequence
 
 VICTIM_IS_RUNNING = "the preemption victim is a running sequence"
 
-VictimPolicy = Callable[[Seq[Sequence], KVAllocator], Sequence]
+
+class KeyedVictim:
+    """A victim policy that is one sort key: the running sequence with the largest
+    `key(seq, allocator)` goes; among equals the one latest in rank order."""
+
+    def __init__(self, options: Any = None, context: VictimContext | None = None) -> None:
+        self.options = options
+        self.context = context
+
+    def key(self, seq: Sequence, allocator: KVAllocator) -> Any:
+        """Larger goes first (subclasses write this)."""
+        return 0
+
+    def choose(self, running: Seq[Sequence], allocator: KVAllocator) -> Sequence | Preemption:
+        return last_max(running, lambda seq: self.key(seq, allocator))
 
 
-def newest(running: Seq[Sequence], allocator: KVAllocator) -> Sequence:
-    return running[-1]
-
-
-def _last_max(running: Seq[Sequence], key: Callable[[Sequence], Any]) -> Sequence:
+def last_max(running: Seq[Sequence], key: Callable[[Sequence], Any]) -> Sequence:
     """The sequence with the largest key; among equals the one latest in rank order."""
     best = running[-1]
     best_key = key(best)
@@ -44,23 +54,33 @@ def _last_max(running: Seq[Sequence], key: Callable[[Sequence], Any]) -> Sequenc
     return best
 
 
-def fewest_computed_tokens(running: Seq[Sequence], allocator: KVAllocator) -> Sequence:
-    return _last_max(running, lambda seq: -seq.num_computed_tokens)
+class Newest(KeyedVictim):
+    def choose(self, running: Seq[Sequence], allocator: KVAllocator) -> Sequence:
+        return running[-1]
 
 
-def most_kv_blocks(running: Seq[Sequence], allocator: KVAllocator) -> Sequence:
-    return _last_max(running, lambda seq: len(allocator.block_table(seq.request_id)))
+class FewestComputedTokens(KeyedVictim):
+    def key(self, seq: Sequence, allocator: KVAllocator) -> Any:
+        return -seq.num_computed_tokens
 
 
-def lowest_priority_then_newest(running: Seq[Sequence], allocator: KVAllocator) -> Sequence:
-    return _last_max(running, lambda seq: (seq.priority, seq.arrival_time))
+class MostKVBlocks(KeyedVictim):
+    def key(self, seq: Sequence, allocator: KVAllocator) -> Any:
+        return len(allocator.block_table(seq.request_id))
 
 
-VICTIMS: dict[str, VictimPolicy] = {
-    "newest": newest,
-    "fewest-computed-tokens": fewest_computed_tokens,
-    "most-kv-blocks": most_kv_blocks,
-    "lowest-priority-then-newest": lowest_priority_then_newest,
+class LowestPriorityThenNewest(KeyedVictim):
+    def key(self, seq: Sequence, allocator: KVAllocator) -> Any:
+        return seq.priority, seq.arrival_time
+
+
+# The built-ins by name: a scheduler built outside an engine (no registry in its
+# SchedulerContext) resolves `[scheduler] preemption` here.
+VICTIMS: dict[str, type] = {
+    "newest": Newest,
+    "fewest-computed-tokens": FewestComputedTokens,
+    "most-kv-blocks": MostKVBlocks,
+    "lowest-priority-then-newest": LowestPriorityThenNewest,
 }
 
 
@@ -73,7 +93,25 @@ def check_victim(victim: Any, running: Seq[Sequence], chooser: str) -> Sequence:
     return victim
 
 
-def checked_victim(policy: VictimPolicy, running: Seq[Sequence], allocator: KVAllocator) -> Sequence:
-    """`policy(running, allocator)`, refused unless it is one of `running`."""
-    name = policy.__name__ if inspect.isfunction(policy) else type(policy).__name__
-    return check_victim(policy(running, allocator), running, name)
+def as_preemption(choice: Any, running: Seq[Sequence], chooser: str) -> Preemption:
+    """A policy's answer as a Preemption, refused unless it names one of `running`."""
+    preemption = choice if isinstance(choice, Preemption) else Preemption(choice)
+    check_victim(preemption.victim, running, chooser)
+    return preemption
+
+
+def checked_victim(policy: VictimPolicy, running: Seq[Sequence], allocator: KVAllocator) -> Preemption:
+    """`policy.choose(running, allocator)` as a Preemption, refused unless it is one of `running`."""
+    return as_preemption(policy.choose(running, allocator), running, type(policy).__name__)
+
+
+def resolve_victim(name: str, context: Any) -> VictimPolicy:
+    """The victim policy `name`: through the engine's registry where the SchedulerContext
+    carries it (`victims`), else one of the built-ins."""
+    if context.victims is not None:
+        return context.victims(name)
+    if name not in VICTIMS:
+        raise ConfigError(f"[scheduler] preemption = {name!r}: outside an engine only the built-in victims "
+                          f"resolve ({', '.join(VICTIMS)})")
+    return VICTIMS[name](None, VictimContext(block_size=0, max_num_seqs=context.max_num_seqs,
+                                             can_swap=context.host_tier is not None))

@@ -175,7 +175,7 @@ def test_no_repeat_ngram_equals_transformers(servelab_tiny_checkpoint, size):
 
 @pytest.mark.parametrize("key, value, message", [
     ("aging_tokens_per_s", -1, r"\[scheduler\] aging_tokens_per_s must be a number >= 0"),
-    ("aging", 1, r"unknown option \[scheduler\] 'aging' for scheduler 'sjf'; valid options: aging_tokens_per_s"),
+    ("aging", 1, r"unknown option \[scheduler\] 'aging' for scheduler 'sjf'; valid options: .*aging_tokens_per_s"),
 ])
 def test_bad_options_are_config_errors_naming_the_key(servelab_tiny_checkpoint, key, value, message):
     from servelab import ConfigError
