@@ -19,7 +19,7 @@ from servelab.workload import Workload, build_workload
 
 RECORD_KEYS = {"index", "request_id", "request_class", "arrival_s", "prompt_tokens", "output_tokens", "ttft_ms",
                "tpot_ms", "e2e_ms", "preemptions", "discarded_tokens", "replica", "prefix_hit_tokens", "deadline_s",
-               "deadline_met"}
+               "deadline_met", "missed", "miss_cause", "miss_ms"}
 
 
 def _config(**sections) -> EngineConfig:

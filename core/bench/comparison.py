@@ -21,6 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from servelab.bench.driver import RunRecord
+from servelab.bench.metrics import SLO
+from servelab.bench.miss_causes import with_miss_causes
 from servelab.bench.per_request import request_records
 
 # Metrics fixed by the decisions alone (a real run's times move with the machine's load).
@@ -63,14 +65,20 @@ def _comparable(metrics: dict[str, Any], simulated: bool) -> dict[str, Any]:
 
 def annotate(result: dict[str, Any], configs: list[tuple[str, Any]], records: list[RunRecord],
              simulated: bool, imbalance_factor: float) -> dict[str, Any]:
-    """`result` with each run's per-request records and changes relative to the first
-    config, and the comparison's warnings (module doc)."""
+    """`result` with each run's per-request records (with the cause of each SLO miss:
+    servelab.bench.miss_causes) and changes relative to the first config, and the
+    comparison's warnings (module doc)."""
     changes = config_changes(configs)
+    slo = SLO(**result["slo"])
+    misses = []
     for run, record in zip(result["runs"], records):
         run["changes"] = changes[run["config"]]
         run["requests"] = request_records(record)
+        misses.append(with_miss_causes(record, run["requests"], slo))
     result["warnings"] = comparison_warnings([name for name, _ in configs], records,
                                              [run["metrics"] for run in result["runs"]], simulated, imbalance_factor)
+    for run, summary in zip(result["runs"], misses):
+        run["metrics"]["slo_misses"] = summary
     for run in result["runs"]:
         run["flags"] = sorted({w["kind"] for w in result["warnings"] if run["config"] in w["configs"]})
     return result

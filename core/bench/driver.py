@@ -17,16 +17,50 @@ from servelab.sampling_params import SamplingParams
 from servelab.workload import Workload
 
 
+@attrs.frozen
+class StepTrace:
+    """Who one step ran, and when (the engine's clock): what the bench reads to say why a
+    request missed its SLO (servelab.bench.miss_causes)."""
+
+    start: float  # the step began
+    end: float  # its report was made (its tokens appended)
+    # (request id, tokens scheduled, whether they were prefill: the sequence was not
+    # decoding, so a prompt, a chunk of one, or a recompute after preemption)
+    scheduled: tuple[tuple[str, int, bool], ...]
+    preempted: tuple[str, ...]  # request ids preempted by recompute this step
+
+
 class StepRecorder:
-    """Observer plugin keeping every StepReport with the time it arrived."""
+    """Observer plugin keeping every StepReport with the time it arrived, and a StepTrace
+    of every step that ran."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.reports: list[tuple[float, StepReport]] = []
+        self.traces: list[StepTrace] = []
+        self._started = 0.0
+        self._planned: tuple | None = None
+
+    def clear(self) -> None:
+        self.reports.clear()
+        self.traces.clear()
+
+    @hookimpl
+    def servelab_step_started(self, engine):
+        self._started = self.clock()
+
+    @hookimpl
+    def servelab_step_planned(self, engine, plan):
+        self._planned = (tuple((seq.request_id, num_new, not seq.is_decoding) for seq, num_new in plan.scheduled),
+                         tuple(seq.request_id for seq in plan.preempted))
 
     @hookimpl
     def servelab_step_finished(self, engine, report):
-        self.reports.append((self.clock(), report))
+        now = self.clock()
+        self.reports.append((now, report))
+        if self._planned is not None:
+            self.traces.append(StepTrace(self._started, now, *self._planned))
+            self._planned = None
 
 
 @attrs.frozen
@@ -45,6 +79,7 @@ class RunRecord:
     discarded_tokens: int = 0  # computed tokens recompute preemptions threw away
     requests: tuple = ()  # the workload's BenchRequests, in workload order (deadlines, classes)
     replica_of: tuple[int, ...] = ()  # per request, in workload order: the replica that served it (fleets)
+    step_traces: tuple[tuple[StepTrace, ...], ...] = ()  # per replica (one outside a fleet): every step's StepTrace
 
 
 def run_workload(engine: Any, recorder: StepRecorder, workload: Workload, config_name: str,
@@ -64,7 +99,7 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
          progress: Callable[[int], None] | None) -> RunRecord:
     clock = engine.clock
     outputs: dict[int, RequestOutput] = {}
-    recorder.reports.clear()
+    recorder.clear()
     stats_before = engine.allocator.stats()
     scheduler_before = engine.scheduler.stats()
     start = clock()
@@ -87,7 +122,7 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
         preemptions=engine.scheduler.stats().num_preemptions - scheduler_before.num_preemptions,
         block_size=engine.config.engine.block_size,
         discarded_tokens=engine.scheduler.stats().num_discarded_tokens - scheduler_before.num_discarded_tokens,
-        requests=tuple(workload.requests),
+        requests=tuple(workload.requests), step_traces=(tuple(recorder.traces),),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from servelab.bench.miss_causes import summary_line
 from servelab.bench.stage_profile import format_stage_profile
 
 
@@ -95,6 +96,7 @@ def format_table(result: dict[str, Any]) -> str:
                          f"requests per replica {min(counts)}-{max(counts)}, prefix hit rate per replica "
                          + " ".join(_pct(rate) for rate in fleet["prefix_hit_rate_per_replica"]))
     lines.extend(_class_lines(result["runs"]))
+    lines.extend(filter(None, (summary_line(run["config"], run["metrics"].get("slo_misses")) for run in result["runs"])))
     for name, metrics in columns:
         lines.extend(format_stage_profile(name, metrics.get("stage_profile", [])))
     for name, points in result.get("rate_sweep", {}).items():

@@ -159,6 +159,9 @@ def _load_baseline(first: _Engine, options: BenchOptions, warm_up: tuple) -> Any
 
 def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, update) -> dict[str, list]:
     name, spec_options = parse_spec(options.workload)
+    if name in ("file", "mooncake", "azure"):
+        raise ConfigError(f"--rates re-draws a generator's arrivals; a {name}: workload has its own "
+                          "(a trace takes speedup=F instead)")
     sweep: dict[str, list] = {e.name: [] for e in engines}
     for rate in options.rates:
         spec_options.update(arrival="poisson", rate=rate)

@@ -20,6 +20,8 @@ Spec strings (`servelab bench --workload SPEC`):
     fixed:num_requests=64,structured_fraction=0.5    # half the requests carry BENCH_SCHEMA
     fixed:num_requests=64,logprobs=5                 # every request asks for 5 logprobs
     file:requests.jsonl
+    mooncake:trace.jsonl,speedup=2,first=200          # published traces (servelab.traces)
+    azure:AzureLLMInferenceTrace_conv.csv,every=10
 
 Any generator takes `structured_fraction` (that share of the requests, chosen by the
 seed, must output JSON valid against BENCH_SCHEMA and ends when it is complete, at EOS)
@@ -50,6 +52,7 @@ import attrs
 
 from servelab.deadlines import DeadlineOptions, checked_deadline, checked_request_class
 from servelab.errors import ConfigError
+from servelab.traces import TRACE_FORMATS, trace_requests
 
 FIRST_TOKEN_ID = 3  # skip the usual <unk>/<s>/</s> ids
 
@@ -280,6 +283,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     name, _, rest = spec.partition(":")
     if name == "file":
         return name, {"path": rest}
+    if name in TRACE_FORMATS:  # PATH,options: read by servelab.traces
+        return name, {"rest": rest}
     options: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
@@ -294,8 +299,13 @@ def build_workload(spec: str, vocab_size: int) -> Workload:
     name, options = parse_spec(spec)
     if name == "file":
         return Workload.load(options["path"])
+    if name in TRACE_FORMATS:
+        traced, deadlines, seed = trace_requests(name, options["rest"], lambda rng, n: _tokens(rng, vocab_size, n))
+        requests = [BenchRequest(r.prompt_token_ids, r.max_tokens, r.arrival_time) for r in traced]
+        return Workload(spec, tuple(deadlines.apply(requests, seed)))
     if name not in GENERATORS:
-        raise ConfigError(f"unknown workload {name!r}; choose {', '.join(GENERATORS)} or file:PATH")
+        raise ConfigError(f"unknown workload {name!r}; choose {', '.join(GENERATORS)}, file:PATH, mooncake:PATH "
+                          "or azure:PATH")
     seed = int(options.pop("seed", 0))
     arrival = str(options.pop("arrival", "offline"))
     rate = float(options.pop("rate", 0))

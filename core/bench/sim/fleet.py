@@ -83,7 +83,7 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
     start = max(r.clock.now for r in replicas)
     for r in replicas:
         r.clock.advance_to(start)
-        r.recorder.reports.clear()
+        r.recorder.clear()
     before = [r.engine.allocator.stats() for r in replicas]
     schedulers_before = [r.engine.scheduler.stats() for r in replicas]
     num_requests = len(workload.requests)
@@ -135,7 +135,8 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
                     preemptions=sum(record.preemptions for record in per_replica),
                     block_size=fleet.config.engine.block_size,
                     discarded_tokens=sum(record.discarded_tokens for record in per_replica),
-                    requests=tuple(workload.requests), replica_of=tuple(replica_of[i] for i in range(num_requests)))
+                    requests=tuple(workload.requests), replica_of=tuple(replica_of[i] for i in range(num_requests)),
+                    step_traces=tuple(tuple(r.recorder.traces) for r in replicas))
     return FleetRecord(run, [replica_of[i] for i in range(num_requests)], per_replica)
 
 
