@@ -103,3 +103,30 @@ def test_met_requests_carry_no_cause_and_the_json_keys_are_there(tmp_path):
                   SLO())["runs"]
     assert [(r["missed"], r["miss_cause"], r["miss_ms"]) for r in run["requests"]] == [([], None, None)] * 2
     assert run["metrics"]["slo_misses"] == {"num_missed": 0, "causes": {}}
+
+
+def test_a_fleet_reads_each_request_from_its_own_replica(tmp_path):
+    # Two replicas, round-robin: requests 0, 2, 4 go to replica 0 behind a huge prompt;
+    # 1, 3, 5 to replica 1, which runs only short ones.
+    requests = [(6000, 4, 0.0), (16, 8, 0.0)] + [(16, 8, 0.001 * (i + 1)) for i in range(4)]
+    config = {"engine": {"max_num_seqs": 16, "max_model_len": 8192, "max_num_batched_tokens": 8192},
+              "router": {"name": "round-robin"}}
+    options = BenchOptions(workload=_workload(tmp_path, requests), repeats=1, sim_accelerator="h100",
+                           slo=SLO(ttft_ms=15, tpot_ms=1000), replicas=2)
+    (run,) = run_bench([("fleet", EngineConfig.from_dict(config))], options)["runs"]
+    records = run["requests"]
+    assert [r["replica"] for r in records] == [0, 1, 0, 1, 0, 1]
+    assert [r["miss_cause"] for r in records] == ["slow_steps", None, "behind_prefill", None, "behind_prefill", None]
+
+
+def test_a_real_run_names_a_cause_for_every_miss(llama_checkpoint, tmp_path):
+    requests = [(96, 4, 0.0)] + [(8, 6, 0.002 * (i + 1)) for i in range(5)]
+    config = EngineConfig.from_dict({"engine": {"model": llama_checkpoint, "max_model_len": 128, "max_num_seqs": 4}})
+    options = BenchOptions(workload=_workload(tmp_path, requests), repeats=1, slo=SLO(ttft_ms=0.001, tpot_ms=1e6))
+    (run,) = run_bench([("real", config)], options)["runs"]
+    records = run["requests"]
+    assert all(r["missed"] == ["ttft"] and r["miss_cause"] is not None for r in records)  # no step is that fast
+    for r in records:  # what is charged lies within the window, arrival to first token
+        assert 0 < sum(r["miss_ms"].values()) <= r["ttft_ms"] + 1e-6
+    counts = run["metrics"]["slo_misses"]
+    assert counts["num_missed"] == 6 and sum(counts["causes"].values()) == 6
