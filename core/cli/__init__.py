@@ -10,7 +10,7 @@ from typing import Sequence as Seq
 
 from servelab.bench.repetitions import DEFAULT_REPEATS
 from servelab.config import WEIGHTS, EngineConfig
-from servelab.errors import ServelabError
+from servelab.errors import ConfigError, ServelabError
 from servelab.logging_setup import configure_logging
 from servelab.kv_sizing import KV_CACHE_DTYPES
 from servelab.registry import PluginRegistry
@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a value in every config (repeatable)")
     bench.add_argument("--workload", help="workload spec, e.g. 'skewed:num_requests=64' (the default: 'skewed'), "
-                       "'shared-prefix:prefix_len=1000', 'skewed:arrival=poisson,rate=4', 'file:reqs.jsonl'; "
+                       "'shared-prefix:prefix_len=1000', 'skewed:arrival=poisson,rate=4', 'file:reqs.jsonl', "
+                       "'mooncake:trace.jsonl,speedup=2,first=500', 'azure:trace.csv,every=10'; "
                        "with --calibrate, the one workload to fit and check (default: skewed, shared-prefix "
                        "and long-burst)")
     bench.add_argument("--repeats", type=int, help=f"interleaved timed repetitions; the median and min-max "
@@ -285,6 +286,9 @@ def _calibrate(config: EngineConfig, spec: str | None) -> dict:
     fit_workloads, checks = [], {}
     for kind, kind_spec in kinds.items():
         name, options = parse_spec(kind_spec)
+        if name in ("file", "mooncake", "azure"):
+            raise ConfigError(f"--calibrate fits a generator's workload and checks it on the next seed; a {name}: "
+                              "workload has one draw: name a generator (skewed, shared-prefix, ...)")
         seed = int(options.pop("seed", 0))
         fit_workloads.append(build_workload(_spec(name, {**options, "seed": seed}), vocab_size))
         checks[kind] = build_workload(_spec(name, {**options, "seed": seed + 1}), vocab_size)
