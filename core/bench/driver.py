@@ -24,10 +24,13 @@ class StepTrace:
 
     start: float  # the step began
     end: float  # its report was made (its tokens appended)
-    # (request id, tokens scheduled, whether they were prefill: the sequence was not
-    # decoding, so a prompt, a chunk of one, or a recompute after preemption)
-    scheduled: tuple[tuple[str, int, bool], ...]
-    preempted: tuple[str, ...]  # request ids preempted by recompute this step
+    num_scheduled_tokens: int
+    # Sequence ids that decoded (one token, plus drafts to verify); kept bare, as most are.
+    decoding: tuple[str, ...]
+    # (sequence id, tokens) of those that were not decoding: a prompt, a chunk of one, or
+    # a recompute after preemption.
+    prefilling: tuple[tuple[str, int], ...]
+    preempted: tuple[str, ...]  # sequence ids preempted by recompute this step
 
 
 class StepRecorder:
@@ -51,7 +54,13 @@ class StepRecorder:
 
     @hookimpl
     def servelab_step_planned(self, engine, plan):
-        self._planned = (tuple((seq.request_id, num_new, not seq.is_decoding) for seq, num_new in plan.scheduled),
+        decoding, prefilling = [], []
+        for seq, num_new in plan.scheduled:
+            if seq.is_decoding:
+                decoding.append(seq.request_id)
+            else:
+                prefilling.append((seq.request_id, num_new))
+        self._planned = (plan.num_scheduled_tokens, tuple(decoding), tuple(prefilling),
                          tuple(seq.request_id for seq in plan.preempted))
 
     @hookimpl

@@ -130,24 +130,26 @@ def _request_id(sequence_id: str) -> str:
 
 def _scan(traces: tuple[StepTrace, ...], index_of: dict[str, int]):
     """One pass over the steps: each step's (tokens, prefill tokens); for each request of
-    `index_of`, its {step: (tokens, prefill tokens)} and the steps that preempted it."""
+    `index_of`, its {step: its prefill tokens there} and the steps that preempted it."""
     totals = []
-    presence: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
+    presence: dict[int, dict[int, int]] = defaultdict(dict)
     preemptions: dict[int, list[int]] = defaultdict(list)
     for number, trace in enumerate(traces):
-        tokens = prefill = 0
-        for sequence_id, num_new, is_prefill in trace.scheduled:
-            tokens += num_new
-            prefill += num_new if is_prefill else 0
+        prefill = 0
+        for sequence_id, num_new in trace.prefilling:
+            prefill += num_new
             index = index_of.get(_request_id(sequence_id))
             if index is not None:
-                have_tokens, have_prefill = presence[index].get(number, (0, 0))
-                presence[index][number] = (have_tokens + num_new, have_prefill + (num_new if is_prefill else 0))
+                presence[index][number] = presence[index].get(number, 0) + num_new
+        for sequence_id in trace.decoding:
+            index = index_of.get(_request_id(sequence_id))
+            if index is not None:
+                presence[index].setdefault(number, 0)
         for sequence_id in trace.preempted:
             index = index_of.get(_request_id(sequence_id))
             if index is not None:
                 preemptions[index].append(number)
-        totals.append((tokens, prefill))
+        totals.append((trace.num_scheduled_tokens, prefill))
     return totals, presence, preemptions
 
 
@@ -158,7 +160,7 @@ def _window(metrics: Any, names: list[str]) -> tuple[float, float]:
     return start, end
 
 
-def _charge(metrics: Any, names: list[str], traces, starts: list[float], totals, presence: dict[int, tuple[int, int]],
+def _charge(metrics: Any, names: list[str], traces, starts: list[float], totals, presence: dict[int, int],
             preempted_at: list[int], overtaken_at: float | None) -> dict[str, float]:
     """Seconds of the request's window charged to each cause (module doc)."""
     seconds = dict.fromkeys(CAUSES, 0.0)
@@ -175,7 +177,7 @@ def _charge(metrics: Any, names: list[str], traces, starts: list[float], totals,
         mine = presence.get(number)
         if number in preempted_steps:
             catching_up = True
-        elif catching_up and mine is not None and not mine[1]:
+        elif catching_up and mine == 0:
             catching_up = False  # decoding again: what was discarded is recomputed
         overlap = min(trace.end, end) - max(trace.start, start)
         if overlap <= 0:
@@ -192,7 +194,7 @@ def _charge(metrics: Any, names: list[str], traces, starts: list[float], totals,
                 seconds["behind_prefill"] += overlap * share
                 seconds["queued_full"] += overlap * (1 - share)
         else:
-            others_prefill = prefill - mine[1]
+            others_prefill = prefill - mine
             share = others_prefill / tokens if tokens else 0.0
             seconds["behind_prefill"] += overlap * share
             seconds["slow_steps"] += overlap * (1 - share)
