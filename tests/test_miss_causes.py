@@ -130,3 +130,32 @@ def test_a_real_run_names_a_cause_for_every_miss(llama_checkpoint, tmp_path):
         assert 0 < sum(r["miss_ms"].values()) <= r["ttft_ms"] + 1e-6
     counts = run["metrics"]["slo_misses"]
     assert counts["num_missed"] == 6 and sum(counts["causes"].values()) == 6
+
+
+def test_the_charges_of_hand_built_steps():
+    """Request b arrives at 0.5 s while a's 100-token prompt runs (0-1 s), then prefills
+    beside a's decode (1-1.1 s): 0.5 s behind a prefill, 0.1 s of its own step."""
+    from servelab.bench.driver import RunRecord, StepTrace
+    from servelab.bench.miss_causes import classify_misses
+    from servelab.bench.per_request import request_records
+    from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    def output(request_id, prompt_len, arrival, scheduled, first_token, finish):
+        return RequestOutput(request_id, None, [5] * prompt_len, [CompletionOutput(0, [7, 7], "", "length")],
+                             RequestMetrics(arrival, scheduled, first_token, finish))
+
+    traces = (StepTrace(0.0, 1.0, 100, (), (("a", 100),), ()),
+              StepTrace(1.0, 1.1, 11, ("a",), (("b", 10),), ()),
+              StepTrace(1.1, 1.2, 1, ("b",), (), ()))
+    record = RunRecord("x", 0.0, 1.2, [output("a", 100, 0.0, 0.0, 1.0, 1.1), output("b", 10, 0.5, 1.0, 1.1, 1.2)],
+                       [], None, None, 0, 16, step_traces=(traces,))
+    rows = request_records(record)
+    a, b = classify_misses(record, rows, SLO(ttft_ms=150, tpot_ms=1000))  # b is 0.45 s over
+    assert a == {"missed": ["ttft"], "cause": "slow_steps",
+                 "seconds": {**dict.fromkeys(("preempted", "starved", "behind_prefill", "queued_full"), 0.0),
+                             "slow_steps": 1.0}}
+    assert b["missed"] == ["ttft"] and b["cause"] == "behind_prefill"
+    assert b["seconds"]["behind_prefill"] == pytest.approx(0.5) and b["seconds"]["slow_steps"] == pytest.approx(0.1)
+    # 0.511 s over: the 0.5 s it waited would not have saved it.
+    _, b = classify_misses(record, rows, SLO(ttft_ms=89, tpot_ms=1000))
+    assert b["cause"] == "slow_steps"
