@@ -26,8 +26,8 @@ def _caches(device: str, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.
     element distinct, so a block in the wrong place shows)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM)
-    if dtype == torch.uint8:  # a quantized cache's bytes
-        make = lambda: torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+    if dtype.itemsize == 1:  # a quantized cache's bytes (uint8, int8, float8)
+        make = lambda: torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).view(dtype)
     else:
         make = lambda: torch.randn(shape, generator=generator).to(dtype)
     return [(make().to(device), make().to(device)) for _ in range(LAYERS)]
@@ -35,7 +35,8 @@ def _caches(device: str, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.
 
 def _blocks(caches, blocks: list[int]) -> list[torch.Tensor]:
     index = torch.tensor(blocks, device=caches[0][0].device)
-    return [cache.index_select(1, index).cpu() for pair in caches for cache in pair]
+    return [cache.index_select(1, index).cpu().view(torch.uint8) if cache.element_size() == 1
+            else cache.index_select(1, index).cpu() for pair in caches for cache in pair]
 
 
 def _scribble(caches, blocks: list[int]) -> None:
@@ -43,7 +44,10 @@ def _scribble(caches, blocks: list[int]) -> None:
     current stream): an offload must have gathered them first."""
     for pair in caches:
         for cache in pair:
-            cache[:, blocks] = cache[:, blocks].flip(-1) + 1 if cache.is_floating_point() else 7
+            if cache.element_size() == 1:
+                cache.view(torch.uint8)[:, blocks] = 7
+            else:
+                cache[:, blocks] = cache[:, blocks].flip(-1) + 1
 
 
 def _copier(caches, device: str):
@@ -67,7 +71,8 @@ def test_host_runs_are_consecutive_blocks_at_consecutive_positions():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.int8, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
 def test_swap_round_trip_returns_the_kv_written(device, dtype):
     caches = _caches(device, dtype)
     tier = HostTier(HOST_BLOCKS, BLOCK_SIZE)

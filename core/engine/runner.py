@@ -13,7 +13,7 @@ from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, Quantiz
                                  SlotMovingRunner, StepPlan, TieredRunner, sampling_rows)
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import zeros_on_huge_pages
-from servelab.tier_copy import CpuTierCopier, CudaTierCopier, perform_moves, tier_copier
+from servelab.tier_copy import CpuTierCopier, CudaTierCopier, copy_indexed, perform_moves, tier_copier
 from servelab.token_tree import query_parents, row_depths
 
 
@@ -185,7 +185,7 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
             index_to = torch.tensor(batch_destinations, dtype=torch.int64, device=self.device)
             for key_cache, value_cache in self.kv_caches:
                 for cache in (key_cache, value_cache):
-                    cache.index_copy_(self.block_dim, index_to, cache.index_select(self.block_dim, index_from))
+                    copy_indexed(cache, self.block_dim, index_from, index_to)
 
     def move_slots(self, moves: Seq[tuple[int, int]]) -> None:
         """Copy single token slots (source, destination) in every layer's K and V; all
@@ -203,7 +203,7 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
                     raise RuntimeError(f"cannot move KV slots in a cache of shape {tuple(shape)}: the dimension "
                                        f"after the block dimension {dim} is not the block size {self.block_size}")
                 slots = cache.view(*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2:])
-                slots.index_copy_(dim, index_to, slots.index_select(dim, index_from))
+                copy_indexed(slots, dim, index_from, index_to)
 
     @property
     def vocab_size(self) -> int:

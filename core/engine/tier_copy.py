@@ -24,6 +24,20 @@ import torch
 from servelab.interfaces import KVMove
 
 
+def copyable(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` as a tensor every copy op takes: a one-byte cache (int8, float8) viewed as
+    uint8 bytes. The CPU build has no index_copy for float8, and a block or slot copy moves
+    bytes whatever they mean, as the quantized write path already does; the view shares
+    storage and shape, so a copy into it lands in the cache."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 and cache.dtype != torch.uint8 else cache
+
+
+def copy_indexed(cache: torch.Tensor, dim: int, index_from: torch.Tensor, index_to: torch.Tensor) -> None:
+    """cache[..., index_to, ...] = cache[..., index_from, ...] along `dim` (all reads first), any dtype."""
+    raw = copyable(cache)
+    raw.index_copy_(dim, index_to, raw.index_select(dim, index_from))
+
+
 def host_runs(host_blocks: Seq[int]) -> list[tuple[int, int, int]]:
     """(first position in the batch, first host block, length) of each run of consecutive
     host blocks at consecutive positions of a batch: one contiguous copy each."""
@@ -53,7 +67,8 @@ class CpuTierCopier:
         index_to = torch.tensor(destinations, dtype=torch.int64)
         for pair, host_pair in zip(kv_caches, self.host_caches):
             for cache, host in zip(pair, host_pair):
-                host.index_copy_(dim, index_to, cache.index_select(dim, index_from.to(cache.device)).to(host.device))
+                copyable(host).index_copy_(dim, index_to, copyable(cache).index_select(
+                    dim, index_from.to(cache.device)).to(host.device))
 
     def load(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sources: Seq[int],
              destinations: Seq[int]) -> None:
@@ -62,7 +77,8 @@ class CpuTierCopier:
         index_to = torch.tensor(destinations, dtype=torch.int64)
         for pair, host_pair in zip(kv_caches, self.host_caches):
             for cache, host in zip(pair, host_pair):
-                cache.index_copy_(dim, index_to.to(cache.device), host.index_select(dim, index_from).to(cache.device))
+                copyable(cache).index_copy_(dim, index_to.to(cache.device),
+                                            copyable(host).index_select(dim, index_from).to(cache.device))
 
     def host_blocks(self, layer: int, which: int, blocks: Seq[int]) -> torch.Tensor:
         """Host blocks of one layer's K (which=0) or V (1), in the device cache's layout."""
@@ -92,7 +108,7 @@ class CudaTierCopier:
         index_from = torch.tensor(sources, dtype=torch.int64).to(self.device, non_blocking=True)
         # The gathers run on the compute stream, ordered after the writes of those blocks
         # and before any reuse of them; the side stream picks the gathered blocks up.
-        staged = [[cache.index_select(self.block_dim, index_from).movedim(self.block_dim, 0).contiguous()
+        staged = [[copyable(cache).index_select(self.block_dim, index_from).movedim(self.block_dim, 0).contiguous()
                    for cache in pair] for pair in kv_caches]
         self.stream.wait_stream(compute)
         runs = host_runs(destinations)
@@ -101,7 +117,8 @@ class CudaTierCopier:
                 for blocks, host in zip(layer_staged, host_pair):
                     blocks.record_stream(self.stream)  # allocated on compute, read here
                     for start, first, length in runs:
-                        host[first: first + length].copy_(blocks[start: start + length], non_blocking=True)
+                        copyable(host)[first: first + length].copy_(blocks[start: start + length],
+                                                                    non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         for block in destinations:
@@ -117,16 +134,17 @@ class CudaTierCopier:
             for host_pair in self.host_caches:
                 layer = []
                 for host in host_pair:
-                    blocks = torch.empty((len(sources), *host.shape[1:]), dtype=host.dtype, device=self.device)
+                    raw = copyable(host)
+                    blocks = torch.empty((len(sources), *raw.shape[1:]), dtype=raw.dtype, device=self.device)
                     for start, first, length in runs:
-                        blocks[start: start + length].copy_(host[first: first + length], non_blocking=True)
+                        blocks[start: start + length].copy_(raw[first: first + length], non_blocking=True)
                     layer.append(blocks)
                 staged.append(layer)
         compute.wait_stream(self.stream)  # the forward after this reads the loaded blocks
         for pair, layer in zip(kv_caches, staged):
             for cache, blocks in zip(pair, layer):
                 blocks.record_stream(compute)  # allocated on the side stream, read on compute
-                cache.index_copy_(self.block_dim, index_to, blocks.movedim(0, self.block_dim))
+                copyable(cache).index_copy_(self.block_dim, index_to, blocks.movedim(0, self.block_dim))
         for block in sources:
             self._landed.pop(block, None)
 
@@ -195,4 +213,4 @@ def perform_moves(copier: CpuTierCopier | CudaTierCopier | None, kv_caches: list
             index_to = torch.tensor(destinations, dtype=torch.int64, device=device)
             for pair in kv_caches:
                 for cache in pair:
-                    cache.index_copy_(block_dim, index_to, cache.index_select(block_dim, index_from))
+                    copy_indexed(cache, block_dim, index_from, index_to)
