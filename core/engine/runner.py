@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Any, Sequence as Seq
 
 import attrs
@@ -14,6 +16,7 @@ from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, Quantiz
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import zeros_on_huge_pages
 from servelab.tier_copy import CpuTierCopier, CudaTierCopier, copy_indexed, perform_moves, tier_copier
+from servelab.tier_file import reserve_tier_file
 from servelab.token_tree import query_parents, row_depths
 
 
@@ -254,9 +257,13 @@ def host_kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, 
             return torch.zeros(shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
         return [(new(), new()) for _ in range(num_layers)]
     element = torch.empty((), dtype=dtype).element_size()
-    with open(path, "ab") as handle:  # torch.from_file maps the file; it must be large enough
-        handle.truncate(numel * element * 2 * num_layers)
-    flat = torch.from_file(path, shared=True, size=numel * 2 * num_layers, dtype=dtype)
+    fd = reserve_tier_file(path, numel * element * 2 * num_layers)  # locked and allocated: see tier_file
+    try:
+        flat = torch.from_file(path, shared=True, size=numel * 2 * num_layers, dtype=dtype)
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(flat, os.close, fd)  # the lock lasts as long as the mapping (every view keeps `flat`)
     views = flat.view(num_layers, 2, *shape)
     return [(views[layer, 0], views[layer, 1]) for layer in range(num_layers)]
 
