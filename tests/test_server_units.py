@@ -489,3 +489,39 @@ def test_empty_string_lists_are_taken_as_none_given():
     """A fuzzed body once got a 500 for `bad_words: []` (the longest of no strings)."""
     parsed = parse_completion({"model": "m", "prompt": "w5 w6", "bad_words": [], "stop": [], "max_tokens": 4}, BOUNDS)
     assert parsed.params.bad_words == () and parsed.params.stop == ()
+
+
+# ---------------------------------------------------------------- JSON schemas sent as text
+
+
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+@pytest.mark.parametrize("case,limit", [
+    ("text-enum", "max_choices"), ("text-depth", "max_schema_depth"), ("text-30000-levels", "max_schema_depth"),
+    ("object-depth", "max_schema_depth")])
+def test_a_schema_is_bounded_alike_as_text_and_as_an_object(field, case, limit):
+    """The depth and max_choices limits apply to a schema sent as JSON text as to one sent
+    as an object; text nested past what json.loads can recurse is a 400, not a 500."""
+    schema = {"text-enum": json.dumps({"enum": list(range(2000))}),
+              "text-depth": json.dumps(_deep_schema(40)),
+              "text-30000-levels": "[" * 30000 + "]" * 30000,
+              "object-depth": _deep_schema(40)}[case]
+    body = {"prompt": "a", "guided_json": schema} if field == "guided_json" else \
+        {"prompt": "a", "structured_outputs": {"json": schema}}
+    with pytest.raises(ApiError) as info:
+        parse_completion(body, BOUNDS)
+    assert info.value.status == 400, info.value
+    assert limit in str(info.value), info.value
+    name = "guided_json" if field == "guided_json" else "structured_outputs.json"
+    assert info.value.param == name
+
+
+def test_a_schema_within_the_limits_passes_as_text_and_as_an_object():
+    for schema in (_deep_schema(10), json.dumps(_deep_schema(10)), json.dumps({"enum": ["[", "{", "]"]})):
+        assert parse_completion({"prompt": "a", "guided_json": schema}, BOUNDS).params.structured.kind == "json"

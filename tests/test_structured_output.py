@@ -127,3 +127,28 @@ def test_a_grammar_that_dead_ends_fails_its_request_alone(llama_checkpoint, tmp_
     assert chosen.finish_reason == "stop" and chosen.text in ("w7", "w9"), chosen
     assert other.finish_reason == "length" and len(other.token_ids) == 8
     assert not llm.engine.has_unfinished()
+
+
+def _nested_schema(levels: int) -> str:
+    """A JSON schema of `levels` nested objects, as text (deeper than json.dumps may recurse)."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
+
+
+def test_a_large_schema_is_checked_inside_the_compile_budget():
+    """xgrammar's parse of a 450-level schema takes about 15 s: at admission it held
+    the caller far past compile_timeout_s. Now the compiler process checks a large spec,
+    within the budget, and the request fails about when the budget ends."""
+    import time
+
+    llm = LLM("builtin:tiny", max_model_len=64, **{"logits_processors.structured.compile_timeout_s": 1.0})
+    llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.json_object()))  # compiler started
+    start = time.monotonic()
+    output = llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.json(_nested_schema(450))))[0]
+    assert time.monotonic() - start < 8.0
+    assert output.outputs[0].finish_reason == "error"
+    assert "did not compile within 1 s (compile_timeout_s)" in output.error
+
+
+def test_a_schema_text_too_deep_to_parse_is_a_request_error():
+    with pytest.raises(RequestError, match="nests too deep"):
+        StructuredOutput.json("[" * 30000 + "]" * 30000)

@@ -13,6 +13,7 @@ it does not know (fields.py lists them all).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -515,11 +516,70 @@ def _check_structured_size(field: str, value: Any, caps: RequestCaps) -> None:
     elif isinstance(value, str):
         size = len(value)
     else:
-        size, choices = _schema_size(value)
-        if choices > caps.max_choices:
-            raise _over_limit(f"{field} has {choices} enum / const values", "max_choices", caps.max_choices, field)
+        size = 0
     if size > caps.max_grammar_chars:
         raise _over_limit(f"{field} is {size} characters", "max_grammar_chars", caps.max_grammar_chars, field)
+    schema = _schema_of(field, value, caps)
+    if schema is not None:  # an object schema, or one sent as text: the same bounds
+        size, choices = _schema_size(schema)
+        if choices > caps.max_choices:
+            raise _over_limit(f"{field} has {choices} enum / const values", "max_choices", caps.max_choices, field)
+        if size > caps.max_grammar_chars:
+            raise _over_limit(f"{field} is {size} characters", "max_grammar_chars", caps.max_grammar_chars, field)
+
+
+def _schema_of(field: str, value: Any, caps: RequestCaps) -> Any:
+    """The JSON schema `field` holds, parsed when sent as text (after its nesting is found
+    within max_schema_depth, so that parsing cannot recurse past it), or None for a regex,
+    an EBNF grammar or choices."""
+    if field == "response_format":
+        spec = value.get("json_schema") if isinstance(value, dict) else None
+        value = spec.get("schema") if isinstance(spec, dict) else None
+    elif not field.endswith("json"):
+        return None
+    if isinstance(value, str):
+        depth = json_text_depth(value)
+        if depth > caps.max_schema_depth:
+            raise _over_limit(f"{field} nests {depth} levels deep", "max_schema_depth", caps.max_schema_depth, field)
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise bad_request(f"{field} is not valid JSON: {exc}", field) from None
+    depth = _object_depth(value)
+    if depth > caps.max_schema_depth:
+        raise _over_limit(f"{field} nests {depth} levels deep", "max_schema_depth", caps.max_schema_depth, field)
+    return value
+
+
+def json_text_depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON text (brackets inside strings not
+    counted), found without parsing it: a scan, so any depth is safe to measure."""
+    depth = deepest = 0
+    for match in _JSON_STRUCTURE.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in "]}":
+            depth -= 1
+    return deepest
+
+
+_JSON_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+def _object_depth(value: Any) -> int:
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def _schema_size(schema: Any) -> tuple[int, int]:

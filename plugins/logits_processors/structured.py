@@ -85,6 +85,11 @@ class _StartTimeout(Exception):
     pass
 
 
+# Specs up to this size are parsed at admission, on the caller's thread (fast at this size,
+# so an invalid one is refused before anything is queued); larger ones only by the
+# compiler process, inside the compile budget (xgrammar's parse grows with the cube of a
+# schema's nesting: 400 levels in 16 KB take seconds).
+PARSE_AT_ADMISSION_CHARS = 4096
 START_TIMEOUT_S = 120.0  # the compiler process's start-up (importing xgrammar), outside any grammar's budget
 
 
@@ -192,7 +197,7 @@ class StructuredOutputProcessor:
     def validate(self, params: Any) -> None:
         """Refuse what cannot work before the request is queued: no tokenizer, no xgrammar,
         ignore_eos (the grammar ends the output with EOS), fields that can leave the grammar
-        no token, or a spec xgrammar cannot parse."""
+        no token, or a spec xgrammar cannot parse (one of up to PARSE_AT_ADMISSION_CHARS)."""
         structured = params.structured
         if structured is None:
             raise RequestError("logits_processors names 'structured', which takes its grammar from the structured "
@@ -214,6 +219,8 @@ class StructuredOutputProcessor:
                 raise self._refused[key]
             if key in self._cache or key in self._valid or key in self._jobs:
                 return
+        if len(structured.spec) > PARSE_AT_ADMISSION_CHARS:
+            return  # parsing may take long: the compiler checks it, within compile_timeout_s
         try:
             if structured.kind == "json":
                 xgr.Grammar.from_json_schema(structured.spec, any_whitespace=False)
