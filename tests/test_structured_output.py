@@ -152,3 +152,46 @@ def test_a_large_schema_is_checked_inside_the_compile_budget():
 def test_a_schema_text_too_deep_to_parse_is_a_request_error():
     with pytest.raises(RequestError, match="nests too deep"):
         StructuredOutput.json("[" * 30000 + "]" * 30000)
+
+
+def _stopped_compiler(llm):
+    """The structured processor, its compiler process started and then stopped (SIGSTOP)."""
+    import os
+    import signal
+
+    llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.json_object()))
+    processor = llm.engine.logits_pipeline.processors["structured"]
+    pid = processor._compiler._process.pid
+    os.kill(pid, signal.SIGSTOP)
+    return processor, pid
+
+
+@pytest.mark.parametrize("spec_chars", [100, 200_000], ids=["small", "larger-than-the-pipe"])
+def test_a_stalled_compiler_is_not_the_grammar_s_fault(spec_chars):
+    """A compiler that does not run (stopped) times the grammar out, but the grammar is not
+    remembered as refused: the next request for it compiles on the restarted compiler. A
+    spec larger than the pipe to the stopped compiler does not hold the dispatcher past
+    the budget either."""
+    import time
+
+    llm = LLM("builtin:tiny", max_model_len=64, **{"logits_processors.structured.compile_timeout_s": 1.0})
+    processor, pid = _stopped_compiler(llm)
+    regex = "(w5|w6)" + "|(" + "a" * (spec_chars - 12) + ")"
+    params = SamplingParams(max_tokens=2, structured=StructuredOutput.regex(regex))
+    start = time.monotonic()
+    ticket = processor.prepare(params)
+    with pytest.raises(RuntimeError, match="compiler stalled") as info:
+        ticket.result(timeout=30)
+    assert not isinstance(info.value, RequestError)
+    assert time.monotonic() - start < 5.0
+    assert processor._compiler._process is None or processor._compiler._process.pid != pid
+    # not remembered: the restarted compiler works on it (the small one compiles, the large
+    # one takes its whole budget, as it would have on a running compiler)
+    start = time.monotonic()
+    again = processor.prepare(params)
+    if spec_chars < 1000:
+        assert again.result(timeout=60) is not None
+    else:
+        with pytest.raises(RequestError, match="did not compile within 1 s"):
+            again.result(timeout=60)
+        assert time.monotonic() - start >= 0.9

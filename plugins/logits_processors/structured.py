@@ -103,16 +103,58 @@ class CompilerProcess:
     def __init__(self, tokenizer_info_json: str) -> None:
         self._info = tokenizer_info_json
         self._process: subprocess.Popen | None = None
+        self._cpu_at_start: float | None = None  # the worker's CPU time when it got the current spec
+        self.stalled = False  # the last timeout: the worker spent under a tenth of the budget on the CPU
 
     def compile(self, kind: str, spec: str, timeout: float, cancelled: threading.Event) -> tuple[str, str]:
         """("ok", serialized grammar) or ("error", message); TimeoutError / _Cancelled kill the
         process. The budget starts once the process is ready: its start-up (importing
         xgrammar, reading the vocabulary) is not the grammar's."""
         process = self._start(cancelled)
-        grammar_worker.write_message(process.stdin, (kind, spec))
-        return self._reply(time.monotonic() + timeout, cancelled, TimeoutError)
+        deadline = time.monotonic() + timeout  # the spec's delivery is inside the budget too
+        self.stalled = True  # until the worker has the spec
+        self._send(grammar_worker.encode_message((kind, spec)), deadline, cancelled)
+        self._cpu_at_start = self._cpu_seconds()
+        try:
+            return self._reply(deadline, cancelled, TimeoutError, timeout)
+        finally:
+            self._cpu_at_start = None
 
-    def _reply(self, deadline: float, cancelled: threading.Event, late: type[Exception]) -> Any:
+    def _cpu_seconds(self) -> float | None:
+        """The worker's CPU time so far (Linux /proc), None where unknown."""
+        try:
+            with open(f"/proc/{self._process.pid}/stat") as handle:
+                fields = handle.read().rpartition(")")[2].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, AttributeError):
+            return None
+
+    def _send(self, data: bytes, deadline: float, cancelled: threading.Event) -> None:
+        """Write `data` to the worker without blocking past `deadline`: a worker that does
+        not read (stopped, stuck) cannot hold the dispatcher on a full pipe."""
+        fd = self._process.stdin.fileno()
+        os.set_blocking(fd, False)
+        view = memoryview(data)
+        while view:
+            if cancelled.is_set():
+                self.kill()
+                raise _Cancelled()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise TimeoutError()
+            _, ready, _ = select.select([], [fd], [], min(left, 0.05))
+            if ready:
+                try:
+                    view = view[os.write(fd, view):]
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:
+                    self.kill()
+                    raise RuntimeError("the grammar compiler process died") from None
+
+    def _reply(self, deadline: float, cancelled: threading.Event, late: type[Exception],
+               budget: float | None = None) -> Any:
         process = self._process
         while True:
             if cancelled.is_set():
@@ -120,6 +162,10 @@ class CompilerProcess:
                 raise _Cancelled()
             left = deadline - time.monotonic()
             if left <= 0:
+                if budget is not None:
+                    # A worker stopped or starved of CPU is the server's fault, not the grammar's.
+                    now, start = self._cpu_seconds(), self._cpu_at_start
+                    self.stalled = now is not None and start is not None and now - start < budget / 10
                 self.kill()
                 raise late()
             ready, _, _ = select.select([process.stdout], [], [], min(left, 0.05))
@@ -334,6 +380,13 @@ class StructuredOutputProcessor:
         except _Cancelled:
             job.result.cancel()
         except TimeoutError:
+            if compiler.stalled:  # ours: the worker did not work on it; not remembered
+                with self._lock:
+                    self._jobs.pop(job.key, None)
+                job.result.set_exception(RuntimeError(
+                    f"the grammar compiler stalled: the {_WHAT[kind]} got under a tenth of its {timeout:g} s "
+                    f"budget of CPU time; the compiler was restarted, retry"))
+                return
             self._finish(job, RequestError(f"structured output {_WHAT[kind]} did not compile within {timeout:g} s "
                                            f"(compile_timeout_s): simplify it"))
         except RequestError as exc:
