@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -187,10 +188,12 @@ def test_deltas_without_stop_strings_send_everything_and_end_on_the_full_text():
 class FakeEngine:
     """Each request gets one token per step until max_tokens; step number `fail_at` raises."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, stall_at: int | None = None) -> None:
         self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
         self.steps = 0
         self.fail_at = fail_at
+        self.stall_at = stall_at  # step number that hangs (a stopped process) until `resume` is set
+        self.resume = threading.Event()
         self.scheduler = FakeStats(lambda: SchedulerStats(num_waiting=0, num_running=len(self.requests),
                                                           num_preemptions=0))
         self.allocator = FakeStats(lambda: AllocatorStats(num_blocks=8, num_used_blocks=len(self.requests),
@@ -228,6 +231,8 @@ class FakeEngine:
         self.steps += 1
         if self.steps == self.fail_at:
             raise RuntimeError("boom")
+        if self.steps == self.stall_at:
+            self.resume.wait()
         new, finished = {}, []
         for request_id, (params, tokens) in list(self.requests.items()):
             tokens.append(self.steps)
@@ -462,6 +467,50 @@ def test_a_replica_set_routes_and_a_failed_replica_fails_only_its_requests():
     text = metrics.render().decode()
     assert 'servelab_replica_up{replica="1"} 0.0' in text
     assert 'servelab_replica_requests_routed_total{replica="0"} 2.0' in text
+
+
+def test_a_silent_replica_leaves_the_rotation_and_its_requests_fail_over_fast():
+    """A replica whose loop hangs (a stopped process: no output, no heartbeat) is taken
+    out of rotation after the liveness timeout: its requests end with a retryable error
+    naming it instead of hanging, new requests go to the live replica, /health's measure
+    stays below the timeout, and the replica comes back once it is heard from again."""
+    from servelab.server.metrics import ServerMetrics
+    from servelab.server.replica_set import ReplicaSet
+
+    router, metrics = RecordingRouter(), ServerMetrics()
+    engines = [FakeEngine(), FakeEngine(stall_at=2)]
+    replicas = ReplicaSet([AsyncEngine(ThreadConnection(e), name=f"replica {i}") for i, e in enumerate(engines)],
+                          router, "recording", block_size=16, metrics=metrics, liveness_timeout=0.5)
+
+    async def finish(events):
+        while True:
+            _, event = await events.get()
+            if event.is_last:
+                return event
+
+    async def scenario():
+        replicas.start()
+        first = await replicas.add([NewRequest("a", [1, 2], SamplingParams(max_tokens=3), 0.0)])
+        second = await replicas.add([NewRequest("b", [1, 2], SamplingParams(max_tokens=50), 0.0)])
+        assert (await asyncio.wait_for(finish(first), 5)).output.finish_reason == "length"
+        stuck = await asyncio.wait_for(finish(second), 5)  # hung for good before the watchdog
+        assert "engine replica 1 stopped answering" in stuck.error and "retry" in stuck.error
+        assert replicas.live_replicas() == [0] and replicas.dead == set()
+        assert replicas.stalled_seconds() < 0.5  # /health answers 200: replica 0 serves
+        later = await replicas.add([NewRequest("c", [1], SamplingParams(max_tokens=2), 0.0)])
+        assert (await asyncio.wait_for(finish(later), 5)).output is not None
+        assert 'servelab_replica_up{replica="1"} 0.0' in metrics.render().decode()
+        engines[1].resume.set()  # the process continues: heard from again, back in rotation
+        for _ in range(100):
+            if replicas.live_replicas() == [0, 1] and "b" not in engines[1].requests:
+                break
+            await asyncio.sleep(0.05)
+        assert replicas.live_replicas() == [0, 1]
+        assert "b" not in engines[1].requests  # aborted there: it does not run for nobody
+        await replicas.shutdown()
+
+    run(scenario())
+    assert 'servelab_replica_up{replica="1"} 1.0' in metrics.render().decode()
 
 
 def test_a_replica_set_fails_once_every_replica_has():

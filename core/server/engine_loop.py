@@ -142,6 +142,28 @@ class AsyncEngine:
         return max(0.0, time.monotonic() - self._last_heard)
 
     @property
+    def last_heard(self) -> float:
+        """time.monotonic() of the core's last output (or of work sent to it while idle)."""
+        return self._last_heard
+
+    def fail_in_flight(self, message: str) -> None:
+        """End every request in flight here with `message` (and refuse the adds the core
+        has not answered), and abort them in the core, which may still be alive: a core
+        that stopped answering. The engine itself is not marked failed."""
+        failed = RequestEvent(error=message)
+        request_ids = list(self._queues)
+        for request_id, target in self._queues.items():
+            self._started(request_id)
+            target.put_nowait((request_id, failed))
+        self._detokenizer.unregister(request_ids)
+        self._queues.clear()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(message))
+        if request_ids:
+            self.connection.send(("abort", None, request_ids))
+
+    @property
     def num_in_flight(self) -> int:
         """Engine requests added here that have not had their output (or error) yet."""
         return len(self._queues)
