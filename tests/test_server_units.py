@@ -513,6 +513,62 @@ def test_a_silent_replica_leaves_the_rotation_and_its_requests_fail_over_fast():
     assert 'servelab_replica_up{replica="1"} 1.0' in metrics.render().decode()
 
 
+def test_an_unread_stream_is_buffered_within_a_bound_and_loses_nothing():
+    """A reader that does not read while its request runs: the events waiting for it stay
+    within the buffer's bound (merged), and once read they carry every token, in order,
+    with the request's end last."""
+    from servelab.server.stream_buffer import STREAM_BUFFER_EVENTS
+
+    engine = AsyncEngine(ThreadConnection(FakeEngine()))
+
+    async def scenario():
+        engine.start()
+        events = await engine.add([NewRequest("a", [1], SamplingParams(max_tokens=2000), 0.0)])
+        for _ in range(400):
+            if engine.num_in_flight == 0:
+                break
+            await asyncio.sleep(0.025)
+        assert engine.num_in_flight == 0  # finished, nothing read yet
+        assert events.qsize() <= STREAM_BUFFER_EVENTS
+        tokens, last = [], None
+        while not events.empty():
+            _, last = events.get_nowait()
+            tokens.extend(last.new_token_ids)
+        assert last.is_last and last.output.outputs[0].token_ids == list(range(1, 2001))
+        assert tokens == list(range(1, 2001))
+        await engine.shutdown()
+
+    run(scenario())
+
+
+def test_merged_deltas_keep_each_choice_s_text_in_order():
+    from servelab.server.engine_loop import RequestEvent
+    from servelab.server.generation import ChoiceDelta
+    from servelab.server.stream_buffer import StreamBuffer
+
+    async def scenario():
+        buffer = StreamBuffer(limit=4)
+        for i in range(10):
+            buffer.put_nowait(("r", RequestEvent(deltas=(ChoiceDelta(0, f"a{i} ", None, num_tokens=1),
+                                                         ChoiceDelta(1, f"b{i} ", None, num_tokens=1)))))
+        buffer.put_nowait(("r#1", RequestEvent(new_token_ids=(7,))))
+        buffer.put_nowait(("r", RequestEvent(deltas=(ChoiceDelta(0, "end", "stop", num_tokens=1),),
+                                             error="gone")))
+        assert buffer.qsize() <= 4
+        items = [await buffer.get() for _ in range(buffer.qsize())]
+        assert items[-1][0] == "r" and items[-1][1].is_last  # the request's end after what came before it
+        assert [key for key, _ in items].index("r#1") < len(items) - 1
+        texts, counts = {0: "", 1: ""}, {0: 0, 1: 0}
+        for _, event in items:
+            for delta in event.deltas:
+                texts[delta.index] += delta.text
+                counts[delta.index] += delta.num_tokens
+        assert texts[0] == "".join(f"a{i} " for i in range(10)) + "end" and counts[0] == 11
+        assert texts[1] == "".join(f"b{i} " for i in range(10)) and counts[1] == 10
+
+    run(scenario())
+
+
 def test_a_replica_set_fails_once_every_replica_has():
     from servelab.server.replica_set import ReplicaSet
 

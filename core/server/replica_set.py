@@ -35,6 +35,7 @@ from servelab.interfaces import AllocatorStats, FinishAwareRouter, ReplicaSnapsh
 from servelab.server.detokenizer import Decode
 from servelab.server.engine_core import EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
 from servelab.server.engine_loop import AsyncEngine, Events
+from servelab.server.stream_buffer import StreamBuffer
 
 logger = structlog.get_logger(__name__)
 
@@ -113,7 +114,7 @@ class ReplicaSet:
         for request_id in owned:
             self._finished(request_id)
 
-    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> asyncio.Queue:
+    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> StreamBuffer:
         """Route the group (every prompt of one HTTP request) to one live replica and add it there."""
         live = self.live_replicas()
         if self.stopping or not live:
