@@ -630,3 +630,17 @@ def test_a_schema_is_bounded_alike_as_text_and_as_an_object(field, case, limit):
 def test_a_schema_within_the_limits_passes_as_text_and_as_an_object():
     for schema in (_deep_schema(10), json.dumps(_deep_schema(10)), json.dumps({"enum": ["[", "{", "]"]})):
         assert parse_completion({"prompt": "a", "guided_json": schema}, BOUNDS).params.structured.kind == "json"
+
+
+def test_tokenize_with_messages_has_the_chat_prompt_bound():
+    """/tokenize renders and tokenizes messages as chat does, so it takes chat's bound."""
+    from servelab.server.tokenize import parse_tokenize
+
+    big = [{"role": "user", "content": "w5 " * 400}]  # 1200 characters, BOUNDS allows 1000
+    with pytest.raises(ApiError) as info:
+        parse_tokenize({"messages": big}, BOUNDS)
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "more than this server tokenizes (1000" in str(info.value)
+    with pytest.raises(ApiError):
+        parse_chat({"messages": big}, BOUNDS)
+    assert parse_tokenize({"messages": MESSAGES}, BOUNDS).messages is not None

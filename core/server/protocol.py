@@ -169,16 +169,21 @@ def parse_completion(body: dict[str, Any], bounds: PromptBounds) -> GenerationRe
                              prompt_logprobs=prompt_logprobs, **_stream_options(body, stream))
 
 
-def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
-    """`POST /v1/chat/completions`: messages are {"role", "content"} with text content."""
-    _refuse_unsupported(body, chat=True)
-    messages = _messages(body.get("messages", _MISSING), bounds.caps)
-    # what the template will render, at least: every role and content, and a separator each
+def check_messages_size(messages: Any, bounds: PromptBounds) -> None:
+    """What the template will render, at least (every role and content, and a separator
+    each), within the characters this server tokenizes."""
     size = sum(len(m["content"]) + len(m["role"]) + MESSAGE_OVERHEAD_CHARS for m in messages)
     if size > bounds.max_prompt_chars:
         raise bad_request(f"messages have {size} characters (content, roles and {MESSAGE_OVERHEAD_CHARS} a message), "
                           f"more than this server tokenizes ({bounds.max_prompt_chars}, for "
                           f"max_model_len={bounds.max_model_len})", "messages")
+
+
+def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
+    """`POST /v1/chat/completions`: messages are {"role", "content"} with text content."""
+    _refuse_unsupported(body, chat=True)
+    messages = _messages(body.get("messages", _MISSING), bounds.caps)
+    check_messages_size(messages, bounds)
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     if body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool):
