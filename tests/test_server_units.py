@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -644,3 +645,34 @@ def test_tokenize_with_messages_has_the_chat_prompt_bound():
     with pytest.raises(ApiError):
         parse_chat({"messages": big}, BOUNDS)
     assert parse_tokenize({"messages": MESSAGES}, BOUNDS).messages is not None
+
+
+def test_a_request_template_that_loops_is_stopped_within_its_budget(monkeypatch):
+    """A request's own template looping (nearly) for good: refused after the budget, so it
+    cannot hold a codec worker (nor the process's exit) for good."""
+    import threading
+    import time
+
+    from servelab.server import chat
+
+    monkeypatch.setattr(chat, "REQUEST_TEMPLATE_SECONDS", 0.5)
+    loop = ("{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}"
+            "{% endfor %}{% endfor %}{% endfor %}")
+    results, tracer = [], sys.gettrace()  # a coverage tool's, or None
+
+    def render():
+        try:
+            results.append(ChatTemplate.plain_format().render(MESSAGES, loop))
+        except RequestError as exc:
+            results.append(exc)
+
+    start = time.monotonic()
+    worker = threading.Thread(target=render, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "the template still renders"
+    assert isinstance(results[0], RequestError) and "took longer than 0.5 s" in str(results[0])
+    assert time.monotonic() - start < 5
+    assert sys.gettrace() is tracer
+    # a request's template that is quick renders as before
+    assert ChatTemplate.plain_format().render(MESSAGES, "{{ messages | length }}").text == "2"
