@@ -102,11 +102,8 @@ class CopyCounter:
             speculator.slot_mover = counted_move
 
 
-def one_at_a_time(llm: LLM, prompts: list[list[int]], rounds: int = 1) -> list[list[int]]:
-    outputs = []
-    for _ in range(rounds):
-        outputs = [llm.generate([prompt], greedy())[0].token_ids for prompt in prompts]
-    return outputs
+def one_at_a_time(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [llm.generate([prompt], greedy())[0].token_ids for prompt in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +133,7 @@ def run_feature(feature: str, path: str, kv_cache_dtype: str, backend: str, refe
         return [c[0] for c in choices] + [c[1] for c in choices], llm
     if feature == "prefix":
         llm = engine(path, kv_cache_dtype, backend, max_num_seqs=1, **{"allocator.name": "radix"})
-        tokens = one_at_a_time(llm, prompts, rounds=2)
+        tokens = one_at_a_time(llm, prompts)  # the second prompt hits the first one's system prompt
         assert llm.engine.allocator.stats().prefix_hit_tokens > 0
         return tokens, llm
     if feature == "tree":
@@ -158,14 +155,15 @@ def run_feature(feature: str, path: str, kv_cache_dtype: str, backend: str, refe
     tier_options = {"kv_offload.host_blocks": 40}
     if feature == "file-tier":
         tier_options["kv_offload.path"] = str(tmp_path / "host-tier.bin")
-    # 6 device blocks hold one request at a time: the system prompt's blocks go to the
-    # host tier between requests and come back for the next one and the second round.
+    # 6 device blocks hold one request at a time: the unrelated prompt, run second, pushes
+    # the system prompt's blocks down to the host tier; the third prompt brings them back.
     llm = engine(path, kv_cache_dtype, backend, max_num_seqs=1, num_kv_blocks=6,
                  **{"allocator.name": "radix", **tier_options})
-    tokens = one_at_a_time(llm, prompts, rounds=2)
+    order = [0, 2, 1]
+    tokens = one_at_a_time(llm, [prompts[i] for i in order])
     tier = llm.engine.host_tier.stats()
     assert tier.num_offloads > 0 and tier.host_hit_blocks > 0
-    return tokens, llm
+    return [tokens[order.index(i)] for i in range(len(prompts))], llm
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
