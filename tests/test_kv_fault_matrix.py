@@ -8,7 +8,13 @@ A token's K/V depends only on its own prefix (a quantized row carries its own sc
 copy or a move that keeps the bytes keeps the tokens; one that loses them, or an op that
 does not exist for the cache's dtype, shows here. Each case also checks that its feature
 really moved KV (the copy counted, the tier's moves in its stats), so a pool that happened
-to be large enough cannot pass for a working copy path."""
+to be large enough cannot pass for a working copy path. Combinations that cannot work are
+refused at start, by name (the last tests).
+
+Replicas and the multi-process faults (SIGKILL, SIGSTOP of a replica, a stalled grammar
+compiler) are in tests/test_server_replicas.py, tests/test_server_units.py and
+tests/test_structured_output.py; int8 KV, the host tier and swap served at once in
+tests/test_server_kv_hierarchy.py."""
 
 from __future__ import annotations
 
@@ -176,3 +182,38 @@ def test_kv_copies_and_moves_keep_greedy_output(llama_checkpoint, plain, tmp_pat
     expected = reference + reference if feature == "n2" else reference
     assert tokens == expected
     assert llm.engine.allocator.stats().num_used_blocks == 0, "blocks leaked after every request finished"
+
+
+# ---------------------------------------------------------------- combinations refused at start
+
+REFUSED = {
+    # a backend without the quantized cache layout
+    "quantized-kv-on-sdpa-contiguous": ({"kv_cache_dtype": "fp8_e4m3", "attention.name": "sdpa-contiguous",
+                                         "allocator.name": "naive"},
+                                        r"kv_cache_dtype='fp8_e4m3': attention 'sdpa-contiguous' cannot store"),
+    # token trees need tree masks
+    "trees-on-sdpa-contiguous": ({"attention.name": "sdpa-contiguous", "allocator.name": "naive",
+                                  "drafter.name": "suffix", "drafter.tree_nodes": 4},
+                                 r"proposes token trees, but attention backend 'sdpa-contiguous'"),
+    # swap keeps the victims' KV in the host tier
+    "swap-without-a-host-tier": ({"scheduler.preemption_mode": "swap"}, r"preemption_mode = \"swap\""),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_combinations_are_refused_at_start_by_name(llama_checkpoint, case):
+    from servelab.errors import ConfigError
+
+    options, message = REFUSED[case]
+    with pytest.raises(ConfigError, match=message):
+        LLM(llama_checkpoint, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, **options)
+
+
+def test_two_engines_on_one_host_tier_file_are_refused_by_name(llama_checkpoint, tmp_path):
+    from servelab.errors import ConfigError
+
+    options = {"allocator.name": "radix", "kv_offload.host_blocks": 8, "kv_offload.path": str(tmp_path / "kv.bin")}
+    first = engine(llama_checkpoint, "fp8_e5m2", "torch-paged", **options)
+    with pytest.raises(ConfigError, match=r"is in use by another engine"):
+        engine(llama_checkpoint, "fp8_e5m2", "torch-paged", **options)
+    assert first.generate([make_prompts()[0]], greedy())[0].token_ids
