@@ -125,3 +125,21 @@ def test_prefix_blocks_offloaded_and_loaded_return_the_kv_written(device):
     _synchronize(device)
     for key, block in ((101, 1), (102, 6), (103, 22), (104, 13)):
         assert all(torch.equal(g, w) for g, w in zip(_blocks(caches, [block]), written[key])), key
+
+
+def test_a_host_block_written_behind_the_tier_s_back_is_refused_not_loaded():
+    """A hit is not trusted on the bookkeeping alone: a host block whose bytes changed after
+    its offload (another engine on the same memory or file) fails the load by name."""
+    from servelab.tier_copy import HostTierCorrupted
+
+    caches = _caches("cpu", torch.float8_e4m3fn)
+    tier = HostTier(HOST_BLOCKS, BLOCK_SIZE)
+    copier = _copier(caches, "cpu")
+    assert tier.swap_out("seq", [3, 7])
+    moves = tier.take_moves()
+    perform_moves(copier, caches, 1, moves)
+    intruded = moves[1].destination
+    copier.host_caches[1][0].view(torch.uint8)[:, intruded, 0, 0] ^= 0xFF  # one byte of layer 1's K, per head
+    tier.swap_in("seq", [0, 1])
+    with pytest.raises(HostTierCorrupted, match=rf"host tier block {intruded} no longer holds the KV offloaded"):
+        perform_moves(copier, caches, 1, tier.take_moves())

@@ -17,6 +17,7 @@ host) and loads (host -> device) to a copier, chosen by the device (`tier_copier
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Sequence as Seq
 
 import torch
@@ -51,34 +52,59 @@ def host_runs(host_blocks: Seq[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+class HostTierCorrupted(RuntimeError):
+    """A host tier block's bytes changed between its offload and its load."""
+
+
+def block_checksums(blocks: torch.Tensor, dim: int, running: list[int]) -> list[int]:
+    """`running` CRC-32s continued with the bytes of each block of `blocks` (blocks on `dim`)."""
+    per_block = blocks.movedim(dim, 0).contiguous().view(torch.uint8).reshape(blocks.shape[dim], -1).numpy()
+    return [zlib.crc32(row, crc) for row, crc in zip(per_block, running)]
+
+
 class CpuTierCopier:
-    """Synchronous copies; the host tier in the device cache's layout (blocks on `block_dim`)."""
+    """Synchronous copies; the host tier in the device cache's layout (blocks on `block_dim`).
+    Every load checks the bytes against the checksum taken at the offload (HostTierCorrupted)."""
 
     asynchronous = False
 
     def __init__(self, host_caches: list[tuple[torch.Tensor, torch.Tensor]], block_dim: int) -> None:
         self.host_caches = host_caches
         self.block_dim = block_dim
+        # host block -> CRC-32 of its bytes in every layer's K and V when offloaded: a load
+        # verifies the bytes, so a hit is never trusted on the tier's bookkeeping alone
+        self.checksums: dict[int, int] = {}
 
     def offload(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sources: Seq[int],
                 destinations: Seq[int]) -> None:
         dim = self.block_dim
         index_from = torch.tensor(sources, dtype=torch.int64)
         index_to = torch.tensor(destinations, dtype=torch.int64)
+        sums = [0] * len(destinations)
         for pair, host_pair in zip(kv_caches, self.host_caches):
             for cache, host in zip(pair, host_pair):
-                copyable(host).index_copy_(dim, index_to, copyable(cache).index_select(
-                    dim, index_from.to(cache.device)).to(host.device))
+                blocks = copyable(cache).index_select(dim, index_from.to(cache.device)).to(host.device)
+                sums = block_checksums(blocks, dim, sums)
+                copyable(host).index_copy_(dim, index_to, blocks)
+        self.checksums.update(zip(destinations, sums))
 
     def load(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sources: Seq[int],
              destinations: Seq[int]) -> None:
         dim = self.block_dim
         index_from = torch.tensor(sources, dtype=torch.int64)
         index_to = torch.tensor(destinations, dtype=torch.int64)
+        sums = [0] * len(sources)
         for pair, host_pair in zip(kv_caches, self.host_caches):
             for cache, host in zip(pair, host_pair):
-                copyable(cache).index_copy_(dim, index_to.to(cache.device),
-                                            copyable(host).index_select(dim, index_from).to(cache.device))
+                blocks = copyable(host).index_select(dim, index_from)
+                sums = block_checksums(blocks, dim, sums)
+                copyable(cache).index_copy_(dim, index_to.to(cache.device), blocks.to(cache.device))
+        for block, found in zip(sources, sums):
+            expected = self.checksums.get(block)
+            if expected is not None and found != expected:
+                raise HostTierCorrupted(f"host tier block {block} no longer holds the KV offloaded into it "
+                                        f"(checksum {found:#010x}, written {expected:#010x}): something else "
+                                        f"wrote the tier's memory or file; refusing to serve from it")
 
     def host_blocks(self, layer: int, which: int, blocks: Seq[int]) -> torch.Tensor:
         """Host blocks of one layer's K (which=0) or V (1), in the device cache's layout."""
