@@ -106,7 +106,8 @@ def test_shipped_head_keeps_greedy_tokens_and_is_accepted(engine, embedded_plain
 
 
 def test_sampled_requests_run_with_trees(embedded_plain):
-    """Sampling (unseeded: seeded requests are not drafted) with the drafter runs to completion with valid tokens and frees every block
+    """Sampling (unseeded: seeded requests are not drafted) with the drafter runs to
+    completion with valid tokens and frees every block
     (its distribution is checked for every deterministic drafter in test_tree_verification)."""
     prompts, _ = embedded_plain
     llm = LLM("builtin:tiny", config={"drafter": {"name": "eagle", "tree_nodes": 8}}, max_model_len=256)

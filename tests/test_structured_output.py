@@ -71,7 +71,8 @@ def test_grammar_state_follows_speculation_and_chunked_prefill(engine, llm):
     other = LLM("builtin:tiny", max_model_len=256, **engine)
     long_prompt = "Write the record of a user as JSON, with a name, an age and whether they are an admin: "
     greedy = SamplingParams(max_tokens=80, temperature=0, structured=StructuredOutput.json(SCHEMA))
-    sampled = SamplingParams(max_tokens=80, temperature=0.8, structured=StructuredOutput.json(SCHEMA))  # drafted: unseeded
+    # unseeded, so that it is drafted (a seeded request is not)
+    sampled = SamplingParams(max_tokens=80, temperature=0.8, structured=StructuredOutput.json(SCHEMA))
     expected = llm.generate([long_prompt, PROMPTS[0]], greedy)
     outputs = other.generate([long_prompt, PROMPTS[0], long_prompt, PROMPTS[0]], [greedy, greedy, sampled, sampled])
     assert [o.token_ids for o in outputs[:2]] == [o.token_ids for o in expected]
