@@ -215,3 +215,25 @@ def test_generate_runs_several_prompts_in_order(generate_runs):
 
 def test_a_prompts_file_without_prompts_fails_cleanly(generate_runs):
     assert_clean_failure(generate_runs["blank_prompts_file"], "holds no prompt")
+
+
+@pytest.mark.parametrize("case", ["a-file", "unwritable-inside"])
+def test_an_unusable_cache_is_one_line_exit_2_and_leaves_nothing(case, tmp_path, monkeypatch, capsys):
+    """SERVELAB_CACHE where the generated built-in model cannot be written: a file in its
+    place, or a write failing half-way (here: a directory where a file must go). One line
+    naming the cache, exit 2, and no temporary directory left behind."""
+    from servelab.cli import main
+
+    cache = tmp_path / "cache"
+    if case == "a-file":
+        cache.write_text("not a directory")
+    else:
+        (cache / "tiny-random" / "tokenizer.json").mkdir(parents=True)
+    monkeypatch.setenv("SERVELAB_CACHE", str(cache))
+    code = main(["generate", "--model", "builtin:tiny-random", "--prompt", "x", "--max-tokens", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("servelab: error: cannot write the built-in model")
+    assert str(cache) in err and "SERVELAB_CACHE" in err
+    if case != "a-file":
+        assert sorted(p.name for p in cache.iterdir()) == ["tiny-random"]  # no tiny-random.tmp<pid>

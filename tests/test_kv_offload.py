@@ -156,3 +156,67 @@ def test_tier_numbers_reach_metrics():
     assert 'servelab_kv_tier_blocks{state="swapped",tier="host"} 1.0' in text
     assert 'servelab_kv_tier_moves{kind="offload"} 4.0' in text
     assert "servelab_kv_tier_bytes_moved 700.0" in text
+
+
+# ---------------------------------------------------------------- the tier's file
+
+def test_a_tier_file_serves_one_engine_at_a_time(llama_checkpoint, tmp_path):
+    """A second engine on the same file would hand out the same host blocks: refused by
+    name while the first one maps it, accepted once the first is gone."""
+    import gc
+
+    options = {"allocator.name": "radix", "kv_offload.host_blocks": 8, "kv_offload.path": str(tmp_path / "kv.bin")}
+    first = LLM(llama_checkpoint, max_model_len=64, block_size=BLOCK_SIZE, **options)
+    with pytest.raises(ConfigError, match=r"\[kv_offload\] path '.*kv\.bin' is in use by another engine"):
+        LLM(llama_checkpoint, max_model_len=64, block_size=BLOCK_SIZE, **options)
+    del first
+    gc.collect()
+    LLM(llama_checkpoint, max_model_len=64, block_size=BLOCK_SIZE, **options)
+
+
+def test_replicas_get_a_tier_file_each(tmp_path):
+    from servelab.config import EngineConfig
+    from servelab.server.replicas import replica_configs
+
+    shared = EngineConfig.from_dict({"kv_offload": {"host_blocks": 8, "path": str(tmp_path / "kv.bin")}})
+    paths = [config.kv_offload.path for config in replica_configs(shared, 3)]
+    assert paths == [str(tmp_path / f"kv.bin.replica{i}") for i in range(3)]
+    anonymous = EngineConfig.from_dict({"kv_offload": {"host_blocks": 8}})
+    assert replica_configs(anonymous, 2) == [anonymous, anonymous]
+
+
+def test_the_tier_file_is_allocated_at_start(tmp_path):
+    """Not a sparse file: every page exists before the first write through the mapping
+    (a write into a hole on a full filesystem is SIGBUS)."""
+    from servelab.runner import host_kv_caches
+
+    path = tmp_path / "kv.bin"
+    caches = host_kv_caches((2, 64, 4, 16), torch.float32, 2, str(path))
+    size = (2 * 64 * 4 * 16) * 4 * 2 * 2  # elements x 4 bytes x (K, V) x 2 layers
+    assert path.stat().st_size == size
+    assert path.stat().st_blocks * 512 >= size
+    assert all(float(cache.abs().sum()) == 0.0 for pair in caches for cache in pair)
+
+
+def test_a_tier_file_without_room_is_refused_at_start(tmp_path):
+    """A filesystem without room for the tier (here: a file size limit below it) is a
+    start-up error naming the path, not a SIGBUS later."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from servelab.errors import ConfigError
+        from servelab.runner import host_kv_caches
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+        try:
+            host_kv_caches((2, 64, 4, 16), torch.float32, 2, {str(tmp_path / "kv.bin")!r})
+        except ConfigError as exc:
+            print(exc)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "cannot reserve 131072 bytes for the host tier (File too large)" in result.stdout
+    assert "kv.bin" in result.stdout

@@ -1,7 +1,8 @@
 """Engine replicas on a real local Ray (`servelab serve --replicas 2`, builtin:tiny):
 answers equal to one engine, streaming and aborts through replicas, routing by the
 configured router (prefix-affinity keeps shared prefixes cache hits where round-robin
-spreads them), and a replica killed mid-stream failing only its own requests."""
+spreads them), a replica killed mid-stream failing only its own requests, and a stopped
+one (SIGSTOP) taken out of rotation instead of hanging requests."""
 
 from __future__ import annotations
 
@@ -99,6 +100,71 @@ def test_a_killed_replica_fails_only_its_requests_and_the_others_keep_serving(tm
         metrics = server.metrics()
         assert metrics['servelab_replica_up{replica="0"}'] == 0 and metrics['servelab_replica_up{replica="1"}'] == 1
         assert "replica.failed" in server.log()
+    finally:
+        assert server.terminate(60) == 0, server.log_path.read_text()
+
+
+def test_a_stopped_replica_leaves_the_rotation_and_its_requests_do_not_hang(tmp_path):
+    """SIGSTOP of one replica: its request in flight ends with an error naming it within
+    about the liveness timeout (not when the client gives up), /health stays 200, new
+    requests all go to the other replica, and after SIGCONT it serves again."""
+    import time
+
+    server = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, "--liveness-timeout", "2", log_path=tmp_path / "log")
+    try:
+        pids = _replica_pids(server)
+        assert sorted(pids) == [0, 1], server.log()
+        body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json=body) as first, \
+                    client.stream("POST", "/v1/completions", json=body) as second:
+                streams = [sse_events(first), sse_events(second)]
+                for stream in streams:
+                    next(stream)  # both run, one on each replica (round-robin)
+                os.kill(pids[0], signal.SIGSTOP)
+                start = time.monotonic()
+                endings = [list(stream) for stream in streams]
+                waited = time.monotonic() - start
+            try:
+                errors = [events[-2]["error"]["message"] for events in endings if "error" in events[-2]]
+                assert len(errors) == 1 and "engine replica 0 stopped answering" in errors[0], endings
+                assert waited < 30, waited
+                assert client.get("/health").status_code == 200
+                for _ in range(4):  # every new request goes to the live replica, none hangs
+                    reply = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False}, timeout=30)
+                    assert reply.status_code == 200, reply.text
+                assert server.metrics()['servelab_replica_up{replica="0"}'] == 0
+            finally:
+                os.kill(pids[0], signal.SIGCONT)
+            server.wait_metrics(lambda m: m['servelab_replica_up{replica="0"}'] == 1, timeout=30)
+            assert "replica.silent" in server.log() and "replica.recovered" in server.log()
+    finally:
+        assert server.terminate(60) == 0, server.log_path.read_text()
+
+
+def test_replicas_with_a_file_backed_host_tier_each_map_their_own_file(tmp_path):
+    """[kv_offload] path with --replicas 2: each replica maps <path>.replica<i> (one shared
+    file handed the same host blocks to both, and repeated greedy answers changed), and
+    repeated answers through the tier equal one engine's."""
+    from servelab import LLM, SamplingParams
+
+    path = tmp_path / "kv.bin"
+    # 16 blocks a replica: its three ~10-block prompts cannot all stay on the device
+    tier = ("--set", "engine.num_kv_blocks=16", "--set", "engine.block_size=16", "--set", 'allocator.name="radix"',
+            "--set", "kv_offload.host_blocks=64", "--set", f'kv_offload.path="{path}"')
+    prompts = [" ".join([p] * 30) for p in PROMPTS]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(MODEL, max_model_len=256).generate(prompts, params)]
+    server = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, *tier, log_path=tmp_path / "log")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            for _ in range(2):  # the second round finds the prompts on the device or in the tier
+                for prompt, tokens in zip(prompts, expected):
+                    reply = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+                                                                 "ignore_eos": True, "return_token_ids": True})
+                    assert reply.status_code == 200, reply.text
+                    assert reply.json()["choices"][0]["token_ids"] == list(tokens)
+        assert sorted(p.name for p in tmp_path.glob("kv.bin*")) == ["kv.bin.replica0", "kv.bin.replica1"]
     finally:
         assert server.terminate(60) == 0, server.log_path.read_text()
 

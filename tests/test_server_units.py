@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -187,10 +189,12 @@ def test_deltas_without_stop_strings_send_everything_and_end_on_the_full_text():
 class FakeEngine:
     """Each request gets one token per step until max_tokens; step number `fail_at` raises."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, stall_at: int | None = None) -> None:
         self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
         self.steps = 0
         self.fail_at = fail_at
+        self.stall_at = stall_at  # step number that hangs (a stopped process) until `resume` is set
+        self.resume = threading.Event()
         self.scheduler = FakeStats(lambda: SchedulerStats(num_waiting=0, num_running=len(self.requests),
                                                           num_preemptions=0))
         self.allocator = FakeStats(lambda: AllocatorStats(num_blocks=8, num_used_blocks=len(self.requests),
@@ -228,6 +232,8 @@ class FakeEngine:
         self.steps += 1
         if self.steps == self.fail_at:
             raise RuntimeError("boom")
+        if self.steps == self.stall_at:
+            self.resume.wait()
         new, finished = {}, []
         for request_id, (params, tokens) in list(self.requests.items()):
             tokens.append(self.steps)
@@ -464,6 +470,106 @@ def test_a_replica_set_routes_and_a_failed_replica_fails_only_its_requests():
     assert 'servelab_replica_requests_routed_total{replica="0"} 2.0' in text
 
 
+def test_a_silent_replica_leaves_the_rotation_and_its_requests_fail_over_fast():
+    """A replica whose loop hangs (a stopped process: no output, no heartbeat) is taken
+    out of rotation after the liveness timeout: its requests end with a retryable error
+    naming it instead of hanging, new requests go to the live replica, /health's measure
+    stays below the timeout, and the replica comes back once it is heard from again."""
+    from servelab.server.metrics import ServerMetrics
+    from servelab.server.replica_set import ReplicaSet
+
+    router, metrics = RecordingRouter(), ServerMetrics()
+    engines = [FakeEngine(), FakeEngine(stall_at=2)]
+    replicas = ReplicaSet([AsyncEngine(ThreadConnection(e), name=f"replica {i}") for i, e in enumerate(engines)],
+                          router, "recording", block_size=16, metrics=metrics, liveness_timeout=0.5)
+
+    async def finish(events):
+        while True:
+            _, event = await events.get()
+            if event.is_last:
+                return event
+
+    async def scenario():
+        replicas.start()
+        first = await replicas.add([NewRequest("a", [1, 2], SamplingParams(max_tokens=3), 0.0)])
+        second = await replicas.add([NewRequest("b", [1, 2], SamplingParams(max_tokens=50), 0.0)])
+        assert (await asyncio.wait_for(finish(first), 5)).output.finish_reason == "length"
+        stuck = await asyncio.wait_for(finish(second), 5)  # hung for good before the watchdog
+        assert "engine replica 1 stopped answering" in stuck.error and "retry" in stuck.error
+        assert replicas.live_replicas() == [0] and replicas.dead == set()
+        assert replicas.stalled_seconds() < 0.5  # /health answers 200: replica 0 serves
+        later = await replicas.add([NewRequest("c", [1], SamplingParams(max_tokens=2), 0.0)])
+        assert (await asyncio.wait_for(finish(later), 5)).output is not None
+        assert 'servelab_replica_up{replica="1"} 0.0' in metrics.render().decode()
+        engines[1].resume.set()  # the process continues: heard from again, back in rotation
+        for _ in range(100):
+            if replicas.live_replicas() == [0, 1] and "b" not in engines[1].requests:
+                break
+            await asyncio.sleep(0.05)
+        assert replicas.live_replicas() == [0, 1]
+        assert "b" not in engines[1].requests  # aborted there: it does not run for nobody
+        await replicas.shutdown()
+
+    run(scenario())
+    assert 'servelab_replica_up{replica="1"} 1.0' in metrics.render().decode()
+
+
+def test_an_unread_stream_is_buffered_within_a_bound_and_loses_nothing():
+    """A reader that does not read while its request runs: the events waiting for it stay
+    within the buffer's bound (merged), and once read they carry every token, in order,
+    with the request's end last."""
+    from servelab.server.stream_buffer import STREAM_BUFFER_EVENTS
+
+    engine = AsyncEngine(ThreadConnection(FakeEngine()))
+
+    async def scenario():
+        engine.start()
+        events = await engine.add([NewRequest("a", [1], SamplingParams(max_tokens=2000), 0.0)])
+        for _ in range(400):
+            if engine.num_in_flight == 0:
+                break
+            await asyncio.sleep(0.025)
+        assert engine.num_in_flight == 0  # finished, nothing read yet
+        assert events.qsize() <= STREAM_BUFFER_EVENTS
+        tokens, last = [], None
+        while not events.empty():
+            _, last = events.get_nowait()
+            tokens.extend(last.new_token_ids)
+        assert last.is_last and last.output.outputs[0].token_ids == list(range(1, 2001))
+        assert tokens == list(range(1, 2001))
+        await engine.shutdown()
+
+    run(scenario())
+
+
+def test_merged_deltas_keep_each_choice_s_text_in_order():
+    from servelab.server.engine_loop import RequestEvent
+    from servelab.server.generation import ChoiceDelta
+    from servelab.server.stream_buffer import StreamBuffer
+
+    async def scenario():
+        buffer = StreamBuffer(limit=4)
+        for i in range(10):
+            buffer.put_nowait(("r", RequestEvent(deltas=(ChoiceDelta(0, f"a{i} ", None, num_tokens=1),
+                                                         ChoiceDelta(1, f"b{i} ", None, num_tokens=1)))))
+        buffer.put_nowait(("r#1", RequestEvent(new_token_ids=(7,))))
+        buffer.put_nowait(("r", RequestEvent(deltas=(ChoiceDelta(0, "end", "stop", num_tokens=1),),
+                                             error="gone")))
+        assert buffer.qsize() <= 4
+        items = [await buffer.get() for _ in range(buffer.qsize())]
+        assert items[-1][0] == "r" and items[-1][1].is_last  # the request's end after what came before it
+        assert [key for key, _ in items].index("r#1") < len(items) - 1
+        texts, counts = {0: "", 1: ""}, {0: 0, 1: 0}
+        for _, event in items:
+            for delta in event.deltas:
+                texts[delta.index] += delta.text
+                counts[delta.index] += delta.num_tokens
+        assert texts[0] == "".join(f"a{i} " for i in range(10)) + "end" and counts[0] == 11
+        assert texts[1] == "".join(f"b{i} " for i in range(10)) and counts[1] == 10
+
+    run(scenario())
+
+
 def test_a_replica_set_fails_once_every_replica_has():
     from servelab.server.replica_set import ReplicaSet
 
@@ -489,3 +595,84 @@ def test_empty_string_lists_are_taken_as_none_given():
     """A fuzzed body once got a 500 for `bad_words: []` (the longest of no strings)."""
     parsed = parse_completion({"model": "m", "prompt": "w5 w6", "bad_words": [], "stop": [], "max_tokens": 4}, BOUNDS)
     assert parsed.params.bad_words == () and parsed.params.stop == ()
+
+
+# ---------------------------------------------------------------- JSON schemas sent as text
+
+
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+@pytest.mark.parametrize("case,limit", [
+    ("text-enum", "max_choices"), ("text-depth", "max_schema_depth"), ("text-30000-levels", "max_schema_depth"),
+    ("object-depth", "max_schema_depth")])
+def test_a_schema_is_bounded_alike_as_text_and_as_an_object(field, case, limit):
+    """The depth and max_choices limits apply to a schema sent as JSON text as to one sent
+    as an object; text nested past what json.loads can recurse is a 400, not a 500."""
+    schema = {"text-enum": json.dumps({"enum": list(range(2000))}),
+              "text-depth": json.dumps(_deep_schema(40)),
+              "text-30000-levels": "[" * 30000 + "]" * 30000,
+              "object-depth": _deep_schema(40)}[case]
+    body = {"prompt": "a", "guided_json": schema} if field == "guided_json" else \
+        {"prompt": "a", "structured_outputs": {"json": schema}}
+    with pytest.raises(ApiError) as info:
+        parse_completion(body, BOUNDS)
+    assert info.value.status == 400, info.value
+    assert limit in str(info.value), info.value
+    name = "guided_json" if field == "guided_json" else "structured_outputs.json"
+    assert info.value.param == name
+
+
+def test_a_schema_within_the_limits_passes_as_text_and_as_an_object():
+    for schema in (_deep_schema(10), json.dumps(_deep_schema(10)), json.dumps({"enum": ["[", "{", "]"]})):
+        assert parse_completion({"prompt": "a", "guided_json": schema}, BOUNDS).params.structured.kind == "json"
+
+
+def test_tokenize_with_messages_has_the_chat_prompt_bound():
+    """/tokenize renders and tokenizes messages as chat does, so it takes chat's bound."""
+    from servelab.server.tokenize import parse_tokenize
+
+    big = [{"role": "user", "content": "w5 " * 400}]  # 1200 characters, BOUNDS allows 1000
+    with pytest.raises(ApiError) as info:
+        parse_tokenize({"messages": big}, BOUNDS)
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "more than this server tokenizes (1000" in str(info.value)
+    with pytest.raises(ApiError):
+        parse_chat({"messages": big}, BOUNDS)
+    assert parse_tokenize({"messages": MESSAGES}, BOUNDS).messages is not None
+
+
+def test_a_request_template_that_loops_is_stopped_within_its_budget(monkeypatch):
+    """A request's own template looping (nearly) for good: refused after the budget, so it
+    cannot hold a codec worker (nor the process's exit) for good."""
+    import threading
+    import time
+
+    from servelab.server import chat
+
+    monkeypatch.setattr(chat, "REQUEST_TEMPLATE_SECONDS", 0.5)
+    loop = ("{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}"
+            "{% endfor %}{% endfor %}{% endfor %}")
+    results, tracer = [], sys.gettrace()  # a coverage tool's, or None
+
+    def render():
+        try:
+            results.append(ChatTemplate.plain_format().render(MESSAGES, loop))
+        except RequestError as exc:
+            results.append(exc)
+
+    start = time.monotonic()
+    worker = threading.Thread(target=render, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "the template still renders"
+    assert isinstance(results[0], RequestError) and "took longer than 0.5 s" in str(results[0])
+    assert time.monotonic() - start < 5
+    assert sys.gettrace() is tracer
+    # a request's template that is quick renders as before
+    assert ChatTemplate.plain_format().render(MESSAGES, "{{ messages | length }}").text == "2"

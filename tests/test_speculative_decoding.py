@@ -245,8 +245,9 @@ def _second_and_third_tokens(path: str, drafter: dict | None, prompt: list[int],
     config = {"drafter": drafter} if drafter else {}
     # The radix cache computes the shared prompt once.
     llm = LLM(path, config=config, max_model_len=128, max_num_seqs=64, **{"allocator.name": "radix"})
-    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=1000 + i, ignore_eos=True)
-              for i in range(num_requests)]
+    # Unseeded: a seeded request is not drafted (its tokens must not depend on the batch);
+    # the engine's own generator (seeded by [engine] seed) keeps the run reproducible.
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True) for _ in range(num_requests)]
     outputs = llm.generate([prompt] * num_requests, params)
     if drafter is not None:
         stats = llm.engine.speculation_stats()
@@ -257,7 +258,7 @@ def _second_and_third_tokens(path: str, drafter: dict | None, prompt: list[int],
 @pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
 def test_seeded_sampling_keeps_the_target_distribution(drafter, checkpoint_factory, tmp_path):
     """Tokens 2 and 3 (the first ones produced by verification) with speculation and
-    without: a chi-square test of homogeneity over their joint values, fixed seeds."""
+    without: a chi-square test of homogeneity over their joint values, the engine's fixed seed."""
     path = checkpoint_factory("llama")
     start = spec_prompts()[1]
     # The target's own greedy continuation, twice: lookup proposes tokens the target finds likely.
@@ -479,3 +480,28 @@ def test_example_configs_run(name):
     llm = LLM(config=EngineConfig.load(path))
     out = llm.generate("import os\n", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 16 and out.metrics.num_draft_tokens > 0
+
+
+# ---------------------------------------------------------------- seeds and the batch
+
+
+@pytest.mark.parametrize("drafter", [{"name": "ngram", "num_speculative_tokens": 4, "max_ngram": 3},
+                                     {"name": "suffix", "num_speculative_tokens": 4, "max_spec_factor": 2.0}],
+                         ids=["ngram", "suffix-dynamic"])
+def test_a_seeded_request_gives_the_same_tokens_whatever_else_is_in_the_batch(drafter, checkpoint_factory):
+    """Seeded choices alone, and among a crowd of other requests with drafts (which decide
+    how many drafts anyone gets, and so how many draws verification takes), and with no
+    drafter at all: the same tokens each time."""
+    path = checkpoint_factory("llama")
+    prompt = spec_prompts()[1] * 2
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    crowd = SamplingParams(max_tokens=16, temperature=0.9, ignore_eos=True)
+    llm = LLM(path, config={"drafter": drafter}, max_model_len=128, max_num_seqs=16, max_num_batched_tokens=40,
+              **{"scheduler.name": "chunked-prefill"})
+    alone = [c.token_ids for c in llm.generate([prompt], seeded)[0].outputs]
+    others = spec_prompts() * 3
+    loaded = llm.generate(others + [prompt], [crowd] * len(others) + [seeded])
+    assert llm.engine.speculation_stats().num_draft_tokens > 0  # the crowd was drafted
+    assert [c.token_ids for c in loaded[-1].outputs] == alone
+    plain = LLM(path, max_model_len=128)
+    assert [c.token_ids for c in plain.generate([prompt], seeded)[0].outputs] == alone

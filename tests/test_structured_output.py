@@ -71,7 +71,8 @@ def test_grammar_state_follows_speculation_and_chunked_prefill(engine, llm):
     other = LLM("builtin:tiny", max_model_len=256, **engine)
     long_prompt = "Write the record of a user as JSON, with a name, an age and whether they are an admin: "
     greedy = SamplingParams(max_tokens=80, temperature=0, structured=StructuredOutput.json(SCHEMA))
-    sampled = SamplingParams(max_tokens=80, temperature=0.8, seed=7, structured=StructuredOutput.json(SCHEMA))
+    # unseeded, so that it is drafted (a seeded request is not)
+    sampled = SamplingParams(max_tokens=80, temperature=0.8, structured=StructuredOutput.json(SCHEMA))
     expected = llm.generate([long_prompt, PROMPTS[0]], greedy)
     outputs = other.generate([long_prompt, PROMPTS[0], long_prompt, PROMPTS[0]], [greedy, greedy, sampled, sampled])
     assert [o.token_ids for o in outputs[:2]] == [o.token_ids for o in expected]
@@ -127,3 +128,71 @@ def test_a_grammar_that_dead_ends_fails_its_request_alone(llama_checkpoint, tmp_
     assert chosen.finish_reason == "stop" and chosen.text in ("w7", "w9"), chosen
     assert other.finish_reason == "length" and len(other.token_ids) == 8
     assert not llm.engine.has_unfinished()
+
+
+def _nested_schema(levels: int) -> str:
+    """A JSON schema of `levels` nested objects, as text (deeper than json.dumps may recurse)."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
+
+
+def test_a_large_schema_is_checked_inside_the_compile_budget():
+    """xgrammar's parse of a 450-level schema takes about 15 s: at admission it held
+    the caller far past compile_timeout_s. Now the compiler process checks a large spec,
+    within the budget, and the request fails about when the budget ends."""
+    import time
+
+    llm = LLM("builtin:tiny", max_model_len=64, **{"logits_processors.structured.compile_timeout_s": 1.0})
+    llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.json_object()))  # compiler started
+    start = time.monotonic()
+    output = llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.json(_nested_schema(450))))[0]
+    assert time.monotonic() - start < 8.0
+    assert output.outputs[0].finish_reason == "error"
+    assert "did not compile within 1 s (compile_timeout_s)" in output.error
+
+
+def test_a_schema_text_too_deep_to_parse_is_a_request_error():
+    with pytest.raises(RequestError, match="nests too deep"):
+        StructuredOutput.json("[" * 30000 + "]" * 30000)
+
+
+def _stopped_compiler(llm):
+    """The structured processor, its compiler process started and then stopped (SIGSTOP)."""
+    import os
+    import signal
+
+    llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.json_object()))
+    processor = llm.engine.logits_pipeline.processors["structured"]
+    pid = processor._compiler._process.pid
+    os.kill(pid, signal.SIGSTOP)
+    return processor, pid
+
+
+@pytest.mark.parametrize("spec_chars", [100, 200_000], ids=["small", "larger-than-the-pipe"])
+def test_a_stalled_compiler_is_not_the_grammar_s_fault(spec_chars):
+    """A compiler that does not run (stopped) times the grammar out, but the grammar is not
+    remembered as refused: the next request for it compiles on the restarted compiler. A
+    spec larger than the pipe to the stopped compiler does not hold the dispatcher past
+    the budget either."""
+    import time
+
+    llm = LLM("builtin:tiny", max_model_len=64, **{"logits_processors.structured.compile_timeout_s": 1.0})
+    processor, pid = _stopped_compiler(llm)
+    regex = "(w5|w6)" + "|(" + "a" * (spec_chars - 12) + ")"
+    params = SamplingParams(max_tokens=2, structured=StructuredOutput.regex(regex))
+    start = time.monotonic()
+    ticket = processor.prepare(params)
+    with pytest.raises(RuntimeError, match="compiler stalled") as info:
+        ticket.result(timeout=30)
+    assert not isinstance(info.value, RequestError)
+    assert time.monotonic() - start < 5.0
+    assert processor._compiler._process is None or processor._compiler._process.pid != pid
+    # not remembered: the restarted compiler works on it (the small one compiles, the large
+    # one takes its whole budget, as it would have on a running compiler)
+    start = time.monotonic()
+    again = processor.prepare(params)
+    if spec_chars < 1000:
+        assert again.result(timeout=60) is not None
+    else:
+        with pytest.raises(RequestError, match="did not compile within 1 s"):
+            again.result(timeout=60)
+        assert time.monotonic() - start >= 0.9

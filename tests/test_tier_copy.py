@@ -26,8 +26,8 @@ def _caches(device: str, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.
     element distinct, so a block in the wrong place shows)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM)
-    if dtype == torch.uint8:  # a quantized cache's bytes
-        make = lambda: torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+    if dtype.itemsize == 1:  # a quantized cache's bytes (uint8, int8, float8)
+        make = lambda: torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).view(dtype)
     else:
         make = lambda: torch.randn(shape, generator=generator).to(dtype)
     return [(make().to(device), make().to(device)) for _ in range(LAYERS)]
@@ -35,7 +35,8 @@ def _caches(device: str, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.
 
 def _blocks(caches, blocks: list[int]) -> list[torch.Tensor]:
     index = torch.tensor(blocks, device=caches[0][0].device)
-    return [cache.index_select(1, index).cpu() for pair in caches for cache in pair]
+    return [cache.index_select(1, index).cpu().view(torch.uint8) if cache.element_size() == 1
+            else cache.index_select(1, index).cpu() for pair in caches for cache in pair]
 
 
 def _scribble(caches, blocks: list[int]) -> None:
@@ -43,7 +44,10 @@ def _scribble(caches, blocks: list[int]) -> None:
     current stream): an offload must have gathered them first."""
     for pair in caches:
         for cache in pair:
-            cache[:, blocks] = cache[:, blocks].flip(-1) + 1 if cache.is_floating_point() else 7
+            if cache.element_size() == 1:
+                cache.view(torch.uint8)[:, blocks] = 7
+            else:
+                cache[:, blocks] = cache[:, blocks].flip(-1) + 1
 
 
 def _copier(caches, device: str):
@@ -67,7 +71,8 @@ def test_host_runs_are_consecutive_blocks_at_consecutive_positions():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.int8, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
 def test_swap_round_trip_returns_the_kv_written(device, dtype):
     caches = _caches(device, dtype)
     tier = HostTier(HOST_BLOCKS, BLOCK_SIZE)
@@ -120,3 +125,21 @@ def test_prefix_blocks_offloaded_and_loaded_return_the_kv_written(device):
     _synchronize(device)
     for key, block in ((101, 1), (102, 6), (103, 22), (104, 13)):
         assert all(torch.equal(g, w) for g, w in zip(_blocks(caches, [block]), written[key])), key
+
+
+def test_a_host_block_written_behind_the_tier_s_back_is_refused_not_loaded():
+    """A hit is not trusted on the bookkeeping alone: a host block whose bytes changed after
+    its offload (another engine on the same memory or file) fails the load by name."""
+    from servelab.tier_copy import HostTierCorrupted
+
+    caches = _caches("cpu", torch.float8_e4m3fn)
+    tier = HostTier(HOST_BLOCKS, BLOCK_SIZE)
+    copier = _copier(caches, "cpu")
+    assert tier.swap_out("seq", [3, 7])
+    moves = tier.take_moves()
+    perform_moves(copier, caches, 1, moves)
+    intruded = moves[1].destination
+    copier.host_caches[1][0].view(torch.uint8)[:, intruded, 0, 0] ^= 0xFF  # one byte of layer 1's K, per head
+    tier.swap_in("seq", [0, 1])
+    with pytest.raises(HostTierCorrupted, match=rf"host tier block {intruded} no longer holds the KV offloaded"):
+        perform_moves(copier, caches, 1, tier.take_moves())

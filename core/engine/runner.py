@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Any, Sequence as Seq
 
 import attrs
@@ -13,7 +15,8 @@ from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, Quantiz
                                  SlotMovingRunner, StepPlan, TieredRunner, sampling_rows)
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import zeros_on_huge_pages
-from servelab.tier_copy import CpuTierCopier, CudaTierCopier, perform_moves, tier_copier
+from servelab.tier_copy import CpuTierCopier, CudaTierCopier, copy_indexed, perform_moves, tier_copier
+from servelab.tier_file import reserve_tier_file
 from servelab.token_tree import query_parents, row_depths
 
 
@@ -185,7 +188,7 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
             index_to = torch.tensor(batch_destinations, dtype=torch.int64, device=self.device)
             for key_cache, value_cache in self.kv_caches:
                 for cache in (key_cache, value_cache):
-                    cache.index_copy_(self.block_dim, index_to, cache.index_select(self.block_dim, index_from))
+                    copy_indexed(cache, self.block_dim, index_from, index_to)
 
     def move_slots(self, moves: Seq[tuple[int, int]]) -> None:
         """Copy single token slots (source, destination) in every layer's K and V; all
@@ -203,7 +206,7 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
                     raise RuntimeError(f"cannot move KV slots in a cache of shape {tuple(shape)}: the dimension "
                                        f"after the block dimension {dim} is not the block size {self.block_size}")
                 slots = cache.view(*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2:])
-                slots.index_copy_(dim, index_to, slots.index_select(dim, index_from))
+                copy_indexed(slots, dim, index_from, index_to)
 
     @property
     def vocab_size(self) -> int:
@@ -254,9 +257,13 @@ def host_kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, 
             return torch.zeros(shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
         return [(new(), new()) for _ in range(num_layers)]
     element = torch.empty((), dtype=dtype).element_size()
-    with open(path, "ab") as handle:  # torch.from_file maps the file; it must be large enough
-        handle.truncate(numel * element * 2 * num_layers)
-    flat = torch.from_file(path, shared=True, size=numel * 2 * num_layers, dtype=dtype)
+    fd = reserve_tier_file(path, numel * element * 2 * num_layers)  # locked and allocated: see tier_file
+    try:
+        flat = torch.from_file(path, shared=True, size=numel * 2 * num_layers, dtype=dtype)
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(flat, os.close, fd)  # the lock lasts as long as the mapping (every view keeps `flat`)
     views = flat.view(num_layers, 2, *shape)
     return [(views[layer, 0], views[layer, 1]) for layer in range(num_layers)]
 

@@ -101,7 +101,12 @@ class Speculator:
         """Set the drafts of every running sequence that is about to decode. Sequences whose
         ids are in `chain_only` (their requests have logits processors or logprobs, which
         follow one path) verify a tree's first branch."""
-        room = {seq.request_id: self._room(seq) for seq in candidates if seq.is_decoding}
+        # A seeded sampled request is not drafted: how many drafts a sequence gets (and so
+        # how many draws its verification takes) depends on the batch (speculation length,
+        # budgets, a drafter's shared state), and its seed promises the same tokens whatever
+        # shares the batch. Its one token a step comes from the sampler and its own generator.
+        room = {seq.request_id: self._room(seq) for seq in candidates
+                if seq.is_decoding and (seq.params.seed is None or seq.params.is_greedy)}
         if self.dynamic is not None:
             room = self.dynamic.budgets({seq_id: r for seq_id, r in room.items() if r > 0})
         seqs = [seq for seq in candidates if room.get(seq.request_id, 0) > 0]

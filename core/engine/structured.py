@@ -38,6 +38,8 @@ class StructuredOutput:
                 json.loads(schema)
             except ValueError as exc:
                 raise RequestError(f"structured output json schema is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise RequestError("structured output json schema nests too deep to parse") from None
             return cls("json", schema)
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"structured output json schema must be an object, got {type(schema).__name__}")
@@ -45,6 +47,8 @@ class StructuredOutput:
             return cls("json", json.dumps(schema, sort_keys=True))
         except (TypeError, ValueError) as exc:  # a value JSON cannot hold, or keys it cannot sort
             raise RequestError(f"structured output json schema is not JSON: {exc}") from None
+        except RecursionError:
+            raise RequestError("structured output json schema nests too deep to write as JSON") from None
 
     @classmethod
     def json_object(cls) -> "StructuredOutput":

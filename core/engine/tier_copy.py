@@ -17,11 +17,26 @@ host) and loads (host -> device) to a copier, chosen by the device (`tier_copier
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Sequence as Seq
 
 import torch
 
 from servelab.interfaces import KVMove
+
+
+def copyable(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` as a tensor every copy op takes: a one-byte cache (int8, float8) viewed as
+    uint8 bytes. The CPU build has no index_copy for float8, and a block or slot copy moves
+    bytes whatever they mean, as the quantized write path already does; the view shares
+    storage and shape, so a copy into it lands in the cache."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 and cache.dtype != torch.uint8 else cache
+
+
+def copy_indexed(cache: torch.Tensor, dim: int, index_from: torch.Tensor, index_to: torch.Tensor) -> None:
+    """cache[..., index_to, ...] = cache[..., index_from, ...] along `dim` (all reads first), any dtype."""
+    raw = copyable(cache)
+    raw.index_copy_(dim, index_to, raw.index_select(dim, index_from))
 
 
 def host_runs(host_blocks: Seq[int]) -> list[tuple[int, int, int]]:
@@ -37,32 +52,59 @@ def host_runs(host_blocks: Seq[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+class HostTierCorrupted(RuntimeError):
+    """A host tier block's bytes changed between its offload and its load."""
+
+
+def block_checksums(blocks: torch.Tensor, dim: int, running: list[int]) -> list[int]:
+    """`running` CRC-32s continued with the bytes of each block of `blocks` (blocks on `dim`)."""
+    per_block = blocks.movedim(dim, 0).contiguous().view(torch.uint8).reshape(blocks.shape[dim], -1).numpy()
+    return [zlib.crc32(row, crc) for row, crc in zip(per_block, running)]
+
+
 class CpuTierCopier:
-    """Synchronous copies; the host tier in the device cache's layout (blocks on `block_dim`)."""
+    """Synchronous copies; the host tier in the device cache's layout (blocks on `block_dim`).
+    Every load checks the bytes against the checksum taken at the offload (HostTierCorrupted)."""
 
     asynchronous = False
 
     def __init__(self, host_caches: list[tuple[torch.Tensor, torch.Tensor]], block_dim: int) -> None:
         self.host_caches = host_caches
         self.block_dim = block_dim
+        # host block -> CRC-32 of its bytes in every layer's K and V when offloaded: a load
+        # verifies the bytes, so a hit is never trusted on the tier's bookkeeping alone
+        self.checksums: dict[int, int] = {}
 
     def offload(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sources: Seq[int],
                 destinations: Seq[int]) -> None:
         dim = self.block_dim
         index_from = torch.tensor(sources, dtype=torch.int64)
         index_to = torch.tensor(destinations, dtype=torch.int64)
+        sums = [0] * len(destinations)
         for pair, host_pair in zip(kv_caches, self.host_caches):
             for cache, host in zip(pair, host_pair):
-                host.index_copy_(dim, index_to, cache.index_select(dim, index_from.to(cache.device)).to(host.device))
+                blocks = copyable(cache).index_select(dim, index_from.to(cache.device)).to(host.device)
+                sums = block_checksums(blocks, dim, sums)
+                copyable(host).index_copy_(dim, index_to, blocks)
+        self.checksums.update(zip(destinations, sums))
 
     def load(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sources: Seq[int],
              destinations: Seq[int]) -> None:
         dim = self.block_dim
         index_from = torch.tensor(sources, dtype=torch.int64)
         index_to = torch.tensor(destinations, dtype=torch.int64)
+        sums = [0] * len(sources)
         for pair, host_pair in zip(kv_caches, self.host_caches):
             for cache, host in zip(pair, host_pair):
-                cache.index_copy_(dim, index_to.to(cache.device), host.index_select(dim, index_from).to(cache.device))
+                blocks = copyable(host).index_select(dim, index_from)
+                sums = block_checksums(blocks, dim, sums)
+                copyable(cache).index_copy_(dim, index_to.to(cache.device), blocks.to(cache.device))
+        for block, found in zip(sources, sums):
+            expected = self.checksums.get(block)
+            if expected is not None and found != expected:
+                raise HostTierCorrupted(f"host tier block {block} no longer holds the KV offloaded into it "
+                                        f"(checksum {found:#010x}, written {expected:#010x}): something else "
+                                        f"wrote the tier's memory or file; refusing to serve from it")
 
     def host_blocks(self, layer: int, which: int, blocks: Seq[int]) -> torch.Tensor:
         """Host blocks of one layer's K (which=0) or V (1), in the device cache's layout."""
@@ -92,7 +134,7 @@ class CudaTierCopier:
         index_from = torch.tensor(sources, dtype=torch.int64).to(self.device, non_blocking=True)
         # The gathers run on the compute stream, ordered after the writes of those blocks
         # and before any reuse of them; the side stream picks the gathered blocks up.
-        staged = [[cache.index_select(self.block_dim, index_from).movedim(self.block_dim, 0).contiguous()
+        staged = [[copyable(cache).index_select(self.block_dim, index_from).movedim(self.block_dim, 0).contiguous()
                    for cache in pair] for pair in kv_caches]
         self.stream.wait_stream(compute)
         runs = host_runs(destinations)
@@ -101,7 +143,8 @@ class CudaTierCopier:
                 for blocks, host in zip(layer_staged, host_pair):
                     blocks.record_stream(self.stream)  # allocated on compute, read here
                     for start, first, length in runs:
-                        host[first: first + length].copy_(blocks[start: start + length], non_blocking=True)
+                        copyable(host)[first: first + length].copy_(blocks[start: start + length],
+                                                                    non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         for block in destinations:
@@ -117,16 +160,17 @@ class CudaTierCopier:
             for host_pair in self.host_caches:
                 layer = []
                 for host in host_pair:
-                    blocks = torch.empty((len(sources), *host.shape[1:]), dtype=host.dtype, device=self.device)
+                    raw = copyable(host)
+                    blocks = torch.empty((len(sources), *raw.shape[1:]), dtype=raw.dtype, device=self.device)
                     for start, first, length in runs:
-                        blocks[start: start + length].copy_(host[first: first + length], non_blocking=True)
+                        blocks[start: start + length].copy_(raw[first: first + length], non_blocking=True)
                     layer.append(blocks)
                 staged.append(layer)
         compute.wait_stream(self.stream)  # the forward after this reads the loaded blocks
         for pair, layer in zip(kv_caches, staged):
             for cache, blocks in zip(pair, layer):
                 blocks.record_stream(compute)  # allocated on the side stream, read on compute
-                cache.index_copy_(self.block_dim, index_to, blocks.movedim(0, self.block_dim))
+                copyable(cache).index_copy_(self.block_dim, index_to, blocks.movedim(0, self.block_dim))
         for block in sources:
             self._landed.pop(block, None)
 
@@ -195,4 +239,4 @@ def perform_moves(copier: CpuTierCopier | CudaTierCopier | None, kv_caches: list
             index_to = torch.tensor(destinations, dtype=torch.int64, device=device)
             for pair in kv_caches:
                 for cache in pair:
-                    cache.index_copy_(block_dim, index_to, cache.index_select(block_dim, index_from))
+                    copy_indexed(cache, block_dim, index_from, index_to)

@@ -209,6 +209,9 @@ async def _tokenize(request: Request, state: ServerState) -> Response:
         _check_chat_template(state, asked.chat_template)
         rendered = await _encoded(state.codec.render_chat(asked.messages, asked.chat_template), "messages")
         text, special = rendered.text, rendered.add_special_tokens and asked.add_special_tokens
+        if len(text) > state.bounds.max_prompt_chars:  # a template may add much to each message
+            raise bad_request(f"messages: the rendered chat has {len(text)} characters, more than this server "
+                              f"tokenizes ({state.bounds.max_prompt_chars})", "messages")
     else:
         text, special = asked.prompt, asked.add_special_tokens
     tokenizer = state.codec.tokenizer

@@ -35,6 +35,7 @@ class RequestCaps:
     max_logit_bias: int = attrs.field(default=1024, validator=_positive)  # logit_bias entries
     max_choices: int = attrs.field(default=1024, validator=_positive)  # guided_choice strings, schema enum values
     max_grammar_chars: int = attrs.field(default=65536, validator=_positive)  # schema / regex / EBNF / choices text
+    max_schema_depth: int = attrs.field(default=32, validator=_positive)  # nesting of a JSON schema, object or text
     max_logprob_entries: int = attrs.field(default=200_000, validator=_positive)  # see below
     max_logits_processors: int = attrs.field(default=8, validator=_positive)  # names in logits_processors
 

@@ -15,12 +15,20 @@ template, as vLLM does, rather than invent a prompt format that changes results.
 `plain` format (one `role: content` line per message, then `assistant:`, tokenized like a
 completion prompt) is servelab's own models' format, and any checkpoint's with
 `--chat-template plain`.
+
+A request's own template (`--trust-request-chat-template`) runs within a time budget
+(`REQUEST_TEMPLATE_SECONDS`): a template that loops for good would otherwise hold a codec
+worker for good (threads cannot be killed), and with every worker held no text request is
+served and the process cannot exit. Rendering is traced (`sys.settrace` on the worker's
+thread, for that render alone) and stopped with a RequestError once the budget is spent.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -102,10 +110,42 @@ class ChatTemplate:
             return RenderedChat("\n".join([*lines, "assistant:"]), add_special_tokens=True)
         context = {**(variables or {}), **self._special_tokens, "messages": messages, "add_generation_prompt": True}
         try:
-            text = template.render(**context)
+            text = template.render(**context) if source is None else _render_within(template, context)
         except jinja2.TemplateError as exc:
             raise RequestError(f"messages: the chat template rejected them: {exc}") from None
         return RenderedChat(text, add_special_tokens=False)
+
+
+REQUEST_TEMPLATE_SECONDS = 2.0  # a request's own chat template renders within this, or is refused
+_CHECK_EVERY = 256  # trace events between clock reads
+
+
+class _OverBudget(Exception):
+    pass
+
+
+def _render_within(template: Any, context: dict[str, Any]) -> str:
+    """template.render(**context), stopped past REQUEST_TEMPLATE_SECONDS (RequestError)."""
+    budget = REQUEST_TEMPLATE_SECONDS
+    deadline = time.monotonic() + budget
+    events = 0
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal events
+        events += 1
+        if events % _CHECK_EVERY == 0 and time.monotonic() > deadline:
+            raise _OverBudget()
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        return template.render(**context)
+    except _OverBudget:
+        raise RequestError(f"chat_template: rendering it took longer than {budget:g} s; a request's template "
+                           f"must render the messages quickly") from None
+    finally:
+        sys.settrace(previous)
 
 
 @functools.lru_cache(maxsize=16)

@@ -27,6 +27,7 @@ from servelab.server.detokenizer import Decode, Detokenizer
 from servelab.server.engine_connection import EngineConnection, ThreadConnection
 from servelab.server.engine_core import (EMPTY_SNAPSHOT, AdmissionFailed, CoreOutput, EngineInfo, EngineSnapshot,
                                          EngineUnavailable, NewRequest)
+from servelab.server.stream_buffer import StreamBuffer
 
 logger = structlog.get_logger(__name__)
 
@@ -64,7 +65,7 @@ class AsyncEngine:
         self.name = name  # which replica, in logs and errors
         self.listener = listener  # called on the event loop with each step's events and snapshot
         self.on_failure = on_failure  # called on the event loop once the engine has failed
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, StreamBuffer] = {}
         self._unstarted: dict[str, tuple[int, int]] = {}  # request id -> (sequences, their prompt tokens)
         self._pending: dict[int, asyncio.Future] = {}  # add commands the core has not answered
         self._command_ids = itertools.count()
@@ -94,7 +95,7 @@ class AsyncEngine:
         self.connection.start(self._on_output, self._on_exit)
         self._started_connection = True
 
-    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> asyncio.Queue:
+    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> StreamBuffer:
         """Add a group of requests, all or none (RequestError names the first bad one).
 
         Returns one queue receiving `(sequence or request id, RequestEvent)` for every
@@ -107,7 +108,7 @@ class AsyncEngine:
         request_ids = [request.request_id for request in requests]
         if decode is not None:
             self._detokenizer.register(request_ids, decode)
-        events: asyncio.Queue = asyncio.Queue()
+        events = StreamBuffer()  # bounded: a lagging reader's events merge (stream_buffer.py)
         for request in requests:
             self._queues[request.request_id] = events
             tokens = request.params.n * (len(request.prompt) if isinstance(request.prompt, list) else 0)
@@ -140,6 +141,28 @@ class AsyncEngine:
         if not self._queues and not self._pending:
             return 0.0
         return max(0.0, time.monotonic() - self._last_heard)
+
+    @property
+    def last_heard(self) -> float:
+        """time.monotonic() of the core's last output (or of work sent to it while idle)."""
+        return self._last_heard
+
+    def fail_in_flight(self, message: str) -> None:
+        """End every request in flight here with `message` (and refuse the adds the core
+        has not answered), and abort them in the core, which may still be alive: a core
+        that stopped answering. The engine itself is not marked failed."""
+        failed = RequestEvent(error=message)
+        request_ids = list(self._queues)
+        for request_id, target in self._queues.items():
+            self._started(request_id)
+            target.put_nowait((request_id, failed))
+        self._detokenizer.unregister(request_ids)
+        self._queues.clear()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(message))
+        if request_ids:
+            self.connection.send(("abort", None, request_ids))
 
     @property
     def num_in_flight(self) -> int:

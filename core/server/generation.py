@@ -51,6 +51,12 @@ class ChoiceDelta:
     num_tokens: int = 0  # the generated tokens behind this delta
     stop_reason: int | str | None = None  # with finish_reason "stop": the stop string or token id
 
+    def then(self, later: "ChoiceDelta") -> "ChoiceDelta":
+        """This delta and the next one of the same choice, as one."""
+        return ChoiceDelta(self.index, self.text + later.text, later.finish_reason, self.logprobs + later.logprobs,
+                           self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs,
+                           self.num_tokens + later.num_tokens, later.stop_reason)
+
 
 class TextStreamer:
     """Text deltas of one choice. The concatenated deltas equal the final text.
@@ -267,11 +273,7 @@ class Generation:
             for delta in event.deltas:
                 earlier = pending.pop(delta.index, None)
                 if earlier is not None:
-                    delta = ChoiceDelta(delta.index, earlier.text + delta.text, delta.finish_reason,
-                                        earlier.logprobs + delta.logprobs,
-                                        earlier.prompt_logprobs if delta.prompt_logprobs is None
-                                        else delta.prompt_logprobs, earlier.num_tokens + delta.num_tokens,
-                                        delta.stop_reason)
+                    delta = earlier.then(delta)
                 if delta.finish_reason is None and delta.prompt_logprobs is None and delta.num_tokens < interval:
                     pending[delta.index] = delta  # fewer than stream_interval tokens yet
                 else:

@@ -113,7 +113,8 @@ class ServerMetrics:
                                 ["reason"], registry=r)
         self.steps = Counter("servelab_engine_steps", "Engine steps run.", registry=r)
         # With replicas (`--replicas N`), the gauges above are sums over replicas, and these are per replica.
-        self.replica_up = Gauge("servelab_replica_up", "1 while the replica serves, 0 once it failed.",
+        self.replica_up = Gauge("servelab_replica_up", "1 while the replica serves, 0 while it is out of rotation "
+                                "(failed, or silent past the liveness timeout).",
                                 ["replica"], registry=r)
         self.replica_running = Gauge("servelab_replica_requests_running", "Sequences in the replica's batch.",
                                      ["replica"], registry=r)
@@ -187,6 +188,9 @@ class ServerMetrics:
 
     def replica_down(self, index: int) -> None:
         self.replica_up.labels(str(index)).set(0)
+
+    def replica_back(self, index: int) -> None:
+        self.replica_up.labels(str(index)).set(1)
 
     def sources(self) -> list[Any]:
         """The metrics VllmNames renames."""

@@ -13,6 +13,7 @@ it does not know (fields.py lists them all).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -168,16 +169,21 @@ def parse_completion(body: dict[str, Any], bounds: PromptBounds) -> GenerationRe
                              prompt_logprobs=prompt_logprobs, **_stream_options(body, stream))
 
 
-def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
-    """`POST /v1/chat/completions`: messages are {"role", "content"} with text content."""
-    _refuse_unsupported(body, chat=True)
-    messages = _messages(body.get("messages", _MISSING), bounds.caps)
-    # what the template will render, at least: every role and content, and a separator each
+def check_messages_size(messages: Any, bounds: PromptBounds) -> None:
+    """What the template will render, at least (every role and content, and a separator
+    each), within the characters this server tokenizes."""
     size = sum(len(m["content"]) + len(m["role"]) + MESSAGE_OVERHEAD_CHARS for m in messages)
     if size > bounds.max_prompt_chars:
         raise bad_request(f"messages have {size} characters (content, roles and {MESSAGE_OVERHEAD_CHARS} a message), "
                           f"more than this server tokenizes ({bounds.max_prompt_chars}, for "
                           f"max_model_len={bounds.max_model_len})", "messages")
+
+
+def parse_chat(body: dict[str, Any], bounds: PromptBounds) -> GenerationRequest:
+    """`POST /v1/chat/completions`: messages are {"role", "content"} with text content."""
+    _refuse_unsupported(body, chat=True)
+    messages = _messages(body.get("messages", _MISSING), bounds.caps)
+    check_messages_size(messages, bounds)
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     if body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool):
@@ -515,11 +521,70 @@ def _check_structured_size(field: str, value: Any, caps: RequestCaps) -> None:
     elif isinstance(value, str):
         size = len(value)
     else:
-        size, choices = _schema_size(value)
-        if choices > caps.max_choices:
-            raise _over_limit(f"{field} has {choices} enum / const values", "max_choices", caps.max_choices, field)
+        size = 0
     if size > caps.max_grammar_chars:
         raise _over_limit(f"{field} is {size} characters", "max_grammar_chars", caps.max_grammar_chars, field)
+    schema = _schema_of(field, value, caps)
+    if schema is not None:  # an object schema, or one sent as text: the same bounds
+        size, choices = _schema_size(schema)
+        if choices > caps.max_choices:
+            raise _over_limit(f"{field} has {choices} enum / const values", "max_choices", caps.max_choices, field)
+        if size > caps.max_grammar_chars:
+            raise _over_limit(f"{field} is {size} characters", "max_grammar_chars", caps.max_grammar_chars, field)
+
+
+def _schema_of(field: str, value: Any, caps: RequestCaps) -> Any:
+    """The JSON schema `field` holds, parsed when sent as text (after its nesting is found
+    within max_schema_depth, so that parsing cannot recurse past it), or None for a regex,
+    an EBNF grammar or choices."""
+    if field == "response_format":
+        spec = value.get("json_schema") if isinstance(value, dict) else None
+        value = spec.get("schema") if isinstance(spec, dict) else None
+    elif not field.endswith("json"):
+        return None
+    if isinstance(value, str):
+        depth = json_text_depth(value)
+        if depth > caps.max_schema_depth:
+            raise _over_limit(f"{field} nests {depth} levels deep", "max_schema_depth", caps.max_schema_depth, field)
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise bad_request(f"{field} is not valid JSON: {exc}", field) from None
+    depth = _object_depth(value)
+    if depth > caps.max_schema_depth:
+        raise _over_limit(f"{field} nests {depth} levels deep", "max_schema_depth", caps.max_schema_depth, field)
+    return value
+
+
+def json_text_depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON text (brackets inside strings not
+    counted), found without parsing it: a scan, so any depth is safe to measure."""
+    depth = deepest = 0
+    for match in _JSON_STRUCTURE.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in "]}":
+            depth -= 1
+    return deepest
+
+
+_JSON_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+def _object_depth(value: Any) -> int:
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def _schema_size(schema: Any) -> tuple[int, int]:

@@ -11,6 +11,14 @@ A replica that dies (its actor's process killed, its engine failed) is taken out
 rotation: its requests in flight end with an error naming the replica, the router is
 told they finished, and the others keep serving. Only when every replica has failed
 does the set report the engine failed (/health 503, exit code 1).
+
+A replica that goes silent (its process stopped or hung: no output, not even a
+heartbeat, for `liveness_timeout` seconds while it has work) is taken out of rotation
+too: a watchdog fails its requests in flight and the adds it has not answered with a
+retryable error naming the replica (a client's retry is routed to a live one), and aborts
+them there, and `servelab_replica_up` shows 0. It comes back into rotation once it is
+heard from again. /health stays 200 while any replica answers; it turns 503 only when
+every replica is silent or dead.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from servelab.interfaces import AllocatorStats, FinishAwareRouter, ReplicaSnapsh
 from servelab.server.detokenizer import Decode
 from servelab.server.engine_core import EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
 from servelab.server.engine_loop import AsyncEngine, Events
+from servelab.server.stream_buffer import StreamBuffer
 
 logger = structlog.get_logger(__name__)
 
@@ -35,7 +44,7 @@ class ReplicaSet:
     """N engine replicas behind one router, with the interface of one AsyncEngine."""
 
     def __init__(self, replicas: Seq[AsyncEngine], router: Any, router_name: str, block_size: int,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, liveness_timeout: float | None = None) -> None:
         if not replicas:
             raise ServelabError("a replica set needs at least one replica")
         self.replicas = list(replicas)
@@ -47,6 +56,9 @@ class ReplicaSet:
         self.error: str | None = None
         self.stopping = False
         self.dead: set[int] = set()
+        self.liveness_timeout = liveness_timeout  # None: no watchdog (silent replicas stay in rotation)
+        self.silent: dict[int, float] = {}  # replica -> when it was found silent (out of rotation meanwhile)
+        self._watchdog: asyncio.Task | None = None
         self._owner: dict[str, int] = {}  # engine request id -> replica
         self._group_of: dict[str, str] = {}  # engine request id -> the routed group's key (its first id)
         self._group_left: dict[str, int] = {}  # group key -> its requests not finished yet
@@ -65,8 +77,44 @@ class ReplicaSet:
     def start(self) -> None:
         for replica in self.replicas:
             replica.start()
+        if self.liveness_timeout is not None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
 
-    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> asyncio.Queue:
+    async def _watch(self) -> None:
+        """Every fraction of the liveness timeout: silent replicas out, recovered ones back."""
+        interval = min(1.0, self.liveness_timeout / 4)
+        while not self.stopping:
+            await asyncio.sleep(interval)
+            self.check_liveness()
+
+    def check_liveness(self) -> None:
+        now = time.monotonic()
+        for index, since in list(self.silent.items()):
+            if index in self.dead:
+                del self.silent[index]
+            elif self.replicas[index].last_heard > since:
+                del self.silent[index]
+                logger.warning("replica.recovered", replica=index)
+                if self.metrics is not None:
+                    self.metrics.replica_back(index)
+        for index in self.live_replicas():
+            stalled = self.replicas[index].stalled_seconds()
+            if stalled > self.liveness_timeout:
+                self._replica_silent(index, stalled, now)
+
+    def _replica_silent(self, index: int, stalled: float, now: float) -> None:
+        self.silent[index] = now
+        message = (f"engine replica {index} stopped answering (not heard from for {stalled:.1f} s, liveness "
+                   f"timeout {self.liveness_timeout:g} s); it is out of rotation: retry")
+        logger.error("replica.silent", replica=index, stalled_seconds=round(stalled, 1), live=self.live_replicas())
+        if self.metrics is not None:
+            self.metrics.replica_down(index)
+        owned = [r for r, owner in self._owner.items() if owner == index]
+        self.replicas[index].fail_in_flight(message)
+        for request_id in owned:
+            self._finished(request_id)
+
+    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> StreamBuffer:
         """Route the group (every prompt of one HTTP request) to one live replica and add it there."""
         live = self.live_replicas()
         if self.stopping or not live:
@@ -105,6 +153,8 @@ class ReplicaSet:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         self.stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await asyncio.gather(*(replica.shutdown(timeout) for replica in self.replicas))
 
     @property
@@ -113,11 +163,16 @@ class ReplicaSet:
 
     @property
     def num_waiting(self) -> int:
-        return sum(replica.num_waiting for index, replica in enumerate(self.replicas) if index not in self.dead)
+        return sum(self.replicas[index].num_waiting for index in self.live_replicas())
 
     def stalled_seconds(self) -> float:
-        """The longest any live replica's loop has not been heard from while it had work."""
-        return max((self.replicas[i].stalled_seconds() for i in self.live_replicas()), default=0.0)
+        """The longest any replica in rotation has not been heard from while it had work;
+        once every replica left is silent, how long the last of them has been."""
+        live = self.live_replicas()
+        if not live and self.silent:
+            now = time.monotonic()
+            return min(now - self.replicas[index].last_heard for index in self.silent)
+        return max((self.replicas[i].stalled_seconds() for i in live), default=0.0)
 
     @property
     def snapshot(self) -> EngineSnapshot:
@@ -127,7 +182,8 @@ class ReplicaSet:
     # ------------------------------------------------------------ routing
 
     def live_replicas(self) -> list[int]:
-        return [index for index in range(len(self.replicas)) if index not in self.dead]
+        """The replicas in rotation: neither dead nor silent."""
+        return [index for index in range(len(self.replicas)) if index not in self.dead and index not in self.silent]
 
     def route_snapshot(self, index: int) -> ReplicaSnapshot:
         """Replica `index`'s load now: what the front end has sent it and not seen start, and

@@ -174,6 +174,18 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else "no message"
 
 
+def replica_configs(config: Any, num_replicas: int) -> list[Any]:
+    """Each replica's config: `config`, with a file-backed host tier (`[kv_offload] path`)
+    moved to a file of the replica's own, `<path>.replica<index>`. A host tier's bookkeeping
+    lives in its engine, so replicas sharing one file would overwrite each other's KV
+    (tier_file.py refuses a second engine on a locked file)."""
+    path = config.kv_offload.path
+    if not path:
+        return [config] * num_replicas
+    return [attrs.evolve(config, kv_offload=attrs.evolve(config.kv_offload, path=f"{path}.replica{index}"))
+            for index in range(num_replicas)]
+
+
 def launch_replicas(configs: Seq[Any], ray_address: str | None = None, threads: int | None = None,
                     metrics: Any = None, num_cpus_per_replica: float = 1.0) -> tuple[ReplicaSet, bool]:
     """Start one EngineActor per config (on the cluster at `ray_address`, else on a local Ray

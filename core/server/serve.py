@@ -144,13 +144,14 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
                       options.tokenizer_workers)
     stop_ray = False
     if options.replicas is not None:
-        from servelab.server.replicas import launch_replicas
+        from servelab.server.replicas import launch_replicas, replica_configs
 
         threads = options.engine_threads
         if threads is None and options.ray_address is None:  # a local Ray: the cores shared out
             threads = max(1, default_engine_threads() // options.replicas)
-        engine, stop_ray = launch_replicas([config] * options.replicas, options.ray_address, threads=threads,
-                                           metrics=metrics)
+        engine, stop_ray = launch_replicas(replica_configs(config, options.replicas), options.ray_address,
+                                           threads=threads, metrics=metrics)
+        engine.liveness_timeout = options.liveness_timeout  # a silent replica leaves the rotation
     else:  # the engine's own errors (a bad policy name) surface here, as ServelabError
         engine = AsyncEngine(ProcessConnection(config, threads=options.engine_threads or default_engine_threads()),
                              metrics.observe)

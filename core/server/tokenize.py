@@ -12,7 +12,8 @@ from typing import Any
 
 import attrs
 
-from servelab.server.protocol import PromptBounds, _check_prompt_size, _messages, bad_request, brief
+from servelab.server.protocol import (PromptBounds, _check_prompt_size, _messages, bad_request, brief,
+                                      check_messages_size)
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
                               "chat_template", "add_generation_prompt"})
@@ -41,6 +42,8 @@ def parse_tokenize(body: dict[str, Any], bounds: PromptBounds) -> TokenizeReques
             raise bad_request(f"prompt must be a string, got {brief(prompt)}", "prompt")
         _check_prompt_size(prompt, bounds, "prompt")
     parsed_messages = list(_messages(messages, bounds.caps)) if messages is not None else None
+    if parsed_messages is not None:  # the bound chat applies: tokenizing is the cost either way
+        check_messages_size(parsed_messages, bounds)
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise bad_request(f"chat_template must be a string, got {brief(template)}", "chat_template")

@@ -28,6 +28,7 @@ import torch
 from servelab.interfaces import AttentionContext, AttentionMetadata
 from servelab.testing.contract import check
 from servelab.testing.attention_pairing import needs_contiguous_tables
+from servelab.tier_copy import copy_indexed
 
 DENSE = "attention output equals dense causal attention (within dtype tolerance)"
 WRITES_ONLY_ITS_SLOTS = "forward writes only the slots of the slot mapping"
@@ -183,7 +184,7 @@ class BatchCheck:
         index_from = torch.tensor(sources, device=self.device)
         index_to = torch.tensor(destinations, device=self.device)
         for cache in (self.key_cache, self.value_cache):
-            cache.index_copy_(self.block_dim, index_to, cache.index_select(self.block_dim, index_from))
+            copy_indexed(cache, self.block_dim, index_from, index_to)
 
     def _blocks_outside(self, tables: list[list[int]], context_lens: list[int]) -> list[int]:
         held = {b for table, length in zip(tables, context_lens) for b in table[: math.ceil(length / self.block_size)]}

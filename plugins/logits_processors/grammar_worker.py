@@ -20,9 +20,13 @@ from typing import Any, BinaryIO
 _HEADER = struct.Struct("<Q")
 
 
-def write_message(stream: BinaryIO, value: Any) -> None:
+def encode_message(value: Any) -> bytes:
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
+    return _HEADER.pack(len(data)) + data
+
+
+def write_message(stream: BinaryIO, value: Any) -> None:
+    stream.write(encode_message(value))
     stream.flush()
 
 

@@ -85,6 +85,11 @@ class _StartTimeout(Exception):
     pass
 
 
+# Specs up to this size are parsed at admission, on the caller's thread (fast at this size,
+# so an invalid one is refused before anything is queued); larger ones only by the
+# compiler process, inside the compile budget (xgrammar's parse grows with the cube of a
+# schema's nesting: 400 levels in 16 KB take seconds).
+PARSE_AT_ADMISSION_CHARS = 4096
 START_TIMEOUT_S = 120.0  # the compiler process's start-up (importing xgrammar), outside any grammar's budget
 
 
@@ -98,16 +103,58 @@ class CompilerProcess:
     def __init__(self, tokenizer_info_json: str) -> None:
         self._info = tokenizer_info_json
         self._process: subprocess.Popen | None = None
+        self._cpu_at_start: float | None = None  # the worker's CPU time when it got the current spec
+        self.stalled = False  # the last timeout: the worker spent under a tenth of the budget on the CPU
 
     def compile(self, kind: str, spec: str, timeout: float, cancelled: threading.Event) -> tuple[str, str]:
         """("ok", serialized grammar) or ("error", message); TimeoutError / _Cancelled kill the
         process. The budget starts once the process is ready: its start-up (importing
         xgrammar, reading the vocabulary) is not the grammar's."""
         process = self._start(cancelled)
-        grammar_worker.write_message(process.stdin, (kind, spec))
-        return self._reply(time.monotonic() + timeout, cancelled, TimeoutError)
+        deadline = time.monotonic() + timeout  # the spec's delivery is inside the budget too
+        self.stalled = True  # until the worker has the spec
+        self._send(grammar_worker.encode_message((kind, spec)), deadline, cancelled)
+        self._cpu_at_start = self._cpu_seconds()
+        try:
+            return self._reply(deadline, cancelled, TimeoutError, timeout)
+        finally:
+            self._cpu_at_start = None
 
-    def _reply(self, deadline: float, cancelled: threading.Event, late: type[Exception]) -> Any:
+    def _cpu_seconds(self) -> float | None:
+        """The worker's CPU time so far (Linux /proc), None where unknown."""
+        try:
+            with open(f"/proc/{self._process.pid}/stat") as handle:
+                fields = handle.read().rpartition(")")[2].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, AttributeError):
+            return None
+
+    def _send(self, data: bytes, deadline: float, cancelled: threading.Event) -> None:
+        """Write `data` to the worker without blocking past `deadline`: a worker that does
+        not read (stopped, stuck) cannot hold the dispatcher on a full pipe."""
+        fd = self._process.stdin.fileno()
+        os.set_blocking(fd, False)
+        view = memoryview(data)
+        while view:
+            if cancelled.is_set():
+                self.kill()
+                raise _Cancelled()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise TimeoutError()
+            _, ready, _ = select.select([], [fd], [], min(left, 0.05))
+            if ready:
+                try:
+                    view = view[os.write(fd, view):]
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:
+                    self.kill()
+                    raise RuntimeError("the grammar compiler process died") from None
+
+    def _reply(self, deadline: float, cancelled: threading.Event, late: type[Exception],
+               budget: float | None = None) -> Any:
         process = self._process
         while True:
             if cancelled.is_set():
@@ -115,6 +162,10 @@ class CompilerProcess:
                 raise _Cancelled()
             left = deadline - time.monotonic()
             if left <= 0:
+                if budget is not None:
+                    # A worker stopped or starved of CPU is the server's fault, not the grammar's.
+                    now, start = self._cpu_seconds(), self._cpu_at_start
+                    self.stalled = now is not None and start is not None and now - start < budget / 10
                 self.kill()
                 raise late()
             ready, _, _ = select.select([process.stdout], [], [], min(left, 0.05))
@@ -192,7 +243,7 @@ class StructuredOutputProcessor:
     def validate(self, params: Any) -> None:
         """Refuse what cannot work before the request is queued: no tokenizer, no xgrammar,
         ignore_eos (the grammar ends the output with EOS), fields that can leave the grammar
-        no token, or a spec xgrammar cannot parse."""
+        no token, or a spec xgrammar cannot parse (one of up to PARSE_AT_ADMISSION_CHARS)."""
         structured = params.structured
         if structured is None:
             raise RequestError("logits_processors names 'structured', which takes its grammar from the structured "
@@ -214,6 +265,8 @@ class StructuredOutputProcessor:
                 raise self._refused[key]
             if key in self._cache or key in self._valid or key in self._jobs:
                 return
+        if len(structured.spec) > PARSE_AT_ADMISSION_CHARS:
+            return  # parsing may take long: the compiler checks it, within compile_timeout_s
         try:
             if structured.kind == "json":
                 xgr.Grammar.from_json_schema(structured.spec, any_whitespace=False)
@@ -327,6 +380,13 @@ class StructuredOutputProcessor:
         except _Cancelled:
             job.result.cancel()
         except TimeoutError:
+            if compiler.stalled:  # ours: the worker did not work on it; not remembered
+                with self._lock:
+                    self._jobs.pop(job.key, None)
+                job.result.set_exception(RuntimeError(
+                    f"the grammar compiler stalled: the {_WHAT[kind]} got under a tenth of its {timeout:g} s "
+                    f"budget of CPU time; the compiler was restarted, retry"))
+                return
             self._finish(job, RequestError(f"structured output {_WHAT[kind]} did not compile within {timeout:g} s "
                                            f"(compile_timeout_s): simplify it"))
         except RequestError as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from servelab.errors import CheckpointError
@@ -73,19 +74,32 @@ def resolve(model: str) -> Path:
 
 
 def _generate(path: Path, config: dict) -> None:
+    """Write the generated checkpoint into the cache (SERVELAB_CACHE), through a temporary
+    directory that never outlives a failure; a cache that cannot take it (a file, a
+    read-only place, a full disk) is a CheckpointError naming it."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+        _write_checkpoint(tmp, config)
+        for file in tmp.iterdir():
+            os.replace(file, path / file.name)
+        tmp.rmdir()
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = exc.strerror or type(exc).__name__
+        raise CheckpointError(f"cannot write the built-in model {path.name!r} into the cache {str(cache_root())!r} "
+                              f"({reason}); set SERVELAB_CACHE to a writable directory with room") from None
+
+
+def _write_checkpoint(directory: Path, config: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(config["vocab_size"]).save(str(tmp / "tokenizer.json"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    train_tokenizer(config["vocab_size"]).save(str(directory / "tokenizer.json"))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     generator = torch.Generator().manual_seed(0)
-    save_file(random_weights(config, generator), str(tmp / "model.safetensors"))
-    for file in tmp.iterdir():
-        os.replace(file, path / file.name)
-    tmp.rmdir()
+    save_file(random_weights(config, generator), str(directory / "model.safetensors"))
 
 
 def random_weights(config: dict, generator) -> dict:
