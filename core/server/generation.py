@@ -22,7 +22,7 @@ import structlog
 from servelab.detokenize import IncrementalText
 from servelab.outputs import CompletionOutput, RequestOutput, with_token_text
 from servelab.sampling_params import SamplingParams
-from servelab.sequence import owner_of, sequence_id
+from servelab.sequence import owner_of, sequence_id as completion_id
 from servelab.server.codec import CodecFailure
 from servelab.server.engine_loop import AsyncEngine, NewRequest, RequestEvent
 
@@ -145,7 +145,7 @@ class Generation:
                                else attrs.evolve(self._params, max_tokens=limit)
                                for limit in (max_tokens or [None] * len(prompts))]
         self.engine_request_ids = [f"{request_id}-{p}" for p in range(len(prompts))]
-        self.choices = [Choice(p * n + i, p, sequence_id(rid, i), TextStreamer(tokenizer, params.stop))
+        self.choices = [Choice(p * n + i, p, completion_id(rid, i), TextStreamer(tokenizer, params.stop))
                         for p, rid in enumerate(self.engine_request_ids) for i in range(n)]
         self._by_sequence = {c.sequence_id: c for c in self.choices}
         self.outputs: dict[str, RequestOutput] = {}  # engine request id -> its output, once finished
@@ -224,7 +224,7 @@ class Generation:
                                           num_tokens=choice.take_tokens()))
         for output in outputs:
             for completion in output.outputs:
-                choice = by_sequence[sequence_id(output.request_id, completion.index)]
+                choice = by_sequence[completion_id(output.request_id, completion.index)]
                 if self.scoring_only:  # as if nothing was sampled: max_tokens 0 ends at "length"
                     completion = attrs.evolve(completion, token_ids=[], text="", finish_reason="length",
                                               logprobs=[] if completion.logprobs is not None else None,
