@@ -12,13 +12,13 @@ import attrs
 from servelab.interfaces import DrafterContext, RouterContext, SchedulerContext
 from servelab.kit import PrefixCachingPagedAllocator
 from servelab.plugins.allocators.hash_prefix import CachedBlock, HashIndex
-from servelab.plugins.allocators.paged import PagedAllocator, SeqBlocks
+from servelab.kit import PagedAllocator, SeqBlocks
 from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention
 from servelab.plugins.routers.least_loaded import LeastLoadedRouter, least_loaded
 from servelab.plugins.routers.prefix_affinity import PrefixAffinityRouter
-from servelab.plugins.schedulers.continuous import ContinuousScheduler
-from servelab.plugins.schedulers.queues import PlanBuilder
+from servelab.kit import ContinuousScheduler
+from servelab.kit import PlanBuilder
 
 
 class LeakyAllocator(PagedAllocator):

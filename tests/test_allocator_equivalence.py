@@ -233,7 +233,7 @@ class _Minimal:
     """Only the four core KVAllocator methods: no fork, no prefix cache."""
 
     def __init__(self, options, context: AllocatorContext) -> None:
-        from servelab.plugins.allocators.paged import PagedAllocator
+        from servelab.kit import PagedAllocator
 
         self._inner = PagedAllocator(options, context)
 

@@ -14,11 +14,11 @@ from servelab.interfaces import (
     SchedulerContext,
 )
 from servelab.plugins.allocators.naive import NaiveAllocator
-from servelab.plugins.allocators.paged import PagedAllocator
+from servelab.kit import PagedAllocator
 from servelab.plugins.allocators.hash_prefix import HashAllocator
 from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.allocators.radix_tree import RadixTree
-from servelab.plugins.schedulers.continuous import ContinuousScheduler
+from servelab.kit import ContinuousScheduler
 from servelab.sampling_params import SamplingParams
 from servelab.sequence import Sequence
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 
 from servelab import PluginRegistry
-from servelab.plugins.schedulers.continuous import ContinuousOptions
-from servelab.plugins.schedulers.queues import QueueOptions
+from servelab.kit import ContinuousOptions
+from servelab.kit import QueueOptions
 from servelab.testing import (AllocatorContract, AttentionBackendContract, DrafterContract, RouterContract,
-                              SchedulerContract, check, objectives)
+                              SchedulerContract, VictimContract, check, objectives)
 
 ALLOCATOR_EXAMPLES = 100
 SCHEDULER_EXAMPLES = 150
@@ -120,8 +120,9 @@ def test_every_builtin_policy_runs_its_contract():
     tested = {(cls.kind, cls.plugin_name) for module in modules
               for cls in vars(module).values()
               if isinstance(cls, type) and issubclass(cls, (AllocatorContract, SchedulerContract, DrafterContract,
-                                                            AttentionBackendContract, RouterContract)) and cls.plugin_name}
+                                                            AttentionBackendContract, RouterContract, VictimContract))
+              and cls.plugin_name}
     registry = PluginRegistry.from_entry_points()
-    builtins = {(kind, p.name) for kind in ("allocators", "schedulers", "drafters", "attention", "routers")
+    builtins = {(kind, p.name) for kind in ("allocators", "schedulers", "drafters", "attention", "routers", "victims")
                 for p in registry.policies(kind).values() if p.distribution == "servelab"}
     assert builtins - tested == set(), "built-in policies without a conformance contract class"

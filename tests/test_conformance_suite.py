@@ -63,7 +63,7 @@ def test_plugin_is_registered_through_its_entry_point(pytester):
 def test_a_correct_policy_passes_by_factory_by_name_and_by_fixture(pytester):
     results = run_contract(pytester, """
         import pytest
-        from servelab.plugins.allocators.paged import PagedAllocator
+        from servelab.kit import PagedAllocator
         from servelab.testing import AllocatorContract, SchedulerContract
 
         def make_paged(options, context):

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 
 from servelab.errors import ConfigError
 from servelab.interfaces import AllocatorContext, Scheduler, SchedulerContext, SequenceStatus, StepPlan
-from servelab.plugins.allocators.paged import PagedAllocator, blocks_for
-from servelab.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
+from servelab.kit import PagedAllocator, blocks_for
+from servelab.kit import ContinuousOptions, ContinuousScheduler
 from servelab.sequence import Sequence
 from servelab.testing import SchedulerHarness
 from servelab.testing.scheduler_harness import OUTPUT_TOKEN_BASE  # dummy outputs are 1000, 1001, ...

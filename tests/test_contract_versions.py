@@ -135,7 +135,7 @@ class TestUndeclaredFactory(RouterContract):
 
 
 def test_a_contract_checks_the_version_the_policy_declares_and_names_it(pytester):
-    pytester.makepyfile(test_routers=SESSION_ROUTERS)
+    pytester.makepyfile(test_versioned_routers=SESSION_ROUTERS)
     result = pytester.runpytest("-p", "no:cacheprovider", "-rfs", "-k", "session or implements")
     outcomes = result.parseoutcomes()
     assert (outcomes.get("passed"), outcomes.get("failed"), outcomes.get("skipped")) == (3, 2, 1), result.stdout.str()
@@ -143,8 +143,8 @@ def test_a_contract_checks_the_version_the_policy_declares_and_names_it(pytester
                                  "version 2; the policy is checked against version 1 (contract_version = 1 on "
                                  "TestAsVersion1)*"])
     text = result.stdout.str()
-    assert "FAILED test_routers.py::TestAsVersion2::test_requests_carrying_a_session" in text
-    assert "FAILED test_routers.py::TestUndeclaredFactory::test_requests_carrying_a_session" in text
+    assert "FAILED test_versioned_routers.py::TestAsVersion2::test_requests_carrying_a_session" in text
+    assert "FAILED test_versioned_routers.py::TestUndeclaredFactory::test_requests_carrying_a_session" in text
     assert "(router contract version 2: contract_version = 2 on TestAsVersion2)" in text
     assert "(router contract version 2: the current version: no installed record names this factory)" in text
 

@@ -23,7 +23,8 @@ PLUGIN_MAY_IMPORT = {"servelab", "servelab.interfaces", "servelab.errors", "serv
 # kind (servelab.contracts) and their re-export; model and kit: the parts the engine is
 # built of; engine: the rest of the core, the `servelab` package itself among it.
 RECORD_MODULES = {"servelab.errors", "servelab.logging_setup", "servelab.sampling_params", "servelab.sequence",
-                  "servelab.token_tree", "servelab.kv_sizing", "servelab.options", "servelab.structured"}
+                  "servelab.token_tree", "servelab.kv_sizing", "servelab.options", "servelab.structured",
+                  "servelab.defaults"}
 
 
 def module_name(path: Path) -> str:
@@ -122,10 +123,10 @@ def layer_of(module: str) -> int:
 
 def test_import_scanner_sees_every_form():
     source = ("import servelab.plugins.allocators\nfrom servelab import config, hookimpl\n"
-              "from . import paged\ndef f():\n    from servelab.engine import LLMEngine\n")
+              "from . import radix\ndef f():\n    from servelab.engine import LLMEngine\n")
     found = imported_modules(source, "servelab.plugins.allocators", is_package=True)
     assert found == ["servelab.plugins.allocators", "servelab", "servelab.config",
-                     "servelab.plugins.allocators", "servelab.plugins.allocators.paged", "servelab.engine"]
+                     "servelab.plugins.allocators", "servelab.plugins.allocators.radix", "servelab.engine"]
 
 
 def test_core_never_imports_the_plugins_package():

@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from servelab.interfaces import AllocatorContext, KVAllocator
-from servelab.plugins.allocators.paged import PagedAllocator, blocks_for
+from servelab.kit import PagedAllocator, blocks_for
 
 BLOCK_SIZE = 4
 

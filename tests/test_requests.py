@@ -152,3 +152,15 @@ def test_stop_strings_set_but_a_stop_token_ends_the_request_keeps_its_text():
     assert out.token_ids == free.token_ids[:4]
     expected = llm.tokenizer.decode(free.token_ids[:3])
     assert expected and out.text == expected
+
+
+def test_sequence_ids_are_written_and_read_by_one_rule():
+    from servelab.sequence import owner_of, sequence_id
+
+    for request_id in ("req-1", "a#b", "x#1", "#", "cmpl-7#"):
+        for index in (0, 1, 12):
+            written = sequence_id(request_id, index)
+            assert written == (request_id if index == 0 else f"{request_id}#{index}")
+            if index:
+                assert owner_of(written) == request_id
+    assert owner_of("a#b") == "a#b" and owner_of("plain") == "plain" and owner_of("q#3#2") == "q#3"

@@ -19,11 +19,11 @@ import pytest
 from servelab.errors import ConfigError
 from servelab.interfaces import AllocatorContext, Scheduler, StepPlan
 from servelab.plugins.allocators.naive import NaiveAllocator
-from servelab.plugins.allocators.paged import PagedAllocator
+from servelab.kit import PagedAllocator
 from servelab.plugins.allocators.radix import RadixAllocator
 from servelab.plugins.schedulers.chunked_prefill import ChunkedPrefillScheduler
-from servelab.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
-from servelab.plugins.schedulers.queues import QueueOptions
+from servelab.kit import ContinuousOptions, ContinuousScheduler
+from servelab.kit import QueueOptions
 from servelab.plugins.schedulers.static import StaticScheduler
 from servelab.sequence import Sequence, SequenceStatus
 from servelab.testing import SchedulerHarness

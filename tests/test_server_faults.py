@@ -24,7 +24,7 @@ FAULTY_PLUGIN = """
     from servelab.plugin_types import DrafterPlugin, SchedulerPlugin
     from servelab.plugins.drafters.ngram import NgramDrafter
     from servelab.plugins.drafters.options import NgramOptions
-    from servelab.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
+    from servelab.kit import ContinuousOptions, ContinuousScheduler
 
     POISON = 13
 

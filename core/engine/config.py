@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 import attrs
 
+from servelab.defaults import BLOCK_SIZE, MAX_NUM_SEQS
 from servelab.errors import ConfigError
 from servelab.kv_sizing import DTYPE_BYTES, KV_CACHE_DTYPES
 from servelab.options import positive_int
@@ -84,9 +85,9 @@ class EngineSection:
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = attrs.field(default=None, validator=_positive)  # default: min(model's, 2048)
-    max_num_seqs: int = attrs.field(default=64, validator=_positive)
+    max_num_seqs: int = attrs.field(default=MAX_NUM_SEQS, validator=_positive)
     max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive)  # default: max(2048, max_model_len)
-    block_size: int = attrs.field(default=16, validator=_positive)
+    block_size: int = attrs.field(default=BLOCK_SIZE, validator=_positive)
     kv_cache_memory: int = attrs.field(default=512 * 2**20, converter=parse_memory, validator=_positive)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)  # overrides kv_cache_memory
     seed: int = 0

@@ -84,14 +84,6 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return f"req-{next(self._request_counter)}"
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt, validated against the vocabulary and max_model_len."""
-        return self.intake.encode(prompt)
-
-    def validate_request(self, prompt: str | list[int], params: SamplingParams | None) -> list[int]:
-        """The prompt's token ids, or RequestError naming what is wrong; changes nothing."""
-        return self.intake.check(prompt, params)
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Validate and queue a request; raises RequestError before touching any state."""

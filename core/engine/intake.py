@@ -21,7 +21,7 @@ from servelab.interfaces import Runner
 from servelab.logits_pipeline import LogitsPipeline, ProcessorFailed
 from servelab.request import Request, RequestSpec
 from servelab.sampling_params import SamplingParams
-from servelab.sequence import Sequence
+from servelab.sequence import Sequence, sequence_id
 
 
 def _all_token_ids(prompt: list | tuple) -> bool:
@@ -61,13 +61,9 @@ class Intake:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return token_ids
 
-    def check(self, prompt: str | list[int], params: SamplingParams | None) -> list[int]:
-        """The prompt's token ids, or RequestError naming what is wrong; changes nothing."""
-        self.check_params(params)
-        return self.encode(prompt)
-
     def check_all(self, specs: Seq[RequestSpec]) -> list[list[int]]:
-        """`check` for each; params shared by several prompts (one object) are checked once."""
+        """Each prompt's token ids, or RequestError naming what is wrong (changing nothing);
+        params shared by several prompts (one object) are checked once."""
         seen: set[int] = set()
         for spec in specs:
             if id(spec.params) not in seen:
@@ -106,7 +102,7 @@ class Intake:
         (with nothing left behind) when a processor refuses it."""
         params = spec.params or SamplingParams()
         n = params.n
-        seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", token_ids, params, arrival_time,
+        seqs = [Sequence(sequence_id(request_id, i), token_ids, params, arrival_time,
                          priority=spec.priority, completion_index=i) for i in range(n)]
         generators: list[Any] = [None] * n
         if params.seed is not None:  # a seed torch refuses raises here, before anything exists

@@ -18,6 +18,7 @@ from servelab.detokenize import IncrementalText
 from servelab.errors import RequestError
 from servelab.interfaces import Sequence, SequenceStatus
 from servelab.sampling_params import SamplingParams
+from servelab.sequence import owner_of, sequence_id
 
 
 @attrs.frozen
@@ -76,7 +77,7 @@ class Request:
 
 def request_id_of(seq: Sequence) -> str:
     """The id of the request a sequence belongs to (completion i > 0 is "{request_id}#{i}")."""
-    return seq.request_id if seq.completion_index == 0 else seq.request_id.rpartition("#")[0]
+    return seq.request_id if seq.completion_index == 0 else owner_of(seq.request_id)
 
 
 class RequestTable:
@@ -132,7 +133,7 @@ class RequestTable:
         flight (a sequence id of completion i > 0 is "{request_id}#{i}") or in `taken`."""
         owner, _, index = request_id.rpartition("#")
         clash = (request_id in self._requests or request_id in taken
-                 or any(f"{request_id}#{i}" in self._requests for i in range(1, n))
+                 or any(sequence_id(request_id, i) in self._requests for i in range(1, n))
                  or (index.isdecimal() and len(index) < 10 and owner in self._requests
                      and int(index) < len(self._requests[owner].sequences)))
         if clash:

@@ -15,6 +15,20 @@ import attrs
 from servelab.sampling_params import SamplingParams
 
 
+def sequence_id(request_id: str, completion_index: int) -> str:
+    """The id of completion `completion_index` of a request: the request's own id for the
+    first, "{request_id}#{i}" for completion i > 0 of an n > 1 request."""
+    return request_id if completion_index == 0 else f"{request_id}#{completion_index}"
+
+
+def owner_of(sequence_id: str) -> str:
+    """The request id a sequence id belongs to (`sequence_id`'s inverse): what precedes a
+    final "#<digits>", else the id itself. The engine refuses a request whose id would
+    read as another's completion while that one is in flight (RequestTable.check_free)."""
+    owner, separator, index = sequence_id.rpartition("#")
+    return owner if separator and index.isdecimal() else sequence_id
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

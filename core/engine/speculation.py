@@ -27,6 +27,7 @@ from typing import Any, Sequence as Seq
 import attrs
 import torch
 
+from servelab.defaults import BLOCK_SIZE
 from servelab.errors import ConfigError
 from servelab.interfaces import (AcceptingDrafter, Draft, FeatureDrafter, FinishAwareDrafter, ForkingAllocator,
                                  HiddenStateDrafter, ReleasingDrafter, Sequence, StepPlan, TreeDrafter)
@@ -64,7 +65,7 @@ class Speculator:
 
     def __init__(self, name: str, drafter: Any, allocator: Any, max_model_len: int, vocab_size: int,
                  length: SpeculationLengthOptions | None = None, slot_mover: Any = None,
-                 block_size: int = 16) -> None:
+                 block_size: int = BLOCK_SIZE) -> None:
         if not isinstance(allocator, ForkingAllocator):
             raise ConfigError(
                 f"drafter {name!r} needs an allocator that can roll back rejected draft slots "

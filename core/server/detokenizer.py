@@ -5,8 +5,9 @@ a decode function get their new tokens (and finished outputs) turned into text d
 all in one batch, and the events go on to the event loop in one callback. That batch
 runs on a thread of its own when the engine is on a thread of this process, and on the
 thread that reads the engine's outputs when the engine is elsewhere (a process of its
-own, a Ray actor). The engine never decodes, the event loop never decodes, and there is
-one thread hand-off per step, not one per request.
+own, a Ray actor). The engine decodes once per request, at retirement (the final text of
+its output, which stop strings may have cut); the streamed deltas are decoded here, the
+event loop never decodes, and there is one thread hand-off per step, not one per request.
 
 A decode function that raises fails its own request alone: its event carries
 `decode_error` instead of deltas, and every other request carries on.
@@ -20,6 +21,8 @@ from typing import Any, Callable
 
 import attrs
 import structlog
+
+from servelab.sequence import owner_of
 
 logger = structlog.get_logger(__name__)
 
@@ -74,7 +77,7 @@ class Detokenizer:
     def _decode(self, events: dict[str, Any]) -> dict[str, Any]:
         by_request: dict[str, tuple[dict[str, list[int]], list[Any], dict[str, Any]]] = {}
         for key, event in events.items():
-            tokens, outputs, scores = by_request.setdefault(key.partition("#")[0], ({}, [], {}))
+            tokens, outputs, scores = by_request.setdefault(owner_of(key), ({}, [], {}))
             if event.new_token_ids:
                 tokens[key] = list(event.new_token_ids)
             if event.output is not None:

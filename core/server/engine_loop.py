@@ -23,6 +23,7 @@ import attrs
 import structlog
 
 from servelab.outputs import RequestOutput
+from servelab.sequence import owner_of
 from servelab.server.detokenizer import Decode, Detokenizer
 from servelab.server.engine_connection import EngineConnection, ThreadConnection
 from servelab.server.engine_core import (EMPTY_SNAPSHOT, AdmissionFailed, CoreOutput, EngineInfo, EngineSnapshot,
@@ -213,7 +214,7 @@ class AsyncEngine:
     def _deliver(self, events: Events, snapshot: EngineSnapshot, failure: str | None = None) -> None:
         self.snapshot = snapshot
         for key, event in events.items():
-            request_id = key.partition("#")[0]
+            request_id = owner_of(key)
             self._started(request_id)
             target = self._queues.get(request_id)
             if target is not None:

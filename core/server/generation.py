@@ -22,6 +22,7 @@ import structlog
 from servelab.detokenize import IncrementalText
 from servelab.outputs import CompletionOutput, RequestOutput, with_token_text
 from servelab.sampling_params import SamplingParams
+from servelab.sequence import owner_of, sequence_id as completion_id
 from servelab.server.codec import CodecFailure
 from servelab.server.engine_loop import AsyncEngine, NewRequest, RequestEvent
 
@@ -150,7 +151,7 @@ class Generation:
                                else attrs.evolve(self._params, max_tokens=limit)
                                for limit in (max_tokens or [None] * len(prompts))]
         self.engine_request_ids = [f"{request_id}-{p}" for p in range(len(prompts))]
-        self.choices = [Choice(p * n + i, p, _sequence_id(rid, i), TextStreamer(tokenizer, params.stop))
+        self.choices = [Choice(p * n + i, p, completion_id(rid, i), TextStreamer(tokenizer, params.stop))
                         for p, rid in enumerate(self.engine_request_ids) for i in range(n)]
         self._by_sequence = {c.sequence_id: c for c in self.choices}
         self.outputs: dict[str, RequestOutput] = {}  # engine request id -> its output, once finished
@@ -219,7 +220,7 @@ class Generation:
             choice = by_sequence[sequence_id]
             if logprobs and sequence_id in logprobs:
                 choice.unsent_logprobs.extend(zip(token_ids, self._with_text(logprobs[sequence_id])))
-            finishing_now = sequence_id.partition("#")[0] in finishing
+            finishing_now = owner_of(sequence_id) in finishing
             # its final text comes from the output (a stop string may cut it): the tokens before
             # the last are streamed one by one, the last with the output
             for token_id in token_ids[:-1] if finishing_now else token_ids:
@@ -229,7 +230,7 @@ class Generation:
                                           num_tokens=choice.take_tokens()))
         for output in outputs:
             for completion in output.outputs:
-                choice = by_sequence[_sequence_id(output.request_id, completion.index)]
+                choice = by_sequence[completion_id(output.request_id, completion.index)]
                 if self.scoring_only:  # as if nothing was sampled: max_tokens 0 ends at "length"
                     completion = attrs.evolve(completion, token_ids=[], text="", finish_reason="length",
                                               logprobs=[] if completion.logprobs is not None else None,
@@ -312,6 +313,3 @@ class Generation:
                     ttft_ms=round(min(ttfts) * 1000, 2) if ttfts else None)
 
 
-def _sequence_id(request_id: str, completion_index: int) -> str:
-    """The engine's sequence id of completion i (see servelab.engine.StepResult)."""
-    return request_id if completion_index == 0 else f"{request_id}#{completion_index}"

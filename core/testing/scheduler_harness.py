@@ -27,6 +27,7 @@ from servelab.interfaces import (
     StepPlan,
 )
 from servelab.sampling_params import SamplingParams
+from servelab.sequence import sequence_id
 from servelab.testing.contract import check, exercising
 
 OUTPUT_TOKEN_BASE = 1000
@@ -105,7 +106,7 @@ class SchedulerHarness:
         prompt_ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
         request_id = request_id or f"r{next(self._ids)}"
         arrival = self.now if arrival_time is None else arrival_time
-        group = [Sequence(request_id if i == 0 else f"{request_id}#{i}", list(prompt_ids), params, arrival,
+        group = [Sequence(sequence_id(request_id, i), list(prompt_ids), params, arrival,
                           priority=priority, completion_index=i) for i in range(n)]
         self.requests[request_id] = group
         self.add_order[request_id] = len(self.add_order)

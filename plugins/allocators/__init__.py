@@ -14,7 +14,7 @@ def servelab_register_allocators():
         ),
         AllocatorPlugin(
             name="paged",
-            factory="servelab.plugins.allocators.paged:PagedAllocator",
+            factory="servelab.kit:PagedAllocator",
             description="PagedAttention block tables: ref-counted blocks on demand, fork and copy-on-write",
         ),
         AllocatorPlugin(

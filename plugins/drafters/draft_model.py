@@ -24,7 +24,7 @@ import torch
 
 from servelab.errors import ConfigError
 from servelab.interfaces import AllocatorContext, Draft, DrafterContext, Sequence, StepPlan
-from servelab.plugins.allocators.paged import PagedAllocator
+from servelab.kit import PagedAllocator
 from servelab.plugins.drafters.options import DraftModelOptions
 
 

@@ -55,6 +55,11 @@ class HeadConfig:
 
 
 class RMSNorm(nn.Module):
+    """Kept apart from the model's (servelab.model.llama.RMSNorm) on purpose: a plugin reaches
+    only servelab's public surface, and the head's norm is one fused kernel in the model's
+    dtype (drafting calls it per token), where the model's normalises in float32 as the
+    reference implementation does."""
+
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))

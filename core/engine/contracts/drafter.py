@@ -12,6 +12,7 @@ import attrs
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.scheduler import StepPlan
+from servelab.defaults import BLOCK_SIZE, MAX_NUM_SEQS
 from servelab.sequence import Sequence, SequenceStatus
 from servelab.token_tree import ancestor_mask, query_parents, tree_error
 
@@ -76,8 +77,8 @@ class DrafterContext:
 
     vocab_size: int
     max_model_len: int
-    max_num_seqs: int = 256
-    block_size: int = 16
+    max_num_seqs: int = MAX_NUM_SEQS
+    block_size: int = BLOCK_SIZE
     num_kv_blocks: int = 0  # blocks in the target's KV pool (a draft model's pool may match it)
     seed: int = 0  # the engine's seed, for drafters that sample
     target: TargetModel | None = None  # None where the engine has no real model (simulator, tests)

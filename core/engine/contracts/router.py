@@ -10,6 +10,8 @@ from typing import Protocol, Sequence as Seq, runtime_checkable
 
 import attrs
 
+from servelab.defaults import BLOCK_SIZE
+
 __all__ = [
     "ROOT_BLOCK_HASH",
     "chained_block_hash",
@@ -20,6 +22,7 @@ __all__ = [
     "RouterContext",
     "Router",
     "FinishAwareRouter",
+    "PrefixReportingAllocator",
 ]
 
 
@@ -80,7 +83,7 @@ class ReplicaSnapshot:
     num_running_tokens: int = 0  # tokens (context) of the running sequences
     num_kv_blocks: int = 0  # blocks in the replica's KV pool
     num_used_kv_blocks: int = 0  # blocks held by sequences
-    block_size: int = 16  # token slots per KV block
+    block_size: int = BLOCK_SIZE  # token slots per KV block
     prefix_summary: PrefixSummary | None = None  # the replica's cached prefixes, where it reports them
 
     @property
@@ -107,7 +110,7 @@ class RouterContext:
     """What a router factory receives: the fleet it routes over."""
 
     num_replicas: int  # replicas at start; ids are 0..num_replicas-1 (some may later leave)
-    block_size: int = 16  # KV block size of the replicas (for prefix hashing)
+    block_size: int = BLOCK_SIZE  # KV block size of the replicas (for prefix hashing)
     num_kv_blocks: int = 0  # each replica's KV pool (0: unknown), for sizing an approximate prefix view
     seed: int = 0  # for routers that draw random numbers: draw them from a generator seeded with this
 
