@@ -46,7 +46,9 @@ def cpu_kernels_built():
 
 @pytest.fixture(scope="module", autouse=True)
 def heap_collected_per_module():
-    """Every module starts with a full garbage collection (see `frozen_heap`)."""
+    """Every module starts with a full garbage collection (see `frozen_heap`); nothing stays
+    frozen past a module, nor at exit."""
+    yield
     gc.unfreeze()
 
 
