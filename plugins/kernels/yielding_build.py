@@ -14,8 +14,7 @@ held for the build's life; a second watchdog on the same lock exits at once with
 EXIT_LOCKED), at most `--deadline` seconds in all and MAX_STOPPED_SECONDS stopped in a row
 (a machine that never goes quiet: the build is killed and the next start tries again),
 and SIGTERM / SIGINT / SIGHUP kill the build and end the watchdog. SERVELAB_BUILD_YIELD=0
-turns the stopping off (a CI machine whose only other work is its own tests); `--busy-cores N`
-moves the threshold (a machine that always runs other work of its own).
+turns the stopping off (a CI machine whose only other work is its own tests).
 """
 
 from __future__ import annotations
@@ -122,14 +121,12 @@ def _kill_tree(root: int) -> None:
 
 
 def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | None = None,
-                 deadline: float = DEADLINE_SECONDS, max_stopped: float = MAX_STOPPED_SECONDS,
-                 busy_cores: float = BUSY_CORES) -> int:
+                 deadline: float = DEADLINE_SECONDS, max_stopped: float = MAX_STOPPED_SECONDS) -> int:
     """Run `command`, stopped (it and everything it starts) while other work keeps the CPUs
     busy; returns its exit status (EXIT_LOCKED without running it when `lock` is held
     elsewhere, EXIT_GAVE_UP when it was killed for taking too long). `keep_fresh`: a file
     (torch's build lock) whose modification time is renewed while the build is stopped,
-    so that no one takes it for the leftover of a killed build. `busy_cores`: other
-    processes' use, in cores, that stops the build."""
+    so that no one takes it for the leftover of a killed build."""
     held = take_lock(lock) if lock else None
     if lock and held is None:
         return EXIT_LOCKED
@@ -137,7 +134,7 @@ def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | 
     child = None
     try:
         child = subprocess.Popen(command, start_new_session=True)
-        return _watch(child, keep_fresh, deadline, max_stopped, busy_cores)
+        return _watch(child, keep_fresh, deadline, max_stopped)
     except _Terminated as exc:
         return 128 + exc.args[0]
     finally:
@@ -150,11 +147,10 @@ def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | 
             held.close()
 
 
-def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max_stopped: float,
-           busy_cores: float) -> int:
+def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max_stopped: float) -> int:
     started = time.monotonic()
     yielding = os.path.exists("/proc/stat") and os.environ.get("SERVELAB_BUILD_YIELD", "1") != "0"
-    limit = busy_cores * os.sysconf("SC_CLK_TCK") * INTERVAL_SECONDS if yielding else 0
+    limit = BUSY_CORES * os.sysconf("SC_CLK_TCK") * INTERVAL_SECONDS if yielding else 0
     stopped, quiet_since, stopped_since = False, None, None
     before = (busy_ticks(), tree(child.pid)[1]) if yielding else (0, 0)
     while child.poll() is None:
@@ -190,14 +186,13 @@ def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max
 
 
 def main(arguments: list[str]) -> int:
-    """yielding_build.py [--keep-fresh PATH] [--lock PATH] [--deadline S] [--max-stopped S] [--busy-cores N]
-    COMMAND..."""
+    """yielding_build.py [--keep-fresh PATH] [--lock PATH] [--deadline S] [--max-stopped S] COMMAND..."""
     options = {"--keep-fresh": None, "--lock": None, "--deadline": str(DEADLINE_SECONDS),
-               "--max-stopped": str(MAX_STOPPED_SECONDS), "--busy-cores": str(BUSY_CORES)}
+               "--max-stopped": str(MAX_STOPPED_SECONDS)}
     while arguments[:1] and arguments[0] in options:
         options[arguments[0]], arguments = arguments[1], arguments[2:]
     return run_yielding(arguments, options["--keep-fresh"], options["--lock"], float(options["--deadline"]),
-                        float(options["--max-stopped"]), float(options["--busy-cores"]))
+                        float(options["--max-stopped"]))
 
 
 if __name__ == "__main__":
