@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny Hugging Face checkpoints built and saved inside the test run."""
+"""Shared fixtures: tiny Hugging Face checkpoints built and saved inside the test run; the
+per-test time budget the summary reports against."""
 
 from __future__ import annotations
+
+import gc
+import os
 
 import pytest
 
@@ -38,3 +42,40 @@ def cpu_kernels_built():
     from servelab.plugins.kernels.cpu_build import kernel_build
 
     kernel_build().wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def heap_collected_per_module():
+    """Every module starts with a full garbage collection (see `frozen_heap`); nothing stays
+    frozen past a module, nor at exit."""
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def frozen_heap(heap_collected_per_module):
+    """Each test starts with every object alive so far frozen out of the garbage collector's
+    sight (gc.freeze; unfrozen and collected at the next module's start). An engine's load
+    runs a full collection to hand freed memory back (release_freed_memory): in a test
+    process that has imported transformers and hypothesis, that walks a few million objects,
+    most of a tiny engine's start; frozen, it walks what the test created."""
+    gc.collect()
+    gc.freeze()
+
+
+# Each test's setup, call and teardown should fit this budget (seconds) on two busy cores;
+# the summary lists the phases over it, slowest first (SERVELAB_TEST_BUDGET_S changes it).
+TEST_BUDGET_S = float(os.environ.get("SERVELAB_TEST_BUDGET_S", "15"))
+_over_budget: list[tuple[float, str, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.duration > TEST_BUDGET_S:
+        _over_budget.append((report.duration, report.when, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _over_budget:
+        terminalreporter.section(f"over the {TEST_BUDGET_S:g} s per-test budget")
+        for duration, when, nodeid in sorted(_over_budget, reverse=True):
+            terminalreporter.write_line(f"{duration:7.2f}s {when:<8} {nodeid}")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import servelab.plugins.kernels.yielding_build as yielding_build
+from kernel_cache import seed_objects
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the watchdog reads Linux's /proc")
 
@@ -98,24 +99,6 @@ def _builders(marker: str) -> list[int]:
     return found
 
 
-def _seed_objects(cache: Path) -> bool:
-    """Copy this session's compiled objects (not the library) into the empty cache `cache`:
-    its builder then has only the link step left, seconds instead of a minute. False when
-    the session has none (the builder compiles everything)."""
-    from servelab.plugins.kernels import cpu_build
-
-    built = cpu_build._build_directory()
-    name = cpu_build._flags()[0]
-    if built is None or not (built / f"{name}.so").is_file():
-        return False
-    target = cache / name
-    target.mkdir(parents=True)
-    for path in built.iterdir():
-        if path.is_file() and path.suffix != ".so" and path.name != "lock" and not path.name.startswith("servelab-"):
-            shutil.copy2(path, target / path.name)  # their times too: ninja sees them up to date
-    return True
-
-
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
 @pytest.mark.slow
 def test_ten_starts_on_a_cold_cache_leave_one_builder_that_builds_the_library(tmp_path):
@@ -127,7 +110,7 @@ def test_ten_starts_on_a_cold_cache_leave_one_builder_that_builds_the_library(tm
     work = tmp_path / "work"
     (work / "servelab").mkdir(parents=True)
     (work / "servelab" / "__init__.py").write_text("raise ImportError('the checkout in the working directory')\n")
-    _seed_objects(cache)
+    seed_objects(cache)
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache), "SERVELAB_BUILD_YIELD": "0",
            "OMP_NUM_THREADS": "1"}
     command = [str(Path(sys.executable).with_name("servelab")), "generate", "--prompt", "def f(x):",

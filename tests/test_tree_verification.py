@@ -2,7 +2,11 @@
 whatever the tree and its draft distributions (a chi-square test of the joint of the
 first two tokens against the exact product of the target's rows, fixed seeds), a
 deliberately wrong rule fails the same test, greedy descends the longest matching root
-path, and seeded requests reproduce whatever the batch."""
+path, and seeded requests reproduce whatever the batch.
+
+The harness around the rule under test (drawing the trees, building their rows, completing
+a one-token step, the control rules) works on all TRIALS trees at once; only `verify`, the
+engine's entry point, runs tree by tree."""
 
 from __future__ import annotations
 
@@ -35,92 +39,111 @@ Q1 = [0.5, 0.1, 0.1, 0.1, 0.2]
 
 # A tree shape: parents of each node (root children 0, 1, 2; two under 0, one under 1).
 SHAPE = [-1, -1, -1, 0, 0, 1]
+KIDS = children(SHAPE)  # KIDS[r]: the nodes under row r (row 0 the root, row i + 1 node i)
+DEPTH_ONE = [i for i, parent in enumerate(SHAPE) if parent < 0]
+P1_ROWS = torch.tensor(P1)
 
 
-def rows_for(tokens: list[int], parents: list[int]) -> torch.Tensor:
-    """Logits rows of one tree: the root's P0, then each node's row after its root path."""
-    rows = [logits_for(P0)]
-    for i, parent in enumerate(parents):
-        depth_one = parent < 0
-        rows.append(logits_for(P1[tokens[i]] if depth_one else P_LATER))
-    return torch.stack(rows)
+def rows_for(tokens: torch.Tensor) -> torch.Tensor:
+    """Logits rows of trees of SHAPE ([trials, nodes] tokens -> [trials, nodes + 1, VOCAB]):
+    the root's P0, then each node's row after its root path."""
+    rows = logits_for(P_LATER).repeat(len(tokens), len(SHAPE) + 1, 1)
+    rows[:, 0] = logits_for(P0)
+    rows[:, [i + 1 for i in DEPTH_ONE]] = torch.stack([logits_for(p) for p in P1])[tokens[:, DEPTH_ONE]]
+    return rows
 
 
-def draw_tree(generator: torch.Generator, mode: str) -> tuple[list[int], list[int], torch.Tensor | None]:
-    """A tree of SHAPE: deterministic distinct tokens, or siblings drawn from q
-    independently ("iid") or without replacement ("without-replacement"), with the q each
-    node was drawn from."""
+def draw_trees(generator: torch.Generator, mode: str, trials: int = TRIALS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`trials` trees of SHAPE ([trials, nodes] tokens): deterministic distinct tokens, or
+    siblings drawn from q independently ("iid") or without replacement
+    ("without-replacement"), with the q each node was drawn from ([trials, nodes, VOCAB])."""
     if mode == "deterministic":
-        return [1, 3, 0, 2, 1, 4], SHAPE, None
+        return torch.tensor([1, 3, 0, 2, 1, 4]).repeat(trials, 1), None
     if mode == "duplicates":  # a deterministic drafter repeating a sibling: allowed, still lossless
-        return [1, 1, 0, 2, 2, 4], SHAPE, None
-    tokens, probs = [], []
-    kids = children(SHAPE)
-    by_node: dict[int, int] = {}
-    for row, members in enumerate(kids):
-        base = torch.tensor(Q0 if row == 0 else Q1)
-        q = base.clone()
-        for node in members:
-            token = int(torch.multinomial(q, 1, generator=generator))
-            by_node[node] = token
-            probs.append((node, q.clone()))
+        return torch.tensor([1, 1, 0, 2, 2, 4]).repeat(trials, 1), None
+    tokens = torch.empty(trials, len(SHAPE), dtype=torch.int64)
+    q = torch.empty(trials, len(SHAPE), VOCAB)
+    for row, members in enumerate(KIDS):
+        if not members:
+            continue
+        base = torch.tensor(Q0 if row == 0 else Q1).repeat(trials, 1)
+        # multinomial without replacement draws each sibling from q with the earlier ones removed
+        drawn = torch.multinomial(base, len(members), replacement=mode == "iid", generator=generator)
+        tokens[:, members] = drawn
+        left = base.clone()
+        for j, node in enumerate(members):
+            q[:, node] = left / left.sum(-1, keepdim=True)
             if mode == "without-replacement":
-                q[token] = 0.0
-                q /= q.sum()
-    tokens = [by_node[i] for i in range(len(SHAPE))]
-    q_rows = torch.stack([q for _, q in sorted(probs, key=lambda item: item[0])])
-    return tokens, SHAPE, q_rows
+                left.scatter_(1, drawn[:, j:j + 1], 0.0)
+    return tokens, q
 
 
-def first_two(emitted: list[int], generator: torch.Generator) -> int:
-    """(first, second) token as one category; a step that emitted one token is completed
-    by a draw from the target's next row, which is what the next step would do."""
-    first = emitted[0]
-    second = emitted[1] if len(emitted) > 1 else int(torch.multinomial(torch.tensor(P1[first]), 1,
-                                                                        generator=generator))
-    return first * VOCAB + second
+def verified(tokens: torch.Tensor, q: torch.Tensor | None, seed: int) -> list[list[int]]:
+    """One `verify` call over the trees (the engine's entry point): each tree's emitted tokens."""
+    trials = len(tokens)
+    results = verify(rows_for(tokens).flatten(0, 1), tokens.tolist(), list(q) if q is not None else [None] * trials,
+                     [SAMPLED] * trials, [None] * trials, torch.Generator().manual_seed(seed), [SHAPE] * trials)
+    return [r.token_ids for r in results]
+
+
+def first_two(first: torch.Tensor, second: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """(first, second) token of each step as one category; a step that emitted one token
+    (second -1) is completed by a draw from the target's next row, which is what the next
+    step would do."""
+    drawn = torch.multinomial(P1_ROWS[first], 1, generator=generator).squeeze(1)
+    return first * VOCAB + torch.where(second >= 0, second, drawn)
+
+
+def leading_tokens(emitted: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step's first token and its second (-1 where it emitted one)."""
+    return (torch.tensor([tokens[0] for tokens in emitted]),
+            torch.tensor([tokens[1] if len(tokens) > 1 else -1 for tokens in emitted]))
 
 
 def emitted_by_the_engine_rule(mode: str, seed: int = 0) -> torch.Tensor:
-    """One `verify` call over TRIALS trees (the engine's entry point)."""
-    generator = torch.Generator().manual_seed(seed)
-    trees = [draw_tree(generator, mode) for _ in range(TRIALS)]
-    logits = torch.cat([rows_for(tokens, parents) for tokens, parents, _ in trees])
-    results = verify(logits, [t for t, _, _ in trees], [q for _, _, q in trees], [SAMPLED] * TRIALS,
-                     [None] * TRIALS, torch.Generator().manual_seed(seed + 1), [p for _, p, _ in trees])
-    completion = torch.Generator().manual_seed(seed + 2)
-    return torch.tensor([first_two(r.token_ids, completion) for r in results])
+    tokens, q = draw_trees(torch.Generator().manual_seed(seed), mode)
+    return first_two(*leading_tokens(verified(tokens, q, seed + 1)), torch.Generator().manual_seed(seed + 2))
 
 
-def no_residual_rule(p_rows, tokens, parents, q, generator) -> list[int]:
-    """The control: siblings tried against the unchanged p (no residual after a rejection),
-    the final token drawn from p. Biased towards drafted tokens."""
-    kids = children(parents)
-    row, emitted = 0, []
-    p = p_rows[0]
-    while True:
-        for child in kids[row]:
-            token = tokens[child]
-            q_token = float(q[child][token]) if q is not None else 1.0
-            if float(torch.rand((), generator=generator)) * q_token < float(p[token]):
-                emitted.append(token)
-                row = child + 1
-                p = p_rows[row]
-                break
-        else:
-            return emitted + [int(torch.multinomial(p, 1, generator=generator))]
+PADDED_KIDS = torch.tensor([members + [-1] * (len(SHAPE) - len(members)) for members in KIDS])
+
+
+def _try_children(p: torch.Tensor, row: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The control's step from `row` of each tree: its children tried in order, each
+    accepted with probability min(1, p / q) against the unchanged p, else a draw from p.
+    (The accepted node, -1 for none; the token emitted.)"""
+    everyone = torch.arange(len(tokens))
+    chosen = torch.full((len(tokens),), -1)
+    for slot in range(PADDED_KIDS.shape[1]):
+        child = PADDED_KIDS[row, slot]
+        node = child.clamp(min=0)
+        token = tokens[everyone, node]
+        q_token = q[everyone, node, token] if q is not None else torch.ones(len(tokens))
+        accept = (child >= 0) & (chosen < 0) & (torch.rand(len(tokens), generator=generator) * q_token
+                                                < p[everyone, token])
+        chosen = torch.where(accept, child, chosen)
+    final = torch.multinomial(p, 1, generator=generator).squeeze(1)
+    return chosen, torch.where(chosen >= 0, tokens[everyone, chosen.clamp(min=0)], final)
+
+
+def no_residual_rule(p_rows: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None,
+                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The control, on every tree at once: siblings tried against the unchanged p (no
+    residual after a rejection), the final token drawn from p. Biased towards drafted
+    tokens. Each step's first token and its second (-1 where it emitted one)."""
+    everyone = torch.arange(len(tokens))
+    chosen, first = _try_children(p_rows[:, 0], torch.zeros(len(tokens), dtype=torch.int64), tokens, q, generator)
+    below = chosen + 1  # the accepted node's row (the root's for a rejected step: not used)
+    _, second = _try_children(p_rows[everyone, below], below, tokens, q, generator)
+    return first, torch.where(chosen >= 0, second, -1)
 
 
 def emitted_by_the_control(mode: str, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    draws = torch.Generator().manual_seed(seed + 1)
-    completion = torch.Generator().manual_seed(seed + 2)
-    out = []
-    for _ in range(TRIALS):
-        tokens, parents, q = draw_tree(generator, mode)
-        p_rows = torch.softmax(rows_for(tokens, parents), dim=-1)
-        out.append(first_two(no_residual_rule(p_rows, tokens, parents, q, draws), completion))
-    return torch.tensor(out)
+    tokens, q = draw_trees(torch.Generator().manual_seed(seed), mode)
+    p_rows = torch.softmax(rows_for(tokens), dim=-1)
+    emitted = no_residual_rule(p_rows, tokens, q, torch.Generator().manual_seed(seed + 1))
+    return first_two(*emitted, torch.Generator().manual_seed(seed + 2))
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "duplicates", "iid", "without-replacement"])
@@ -142,22 +165,10 @@ def test_the_check_detects_a_rule_without_the_residual(mode):
 def test_without_replacement_siblings_need_their_own_q():
     """Declaring the base q for siblings drawn without replacement (instead of the
     renormalised q each was drawn from) is not lossless, and the test sees it."""
-    generator = torch.Generator().manual_seed(7)
-    trees = []
-    for _ in range(TRIALS):
-        tokens, parents, q = draw_tree(generator, "without-replacement")
-        kids = children(parents)
-        wrong = q.clone()
-        for row, members in enumerate(kids):
-            for node in members:
-                wrong[node] = torch.tensor(Q0 if row == 0 else Q1)
-        trees.append((tokens, parents, wrong))
-    logits = torch.cat([rows_for(tokens, parents) for tokens, parents, _ in trees])
-    results = verify(logits, [t for t, _, _ in trees], [q for _, _, q in trees], [SAMPLED] * TRIALS,
-                     [None] * TRIALS, torch.Generator().manual_seed(8), [p for _, p, _ in trees])
-    completion = torch.Generator().manual_seed(9)
-    observed = torch.bincount(torch.tensor([first_two(r.token_ids, completion) for r in results]),
-                              minlength=VOCAB * VOCAB)
+    tokens, _ = draw_trees(torch.Generator().manual_seed(7), "without-replacement")
+    wrong = torch.stack([torch.tensor(Q0 if parent < 0 else Q1) for parent in SHAPE]).repeat(TRIALS, 1, 1)
+    emitted = leading_tokens(verified(tokens, wrong, 8))
+    observed = torch.bincount(first_two(*emitted, torch.Generator().manual_seed(9)), minlength=VOCAB * VOCAB)
     assert chi_square_p_value(observed, EXPECTED) < P_VALUE
 
 
