@@ -376,7 +376,8 @@ def test_the_cached_build_mode_never_switches_mid_run_and_builds_for_the_next_st
     (The cache holds this session's compiled objects but no library, so the build links
     rather than compiles: the same path through the build, in seconds.)"""
     seed_objects(tmp_path / "ext")
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    # the build does not wait for the suite's other worker to go quiet (test_yielding_build covers that)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), SERVELAB_BUILD_YIELD="0")
     runs = [subprocess.run([sys.executable, "-c", CACHED_SCRIPT, cache], env=env, capture_output=True, text=True,
                            timeout=600) for cache in ("empty", "filled")]
     for run in runs:
