@@ -13,6 +13,7 @@ class FullBlockCacheV1:
         self.cache = {}  # (prefix tokens) -> block; never evicted while held
         self.cached_block = {}  # block -> key
         self.hit_tokens = self.lookup_tokens = self.lookups = 0
+        self.pending = {}  # seq -> (hit tokens, looked-up tokens): counted once it is admitted
 
     def _take(self):
         if not self.free_blocks:
@@ -37,6 +38,10 @@ class FullBlockCacheV1:
             self.refs[block] += 1
             table.append(block)
         self.lengths[seq_id] = max(self.lengths.get(seq_id, 0), num_tokens)
+        if seq_id in self.pending:
+            hit, looked_up = self.pending.pop(seq_id)
+            self.hit_tokens, self.lookup_tokens, self.lookups = (self.hit_tokens + hit,
+                                                                 self.lookup_tokens + looked_up, self.lookups + 1)
         return True
 
     def free(self, seq_id):
@@ -45,6 +50,7 @@ class FullBlockCacheV1:
             if self.refs[block] == 0 and block not in self.cached_block:
                 self.free_blocks.append(block)
         self.lengths.pop(seq_id, None)
+        self.pending.pop(seq_id, None)
 
     def block_table(self, seq_id):
         return self.tables.get(seq_id, [])
@@ -60,9 +66,7 @@ class FullBlockCacheV1:
             self.refs[block] += 1
         self.tables[seq.request_id] = blocks
         self.lengths[seq.request_id] = len(blocks) * self.block_size
-        self.hit_tokens += len(blocks) * self.block_size
-        self.lookup_tokens += seq.num_tokens
-        self.lookups += 1
+        self.pending[seq.request_id] = (len(blocks) * self.block_size, seq.num_tokens)
         return len(blocks) * self.block_size
 
     def cache_blocks(self, seq):
@@ -75,8 +79,15 @@ class FullBlockCacheV1:
 
     def stats(self):
         used = sum(1 for r in self.refs if r)
+        filled = {}  # used block -> tokens it holds (the fullest sequence sharing it)
+        for seq_id, table in self.tables.items():
+            for index, block in enumerate(table):
+                tokens = min(self.block_size, max(0, self.lengths.get(seq_id, 0) - index * self.block_size))
+                filled[block] = max(filled.get(block, 0), tokens)
+        slots = sum(filled.values())
         return AllocatorStats(num_blocks=self.num_blocks, num_used_blocks=used,
                               num_free_blocks=len(self.free_blocks),
                               num_cached_blocks=self.num_blocks - used - len(self.free_blocks),
+                              num_token_slots_used=slots, num_token_slots_reserved_empty=used * self.block_size - slots,
                               prefix_hit_tokens=self.hit_tokens, prefix_lookup_tokens=self.lookup_tokens,
                               num_prefix_lookups=self.lookups, block_size=self.block_size)
