@@ -333,3 +333,18 @@ def test_the_sjf_example_ages_priorities_with_the_kits_default():
     assert scheduler.rank(low_early) < scheduler.rank(urgent_late)  # 100 s of waiting outweighs one level
     strict = SJFScheduler(SJFOptions(priority_aging_s=0.0), _context())
     assert strict.rank(urgent_late) < strict.rank(low_early)
+
+
+def test_option_or_still_reads_an_option_for_plugins_written_against_earlier_kits():
+    import attrs
+
+    from servelab.kit import ContinuousOptions, option_or
+
+    @attrs.define
+    class OwnOptions:
+        max_rank: int = 3
+
+    with pytest.warns(DeprecationWarning, match="kit_options"):
+        assert option_or(ContinuousOptions(priority_aging_s=4.0), "priority_aging_s", 0.0) == 4.0
+    with pytest.warns(DeprecationWarning):
+        assert option_or(OwnOptions(), "priority_aging_s", 10.0) == 10.0

@@ -42,7 +42,7 @@ from servelab.kit.blocks import FreeBlocks, PagedAllocator, SeqBlocks, blocks_fo
 from servelab.kit.eviction import EvictionQueue, KeyedEviction, LeastRecentlyUsed, checked_choice, orders_by_key
 from servelab.kit.prefix import IncrementalPrefixIndex, PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
 from servelab.kit.tier import HostTier
-from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, kit_options
+from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, kit_options, option_or
 from servelab.kit.victims import VICTIMS, KeyedVictim, as_preemption, check_victim, checked_victim, last_max
 
 __all__ = [
@@ -73,5 +73,6 @@ __all__ = [
     "checked_victim",
     "last_max",
     "kit_options",
+    "option_or",
     "orders_by_key",
 ]

@@ -29,6 +29,8 @@ whatever their priorities, so nobody starves. 0 turns aging off (strict priority
 
 from __future__ import annotations
 
+import warnings
+
 import bisect
 import itertools
 from typing import Any, Sequence as Seq
@@ -68,6 +70,14 @@ class QueueOptions:
     # resumption) or "swap" (copied to the host tier, `[kv_offload]`, and back on resumption;
     # recompute when the tier cannot hold it).
     preemption_mode: str = attrs.field(default="recompute", validator=one_of("scheduler", PREEMPTION_MODES))
+
+
+def option_or(options: Any, name: str, default: Any) -> Any:
+    """Deprecated (kept for plugins written against earlier kits; use `kit_options`):
+    `options.<name>` where the options class has that field, else `default`."""
+    warnings.warn("servelab.kit.option_or is deprecated: extend the kit's options class and use kit_options",
+                  DeprecationWarning, stacklevel=2)
+    return attrs.asdict(options, recurse=False).get(name, default) if attrs.has(type(options)) else default
 
 
 def kit_options(options: Any, options_class: type) -> Any:
