@@ -102,7 +102,7 @@ def split_trace_spec(rest: str) -> tuple[str, dict[str, Any]]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"trace workload option {item!r} must be key=value")
-        options[key.strip()] = _number(value.strip())
+        options[key.strip()] = option_value(value.strip())
     return path, options
 
 
@@ -171,7 +171,8 @@ def _lines(path: str) -> list[str]:
         raise ConfigError(f"trace file {path!r} does not exist") from None
 
 
-def _number(text: str) -> Any:
+def option_value(text: str) -> Any:
+    """A workload option's value: an int, else a float, else the text."""
     for cast in (int, float):
         try:
             return cast(text)

@@ -52,7 +52,7 @@ import attrs
 
 from servelab.deadlines import DeadlineOptions, checked_deadline, checked_request_class
 from servelab.errors import ConfigError
-from servelab.traces import TRACE_FORMATS, trace_requests
+from servelab.traces import TRACE_FORMATS, option_value, trace_requests
 
 FIRST_TOKEN_ID = 3  # skip the usual <unk>/<s>/</s> ids
 
@@ -290,7 +290,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"workload option {item!r} must be key=value")
-        options[key.strip()] = _number(value.strip())
+        options[key.strip()] = option_value(value.strip())
     return name, options
 
 
@@ -328,13 +328,3 @@ def build_workload(spec: str, vocab_size: int) -> Workload:
     if structured or logprobs is not None:
         requests = [attrs.evolve(r, json_schema=i in structured, logprobs=logprobs) for i, r in enumerate(requests)]
     return Workload(spec, tuple(deadlines.apply(requests, seed)))
-
-
-def _number(text: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
