@@ -31,6 +31,21 @@ TINY_SHAPES = {
                   num_key_value_heads=2, vocab_size=203, max_position_embeddings=256),
     "mistral": dict(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=8,
                     num_key_value_heads=4, vocab_size=190, max_position_embeddings=256, sliding_window=None),
+    # Mixtures of experts: expert counts that are not powers of two, top-k 1, 2 and 3, hidden
+    # sizes that are not multiples of 16; Qwen2-MoE with its shared expert and a dense layer.
+    "mixtral": dict(hidden_size=36, intermediate_size=44, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=10, vocab_size=151, max_position_embeddings=256,
+                    num_local_experts=5, num_experts_per_tok=2),
+    "mixtral-top1": dict(hidden_size=36, intermediate_size=28, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=10, vocab_size=151, max_position_embeddings=256,
+                         num_local_experts=3, num_experts_per_tok=1),
+    "qwen2_moe": dict(hidden_size=40, intermediate_size=50, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=163, max_position_embeddings=256, num_experts=7,
+                      num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=30,
+                      norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen3_moe": dict(hidden_size=52, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=14, vocab_size=173, max_position_embeddings=256,
+                      num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20, norm_topk_prob=True),
 }
 
 
@@ -46,6 +61,9 @@ def build_checkpoint(kind: str, path) -> str:
         "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     config = config_cls(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(1234)
@@ -54,7 +72,7 @@ def build_checkpoint(kind: str, path) -> str:
     # so outputs vary and a wrong kernel cannot hide behind a constant argmax.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # MoE experts are stacked [experts, rows, columns]
                 param.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
             elif "norm" not in name:
                 param.normal_(0.0, 0.05)  # biases (Qwen2 q/k/v)

@@ -16,6 +16,7 @@ from servelab.kv_sizing import DTYPE_BYTES
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.memory import release_freed_memory
 from servelab.model.model_config import ModelConfig
+from servelab.model.moe_model import model_class
 from servelab.model.packed_linear import PACKABLE_DTYPES, can_prepack, prepack_linears
 from servelab.model.quantized_linear import quantize_linears
 from servelab.model.rope import RotaryEmbedding
@@ -83,7 +84,7 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
     rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
                              torch_dtype, torch_device)
     with torch.device("meta"):  # no time spent on random init: every weight is loaded
-        model = LlamaForCausalLM(config, rotary).to(torch_dtype)
+        model = model_class(config)(config, rotary).to(torch_dtype)
     allocate_parameters(model, torch_device)  # once, in the target dtype
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

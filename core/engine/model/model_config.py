@@ -10,17 +10,22 @@ import attrs
 
 from servelab.errors import CheckpointError
 from servelab.kv_sizing import kv_row_bytes
+from servelab.model.moe_config import MoEShape
 
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
 @attrs.frozen(kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, Qwen2, Mistral)."""
+    """Shape and numerics of a Llama-family decoder (Llama, Qwen2, Mistral), and of its
+    mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: `moe` set)."""
 
     model_type: str
     vocab_size: int
@@ -41,6 +46,8 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoEShape | None = None  # the sparse layers; None for a dense model
+    qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
@@ -58,7 +65,7 @@ class ModelConfig:
             hidden_size = int(raw["hidden_size"])
             theta, scaling = _rope_settings(raw)
             eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
-            use_window = raw.get("use_sliding_window", model_type == "mistral")
+            use_window = raw.get("use_sliding_window", model_type in ("mistral", "mixtral"))
             return cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -73,12 +80,14 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-                o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
+                qkv_bias=_qkv_bias(model_type, raw),
+                o_bias=model_type not in ("qwen2", "qwen2_moe") and bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 sliding_window=raw.get("sliding_window") if use_window else None,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_ids(eos),
+                moe=MoEShape.from_dict(raw),
+                qk_norm=model_type == "qwen3_moe",
             )
         except KeyError as exc:
             raise CheckpointError(f"config.json lacks required key {exc.args[0]!r}") from None
@@ -97,6 +106,14 @@ class ModelConfig:
         """K and V of every layer for one token, at `dtype_size` bytes an element, or in a
         quantized cache (`kv_cache_dtype`: one byte an element and a scale per row)."""
         return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.head_dim, dtype_size, kv_cache_dtype)
+
+
+def _qkv_bias(model_type: str, raw: dict[str, Any]) -> bool:
+    if model_type == "qwen2":
+        return True
+    if model_type == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True))
+    return bool(raw.get("attention_bias", False))
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from servelab.errors import CheckpointError
 from servelab.model.llama import LlamaForCausalLM
+from servelab.model.moe_weights import moe_source
 
 # Checkpoint projections that the decoder stores fused, in concatenation order.
 _FUSED = {
@@ -52,7 +53,10 @@ def load_weights(model: LlamaForCausalLM, tensors: Mapping[str, torch.Tensor]) -
     for name, target in expected.items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        source = _source_tensor(name, tensors)
+        moe = model.config.moe
+        source = moe_source(name, tensors, moe) if moe is not None else None
+        if source is None:
+            source = _source_tensor(name, tensors)
         if source.shape != target.shape:
             raise CheckpointError(f"weight {name!r} has shape {tuple(source.shape)}, expected {tuple(target.shape)}")
         with torch.no_grad():

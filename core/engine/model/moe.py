@@ -1,0 +1,142 @@
+"""The sparse mixture-of-experts block: a router, its experts, and Qwen2-MoE's shared expert.
+
+Expert compute groups the batch's tokens by expert (`grouped_experts`): the (token, k)
+pairs are sorted by expert once, each expert runs one matmul pair over its contiguous
+rows, and the results go back to their tokens, weighted, in one index-add. `loop_experts`
+is the plain per-expert loop (as `transformers` runs it): the oracle the grouped path is
+checked against. Both add a token's contributions in expert order, so in float32 they
+agree with each other and with `transformers` to the bit on the same rows.
+
+Each block counts the (token, expert) assignments it routes (`expert_load`), the
+per-layer load histogram that placement policies and the metrics read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from servelab.model.model_config import ModelConfig
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: down(silu(gate(x)) * up(x)), gate and up fused in one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Projection(nn.Module):
+    """x W^T with a plain weight: the router and the shared expert's gate. Not an
+    nn.Linear, so the packed and quantized weight formats leave them in float (routing
+    decides which experts run at all; llama.cpp keeps them unquantized too)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class ExpertDispatcher(Protocol):
+    """Runs a block's routed experts somewhere else (expert parallelism): given the
+    block, the tokens and their routing, returns the weighted sum of their experts'
+    outputs [T, hidden], as `grouped_experts` would."""
+
+    def run_experts(self, block: "SparseMoeBlock", x: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor: ...
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList,
+                    only: set[int] | None = None) -> torch.Tensor:
+    """sum_k weights[t, k] * experts[ids[t, k]](x[t]) for every token t, the tokens grouped
+    by expert: permute, one matmul pair per expert over its rows, unpermute and reduce.
+    `only`: the experts computed here (the rest contribute nothing: another rank holds them)."""
+    top_k = ids.shape[1]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()
+    permuted = x.index_select(0, token_of)
+    outputs = torch.zeros_like(permuted) if only is not None else torch.empty_like(permuted)
+    start = 0
+    for expert_id, count in enumerate(counts):
+        if count and (only is None or expert_id in only):
+            outputs[start:start + count] = experts[expert_id](permuted[start:start + count])
+        start += count
+    scaled = (outputs * weights.reshape(-1).index_select(0, order).unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+
+def loop_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """The same sum, one expert at a time over the tokens that chose it: the oracle."""
+    out = torch.zeros_like(x)
+    for expert_id, expert in enumerate(experts):
+        token, slot = torch.where(ids == expert_id)
+        if token.numel():
+            out.index_add_(0, token, (expert(x[token]) * weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) the shared expert behind its sigmoid gate."""
+
+    def __init__(self, config: ModelConfig, routing: Any) -> None:
+        super().__init__()
+        shape = config.moe
+        self.shape = shape
+        self.routing = routing
+        self.gate = Projection(config.hidden_size, shape.num_experts)
+        self.experts = nn.ModuleList(Expert(config.hidden_size, shape.expert_intermediate_size)
+                                     for _ in range(shape.num_experts))
+        if shape.shared_expert_intermediate_size:
+            self.shared_expert = Expert(config.hidden_size, shape.shared_expert_intermediate_size)
+            self.shared_expert_gate = Projection(config.hidden_size, 1)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+        self.grouped = True  # False: the per-expert loop (the oracle; for measurements)
+        self.dispatcher: ExpertDispatcher | None = None
+        self.expert_load: torch.Tensor | None = None  # int64 [num_experts], assignments routed so far
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]); counts them into `expert_load`."""
+        weights, ids = self.routing.select(self.gate(x), self.shape.top_k, self.shape.norm_topk_prob)
+        if not self.shape.float_weights:
+            weights = weights.to(x.dtype)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.shape.num_experts).cpu()
+        self.expert_load = counts if self.expert_load is None else self.expert_load + counts
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if self.dispatcher is not None:
+            out = self.dispatcher.run_experts(self, x, weights, ids)
+        elif self.grouped:
+            out = grouped_experts(x, weights, ids, self.experts)
+        else:
+            out = loop_experts(x, weights, ids, self.experts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def expert_load(model: nn.Module) -> dict[int, list[int]]:
+    """Per sparse layer (its index), the assignments each expert has taken so far."""
+    loads = {}
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoeBlock):
+            layer = int(name.split(".")[1])
+            loads[layer] = ([0] * module.shape.num_experts if module.expert_load is None
+                            else module.expert_load.tolist())
+    return loads
