@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-ROUTING_CONTRACT_VERSION = 1
+from servelab.contracts.moe import ROUTING_CONTRACT_VERSION
 
 
 class StandardTopK:
