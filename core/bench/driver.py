@@ -11,6 +11,7 @@ from typing import Any, Callable
 import attrs
 
 from servelab.arrivals import Arrival, serve_arrivals
+from servelab.expert_load import expert_load_of
 from servelab.hookspecs import hookimpl
 from servelab.outputs import RequestOutput, StepReport
 from servelab.sampling_params import SamplingParams
@@ -89,6 +90,8 @@ class RunRecord:
     requests: tuple = ()  # the workload's BenchRequests, in workload order (deadlines, classes)
     replica_of: tuple[int, ...] = ()  # per request, in workload order: the replica that served it (fleets)
     step_traces: tuple[tuple[StepTrace, ...], ...] = ()  # per replica (one outside a fleet): every step's StepTrace
+    expert_load_before: dict = attrs.field(factory=dict)  # a mixture-of-experts model's per-layer expert load
+    expert_load_after: dict = attrs.field(factory=dict)
 
 
 def run_workload(engine: Any, recorder: StepRecorder, workload: Workload, config_name: str,
@@ -111,6 +114,7 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
     recorder.clear()
     stats_before = engine.allocator.stats()
     scheduler_before = engine.scheduler.stats()
+    load_before = expert_load_of(engine.runner)
     start = clock()
 
     def admit(arrival: Arrival) -> tuple[int, str]:
@@ -132,6 +136,7 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
         block_size=engine.config.engine.block_size,
         discarded_tokens=engine.scheduler.stats().num_discarded_tokens - scheduler_before.num_discarded_tokens,
         requests=tuple(workload.requests), step_traces=(tuple(recorder.traces),),
+        expert_load_before=load_before, expert_load_after=expert_load_of(engine.runner),
     )
 
 

@@ -9,6 +9,7 @@ import attrs
 from servelab.bench.driver import RunRecord
 from servelab.bench.per_request import attainment, by_class, is_good, request_records
 from servelab.bench.stage_profile import stage_profile
+from servelab.expert_load import load_histograms
 
 
 @attrs.frozen
@@ -102,7 +103,15 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
         "steps": len(reports),
         "engine_overhead_ms_at_max_batch": _overhead_at_max_batch(reports),
         "stage_profile": stage_profile(reports),
+        **_expert_load(record),
     }
+
+
+def _expert_load(record: RunRecord) -> dict[str, Any]:
+    """A mixture-of-experts model's per-layer expert-load histogram over the run; empty for a dense one."""
+    if not record.expert_load_after:
+        return {}
+    return {"expert_load": load_histograms(record.expert_load_before, record.expert_load_after)}
 
 
 def _tiers(reports) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import torch
 from servelab.config import EngineConfig
 from servelab.engine_setup import build_policies, fork_refusal
 from servelab.errors import RequestError
+from servelab.expert_load import expert_load_of
 from servelab.interfaces import ForkingAllocator, Sequence, SequenceStatus, StepPlan
 from servelab.intake import Intake
 from servelab.logging_setup import get_logger
@@ -145,6 +146,11 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason, seq.finish_time = "abort", now
         return self._retire(request)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """A mixture-of-experts model's assignments per expert, per sparse layer, so far
+        (empty for a dense model)."""
+        return expert_load_of(self.runner)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.requests.has_preparing()

@@ -14,6 +14,7 @@ import torch
 from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, QuantizedKVBackend, Runner,
                                  SlotMovingRunner, StepPlan, TieredRunner, sampling_rows)
 from servelab.model.llama import LlamaForCausalLM
+from servelab.model.moe import expert_load, sparse_blocks
 from servelab.model.memory import zeros_on_huge_pages
 from servelab.tier_copy import CpuTierCopier, CudaTierCopier, copy_indexed, perform_moves, tier_copier
 from servelab.tier_file import reserve_tier_file
@@ -65,6 +66,11 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
         self._kv_shape, self._kv_dtype = shape, cache_dtype
         # The host tier ([kv_offload]) and its copies, chosen by the device (servelab.tier_copy).
         self.tier: CpuTierCopier | CudaTierCopier | None = None
+        self._sparse_blocks = sparse_blocks(model)  # a mixture-of-experts model's, for its load
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Per sparse layer of a mixture-of-experts model, each expert's assignments so far."""
+        return expert_load(self._sparse_blocks)
 
     def attach_host_tier(self, num_host_blocks: int, path: str | None) -> None:
         """The host tier's K and V per layer, `num_host_blocks` blocks of host memory

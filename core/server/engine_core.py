@@ -35,6 +35,7 @@ import structlog
 
 import servelab
 from servelab.errors import RequestError
+from servelab.expert_load import expert_load_of
 from servelab.interfaces import AllocatorStats, ClosingProcessor, SchedulerStats, SequenceStatus, WarmingProcessor
 from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
@@ -67,6 +68,7 @@ class EngineSnapshot:
     num_running_tokens: int = 0  # context tokens of running sequences (for routers; 0 unless asked for)
     num_preparing: int = 0  # requests being validated or waiting for a grammar, not yet in the scheduler
     tier: Any = None  # TierStats of the host KV tier ([kv_offload]), None without one
+    expert_load: Any = None  # a mixture-of-experts model's {layer: assignments per expert}, None for a dense one
 
 
 @attrs.frozen
@@ -200,7 +202,7 @@ class EngineCore:
         self._last_snapshot = EngineSnapshot(self.engine.scheduler.stats(), self.engine.allocator.stats(),
                                              counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens,
                                              running_tokens, preparing,
-                                             counter.tier_stats)
+                                             counter.tier_stats, expert_load_of(self.engine) or None)
         return self._last_snapshot
 
     def _serve(self, in_flight: set[str]) -> None:

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 import servelab
+from servelab.expert_load import imbalance
 from servelab.server.engine_loop import EngineSnapshot, Events
 
 # Latency buckets (seconds) wide enough for a tiny CPU model and a real GPU one.
@@ -105,6 +106,11 @@ class ServerMetrics:
                               buckets=_TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("servelab_e2e_request_latency_seconds", "Arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.expert_load = Gauge("servelab_expert_load", "(Token, expert) assignments each expert of each sparse "
+                                 "layer took since start (mixture-of-experts models).", ["layer", "expert"],
+                                 registry=r)
+        self.expert_imbalance = Gauge("servelab_expert_load_imbalance", "The busiest expert's load over the mean "
+                                      "expert's, per sparse layer (1: even).", ["layer"], registry=r)
         self.generation_tokens = Counter("servelab_generation_tokens", "Tokens generated.", registry=r)
         self.prompt_tokens = Counter("servelab_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.finished = Counter("servelab_requests_finished", "Completions finished, by finish reason.",
@@ -240,6 +246,11 @@ class ServerMetrics:
                 self.tier_moves.labels(kind).set(count)
             self.tier_moves_last_step.set(tier.moves_last_step)
             self.tier_bytes_moved.set(tier.bytes_moved)
+        for layer, counts in (snapshot.expert_load or {}).items():
+            for expert, count in enumerate(counts):
+                self.expert_load.labels(str(layer), str(expert)).set(count)
+            ratio = imbalance(counts)
+            self.expert_imbalance.labels(str(layer)).set(math.nan if ratio is None else ratio)
 
 
 class EngineObserver:

@@ -81,3 +81,12 @@ class ExpertPlacementPolicy(Protocol):
     redundant_experts: int
 
     def place(self, num_experts: int, ep_size: int, load: Sequence[float] | None = None) -> ExpertPlacement: ...
+
+
+@runtime_checkable
+class ExpertLoadSource(Protocol):
+    """A runner (or an engine) of a mixture-of-experts model that reports its expert load."""
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Per sparse layer (its index), the (token, expert) assignments each expert has
+        taken since the model loaded."""

@@ -131,12 +131,13 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-def expert_load(model: nn.Module) -> dict[int, list[int]]:
-    """Per sparse layer (its index), the assignments each expert has taken so far."""
-    loads = {}
-    for name, module in model.named_modules():
-        if isinstance(module, SparseMoeBlock):
-            layer = int(name.split(".")[1])
-            loads[layer] = ([0] * module.shape.num_experts if module.expert_load is None
-                            else module.expert_load.tolist())
-    return loads
+def sparse_blocks(model: nn.Module) -> dict[int, SparseMoeBlock]:
+    """The sparse block of each sparse layer of `model`, by layer index."""
+    return {int(name.split(".")[1]): module for name, module in model.named_modules()
+            if isinstance(module, SparseMoeBlock)}
+
+
+def expert_load(blocks: dict[int, SparseMoeBlock]) -> dict[int, list[int]]:
+    """Per sparse layer, the assignments each expert has taken so far."""
+    return {layer: [0] * block.shape.num_experts if block.expert_load is None else block.expert_load.tolist()
+            for layer, block in blocks.items()}

@@ -16,7 +16,7 @@ import torch
 from servelab.model.expert_routing import routing_policy
 from servelab.model.llama import Attention, LlamaForCausalLM, RMSNorm, _rows
 from servelab.model.model_config import ModelConfig
-from servelab.model.moe import SparseMoeBlock
+from servelab.model.moe import SparseMoeBlock, sparse_blocks
 from servelab.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -59,7 +59,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def sparse_blocks(self) -> dict[int, SparseMoeBlock]:
         """The sparse block of each sparse layer, by layer index."""
-        return {index: layer.mlp for index, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoeBlock)}
+        return sparse_blocks(self)
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
