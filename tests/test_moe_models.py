@@ -152,17 +152,27 @@ def test_grouped_experts_equal_the_per_expert_loop(checkpoint_factory, kind, tok
     torch.testing.assert_close(grouped, naive, rtol=1e-5, atol=1e-5)
 
 
-def test_the_grouped_path_computes_only_the_experts_it_is_given(checkpoint_factory):
-    """`only` leaves the other experts' contributions out: the two halves sum to the whole
-    (what expert parallelism's ranks each compute)."""
+def test_pairs_split_between_ranks_sum_to_the_whole_to_the_bit(checkpoint_factory):
+    """`mine` leaves the other pairs' rows zero: the rows of two complementary halves (what
+    expert parallelism's ranks each compute) add up to the whole. With each expert wholly
+    on one rank the sum is the grouped path's output to the bit (the same matmuls over the
+    same rows); with an expert's pairs split between replicas, to float rounding (a matmul
+    over fewer rows may round its sums otherwise)."""
+    from servelab.model.moe import combine_rows, expert_rows
+
     block = _block(checkpoint_factory, "qwen2_moe")
     x = torch.randn(20, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         weights, ids = block.route(x)
         whole = grouped_experts(x, weights, ids, block.experts)
-        halves = (grouped_experts(x, weights, ids, block.experts, only={0, 1, 2})
-                  + grouped_experts(x, weights, ids, block.experts, only={3, 4, 5, 6}))
-    torch.testing.assert_close(halves, whole, rtol=1e-6, atol=1e-6)
+        by_expert = ids % 2 == 0
+        first, token_of = expert_rows(x, weights, ids, block.experts, by_expert)
+        second, _ = expert_rows(x, weights, ids, block.experts, ~by_expert)
+        assert torch.equal(combine_rows(x, first + second, token_of), whole)
+        by_pair = (torch.arange(20).unsqueeze(1) + ids) % 2 == 0
+        first, token_of = expert_rows(x, weights, ids, block.experts, by_pair)
+        second, _ = expert_rows(x, weights, ids, block.experts, ~by_pair)
+        torch.testing.assert_close(combine_rows(x, first + second, token_of), whole, rtol=1e-5, atol=1e-6)
 
 
 def test_expert_load_counts_every_routed_assignment(checkpoint_factory):

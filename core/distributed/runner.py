@@ -77,8 +77,9 @@ class TensorParallelRunner(Runner):
     supports_prompt_logprobs = False  # the prompt rows would need every rank's vocabulary columns
 
     def __init__(self, local: ModelRunner, comm: Communicator, ranks: _Ranks, vocab_size: int,
-                 threads: int = 0) -> None:
+                 threads: int = 0, spec: ShardSpec | None = None) -> None:
         self.local = local
+        self.spec = spec
         self.comm = comm
         self.device = local.device
         self.block_size = local.block_size
@@ -178,13 +179,13 @@ class TensorParallelRunner(Runner):
 
 
 def start_tensor_parallel(spec: ShardSpec, vocab_size: int, timeout_s: float,
-                          backend: Any = None) -> TensorParallelRunner:
+                          backend: Any = None, runner_class: type = TensorParallelRunner) -> TensorParallelRunner:
     """Rank 0's runner, the other ranks started (or, under torchrun, joined). On a torchrun
     rank other than 0 this serves rank 0 and then exits the process. `backend` is rank 0's
     attention backend (the others build their own from the spec)."""
     engine = spec.engine
     if launched_by_torchrun(spec.size):
-        return _join_torchrun(spec, vocab_size, timeout_s, backend)
+        return _join_torchrun(spec, vocab_size, timeout_s, backend, runner_class)
     device = rank_device(engine, 0)
     threads = cpu_threads_per_rank(spec.size) if device.type == "cpu" else 0
     workers = WorkerSet(spec, timeout_s, threads)
@@ -205,10 +206,11 @@ def start_tensor_parallel(spec: ShardSpec, vocab_size: int, timeout_s: float,
         raise
     logger.info("tensor_parallel.started", size=spec.size, backend=backend_for(device),
                 pids=[p.pid for p in workers.processes.values()], threads_per_rank=threads or None)
-    return TensorParallelRunner(local, comm, ranks, vocab_size, threads)
+    return runner_class(local, comm, ranks, vocab_size, threads, spec=spec)
 
 
-def _join_torchrun(spec: ShardSpec, vocab_size: int, timeout_s: float, backend: Any) -> TensorParallelRunner:
+def _join_torchrun(spec: ShardSpec, vocab_size: int, timeout_s: float, backend: Any,
+                   runner_class: type = TensorParallelRunner) -> TensorParallelRunner:
     import os
 
     rank = int(os.environ["RANK"])
@@ -217,9 +219,66 @@ def _join_torchrun(spec: ShardSpec, vocab_size: int, timeout_s: float, backend: 
     comm = init_group(backend_for(device), rank, spec.size, None, timeout_s, device)
     local = build_shard_runner(spec, rank, comm, backend)
     if rank != 0:
-        serve(local, comm)
+        serve(local, comm, spec=spec)
         _let_gloo_release_its_work()  # the stop message was a gloo broadcast here too
         if owns_group:
             dist.destroy_process_group()
         raise SystemExit(0)
-    return TensorParallelRunner(local, comm, _Ranks(comm, None, owns_group), vocab_size)
+    return runner_class(local, comm, _Ranks(comm, None, owns_group), vocab_size, spec=spec)
+
+
+class ExpertParallelRunner(TensorParallelRunner):
+    """Rank 0's runner under expert parallelism (servelab.distributed.expert_parallel):
+    the same lockstep over the ranks; rank 0 holds the whole vocabulary, so it scores
+    prompts too; it reports the expert load it measured and re-places the experts by it
+    every `[engine] expert_rebalance_steps` steps (0: never)."""
+
+    supports_prompt_logprobs = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._steps = 0
+        self.num_rebalances = 0
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.comm.size
+
+    def prepare(self, plan: Any, allocator: Any, prompt_logprobs: bool = False) -> ModelInputs:
+        return self.local.prepare(plan, allocator, prompt_logprobs)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        return self.local.expert_load()
+
+    def placements(self) -> dict[int, Any]:
+        """Each sparse layer's current placement."""
+        return {layer: block.dispatcher.placement for layer, block in self.local.model.sparse_blocks().items()}
+
+    def execute_with_hidden(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        result = super().execute_with_hidden(inputs)
+        self._steps += 1
+        interval = self.spec.engine.expert_rebalance_steps
+        if interval and self._steps % interval == 0:
+            self.rebalance()
+        return result
+
+    def rebalance(self) -> dict[int, Any]:
+        """Re-place every sparse layer's experts by the load measured so far (every rank
+        loads what it gains); returns the new placements."""
+        from servelab.distributed.expert_parallel import rebalanced_placements
+        from servelab.distributed.shard_runner import rebalance_shard
+        from servelab.expert_placement import placement_policy
+
+        policy = placement_policy(self.spec.expert_placement, self.spec.redundant_experts)
+        placements = rebalanced_placements(self.expert_load(), policy, self.comm.size)
+
+        def run() -> None:
+            self.comm.send(("rebalance", placements))
+            rebalance_shard(self.local, self.spec, self.comm, placements)
+
+        self._collective(run, "an expert rebalance")
+        self.num_rebalances += 1
+        logger.info("expert_parallel.rebalanced", placement=self.spec.expert_placement,
+                    imbalance={layer: round(p.imbalance([float(c) for c in self.expert_load()[layer]]), 3)
+                               for layer, p in placements.items()})
+        return placements

@@ -32,6 +32,11 @@ class ShardSpec:
     num_blocks: int
     max_positions: int
     size: int
+    # Expert parallelism instead of tensor parallelism: the whole model on every rank but
+    # the experts, placed by this policy (servelab.distributed.expert_parallel)
+    expert_parallel: bool = False
+    expert_placement: str = "linear"
+    redundant_experts: int = 0
 
 
 def rank_device(engine: EngineSection, local_rank: int) -> torch.device:
@@ -43,13 +48,39 @@ def rank_device(engine: EngineSection, local_rank: int) -> torch.device:
 def build_shard_runner(spec: ShardSpec, rank: int, comm: Communicator, backend: Any = None) -> ModelRunner:
     engine = spec.engine
     checkpoint = Checkpoint.open(spec.model_path)
-    layout = ShardLayout(checkpoint.config, rank, spec.size)
-    model = build_shard(checkpoint, layout, comm, engine.dtype, str(comm.device), spec.max_positions,
-                        engine.prepack_weights)
+    if spec.expert_parallel:
+        model = build_expert_shard(checkpoint, spec, comm)
+    else:
+        layout = ShardLayout(checkpoint.config, rank, spec.size)
+        model = build_shard(checkpoint, layout, comm, engine.dtype, str(comm.device), spec.max_positions,
+                            engine.prepack_weights)
     if backend is None:
         context = attrs.evolve(spec.attention_context, device=comm.device)
         backend = build_policy(spec.attention, spec.attention_options, context)
     return ModelRunner(model, backend, spec.num_blocks, engine.block_size, DTYPES[engine.dtype], comm.device)
+
+
+def build_expert_shard(checkpoint: Checkpoint, spec: ShardSpec, comm: Communicator) -> Any:
+    """The whole model but the experts other ranks hold (expert parallelism)."""
+    from servelab.distributed.expert_parallel import attach_dispatchers, initial_placements, prune_experts
+    from servelab.expert_placement import placement_policy
+    from servelab.model.loader import load_model
+
+    engine = spec.engine
+    placements = initial_placements(checkpoint.config, placement_policy(spec.expert_placement, spec.redundant_experts),
+                                    spec.size)
+    model = load_model(checkpoint, engine.dtype, str(comm.device), spec.max_positions, engine.prepack_weights,
+                       engine.weights, prune=lambda m: prune_experts(m, placements, comm.rank))
+    attach_dispatchers(model, comm, placements)
+    return model
+
+
+def rebalance_shard(runner: ModelRunner, spec: ShardSpec, comm: Communicator, placements: Any) -> int:
+    """Re-place this rank's experts (a `rebalance` message); how many it loaded."""
+    from servelab.distributed.expert_parallel import apply_placements
+
+    return apply_placements(runner.model, comm, placements, Checkpoint.open(spec.model_path).tensors(),
+                            spec.engine.weights, spec.engine.prepack_weights)
 
 
 def pack_inputs(inputs: ModelInputs) -> dict[str, Any]:
@@ -81,7 +112,7 @@ def lm_head(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
         return runner.model.lm_head(hidden.to(runner.model.norm.weight.dtype)).float()
 
 
-def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None) -> None:
+def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None, spec: ShardSpec | None = None) -> None:
     """A worker rank's loop: run what rank 0 sends until it says stop."""
     while True:
         kind, payload = comm.receive()
@@ -94,6 +125,8 @@ def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None) -> None:
             runner.execute_with_hidden(unpack_inputs(packed, comm.device))
         elif kind == "lm_head":
             lm_head(runner, torch.from_numpy(payload).to(comm.device))
+        elif kind == "rebalance" and spec is not None:
+            rebalance_shard(runner, spec, comm, payload)
         else:
             raise RuntimeError(f"unknown tensor-parallel message {kind!r}")
         if on_done is not None:

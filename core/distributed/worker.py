@@ -63,7 +63,7 @@ def main(fd: int) -> None:
         progress.counts[rank] += 1
 
     try:
-        serve(runner, comm, done)
+        serve(runner, comm, done, spec)
     except Exception:  # noqa: BLE001 - rank 0 went away or a collective failed: rank 0 names this rank
         print(f"servelab tensor-parallel rank {rank}: {traceback.format_exc(limit=-2)}", file=sys.stderr, flush=True)
         os._exit(1)

@@ -35,6 +35,7 @@ import attrs
 
 from servelab.defaults import BLOCK_SIZE, MAX_NUM_SEQS
 from servelab.errors import ConfigError
+from servelab.expert_placement import PLACEMENT_POLICIES
 from servelab.kv_sizing import DTYPE_BYTES, KV_CACHE_DTYPES
 from servelab.options import positive_int
 from servelab.plugin_types import KINDS, PolicyKind
@@ -110,6 +111,15 @@ class EngineSection:
     # "Parallelism"); a rank that dies or hangs stops the engine after this many seconds.
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
     tensor_parallel_timeout_s: int = attrs.field(default=120, validator=_positive)
+    # Ranks a mixture-of-experts model's experts are spread over (docs/parallelism.md; the
+    # rest of the model is replicated on each), placed by `expert_placement` (linear,
+    # round_robin, balanced: servelab.expert_placement) with `redundant_experts` extra
+    # replicas of hot experts, re-placed from measured load every `expert_rebalance_steps`
+    # steps (0: never).
+    expert_parallel_size: int = attrs.field(default=1, validator=_positive)
+    expert_placement: str = "linear"
+    redundant_experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    expert_rebalance_steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
     def __attrs_post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -128,6 +138,12 @@ class EngineSection:
         if self.weights != "dequantize" and self.tensor_parallel_size > 1:
             raise ConfigError(f"[engine] weights = {self.weights!r} is not sharded over ranks yet; "
                               f"tensor_parallel_size > 1 takes weights = \"dequantize\"")
+        if self.expert_placement not in PLACEMENT_POLICIES:
+            raise ConfigError(f"[engine] expert_placement must be one of {', '.join(PLACEMENT_POLICIES)}, "
+                              f"got {self.expert_placement!r}")
+        if self.expert_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ConfigError("[engine] expert_parallel_size > 1 does not combine with tensor_parallel_size > 1 "
+                              "yet; choose one")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"[engine] model must be a checkpoint path or builtin:<name>, got {self.model!r}")
 

@@ -141,7 +141,9 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
     _check_kv_cache_dtype(config, attention)
     if device.type == "cpu":  # before the first oneDNN kernel: then it is too late
         limit_onednn_caches(engine.onednn_cache_capacity)
-    if engine.tensor_parallel_size > 1 and isinstance(source, CheckpointSource):
+    if engine.expert_parallel_size > 1:
+        _check_expert_parallel(engine, source)
+    if (engine.tensor_parallel_size > 1 or engine.expert_parallel_size > 1) and isinstance(source, CheckpointSource):
         runner = _start_tensor_parallel(registry, TensorParallelSpec(
             source, engine, *selected["attention"], attention_context, limits.num_kv_blocks, limits.max_model_len,
             attention))
@@ -217,6 +219,18 @@ class TensorParallelSpec:
     num_blocks: int
     max_positions: int
     backend: Any  # rank 0's attention backend
+
+
+def _check_expert_parallel(engine: EngineSection, source: ModelSource) -> None:
+    moe = source.model_config.moe
+    if moe is None:
+        raise ConfigError(f"[engine] expert_parallel_size={engine.expert_parallel_size} needs a mixture-of-experts "
+                          f"model; {engine.model!r} is dense ({source.model_config.model_type})")
+    if moe.num_experts < engine.expert_parallel_size:
+        raise ConfigError(f"[engine] expert_parallel_size={engine.expert_parallel_size} exceeds the model's "
+                          f"{moe.num_experts} experts")
+    if not isinstance(source, CheckpointSource):
+        raise ConfigError("[engine] expert_parallel_size > 1 runs a checkpoint's model, not a simulated one")
 
 
 def _start_tensor_parallel(registry: PluginRegistry, spec: TensorParallelSpec) -> Any:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import attrs
@@ -73,11 +73,13 @@ def resolve_model(model: str) -> Path:
 
 
 def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: int,
-               prepack_weights: bool = False, weights: str = "dequantize") -> LlamaForCausalLM:
+               prepack_weights: bool = False, weights: str = "dequantize",
+               prune: Callable[[torch.nn.Module], None] | None = None) -> LlamaForCausalLM:
     """The checkpoint's decoder in `dtype` on `device`; with `prepack_weights` (CPU), the
     decoder's linear layers and LM head packed for oneDNN (see servelab.model.packed_linear);
     with `weights` "int8" or "int4" they are kept as quantized blocks instead
-    (servelab.model.quantized_linear)."""
+    (servelab.model.quantized_linear). `prune` edits the module tree before any weight is
+    allocated (an expert-parallel rank drops the experts it does not hold)."""
     torch_dtype = DTYPES[dtype]
     torch_device = torch.device(device)
     config = checkpoint.config
@@ -85,6 +87,8 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
                              torch_dtype, torch_device)
     with torch.device("meta"):  # no time spent on random init: every weight is loaded
         model = model_class(config)(config, rotary).to(torch_dtype)
+        if prune is not None:
+            prune(model)
     allocate_parameters(model, torch_device)  # once, in the target dtype
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -58,24 +58,41 @@ class ExpertDispatcher(Protocol):
                     ids: torch.Tensor) -> torch.Tensor: ...
 
 
-def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList,
-                    only: set[int] | None = None) -> torch.Tensor:
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """sum_k weights[t, k] * experts[ids[t, k]](x[t]) for every token t, the tokens grouped
-    by expert: permute, one matmul pair per expert over its rows, unpermute and reduce.
-    `only`: the experts computed here (the rest contribute nothing: another rank holds them)."""
+    by expert: permute, one matmul pair per expert over its rows, unpermute and reduce."""
+    scaled, token_of = expert_rows(x, weights, ids, experts)
+    return combine_rows(x, scaled, token_of)
+
+
+def expert_rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList,
+                mine: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted expert output of every (token, k) pair, the pairs sorted by expert
+    ([T * k, hidden]), and each row's token. `mine` ([T, k] bool): only those pairs are
+    computed, the others' rows are zero (another rank computes them)."""
     top_k = ids.shape[1]
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     token_of = order // top_k
     counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()
     permuted = x.index_select(0, token_of)
-    outputs = torch.zeros_like(permuted) if only is not None else torch.empty_like(permuted)
+    outputs = torch.empty_like(permuted) if mine is None else torch.zeros_like(permuted)
+    computed = None if mine is None else mine.reshape(-1).index_select(0, order)
     start = 0
     for expert_id, count in enumerate(counts):
-        if count and (only is None or expert_id in only):
+        if count and computed is None:
             outputs[start:start + count] = experts[expert_id](permuted[start:start + count])
+        elif count:
+            rows = computed[start:start + count].nonzero().squeeze(1) + start
+            if rows.numel():  # a rank computes its replica's rows, the pairs' order kept
+                outputs[rows] = experts[expert_id](permuted.index_select(0, rows))
         start += count
     scaled = (outputs * weights.reshape(-1).index_select(0, order).unsqueeze(1)).to(x.dtype)
+    return scaled, token_of
+
+
+def combine_rows(x: torch.Tensor, scaled: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+    """Each token's rows summed back into it, in expert order."""
     return torch.zeros_like(x).index_add_(0, token_of, scaled)
 
 
