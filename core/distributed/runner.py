@@ -282,3 +282,22 @@ class ExpertParallelRunner(TensorParallelRunner):
                     imbalance={layer: round(p.imbalance([float(c) for c in self.expert_load()[layer]]), 3)
                                for layer, p in placements.items()})
         return placements
+
+
+class PipelineParallelRunner(TensorParallelRunner):
+    """Rank 0's runner under pipeline parallelism (servelab.distributed.pipeline_parallel):
+    the same lockstep messages; rank 0 holds the whole vocabulary, so it scores prompts
+    too, and measures its stage's bubble (`pipeline_stats`)."""
+
+    supports_prompt_logprobs = True
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.comm.size
+
+    def prepare(self, plan: Any, allocator: Any, prompt_logprobs: bool = False) -> ModelInputs:
+        return self.local.prepare(plan, allocator, prompt_logprobs)
+
+    def pipeline_stats(self) -> Any:
+        """Rank 0's compute and wait time over the steps so far (PipelineStats)."""
+        return self.local.model.pipeline[2]

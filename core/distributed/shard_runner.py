@@ -35,6 +35,7 @@ class ShardSpec:
     # Expert parallelism instead of tensor parallelism: the whole model on every rank but
     # the experts, placed by this policy (servelab.distributed.expert_parallel)
     expert_parallel: bool = False
+    pipeline_parallel: bool = False  # consecutive layers per rank (servelab.distributed.pipeline_parallel)
     expert_placement: str = "linear"
     redundant_experts: int = 0
 
@@ -50,6 +51,8 @@ def build_shard_runner(spec: ShardSpec, rank: int, comm: Communicator, backend: 
     checkpoint = Checkpoint.open(spec.model_path)
     if spec.expert_parallel:
         model = build_expert_shard(checkpoint, spec, comm)
+    elif spec.pipeline_parallel:
+        model = build_pipeline_stage(checkpoint, spec, comm)
     else:
         layout = ShardLayout(checkpoint.config, rank, spec.size)
         model = build_shard(checkpoint, layout, comm, engine.dtype, str(comm.device), spec.max_positions,
@@ -72,6 +75,19 @@ def build_expert_shard(checkpoint: Checkpoint, spec: ShardSpec, comm: Communicat
     model = load_model(checkpoint, engine.dtype, str(comm.device), spec.max_positions, engine.prepack_weights,
                        engine.weights, prune=lambda m: prune_experts(m, placements, comm.rank))
     attach_dispatchers(model, comm, placements)
+    return model
+
+
+def build_pipeline_stage(checkpoint: Checkpoint, spec: ShardSpec, comm: Communicator) -> Any:
+    """This rank's stage of the decoder's layers (pipeline parallelism)."""
+    from servelab.distributed.pipeline_parallel import make_stage, prune_layers, stage_layers
+    from servelab.model.loader import load_model
+
+    engine = spec.engine
+    layers = stage_layers(checkpoint.config.num_layers, comm.rank, spec.size)
+    model = load_model(checkpoint, engine.dtype, str(comm.device), spec.max_positions, engine.prepack_weights,
+                       engine.weights, prune=lambda m: prune_layers(m, layers))
+    make_stage(model, comm, layers)
     return model
 
 

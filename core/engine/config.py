@@ -120,6 +120,8 @@ class EngineSection:
     expert_placement: str = "linear"
     redundant_experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     expert_rebalance_steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    # Stages the decoder's layers are split over, one rank each (docs/parallelism.md).
+    pipeline_parallel_size: int = attrs.field(default=1, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -141,9 +143,11 @@ class EngineSection:
         if self.expert_placement not in PLACEMENT_POLICIES:
             raise ConfigError(f"[engine] expert_placement must be one of {', '.join(PLACEMENT_POLICIES)}, "
                               f"got {self.expert_placement!r}")
-        if self.expert_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ConfigError("[engine] expert_parallel_size > 1 does not combine with tensor_parallel_size > 1 "
-                              "yet; choose one")
+        parallel = [name for name, size in (("tensor_parallel_size", self.tensor_parallel_size),
+                                            ("expert_parallel_size", self.expert_parallel_size),
+                                            ("pipeline_parallel_size", self.pipeline_parallel_size)) if size > 1]
+        if len(parallel) > 1:
+            raise ConfigError(f"[engine] {' and '.join(parallel)} > 1 do not combine yet; choose one")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"[engine] model must be a checkpoint path or builtin:<name>, got {self.model!r}")
 

@@ -143,7 +143,11 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
         limit_onednn_caches(engine.onednn_cache_capacity)
     if engine.expert_parallel_size > 1:
         _check_expert_parallel(engine, source)
-    if (engine.tensor_parallel_size > 1 or engine.expert_parallel_size > 1) and isinstance(source, CheckpointSource):
+    if engine.pipeline_parallel_size > source.model_config.num_layers:
+        raise ConfigError(f"[engine] pipeline_parallel_size={engine.pipeline_parallel_size} exceeds the model's "
+                          f"{source.model_config.num_layers} decoder layers")
+    ranks = max(engine.tensor_parallel_size, engine.expert_parallel_size, engine.pipeline_parallel_size)
+    if ranks > 1 and isinstance(source, CheckpointSource):
         runner = _start_tensor_parallel(registry, TensorParallelSpec(
             source, engine, *selected["attention"], attention_context, limits.num_kv_blocks, limits.max_model_len,
             attention))
