@@ -10,6 +10,7 @@ from typing import Sequence as Seq
 
 from servelab.bench.repetitions import DEFAULT_REPEATS
 from servelab.config import WEIGHTS, EngineConfig
+from servelab.expert_placement import PLACEMENT_POLICIES
 from servelab.errors import ConfigError, ServelabError
 from servelab.logging_setup import configure_logging
 from servelab.kv_sizing import KV_CACHE_DTYPES
@@ -156,6 +157,14 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one config value (repeatable), e.g. --set engine.max_num_seqs=8")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
                         help="shard the model over N ranks (engine.tensor_parallel_size; see README, Parallelism)")
+    parser.add_argument("--expert-parallel-size", type=int, metavar="N",
+                        help="spread a mixture-of-experts model's experts over N ranks (engine.expert_parallel_size; "
+                             "docs/parallelism.md)")
+    parser.add_argument("--expert-placement", choices=list(PLACEMENT_POLICIES),
+                        help="how experts are placed over the ranks (engine.expert_placement; default linear)")
+    parser.add_argument("--pipeline-parallel-size", type=int, metavar="N",
+                        help="split the decoder's layers into N stages, one rank each (engine.pipeline_parallel_size; "
+                             "docs/parallelism.md)")
     _add_kv_cache_dtype_argument(parser)
     parser.add_argument("--weights", choices=WEIGHTS,
                         help="keep the linear layers' weights quantized in memory: int8 or int4 (engine.weights; "
@@ -174,6 +183,12 @@ def load_config(args: argparse.Namespace) -> EngineConfig:
         config = config.with_overrides({"engine.model": args.model})
     if args.tensor_parallel_size is not None:
         config = config.with_overrides({"engine.tensor_parallel_size": args.tensor_parallel_size})
+    for option, key in (("expert_parallel_size", "engine.expert_parallel_size"),
+                        ("expert_placement", "engine.expert_placement"),
+                        ("pipeline_parallel_size", "engine.pipeline_parallel_size")):
+        value = vars(args).get(option)
+        if value is not None:
+            config = config.with_overrides({key: value})
     if args.kv_cache_dtype is not None:
         config = config.with_overrides({"engine.kv_cache_dtype": args.kv_cache_dtype})
     if args.weights is not None:
