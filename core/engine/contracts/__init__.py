@@ -13,6 +13,8 @@ capabilities, and where its changes by version are listed).
 | logits_processors | `servelab.contracts.logits_processor` |
 | evictors | `servelab.contracts.eviction` |
 | (the model runner) | `servelab.contracts.runner` |
+| (seams: expert routing, expert placement) | `servelab.contracts.moe` |
+| (seam: pipeline chunk sizing) | `servelab.contracts.pipeline` |
 
 `KINDS[key].contract` names a kind's module. `servelab.interfaces` re-exports all of them.
 """
