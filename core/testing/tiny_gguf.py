@@ -140,3 +140,68 @@ def _k_quant_blocks(type_name: str, shape: tuple[int, int], rng: np.random.Gener
     else:  # Q6_K: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d (f16); weights d*sc*(q - 32)
         parts = [codes(128), codes(64), codes(16), half(1.5e-5, 2.5e-5)]
     return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+# A Mixtral over builtin:tiny's vocabulary (its tokenizer goes into the file's metadata); widths that are
+# multiples of 32, the Q8_0 block.
+TINY_MOE_SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=4096, max_position_embeddings=256,
+                      num_local_experts=5, num_experts_per_tok=2)
+
+
+def build_tiny_mixtral(path: str | Path, seed: int = 7) -> Path:
+    """A seeded random Mixtral checkpoint directory of TINY_MOE_SHAPE (RoPE base 10,000 and
+    RMS epsilon 1e-5, the values write_mixtral_gguf writes)."""
+    import torch
+    import transformers
+
+    config = transformers.MixtralConfig(**TINY_MOE_SHAPE, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                                        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.1)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def write_mixtral_gguf(checkpoint: str | Path, path: str | Path, expert_type: str = "F32") -> Path:
+    """`checkpoint` (a Mixtral directory of TINY_MOE_SHAPE) as llama.cpp's converter writes
+    a Mixtral: architecture "llama" with an expert count, the router `ffn_gate_inp`, the
+    experts stacked per projection (`ffn_gate_exps` [experts, width, hidden], ...) in
+    `expert_type`, query/key rows permuted."""
+    import gguf
+    from safetensors.torch import load_file
+
+    shape = TINY_MOE_SHAPE
+    tensors = {name.removeprefix("model."): t.float().numpy()
+               for file in sorted(Path(checkpoint).glob("*.safetensors")) for name, t in load_file(file).items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _write_metadata(writer, shape)
+    writer.add_expert_count(shape["num_local_experts"])
+    writer.add_expert_used_count(shape["num_experts_per_tok"])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", tensors["embed_tokens.weight"])
+    writer.add_tensor("output.weight", tensors["lm_head.weight"])
+    writer.add_tensor("output_norm.weight", tensors["norm.weight"])
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    for i in range(shape["num_hidden_layers"]):
+        layer = f"layers.{i}."
+        writer.add_tensor(f"blk.{i}.attn_q.weight", ggml_permute(tensors[layer + "self_attn.q_proj.weight"], heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", ggml_permute(tensors[layer + "self_attn.k_proj.weight"], kv_heads))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", tensors[layer + "self_attn.v_proj.weight"])
+        writer.add_tensor(f"blk.{i}.attn_output.weight", tensors[layer + "self_attn.o_proj.weight"])
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", tensors[layer + "input_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", tensors[layer + "post_attention_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", tensors[layer + "block_sparse_moe.gate.weight"])
+        for gguf_name, hf_name in (("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")):
+            stacked = np.stack([tensors[f"{layer}block_sparse_moe.experts.{e}.{hf_name}.weight"]
+                                for e in range(shape["num_local_experts"])])
+            _add(writer, f"blk.{i}.{gguf_name}.weight", np.ascontiguousarray(stacked), expert_type, rng, gguf)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

@@ -35,7 +35,14 @@ _LAYER_TENSORS = {  # blk.{i}.<gguf name> -> layers.{i}.<Hugging Face name>
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Mixtral (llama.cpp writes it as architecture "llama" with an expert count): the router
+    # and the experts stacked per projection [experts, rows, columns]
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.w1",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.w3",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.w2",
 }
+_STACKED_CACHED = 3  # stacked expert tensors kept dequantized while their experts load
 _MODEL_TENSORS = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                   "output.weight": "lm_head.weight"}
 
@@ -108,6 +115,9 @@ class GGUFFile:
             "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
         }
+        if key("expert_count"):
+            config.update(model_type="mixtral", architectures=["MixtralForCausalLM"],
+                          num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count") or 2)
         scaling = key("rope.scaling.type")
         if scaling not in (None, "none"):
             if scaling != "linear":
@@ -144,12 +154,23 @@ class GGUFTensors(Mapping):
         self._file = file
         self._heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
         self._where = {hf_name(name): name for name in file.tensors}
+        self._stacked: dict[str, torch.Tensor] = {}  # the last few stacked expert tensors, each asked once per expert
         unknown = [name for name, hf in self._where.items() if hf is None]
         if unknown:
             raise CheckpointError(f"GGUF file {str(file.path)!r} holds tensor {unknown[0]!r}, which a "
                                   f"{file.architecture} decoder does not have")
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if ".experts." in name and name in self._stacked:
+            return self._stacked[name]
+        values = self._read(name)
+        if values.dim() == 3:
+            if len(self._stacked) >= _STACKED_CACHED:
+                self._stacked.pop(next(iter(self._stacked)))
+            self._stacked[name] = values
+        return values
+
+    def _read(self, name: str) -> torch.Tensor:
         gguf = _import_gguf()
         tensor = self._file.tensors[self._where[name]]
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
