@@ -88,5 +88,7 @@ def test_expert_parallelism_refuses_what_it_cannot_run(checkpoint_factory, llama
         LLM(checkpoint_factory("mixtral-top1"), max_model_len=64, expert_parallel_size=4)
     with pytest.raises(ConfigError, match="expert_placement must be one of linear, round_robin, balanced"):
         LLM(checkpoint_factory("mixtral"), max_model_len=64, expert_placement="eplb")
+    with pytest.raises(ConfigError, match="does not shard a mixture-of-experts model's experts yet"):
+        LLM(checkpoint_factory("mixtral"), max_model_len=64, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size and expert_parallel_size > 1 do not combine"):
         LLM(checkpoint_factory("mixtral"), max_model_len=64, expert_parallel_size=2, tensor_parallel_size=2)
