@@ -1,7 +1,7 @@
-"""Pipeline parallelism on the CPU: the decoder's layers split into two stages over gloo
-produce one process's tokens (and transformers'), dense and mixture-of-experts models
-alike; each rank holds only its stage's layers; rank 0 measures its bubble; no process
-is left behind."""
+"""Pipeline parallelism on the CPU: the decoder's layers split into two stages over gloo,
+steps cut into micro-batches in flight (a long prompt split across them), produce one
+process's tokens (and transformers'), dense and mixture-of-experts models alike; each
+rank holds only its stage's layers; rank 0 measures its bubble; no process is left behind."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def test_stages_are_consecutive_and_cover_every_layer():
         stage_layers(2, 0, 3)
 
 
-@pytest.mark.parametrize("kind", ["qwen2_moe", "llama"])
-def test_two_stages_match_one_process_and_transformers(checkpoint_factory, kind):
+@pytest.mark.parametrize("kind, micro_batches", [("qwen2_moe", 0), ("llama", 3)])
+def test_two_stages_match_one_process_and_transformers(checkpoint_factory, kind, micro_batches):
     path = checkpoint_factory(kind)
     seen = {}
 
@@ -33,11 +33,15 @@ def test_two_stages_match_one_process_and_transformers(checkpoint_factory, kind)
         seen["held"] = [not isinstance(layer, AbsentLayer) for layer in runner.model.layers]
         seen["stats"] = runner.pipeline_stats()
 
-    assert run(path, check=check, **PP) == hf_greedy(path)
+    assert run(path, check=check, pipeline_micro_batches=micro_batches, **PP) == hf_greedy(path)
     layers = len(seen["held"])
     assert seen["held"] == [i < -(-layers // 2) for i in range(layers)]  # rank 0: the first stage only
     stats = seen["stats"]
     assert stats.steps > 0 and stats.wait_s > 0 and 0 < stats.bubble_fraction < 1
+    # steps of several rows ran as two micro-batches in flight: the first step's prompts (49
+    # rows: 25 and 24, the 37-token prompt split across both) and the decode steps while
+    # two or more sequences run (the second longest request decodes 11 tokens)
+    assert stats.micro_batches >= 2 * (1 + 11)
 
 
 def test_pipeline_parallelism_refuses_what_it_cannot_run(checkpoint_factory):

@@ -7,15 +7,18 @@ point, over the tensor-parallel launch's process group), each rank runs its laye
 passes them on, and the last normalises the rows whose logits are wanted and sends them
 back to rank 0. Greedy output equals one process's.
 
-One batch is in the pipeline at a time: while one stage computes the others wait, so
-each stage idles (PP - 1) / PP of a step, the bubble `PipelineStats` measures on rank 0.
-Several micro-batches in flight (the scheduler's batch queue of depth PP and long
-prompts cut into pipelined chunks) are what docs/parallelism.md prices in the simulator
-and lists as not built yet.
+A step whose rows can be cut (`splittable`) runs as micro-batches in flight
+(`run_pipelined`): its rows are cut into `[engine] pipeline_micro_batches` pieces (0: as
+many as stages) by the `fixed` chunk sizing (servelab.pipeline_chunks), a long prompt's
+rows split across pieces, and each stage sends a piece on and starts the next, so the
+stages work on different pieces at once; a stage idles about (PP - 1) / (M + PP - 1) of
+the step instead of (PP - 1) / PP. Other steps (one row, token trees, prompt logprobs)
+run whole. `PipelineStats` measures rank 0's compute and wait (its bubble).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import types
 from typing import Any
@@ -57,6 +60,7 @@ class PipelineStats:
     """Rank 0's time computing its stage and waiting for the rest of the pipeline (its bubble)."""
 
     steps: int = 0
+    micro_batches: int = 0  # pieces of the steps cut into micro-batches
     compute_s: float = 0.0
     wait_s: float = 0.0
 
@@ -113,3 +117,97 @@ def _stage_forward(self: Any, input_ids: torch.Tensor, positions: torch.Tensor, 
     stats.wait_s += waited
     stats.compute_s += time.perf_counter() - started - waited
     return self.lm_head(selected).float(), selected
+
+
+def split_inputs(inputs: Any, sizes: list[int]) -> list[Any]:
+    """The step's rows cut into consecutive micro-batches of `sizes` tokens (summing to the
+    step's), a sequence's rows (a long prompt's) split across micro-batches where a cut falls
+    inside them: each piece attends to what the earlier pieces wrote, as a stage runs them
+    in order. Each piece keeps its logits rows, renumbered."""
+    from servelab.interfaces import AttentionMetadata
+    from servelab.runner import ModelInputs
+
+    meta = inputs.attention
+    starts = meta.query_start_loc.tolist()
+    wanted = inputs.logits_indices.tolist()
+    pieces, row = [], 0
+    for size in sizes:
+        end = row + size
+        segments = []  # (sequence, first row, end row)
+        for seq, (first, last) in enumerate(zip(starts[:-1], starts[1:])):
+            low, high = max(first, row), min(last, end)
+            if low < high:
+                segments.append((seq, low, high))
+        query_lens = [high - low for _, low, high in segments]
+        context_lens = [meta.context_lens_list[seq] - (starts[seq + 1] - high) for seq, _, high in segments]
+        seqs = torch.tensor([seq for seq, _, _ in segments])
+        attention = AttentionMetadata(
+            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)]),
+            query_lens=torch.tensor(query_lens), context_lens=torch.tensor(context_lens),
+            block_tables=meta.block_tables.index_select(0, seqs), slot_mapping=meta.slot_mapping[row:end],
+            max_query_len=max(query_lens), max_context_len=max(context_lens),
+            query_lens_list=tuple(query_lens), context_lens_list=tuple(context_lens))
+        logits = torch.tensor([r - row for r in wanted if row <= r < end], dtype=inputs.logits_indices.dtype)
+        pieces.append(ModelInputs(input_ids=inputs.input_ids[row:end], positions=inputs.positions[row:end],
+                                  attention=attention, logits_indices=logits, sampled_seq_rows=[], num_logits_rows=[]))
+        row = end
+    return pieces
+
+
+def splittable(inputs: Any) -> bool:
+    """Whether a step's rows may be cut into micro-batches: causal rows only (no token
+    trees), and its logits rows in batch order (no prompt-logprob rows after them)."""
+    wanted = inputs.logits_indices.tolist()
+    return (inputs.attention.tree_parents is None and not inputs.prompt_logits
+            and wanted == sorted(wanted) and inputs.input_ids.shape[0] > 1)
+
+
+@torch.inference_mode()
+def run_pipelined(runner: Any, pieces: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """This stage's part of a step cut into micro-batches, several in flight: a stage sends
+    a piece on (without waiting for it to arrive) and starts the next, so stage s runs piece
+    j while stage s + 1 runs piece j - 1. Rank 0 returns the step's logits and hidden rows."""
+    model = runner.model
+    comm, layers, stats = model.pipeline
+    rank, size, group = comm.rank, comm.size, comm.device_group
+    dtype = model.embed_tokens.weight.dtype
+    hidden_size = model.config.hidden_size
+    started = time.perf_counter()
+    sends = []
+    for piece in pieces:
+        prepared = runner.backend.prepare(piece.attention)
+        if rank == 0:
+            hidden = model.embed_tokens(piece.input_ids)
+        else:
+            received = torch.empty(piece.input_ids.shape[0], hidden_size, dtype=_wire(dtype))
+            dist.recv(received, src=rank - 1, group=group)
+            hidden = received.to(dtype)
+        cos, sin = model.rotary.tables(piece.positions)
+        for index in layers:
+            hidden = model.layers[index](hidden, cos, sin, runner.kv_caches[index], runner.backend, prepared)
+        out = hidden if rank < size - 1 else model.norm(hidden[piece.logits_indices])
+        if out.shape[0]:  # a prompt chunk whose logits nobody wants sends nothing back
+            out = out.to(_wire(dtype)).contiguous()
+            sends.append((out, dist.isend(out, dst=rank + 1 if rank < size - 1 else 0, group=group)))
+    result = None
+    waited = 0.0
+    if rank == 0:
+        selected = []
+        for piece in pieces:
+            if not piece.logits_indices.shape[0]:
+                continue
+            rows = torch.empty(piece.logits_indices.shape[0], hidden_size, dtype=_wire(dtype))
+            before = time.perf_counter()
+            dist.recv(rows, src=size - 1, group=group)
+            waited += time.perf_counter() - before
+            selected.append(rows.to(dtype))
+        hidden_rows = torch.cat(selected)
+        result = (model.lm_head(hidden_rows).float(), hidden_rows)
+    for _, handle in sends:
+        handle.wait()
+    if rank == 0:
+        stats.steps += 1
+        stats.micro_batches += len(pieces)
+        stats.wait_s += waited
+        stats.compute_s += time.perf_counter() - started - waited
+    return result

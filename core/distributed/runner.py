@@ -301,3 +301,24 @@ class PipelineParallelRunner(TensorParallelRunner):
     def pipeline_stats(self) -> Any:
         """Rank 0's compute and wait time over the steps so far (PipelineStats)."""
         return self.local.model.pipeline[2]
+
+    def execute_with_hidden(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step cut into micro-batches in flight down the pipeline where its rows allow."""
+        from servelab.distributed.pipeline_parallel import run_pipelined, split_inputs, splittable
+        from servelab.pipeline_chunks import chunk_sizing
+
+        if not splittable(inputs):
+            return super().execute_with_hidden(inputs)
+        rows = inputs.input_ids.shape[0]
+        pieces = self.spec.engine.pipeline_micro_batches or self.comm.size
+        sizes = chunk_sizing("fixed").chunks(rows, -(-rows // pieces), lambda tokens, context: 0.0)
+        parts = split_inputs(inputs, sizes)
+        copies, self._pending_copies = self._pending_copies, []
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            self.comm.send(("step_micro", (copies, [pack_inputs(part) for part in parts])))
+            if copies:
+                self.local.copy_blocks(copies)
+            return run_pipelined(self.local, parts)
+
+        return self._collective(run, "a step")

@@ -141,6 +141,13 @@ def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None, spec: Sh
             runner.execute_with_hidden(unpack_inputs(packed, comm.device))
         elif kind == "lm_head":
             lm_head(runner, torch.from_numpy(payload).to(comm.device))
+        elif kind == "step_micro":
+            from servelab.distributed.pipeline_parallel import run_pipelined
+
+            copies, packed = payload
+            if copies:
+                runner.copy_blocks(copies)
+            run_pipelined(runner, [unpack_inputs(piece, comm.device) for piece in packed])
         elif kind == "rebalance" and spec is not None:
             rebalance_shard(runner, spec, comm, payload)
         else:

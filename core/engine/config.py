@@ -120,8 +120,10 @@ class EngineSection:
     expert_placement: str = "linear"
     redundant_experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     expert_rebalance_steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    # Stages the decoder's layers are split over, one rank each (docs/parallelism.md).
+    # Stages the decoder's layers are split over, one rank each (docs/parallelism.md), and
+    # the micro-batches a step's rows are cut into to keep them busy (0: one per stage).
     pipeline_parallel_size: int = attrs.field(default=1, validator=_positive)
+    pipeline_micro_batches: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
     def __attrs_post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
