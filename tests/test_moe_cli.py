@@ -75,5 +75,7 @@ def test_serve_answers_with_transformers_tokens(checkpoint_factory, tmp_path, la
         assert reply["choices"][0]["text"].split() == words(expected), reply
         if not layout:
             assert server.metrics()['servelab_expert_load_imbalance{layer="0"}'] >= 1.0
+        if "--pipeline-parallel-size" in layout:
+            assert 0 < server.metrics()["servelab_pipeline_bubble_fraction"] < 1
     finally:
         assert server.terminate() == 0, server.log()

@@ -49,3 +49,18 @@ def test_pipeline_parallelism_refuses_what_it_cannot_run(checkpoint_factory):
         LLM(checkpoint_factory("mixtral"), max_model_len=64, pipeline_parallel_size=3)
     with pytest.raises(ConfigError, match="expert_parallel_size and pipeline_parallel_size > 1 do not combine"):
         LLM(checkpoint_factory("mixtral"), max_model_len=64, pipeline_parallel_size=2, expert_parallel_size=2)
+
+
+def test_the_bench_reports_the_first_stages_bubble(checkpoint_factory):
+    from servelab.bench.metrics import SLO
+    from servelab.bench.session import BenchOptions, run_bench
+    from servelab.config import EngineConfig
+
+    config = EngineConfig().with_overrides({"engine.model": checkpoint_factory("llama"), "engine.max_model_len": 64,
+                                            "engine.pipeline_parallel_size": 2,
+                                            "engine.tensor_parallel_timeout_s": 60})
+    options = BenchOptions(workload="skewed:num_requests=3,mean_prompt_len=10,mean_output_len=4,max_len=32",
+                           repeats=1, slo=SLO(ttft_ms=1e9, tpot_ms=1e9))
+    pipeline = run_bench([("pp2", config)], options)["runs"][0]["metrics"]["pipeline"]
+    assert pipeline["steps"] > 0 and pipeline["micro_batches"] > 0
+    assert 0 < pipeline["stage0_bubble_fraction"] < 1 and pipeline["stage0_compute_s"] > 0

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import attrs
 
 from servelab.arrivals import Arrival, serve_arrivals
-from servelab.expert_load import expert_load_of
+from servelab.expert_load import expert_load_of, pipeline_stats_of, pipeline_summary
 from servelab.hookspecs import hookimpl
 from servelab.outputs import RequestOutput, StepReport
 from servelab.sampling_params import SamplingParams
@@ -92,6 +92,8 @@ class RunRecord:
     step_traces: tuple[tuple[StepTrace, ...], ...] = ()  # per replica (one outside a fleet): every step's StepTrace
     expert_load_before: dict = attrs.field(factory=dict)  # a mixture-of-experts model's per-layer expert load
     expert_load_after: dict = attrs.field(factory=dict)
+    pipeline_before: dict = attrs.field(factory=dict)  # a pipeline's stage-0 times (expert_load.pipeline_summary)
+    pipeline_after: dict = attrs.field(factory=dict)
 
 
 def run_workload(engine: Any, recorder: StepRecorder, workload: Workload, config_name: str,
@@ -115,6 +117,7 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
     stats_before = engine.allocator.stats()
     scheduler_before = engine.scheduler.stats()
     load_before = expert_load_of(engine.runner)
+    pipeline_before = pipeline_summary(pipeline_stats_of(engine.runner))
     start = clock()
 
     def admit(arrival: Arrival) -> tuple[int, str]:
@@ -137,6 +140,7 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
         discarded_tokens=engine.scheduler.stats().num_discarded_tokens - scheduler_before.num_discarded_tokens,
         requests=tuple(workload.requests), step_traces=(tuple(recorder.traces),),
         expert_load_before=load_before, expert_load_after=expert_load_of(engine.runner),
+        pipeline_before=pipeline_before, pipeline_after=pipeline_summary(pipeline_stats_of(engine.runner)),
     )
 
 

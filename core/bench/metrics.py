@@ -104,7 +104,19 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
         "engine_overhead_ms_at_max_batch": _overhead_at_max_batch(reports),
         "stage_profile": stage_profile(reports),
         **_expert_load(record),
+        **_pipeline(record),
     }
+
+
+def _pipeline(record: RunRecord) -> dict[str, Any]:
+    """Under pipeline parallelism, stage 0's compute and bubble over the run; empty otherwise."""
+    if not record.pipeline_after:
+        return {}
+    after, before = record.pipeline_after["pipeline"], record.pipeline_before.get("pipeline", {})
+    run = {key: after[key] - before.get(key, 0) for key in ("steps", "micro_batches", "stage0_compute_s",
+                                                          "stage0_bubble_s")}
+    busy = run["stage0_compute_s"] + run["stage0_bubble_s"]
+    return {"pipeline": {**run, "stage0_bubble_fraction": run["stage0_bubble_s"] / busy if busy else None}}
 
 
 def _expert_load(record: RunRecord) -> dict[str, Any]:

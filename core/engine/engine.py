@@ -24,7 +24,7 @@ import torch
 from servelab.config import EngineConfig
 from servelab.engine_setup import build_policies, fork_refusal
 from servelab.errors import RequestError
-from servelab.expert_load import expert_load_of
+from servelab.expert_load import expert_load_of, pipeline_stats_of
 from servelab.interfaces import ForkingAllocator, Sequence, SequenceStatus, StepPlan
 from servelab.intake import Intake
 from servelab.logging_setup import get_logger
@@ -151,6 +151,11 @@ class LLMEngine:
         """A mixture-of-experts model's assignments per expert, per sparse layer, so far
         (empty for a dense model)."""
         return expert_load_of(self.runner)
+
+    def pipeline_stats(self) -> Any:
+        """Under pipeline parallelism, rank 0's stage times so far (compute, wait: its
+        bubble); None otherwise."""
+        return pipeline_stats_of(self.runner)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.requests.has_preparing()

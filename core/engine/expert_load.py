@@ -1,13 +1,15 @@
 """Per-layer expert-load histograms: how many (token, expert) assignments each expert of
 each sparse layer took. The engine's runner reports the totals (`expert_load_of`); the
 bench reports a run's share of them and their imbalance (`load_histograms`), the server
-exports them on /metrics, and placement policies place by them."""
+exports them on /metrics, and placement policies place by them. Likewise a pipeline's
+stage times (`pipeline_stats_of`: rank 0's compute, wait and bubble)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from servelab.contracts.moe import ExpertLoadSource
+from servelab.contracts.pipeline import PipelineStatsSource
 
 
 def expert_load_of(source: Any) -> dict[int, list[int]]:
@@ -30,3 +32,17 @@ def load_histograms(before: dict[int, list[int]], after: dict[int, list[int]]) -
         counts = [a - b for a, b in zip(totals, start)]
         out[str(layer)] = {"counts": counts, "imbalance": imbalance(counts)}
     return out
+
+
+def pipeline_stats_of(source: Any) -> Any:
+    """A pipeline-parallel runner's (or engine's) stage statistics; None otherwise."""
+    return source.pipeline_stats() if isinstance(source, PipelineStatsSource) else None
+
+
+def pipeline_summary(stats: Any) -> dict[str, Any]:
+    """Rank 0's stage times as the bench JSON reports them; empty without a pipeline."""
+    if stats is None:
+        return {}
+    return {"pipeline": {"steps": stats.steps, "micro_batches": stats.micro_batches,
+                         "stage0_compute_s": stats.compute_s, "stage0_bubble_s": stats.wait_s,
+                         "stage0_bubble_fraction": stats.bubble_fraction}}

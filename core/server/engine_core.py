@@ -35,7 +35,7 @@ import structlog
 
 import servelab
 from servelab.errors import RequestError
-from servelab.expert_load import expert_load_of
+from servelab.expert_load import expert_load_of, pipeline_stats_of
 from servelab.interfaces import AllocatorStats, ClosingProcessor, SchedulerStats, SequenceStatus, WarmingProcessor
 from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
@@ -69,6 +69,7 @@ class EngineSnapshot:
     num_preparing: int = 0  # requests being validated or waiting for a grammar, not yet in the scheduler
     tier: Any = None  # TierStats of the host KV tier ([kv_offload]), None without one
     expert_load: Any = None  # a mixture-of-experts model's {layer: assignments per expert}, None for a dense one
+    pipeline_bubble: float | None = None  # under pipeline parallelism, stage 0's idle share so far
 
 
 @attrs.frozen
@@ -101,6 +102,10 @@ class CoreOutput:
 
 Command = tuple[str, Any, Any]
 EMPTY_SNAPSHOT = EngineSnapshot(SchedulerStats(0, 0, 0), AllocatorStats(0, 0, 0))
+
+
+def _bubble(stats: Any) -> float | None:
+    return None if stats is None else stats.bubble_fraction
 
 
 class StepCounter:
@@ -202,7 +207,8 @@ class EngineCore:
         self._last_snapshot = EngineSnapshot(self.engine.scheduler.stats(), self.engine.allocator.stats(),
                                              counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens,
                                              running_tokens, preparing,
-                                             counter.tier_stats, expert_load_of(self.engine) or None)
+                                             counter.tier_stats, expert_load_of(self.engine) or None,
+                                             _bubble(pipeline_stats_of(self.engine)))
         return self._last_snapshot
 
     def _serve(self, in_flight: set[str]) -> None:

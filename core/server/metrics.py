@@ -111,6 +111,9 @@ class ServerMetrics:
                                  registry=r)
         self.expert_imbalance = Gauge("servelab_expert_load_imbalance", "The busiest expert's load over the mean "
                                       "expert's, per sparse layer (1: even).", ["layer"], registry=r)
+        self.pipeline_bubble = Gauge("servelab_pipeline_bubble_fraction", "Under pipeline parallelism, the share "
+                                     "of its time the first stage has waited on the rest of the pipeline.",
+                                     registry=r)
         self.generation_tokens = Counter("servelab_generation_tokens", "Tokens generated.", registry=r)
         self.prompt_tokens = Counter("servelab_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.finished = Counter("servelab_requests_finished", "Completions finished, by finish reason.",
@@ -246,6 +249,8 @@ class ServerMetrics:
                 self.tier_moves.labels(kind).set(count)
             self.tier_moves_last_step.set(tier.moves_last_step)
             self.tier_bytes_moved.set(tier.bytes_moved)
+        if snapshot.pipeline_bubble is not None:
+            self.pipeline_bubble.set(snapshot.pipeline_bubble)
         for layer, counts in (snapshot.expert_load or {}).items():
             for expert, count in enumerate(counts):
                 self.expert_load.labels(str(layer), str(expert)).set(count)

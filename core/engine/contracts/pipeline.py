@@ -6,7 +6,7 @@ the simulator's pipeline pricing (servelab.bench.sim.parallel_cost)."""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 CHUNK_SIZING_CONTRACT_VERSION = 1
 
@@ -24,3 +24,12 @@ class ChunkSizing(Protocol):
     contract_version: int
 
     def chunks(self, prompt_len: int, max_chunk: int, chunk_time: ChunkTime) -> list[int]: ...
+
+
+@runtime_checkable
+class PipelineStatsSource(Protocol):
+    """A runner (or an engine) of a pipeline-parallel model that reports rank 0's stage
+    times: an object with `steps`, `micro_batches`, `compute_s`, `wait_s` and
+    `bubble_fraction` (servelab.distributed.pipeline_parallel.PipelineStats), or None."""
+
+    def pipeline_stats(self) -> Any: ...
