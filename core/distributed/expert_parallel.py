@@ -6,7 +6,7 @@ of tensor parallelism do, over the same launch: servelab.distributed.launch), an
 experts only those its placement gives it (`[engine] expert_placement`, a policy of
 servelab.expert_placement; one placement per sparse layer).
 
-At each sparse layer (`ExpertDispatcher.run_experts`):
+At each sparse layer (`ExpertParallelDispatcher.run_experts`):
 
 1. dispatch: rank 0's tokens and their routing (weights, expert ids) are broadcast, so
    every rank computes on exactly rank 0's rows;
@@ -50,7 +50,7 @@ class AbsentExpert(nn.Module):
         raise RuntimeError("an expert this rank does not hold was asked to compute")
 
 
-class ExpertDispatcher:
+class ExpertParallelDispatcher:
     """One sparse block's dispatch and combine over the ranks."""
 
     def __init__(self, comm: Communicator, placement: ExpertPlacement) -> None:
@@ -94,7 +94,7 @@ def prune_experts(model: nn.Module, placements: Mapping[int, ExpertPlacement], r
 
 def attach_dispatchers(model: nn.Module, comm: Communicator, placements: Mapping[int, ExpertPlacement]) -> None:
     for layer, block in sparse_blocks(model).items():
-        block.dispatcher = ExpertDispatcher(comm, placements[layer])
+        block.dispatcher = ExpertParallelDispatcher(comm, placements[layer])
 
 
 def initial_placements(model_config: Any, policy: Any, ranks: int) -> dict[int, ExpertPlacement]:
@@ -124,7 +124,7 @@ def apply_placements(model: nn.Module, comm: Communicator, placements: Mapping[i
                 loaded += 1
             elif expert_id not in held and present:
                 block.experts[expert_id] = AbsentExpert()
-        block.dispatcher = ExpertDispatcher(comm, placement)
+        block.dispatcher = ExpertParallelDispatcher(comm, placement)
     if loaded:  # the new experts' linears take the backend's kernels at the next step
         model._panel_kernels = model._quant_kernels = None
     return loaded
