@@ -92,3 +92,13 @@ def test_expert_parallelism_refuses_what_it_cannot_run(checkpoint_factory, llama
         LLM(checkpoint_factory("mixtral"), max_model_len=64, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size and expert_parallel_size > 1 do not combine"):
         LLM(checkpoint_factory("mixtral"), max_model_len=64, expert_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_quantized_experts_spread_over_two_ranks(checkpoint_factory, tmp_path):
+    """`weights = "int8"` under EP=2: each rank quantizes the experts it holds; the tokens are
+    transformers' on the blocks' dequantized values, as in one process."""
+    from test_moe_models import _dequantized_moe_checkpoint
+
+    path = checkpoint_factory("qwen2_moe")
+    expected = hf_greedy(_dequantized_moe_checkpoint(path, tmp_path / "dequantized", "int8"))
+    assert run(path, weights="int8", expert_placement="round_robin", **EP) == expected
