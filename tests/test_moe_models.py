@@ -196,3 +196,26 @@ def test_an_unknown_moe_config_is_a_clear_error(tmp_path, checkpoint_factory):
 
     with pytest.raises(CheckpointError, match="num_experts_per_tok=9 must lie in 1..5"):
         ModelConfig.from_dict(raw)
+
+
+def test_a_config_naming_expert_groups_routes_with_grouped_top_k(checkpoint_factory, tmp_path):
+    """`n_group` / `topk_group` (DeepSeek's keys) select grouped top-k: every token's experts
+    then come from at most `topk_group` of the groups."""
+    import shutil
+
+    from servelab.model.expert_routing import GroupedTopK
+
+    path = tmp_path / "grouped"
+    shutil.copytree(checkpoint_factory("qwen3_moe"), path)
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(n_group=3, topk_group=1)  # 6 experts in 3 groups of 2; top-3 would need 2 groups: top_k 2
+    raw["num_experts_per_tok"] = 2
+    (path / "config.json").write_text(json.dumps(raw))
+    llm = LLM(str(path), max_model_len=64)
+    block = next(iter(llm.engine.runner.model.sparse_blocks().values()))
+    assert isinstance(block.routing, GroupedTopK) and block.routing.num_groups == 3
+    x = torch.randn(40, 52, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        _, ids = block.route(x)
+    assert all(len({int(e) // 2 for e in row}) == 1 for row in ids)  # one group per token
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids) == 4
