@@ -110,6 +110,16 @@ class EngineSection:
     # "Parallelism"); a rank that dies or hangs stops the engine after this many seconds.
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
     tensor_parallel_timeout_s: int = attrs.field(default=120, validator=_positive)
+    # LoRA adapters (docs/lora.md): requests name one (LoRARequest); `max_loras` adapters sit
+    # in the fast pool the forward pass reads, `max_cpu_loras` in host memory (the pool's
+    # included; default: max_loras), the rest on disk. A batch runs at most
+    # `max_loras_per_batch` adapters (default: max_loras). `[adapter_residency]` chooses
+    # which pool adapters make room.
+    enable_lora: bool = False
+    max_loras: int = attrs.field(default=4, validator=_positive)
+    max_cpu_loras: int | None = attrs.field(default=None, validator=_positive)
+    max_lora_rank: int = attrs.field(default=64, validator=_positive)
+    max_loras_per_batch: int | None = attrs.field(default=None, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -128,6 +138,9 @@ class EngineSection:
         if self.weights != "dequantize" and self.tensor_parallel_size > 1:
             raise ConfigError(f"[engine] weights = {self.weights!r} is not sharded over ranks yet; "
                               f"tensor_parallel_size > 1 takes weights = \"dequantize\"")
+        if self.max_loras_per_batch is not None and self.max_loras_per_batch > self.max_loras:
+            raise ConfigError(f"[engine] max_loras_per_batch ({self.max_loras_per_batch}) cannot exceed max_loras "
+                              f"({self.max_loras}): a batch's adapters must all fit the fast pool")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"[engine] model must be a checkpoint path or builtin:<name>, got {self.model!r}")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+from collections import Counter
 import time
 from typing import Any, Callable, Sequence as Seq
 
@@ -59,7 +60,9 @@ class LLMEngine:
         self.requests = RequestTable()
         self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.limits.max_model_len,
                              config.engine.max_logprobs, self.logits_pipeline, self.runner,
-                             fork_refusal(config, self.allocator, self.scheduler))
+                             fork_refusal(config, self.allocator, self.scheduler), lora=parts.lora)
+        if parts.lora is not None:
+            parts.lora.waiting_demand = self._waiting_adapters
         generator = torch.Generator(device=torch.device(config.engine.device)).manual_seed(config.engine.seed)
         self.sampling = SamplingStage(self.requests, self.logits_pipeline, self.speculator, generator,
                                       config.engine.logprobs_mode == "raw")
@@ -156,6 +159,11 @@ class LLMEngine:
     def unfinished_sequences(self) -> list[Sequence]:
         """Every sequence in flight (waiting or running), children of n > 1 requests included."""
         return [seq for seq in self.requests.sequences() if not seq.is_finished]
+
+    def _waiting_adapters(self) -> dict[int, int]:
+        """Waiting sequences per LoRA adapter id (what a queue-aware residency policy keeps)."""
+        return dict(Counter(seq.lora_id for seq in self.requests.sequences()
+                            if seq.lora_id and seq.status is SequenceStatus.WAITING))
 
     def speculation_stats(self) -> SpeculationStats | None:
         """Drafted/accepted totals of the configured drafter; None without one."""

@@ -18,6 +18,7 @@ from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousA
                                  TreeDrafter)
 from servelab.kit.tier import HostTier
 from servelab.logits_pipeline import LogitsPipeline
+from servelab.lora_setup import attach_lora, max_loras_per_batch
 from servelab.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
 from servelab.model.model_config import ModelConfig
@@ -108,6 +109,7 @@ class EnginePolicies:
     speculator: Speculator | None
     logits_pipeline: LogitsPipeline
     host_tier: HostTier | None = None  # `[kv_offload]`
+    lora: Any = None  # the LoRA adapters (servelab.lora_manager.LoRAManager), `[engine] enable_lora`
 
 
 def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
@@ -131,7 +133,8 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
         allocator=allocator, max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
         max_model_len=limits.max_model_len, clock=clock, host_tier=host_tier,
         victims=victim_builder(registry, VictimContext(block_size=engine.block_size, max_num_seqs=engine.max_num_seqs,
-                                                       can_swap=host_tier is not None))))
+                                                       can_swap=host_tier is not None)),
+        max_loras_per_batch=max_loras_per_batch(config)))
     attention_context = AttentionContext(
         num_heads=shard_config.num_heads, num_kv_heads=shard_config.num_kv_heads, head_dim=shard_config.head_dim,
         block_size=engine.block_size, num_blocks=limits.num_kv_blocks, dtype=DTYPES[engine.dtype], device=device,
@@ -149,12 +152,14 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
         runner = source.build_runner(attention, engine, limits.num_kv_blocks, limits.max_model_len)
     if host_tier is not None:
         _attach_host_tier(config, runner, host_tier, allocator)
+    lora = attach_lora(config, selected["adapter_residency"], runner) if "adapter_residency" in selected else None
     speculator = None
     if "drafters" in selected:
         speculator = _build_speculator(config, registry, source, runner, limits, selected["drafters"], allocator,
                                        attention)
     pipeline = _build_logits_pipeline(config, registry, source, device)
-    return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline, host_tier)
+    return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline, host_tier,
+                          lora)
 
 
 def victim_builder(registry: PluginRegistry, context: VictimContext) -> Callable[[str], Any]:
@@ -233,6 +238,8 @@ def _policy_sections(config: EngineConfig):
     yield "schedulers", config.scheduler
     yield "attention", config.attention
     yield "evictors", config.eviction
+    if config.engine.enable_lora:  # chosen only where adapters are served
+        yield "adapter_residency", config.adapter_residency
     if config.drafter is not None:
         yield "drafters", config.drafter
 

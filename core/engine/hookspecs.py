@@ -17,6 +17,7 @@ import pluggy
 if TYPE_CHECKING:
     from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
                                        LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin, VictimPlugin)
+    from servelab.plugin_types import AdapterResidencyPlugin
 
 PROJECT = "servelab"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -287,6 +288,32 @@ def servelab_register_evictors() -> list[EvictionPlugin]:
         def servelab_register_evictors():
             return [EvictionPlugin(name="deepest-first", factory=DeepestFirst,
                                    description="evicts the longest cached prefixes first")]
+    """
+
+
+@hookspec
+def servelab_register_adapter_residency() -> list[AdapterResidencyPlugin]:
+    """Return the LoRA adapter residency policies this plugin provides (`[adapter_residency]
+    name = ...`): which adapters in the fast pool (`[engine] max_loras`) make room when a
+    step needs one that is not there.
+
+    A factory is called as `factory(options, ResidencyContext)` and returns a
+    `servelab.contracts.adapter_residency.AdapterResidencyPolicy`. A complete plugin::
+
+        import servelab
+        from servelab.kit import KeyedResidency
+        from servelab.plugin_types import AdapterResidencyPlugin
+
+        class LargestFirst(KeyedResidency):
+            # The adapter taking the most pool memory goes first; among equals the oldest.
+
+            def key(self, candidate):
+                return -candidate.nbytes, candidate.last_used, candidate.lora_id
+
+        @servelab.hookimpl
+        def servelab_register_adapter_residency():
+            return [AdapterResidencyPlugin(name="largest-first", factory=LargestFirst,
+                                           description="evicts the largest adapters first")]
     """
 
 

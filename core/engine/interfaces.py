@@ -2,8 +2,9 @@
 of its own (`servelab.contracts`, one per kind); plugins may import from either.
 """
 
-from servelab.contracts import (allocator, attention, drafter, eviction, logits_processor, router, runner, scheduler,
-                                victim)
+from servelab.contracts import (adapter_residency, allocator, attention, drafter, eviction, logits_processor, router,
+                                runner, scheduler, victim)
+from servelab.contracts.adapter_residency import *  # noqa: F401,F403
 from servelab.contracts.allocator import *  # noqa: F401,F403
 from servelab.contracts.attention import *  # noqa: F401,F403
 from servelab.contracts.drafter import *  # noqa: F401,F403
@@ -15,4 +16,4 @@ from servelab.contracts.scheduler import *  # noqa: F401,F403
 from servelab.contracts.victim import *  # noqa: F401,F403
 
 __all__ = sorted({name for module in (allocator, scheduler, victim, drafter, attention, router, logits_processor,
-                                      eviction, runner) for name in module.__all__})
+                                      eviction, adapter_residency, runner) for name in module.__all__})

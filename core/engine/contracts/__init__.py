@@ -12,6 +12,7 @@ capabilities, and where its changes by version are listed).
 | routers | `servelab.contracts.router` |
 | logits_processors | `servelab.contracts.logits_processor` |
 | evictors | `servelab.contracts.eviction` |
+| adapter_residency | `servelab.contracts.adapter_residency` |
 | (the model runner) | `servelab.contracts.runner` |
 
 `KINDS[key].contract` names a kind's module. `servelab.interfaces` re-exports all of them.

@@ -1,0 +1,165 @@
+"""LoRA adapters end to end: greedy output equals peft's PeftModel and the merged weights,
+mixed-adapter batches equal each request alone, swaps and prefix caching change nothing,
+quantized bases, and hostile adapter files refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from lora_adapters import build_adapter, peft_greedy  # noqa: E402
+
+from servelab import LLM, LoRARequest, RequestError, SamplingParams  # noqa: E402
+from servelab.testing.tiny_model import tiny_checkpoint  # noqa: E402
+
+PROMPTS = [[5, 17, 33, 9, 41, 7], [11, 3, 99, 150, 23, 8, 60, 2, 77], [100, 101, 102]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base() -> str:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory) -> dict[str, str]:
+    """Three adapters of mixed ranks and targets, one with rslora, rank and alpha patterns."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "attn": build_adapter(base, root / "attn", r=4, alpha=8, seed=1, target_modules=r".*\.self_attn\.(q|v)_proj"),
+        "all": build_adapter(base, root / "all", r=8, alpha=16, seed=2,
+                             target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"),
+                             rank_pattern={"down_proj": 2}, alpha_pattern={"o_proj": 4}),
+        "mlp": build_adapter(base, root / "mlp", r=2, alpha=4, seed=3, target_modules=("up_proj", "down_proj"),
+                             use_rslora=True, layers_to_transform=[1]),
+    }
+
+
+def requests_for(adapters: dict[str, str]) -> dict[str, LoRARequest]:
+    return {name: LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(sorted(adapters.items()))}
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+@pytest.fixture(scope="module")
+def llm(base) -> LLM:
+    return LLM(base, enable_lora=True, max_loras=4)
+
+
+@pytest.mark.parametrize("name", ["attn", "all", "mlp"])
+def test_greedy_equals_peft_and_merged_weights(llm, base, adapters, name):
+    request = requests_for(adapters)[name]
+    got = tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request))
+    for prompt, out in zip(PROMPTS[:2], got):
+        assert out == peft_greedy(base, adapters[name], prompt, 8)
+        assert out == peft_greedy(base, adapters[name], prompt, 8, merged=True)
+
+
+def test_adapters_change_the_output(llm, base, adapters):
+    """The adapters are not the identity (else the comparisons above prove nothing)."""
+    plain = tokens(llm.generate(PROMPTS[:2], GREEDY))
+    assert plain == [peft_greedy(base, None, p, 8) for p in PROMPTS[:2]]
+    for request in requests_for(adapters).values():
+        assert tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request)) != plain
+
+
+def test_a_mixed_batch_equals_each_request_alone(llm, adapters):
+    requests = requests_for(adapters)
+    mix = [requests["attn"], None, requests["all"], requests["mlp"], requests["attn"], None]
+    prompts = [PROMPTS[i % 3] for i in range(len(mix))]
+    together = tokens(llm.generate(prompts, GREEDY, lora_request=mix))
+    alone = [tokens(llm.generate([p], GREEDY, lora_request=r))[0] for p, r in zip(prompts, mix)]
+    assert together == alone
+
+
+def test_one_slot_forces_swaps_and_changes_no_output(base, adapters, llm):
+    requests = requests_for(adapters)
+    mix = [requests["attn"], requests["all"], None, requests["mlp"], requests["all"]]
+    prompts = [PROMPTS[i % 3] for i in range(len(mix))]
+    expected = tokens(llm.generate(prompts, GREEDY, lora_request=mix))
+    one_slot = LLM(base, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    assert tokens(one_slot.generate(prompts, GREEDY, lora_request=mix)) == expected
+    manager = one_slot.engine.runner.lora
+    assert manager.num_pool_loads >= 3 and manager.num_disk_reads > 3  # swapped, and re-read from disk
+
+
+def test_prefix_cache_is_keyed_by_adapter(base, adapters):
+    """A prompt cached under one adapter is not served to another (nor to the base model),
+    and is served to the same adapter."""
+    requests = requests_for(adapters)
+    prompt = list(range(3, 3 + 40))  # several full blocks
+    reference = LLM(base, enable_lora=True, **{"allocator.name": "hash"})
+    expected = {name: tokens(reference.generate([prompt], GREEDY, lora_request=requests.get(name)))[0]
+                for name in ("attn", "all", None)}
+    cached = LLM(base, enable_lora=True, **{"allocator.name": "radix"})
+    hits = []
+    for name in ("attn", "all", None, "attn", None):
+        out = cached.generate([prompt], GREEDY, lora_request=requests.get(name))[0]
+        assert out.outputs[0].token_ids == expected[name]
+        hits.append(out.metrics.num_cached_tokens)
+    assert hits[:3] == [0, 0, 0] and hits[3] > 0 and hits[4] > 0
+
+
+def test_int4_base_with_adapter_matches_the_dequantized_base(base, adapters, tmp_path):
+    """The adapter on int4 blocks equals the same adapter on a float checkpoint holding the
+    blocks' dequantized weights, within the int4 kernel's float rounding."""
+    from safetensors.torch import load_file, save_file
+    import shutil
+    from servelab.model.quantized_linear import QuantizedWeight
+
+    dequantized = tmp_path / "dequantized"
+    shutil.copytree(base, dequantized)
+    tensors = load_file(str(dequantized / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            format = "q8_0" if name == "lm_head.weight" else "q4_1"
+            tensors[name] = QuantizedWeight.quantize(tensor, format).dequantize().contiguous()
+    save_file(tensors, str(dequantized / "model.safetensors"), metadata={"format": "pt"})
+    request = requests_for(adapters)["all"]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    quantized = LLM(base, enable_lora=True, weights="int4").generate(PROMPTS, params, lora_request=request)
+    reference = LLM(str(dequantized), enable_lora=True).generate(PROMPTS, params, lora_request=request)
+    assert tokens(quantized) == tokens(reference)
+    for got, want in zip(quantized, reference):
+        for step_got, step_want in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            token = next(iter(step_want))
+            assert step_got[token].logprob == pytest.approx(step_want[token].logprob, abs=2e-3)
+
+
+def test_a_request_naming_an_adapter_needs_enable_lora(base, adapters):
+    plain = LLM(base)
+    with pytest.raises(RequestError, match="enable_lora"):
+        plain.generate(PROMPTS[:1], GREEDY, lora_request=requests_for(adapters)["attn"])
+
+
+def test_one_id_names_one_adapter(llm, adapters):
+    requests = requests_for(adapters)
+    llm.generate(PROMPTS[:1], GREEDY, lora_request=requests["attn"])
+    with pytest.raises(RequestError, match="already names adapter"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("other", requests["attn"].lora_int_id,
+                                                                   adapters["mlp"]))
+    with pytest.raises(RequestError, match="lora_int_id must be an int > 0"):
+        LoRARequest("x", 0, adapters["mlp"])
+
+
+def test_the_scheduler_caps_adapters_per_batch(base, adapters):
+    requests = requests_for(adapters)
+    llm = LLM(base, enable_lora=True, max_loras=2)
+    seen: list[set[int]] = []
+    runner = llm.engine.runner
+    prepare = runner.prepare
+
+    def watching(plan, *args, **kwargs):
+        seen.append({seq.lora_id for seq, _ in plan.scheduled if seq.lora_id})
+        return prepare(plan, *args, **kwargs)
+
+    runner.prepare = watching
+    mix = [requests["attn"], requests["all"], requests["mlp"], requests["attn"], requests["mlp"], None]
+    outs = llm.generate([PROMPTS[i % 3] for i in range(len(mix))], GREEDY, lora_request=mix)
+    assert all(len(out.outputs[0].token_ids) == 8 for out in outs)
+    assert max(len(step) for step in seen) == 2
