@@ -163,3 +163,56 @@ def test_the_scheduler_caps_adapters_per_batch(base, adapters):
     outs = llm.generate([PROMPTS[i % 3] for i in range(len(mix))], GREEDY, lora_request=mix)
     assert all(len(out.outputs[0].token_ids) == 8 for out in outs)
     assert max(len(step) for step in seen) == 2
+
+
+@pytest.mark.parametrize("weights, dtype, tolerance", [("int8", "float32", 2e-2), ("dequantize", "bfloat16", 0.15)])
+def test_other_base_formats_keep_the_adapter(base, adapters, weights, dtype, tolerance):
+    """int8 blocks and a bfloat16 base run the same float adapter: their logprobs stay
+    within the format's own distance from the float32 base with the adapter."""
+    request = requests_for(adapters)["all"]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    reference = LLM(base, enable_lora=True).generate(PROMPTS[:2], params, lora_request=request)
+    got = LLM(base, enable_lora=True, weights=weights, dtype=dtype).generate(PROMPTS[:2], params,
+                                                                             lora_request=request)
+    plain = LLM(base, weights=weights, dtype=dtype).generate(PROMPTS[:2], params)
+    for want, out, without in zip(reference, got, plain):
+        first_want, first_got = want.outputs[0].logprobs[0], out.outputs[0].logprobs[0]
+        token = next(iter(first_want))
+        assert first_got[token].logprob == pytest.approx(first_want[token].logprob, abs=tolerance)
+        assert out.outputs[0].token_ids[0] == want.outputs[0].token_ids[0]
+    assert tokens(got) != tokens(plain)  # the adapter ran
+
+
+def test_logprobs_are_the_adapted_models(llm, base, adapters):
+    """Each sampled token's logprob is peft's log-softmax at that position."""
+    import transformers
+    from peft import PeftModel
+
+    request = requests_for(adapters)["all"]
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2),
+                       lora_request=request)[0].outputs[0]
+    model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                      adapters["all"]).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0] + out.token_ids])).logits[0]
+    expected = torch.log_softmax(logits.float(), -1)[len(PROMPTS[0]) - 1:-1]
+    for step, (token, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert logprobs[token].logprob == pytest.approx(float(expected[step, token]), abs=1e-4)
+
+
+def test_chunked_prefill_n_and_speculation_keep_the_adapter(base, adapters):
+    """Chunked prefill, n > 1 and n-gram speculation (the target verifies with the
+    request's adapter) give the plain engine's greedy tokens."""
+    requests = requests_for(adapters)
+    mix = [requests["all"], None, requests["mlp"]]
+    prompts = [PROMPTS[i] * 3 for i in range(3)]
+    expected = tokens(LLM(base, enable_lora=True).generate(prompts, GREEDY, lora_request=mix))
+    chunked = LLM(base, enable_lora=True, max_num_batched_tokens=8, **{"scheduler.name": "chunked-prefill"})
+    assert tokens(chunked.generate(prompts, GREEDY, lora_request=mix)) == expected
+    speculative = LLM(base, enable_lora=True, **{"drafter.name": "ngram"})
+    outs = speculative.generate(prompts, GREEDY, lora_request=mix)
+    assert tokens(outs) == expected
+    assert sum(out.metrics.num_draft_tokens for out in outs) > 0
+    forked = LLM(base, enable_lora=True).generate(prompts[:1], SamplingParams(n=2, max_tokens=8, temperature=0.0,
+                                                                              ignore_eos=True), lora_request=mix[0])
+    assert [c.token_ids for c in forked[0].outputs] == [expected[0], expected[0]]
