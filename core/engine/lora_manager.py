@@ -74,18 +74,15 @@ class LoRAManager:
         return request.lora_int_id
 
     def _known(self, request: LoRARequest) -> bool:
-        """Whether `request` is registered already; RequestError where its id or name
-        names another adapter."""
+        """Whether `request` is registered already; RequestError where its id names another
+        adapter. (A name may come back under a new id: a server that unloads an adapter and
+        loads one of the same name gives it a new id, so nothing cached serves it.)"""
         known = self.requests.get(request.lora_int_id)
         if known is not None:
             if known != request:
                 raise RequestError(f"lora_int_id {request.lora_int_id} already names adapter {known.lora_name!r} "
                                    f"at {known.lora_path!r}; give each adapter its own id")
             return True
-        clash = next((r for r in self.requests.values() if r.lora_name == request.lora_name), None)
-        if clash is not None:
-            raise RequestError(f"LoRA adapter name {request.lora_name!r} is already registered with "
-                               f"lora_int_id {clash.lora_int_id}")
         return False
 
     def unregister(self, lora_id: int) -> None:

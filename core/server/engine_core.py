@@ -53,6 +53,7 @@ class NewRequest:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float  # on the engine's clock (time.perf_counter unless the engine has its own)
+    lora_request: Any = None  # servelab.LoRARequest: the LoRA adapter it runs with; None: the base model
 
 
 @attrs.frozen
