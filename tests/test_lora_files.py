@@ -15,7 +15,7 @@ from lora_adapters import build_adapter, edit_config  # noqa: E402
 
 from servelab import LLM, LoRARequest, RequestError, SamplingParams  # noqa: E402
 from servelab.model.lora_adapter import LoRAAdapterError, LoRAModule, load_adapter  # noqa: E402
-from servelab.model.lora_layers import lora_delta_reference  # noqa: E402
+from servelab.model.lora_layers import LoRAState, lora_delta_reference, shrink_expand_reference  # noqa: E402
 from servelab.model.model_config import ModelConfig  # noqa: E402
 from servelab.testing.tiny_model import tiny_checkpoint  # noqa: E402
 
@@ -126,3 +126,33 @@ def test_the_mixed_batch_reference_equals_one_row_at_a_time():
 def test_adapter_config_json_is_what_peft_writes(saved):
     settings = json.loads(open(f"{saved}/adapter_config.json").read())
     assert settings["peft_type"] == "LORA" and settings["use_rslora"] is True
+
+
+def test_the_native_shrink_expand_equals_the_reference():
+    """The C++ kernel (cpu_lora.cpp) against the torch reference, at several ranks; skipped
+    where the library could not be built (no compiler: the reference serves)."""
+    from servelab.plugins.kernels.cpu_build import kernel_build
+
+    build = kernel_build()
+    build.start()
+    build.wait()
+    kernels = build.module()
+    if kernels is None:
+        pytest.skip("the cpu-paged library is not built here")
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(13, 72, generator=generator)
+    for rank, out in ((1, 10), (7, 72), (32, 100)):
+        a, b = torch.randn(rank, 72, generator=generator), torch.randn(out, rank, generator=generator)
+        rows = torch.tensor([12, 0, 5, 5, 3])
+        got = kernels.lora_shrink_expand(x, rows, a, b, 0.75)
+        torch.testing.assert_close(got, shrink_expand_reference(x, rows, a, b, 0.75), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="outside x"):
+        kernels.lora_shrink_expand(x, torch.tensor([13]), a, b, 1.0)
+
+
+def test_the_state_falls_back_to_the_reference_without_the_kernel():
+    state = LoRAState(2)
+    state.use_kernels(None)
+    assert state.shrink_expand is shrink_expand_reference
+    state.use_kernels(object())  # a library built without the kernel
+    assert state.shrink_expand is shrink_expand_reference

@@ -119,3 +119,33 @@ def test_the_contract_catches_faulty_policies(pytester):
     assert caught("TestTooFew", "test_choices_name_candidates_once", "frees exactly the slots")
     assert caught("TestOrderDependent", "test_choices_are_deterministic_and_order_free", "order candidates come in")
     assert set(failed) == {"TestNeeded", "TestTwice", "TestTooFew", "TestOrderDependent"}
+
+
+def test_the_adapter_affinity_router_follows_resident_adapters():
+    from servelab.interfaces import ReplicaSnapshot, RouteRequest, RouterContext
+    from servelab.plugins.routers.adapter_affinity import AdapterAffinityOptions, AdapterAffinityRouter
+
+    router = AdapterAffinityRouter(AdapterAffinityOptions(load_margin_tokens=100), RouterContext(num_replicas=3))
+    replicas = [ReplicaSnapshot(0, num_queued_tokens=10), ReplicaSnapshot(1, num_queued_tokens=50,
+                                                                          resident_adapters={"sql"}),
+                ReplicaSnapshot(2, num_queued_tokens=500, resident_adapters={"chat", "sql"})]
+    assert router.route(RouteRequest("r", [1, 2], adapter="sql"), replicas) == 1  # the lighter holder
+    assert router.route(RouteRequest("r", [1, 2], adapter="chat"), replicas) == 0  # its holder is overloaded
+    assert router.route(RouteRequest("r", [1, 2], adapter="other"), replicas) == 0  # held nowhere: by load
+    assert router.route(RouteRequest("r", [1, 2]), replicas) == 0  # the base model: by load
+
+
+def test_a_replica_snapshot_names_its_resident_adapters(tmp_path):
+    pytest.importorskip("peft")
+    from lora_adapters import build_adapter
+
+    from servelab import LLM, LoRARequest, SamplingParams
+    from servelab.routing import replica_snapshot
+    from servelab.testing.tiny_model import tiny_checkpoint
+
+    base = tiny_checkpoint("llama")
+    llm = LLM(base, enable_lora=True, max_loras=2)
+    assert replica_snapshot(llm.engine, 0).resident_adapters == frozenset()
+    adapter = LoRARequest("sql", 1, build_adapter(base, tmp_path / "sql", r=2))
+    llm.generate([[4, 5, 6]], SamplingParams(max_tokens=2), lora_request=adapter)
+    assert replica_snapshot(llm.engine, 0).resident_adapters == {"sql"}

@@ -12,8 +12,8 @@ import attrs
 import numpy as np
 import torch
 
-from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, QuantizedKVBackend, Runner,
-                                 SlotMovingRunner, StepPlan, TieredRunner, sampling_rows)
+from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, QuantizedKVBackend, QuantKernelsBackend,
+                                 Runner, SlotMovingRunner, StepPlan, TieredRunner, sampling_rows)
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.lora_layers import LoRABatch
 from servelab.model.memory import zeros_on_huge_pages
@@ -256,6 +256,9 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
         if state is None:
             yield
             return
+        # the backend's native library (the one whose quantized matmul it hands out), once built
+        if isinstance(self.backend, QuantKernelsBackend):
+            state.use_kernels(self.backend.quant_kernels)
         state.batch = inputs.lora
         try:
             yield

@@ -35,7 +35,7 @@ import structlog
 
 import servelab
 from servelab.errors import RequestError
-from servelab.interfaces import AllocatorStats, ClosingProcessor, SchedulerStats, SequenceStatus, WarmingProcessor
+from servelab.interfaces import AllocatorStats, ClosingProcessor, LoRARunner, SchedulerStats, SequenceStatus, WarmingProcessor
 from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
 from servelab.server.errors import AdmissionFailed, EngineUnavailable
@@ -68,6 +68,7 @@ class EngineSnapshot:
     num_running_tokens: int = 0  # context tokens of running sequences (for routers; 0 unless asked for)
     num_preparing: int = 0  # requests being validated or waiting for a grammar, not yet in the scheduler
     tier: Any = None  # TierStats of the host KV tier ([kv_offload]), None without one
+    resident_adapters: tuple[str, ...] = ()  # LoRA adapters in the fast pool (for an adapter-affinity router)
 
 
 @attrs.frozen
@@ -201,7 +202,7 @@ class EngineCore:
         self._last_snapshot = EngineSnapshot(self.engine.scheduler.stats(), self.engine.allocator.stats(),
                                              counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens,
                                              running_tokens, preparing,
-                                             counter.tier_stats)
+                                             counter.tier_stats, resident_adapters(self.engine))
         return self._last_snapshot
 
     def _serve(self, in_flight: set[str]) -> None:
@@ -288,3 +289,9 @@ class EngineCore:
                     refused.append((command_id, EngineUnavailable("the engine has failed")))
             if refused:
                 self._send(CoreOutput({}, [], self._last_snapshot, refused))
+
+
+def resident_adapters(engine: Any) -> tuple[str, ...]:
+    """The LoRA adapters in the engine's fast pool (none without LoRA)."""
+    runner = engine.runner
+    return tuple(runner.lora.resident()) if isinstance(runner, LoRARunner) and runner.lora is not None else ()

@@ -19,7 +19,7 @@ batch carries both row maps, told apart by row count.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence as Seq
+from typing import Any, Callable, Protocol, Sequence as Seq, runtime_checkable
 
 import attrs
 import torch
@@ -27,27 +27,57 @@ from torch import nn
 
 from servelab.model.lora_adapter import LoRAModule
 
-ShrinkExpand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (x [T, in], rows [n] int64, lora_a [r, in], lora_b [out, r], scale) -> [n, out] float32
+ShrinkExpand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def shrink_expand_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale * (x @ lora_a^T) @ lora_b^T in float32: x [n, in], lora_a [r, in], lora_b [out, r] -> [n, out]."""
-    return ((x.float() @ lora_a.t()) @ lora_b.t()) * scale
+def shrink_expand_reference(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """scale * (x[rows] @ lora_a^T) @ lora_b^T in float32: x [T, in], rows [n], lora_a [r, in],
+    lora_b [out, r] -> [n, out]."""
+    return ((x.index_select(0, rows).float() @ lora_a.t()) @ lora_b.t()) * scale
+
+
+@runtime_checkable
+class LoRAKernels(Protocol):
+    """A native library's shrink/expand (plugins/kernels/cpu_lora.cpp), the reference's equal
+    to float rounding, for float32 rows."""
+
+    def lora_shrink_expand(self, x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                           scale: float) -> torch.Tensor: ...
+
+
+def native_shrink_expand(kernels: LoRAKernels) -> ShrinkExpand:
+    """The library's shrink/expand where it applies (float32 rows on the CPU), else the reference's."""
+
+    def shrink_expand(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return shrink_expand_reference(x, rows, lora_a, lora_b, scale)
+        return kernels.lora_shrink_expand(x.contiguous(), rows, lora_a, lora_b, scale)
+
+    return shrink_expand
+
+
+def segments_of(row_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its row indices) for each adapter slot with rows; row_slots [T] int64, -1 for
+    base-model rows."""
+    return [(slot, (row_slots == slot).nonzero().squeeze(1)) for slot in torch.unique(row_slots).tolist() if slot >= 0]
 
 
 def lora_delta_reference(x: torch.Tensor, row_slots: torch.Tensor, slot_modules: Seq[LoRAModule | None],
-                         shrink_expand: ShrinkExpand = shrink_expand_reference) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                         shrink_expand: ShrinkExpand = shrink_expand_reference,
+                         segments: Seq[tuple[int, torch.Tensor]] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The per-adapter segments of a mixed batch's update: for each slot s with a module
     and rows in the batch, (row indices [n_s], delta [n_s, out] float32). x [T, in];
-    row_slots [T] int64, -1 for base-model rows; slot_modules[s] the module of slot s."""
-    segments = []
-    for slot in torch.unique(row_slots).tolist():
-        if slot < 0 or slot_modules[slot] is None:
-            continue
-        rows = (row_slots == slot).nonzero().squeeze(1)
+    row_slots [T] int64, -1 for base-model rows; slot_modules[s] the module of slot s;
+    `segments`: segments_of(row_slots), when already known."""
+    deltas = []
+    for slot, rows in segments if segments is not None else segments_of(row_slots):
         module = slot_modules[slot]
-        segments.append((rows, shrink_expand(x.index_select(0, rows), module.lora_a, module.lora_b, module.scale)))
-    return segments
+        if module is not None:
+            deltas.append((rows, shrink_expand(x, rows, module.lora_a, module.lora_b, module.scale)))
+    return deltas
 
 
 @attrs.frozen
@@ -56,6 +86,15 @@ class LoRABatch:
 
     token_slots: torch.Tensor  # [T] int64, one per input row
     kept_slots: torch.Tensor | None = None  # [S] int64, the rows whose logits are wanted (keep_rows), when fewer
+    # row map -> its segments_of, computed once a step (every wrapped layer reads them)
+    _segments: dict[int, list[tuple[int, torch.Tensor]]] = attrs.field(factory=dict, eq=False, repr=False)
+
+    def segments_for(self, num_rows: int) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+        """The row map of a layer input of `num_rows` rows, and its per-adapter segments."""
+        row_slots = self.slots_for(num_rows)
+        if num_rows not in self._segments:
+            self._segments[num_rows] = segments_of(row_slots)
+        return row_slots, self._segments[num_rows]
 
     def slots_for(self, num_rows: int) -> torch.Tensor:
         if num_rows == self.token_slots.shape[0]:
@@ -75,6 +114,16 @@ class LoRAState:
         self.slots: list[dict[tuple[int, str], LoRAModule] | None] = [None] * num_slots
         self.batch: LoRABatch | None = None  # None: every row is the base model's
         self.shrink_expand: ShrinkExpand = shrink_expand_reference
+        self._kernels: Any = None  # the library whose shrink/expand serves, once handed over
+
+    def use_kernels(self, kernels: Any) -> None:
+        """Run the updates on a native library's kernel (LoRAKernels), when it has one; the
+        torch reference otherwise (no library, or one built without the kernel)."""
+        if kernels is self._kernels:
+            return
+        self._kernels = kernels
+        self.shrink_expand = (native_shrink_expand(kernels) if isinstance(kernels, LoRAKernels)
+                              else shrink_expand_reference)
 
     def modules_of(self, layer: int, module: str) -> list[LoRAModule | None]:
         return [None if slot is None else slot.get((layer, module)) for slot in self.slots]
@@ -96,12 +145,12 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None:
             return y
-        row_slots = batch.slots_for(x.shape[0])
+        row_slots, segments = batch.segments_for(x.shape[0])
         for module, start, end in self.parts:
             modules = self.state.modules_of(self.layer, module)
             if not any(modules):
                 continue
-            for rows, delta in lora_delta_reference(x, row_slots, modules, self.state.shrink_expand):
+            for rows, delta in lora_delta_reference(x, row_slots, modules, self.state.shrink_expand, segments):
                 y[:, start:end].index_add_(0, rows, delta.to(y.dtype))
         return y
 
