@@ -216,3 +216,29 @@ def test_chunked_prefill_n_and_speculation_keep_the_adapter(base, adapters):
     forked = LLM(base, enable_lora=True).generate(prompts[:1], SamplingParams(n=2, max_tokens=8, temperature=0.0,
                                                                               ignore_eos=True), lora_request=mix[0])
     assert [c.token_ids for c in forked[0].outputs] == [expected[0], expected[0]]
+
+
+def test_structured_output_with_an_adapter(tmp_path):
+    """A regex-constrained request with an adapter ends in the pattern, and its first raw
+    logprob is the adapted model's (peft's log-softmax), not the base model's."""
+    import re
+    import transformers
+    from peft import PeftModel
+    from servelab import StructuredOutput
+    from servelab.model.loader import resolve_model
+
+    base = str(resolve_model("builtin:tiny"))
+    adapter = build_adapter(base, tmp_path / "tiny-adapter", r=4, seed=21, scale=0.3)
+    llm = LLM("builtin:tiny", enable_lora=True, max_model_len=128)
+    regex = r"(yes|no) \d{1,3}!"
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, structured=StructuredOutput.regex(regex))
+    out = llm.generate("The answer is", params, lora_request=LoRARequest("tiny", 1, adapter))[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and re.fullmatch(regex, completion.text), completion.text
+    model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                      adapter).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+    first = completion.token_ids[0]
+    assert completion.logprobs[0][first].logprob == pytest.approx(float(torch.log_softmax(logits, -1)[first]),
+                                                                   abs=1e-3)
