@@ -242,3 +242,38 @@ def test_structured_output_with_an_adapter(tmp_path):
     first = completion.token_ids[0]
     assert completion.logprobs[0][first].logprob == pytest.approx(float(torch.log_softmax(logits, -1)[first]),
                                                                    abs=1e-3)
+
+
+def test_a_gguf_base_with_an_adapter_equals_peft(tmp_path):
+    """An adapter trained on a GGUF model (as transformers reads the file) runs on servelab's
+    reading of the same file: greedy tokens equal peft's."""
+    pytest.importorskip("gguf")
+    import transformers
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from servelab.testing.tiny_gguf import write_tiny_gguf
+
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    path = write_tiny_gguf(folder / "tiny.gguf", ("Q8_0", "F32"))
+
+    def hf_model():
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=torch.float32)
+
+    peft_model = get_peft_model(hf_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj",
+                                                                                          "down_proj"]))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    reference = PeftModel.from_pretrained(hf_model(), str(tmp_path / "adapter")).eval()
+    prompt = [5, 17, 33, 9, 41, 7]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                      pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    llm = LLM(str(path), enable_lora=True)
+    got = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                       lora_request=LoRARequest("g", 1, str(tmp_path / "adapter")))[0].outputs[0].token_ids
+    plain = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert got == expected and got != plain.token_ids
