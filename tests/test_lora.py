@@ -85,7 +85,7 @@ def test_one_slot_forces_swaps_and_changes_no_output(base, adapters, llm):
     one_slot = LLM(base, enable_lora=True, max_loras=1, max_cpu_loras=1)
     assert tokens(one_slot.generate(prompts, GREEDY, lora_request=mix)) == expected
     manager = one_slot.engine.runner.lora
-    assert manager.num_pool_loads >= 3 and manager.num_disk_reads > 3  # swapped, and re-read from disk
+    assert manager.num_pool_loads >= 3  # every adapter change swapped the one slot
 
 
 def test_prefix_cache_is_keyed_by_adapter(base, adapters):

@@ -149,3 +149,41 @@ def test_a_replica_snapshot_names_its_resident_adapters(tmp_path):
     adapter = LoRARequest("sql", 1, build_adapter(base, tmp_path / "sql", r=2))
     llm.generate([[4, 5, 6]], SamplingParams(max_tokens=2), lora_request=adapter)
     assert replica_snapshot(llm.engine, 0).resident_adapters == {"sql"}
+
+
+def test_host_memory_keeps_adapters_in_flight_and_rereads_the_others():
+    """max_cpu_loras bounds host memory except for the pool's adapters and those with
+    sequences in flight; an adapter dropped is read again when a request names it, on the
+    request's side (never inside a step)."""
+    from servelab import LoRARequest
+    from servelab.lora_manager import LoRAManager
+    from servelab.model.lora_layers import LoRAState
+    from servelab.testing.adapter_residency import tiny_adapter
+    from servelab.model.model_config import ModelConfig
+
+    config = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 32, "num_attention_heads": 2,
+                                    "num_hidden_layers": 1, "intermediate_size": 8, "rms_norm_eps": 1e-5,
+                                    "hidden_size": 24})
+    reads: list[str] = []
+
+    def loader(name, path, model_config, max_rank):
+        reads.append(name)
+        return tiny_adapter(name, path, model_config, max_rank)
+
+    manager = LoRAManager(config, LoRAState(1), LeastRecentlyUsedAdapter(), max_cpu_loras=1, max_lora_rank=8,
+                          loader=loader)
+    requests = [LoRARequest(f"a{i}", i, f"/a{i}") for i in (1, 2, 3)]
+    in_flight: set[int] = set()
+    manager.demand = lambda: ({}, in_flight)
+    manager.register(requests[0])
+    assert manager.slots_for([1]) == [0]
+    in_flight.add(2)
+    manager.register(requests[1])
+    manager.slots_for([1])  # a step: adapter 2 counts as in flight from now on
+    manager.register(requests[2])  # host: 1 (in the pool), 2 (in flight), 3 (just read)
+    assert sorted(manager.host) == [1, 2, 3]
+    in_flight.clear()
+    assert manager.slots_for([3]) == [0]  # 1 leaves the pool; nothing is in flight but 3
+    assert sorted(manager.host) == [3]  # the rest dropped to fit max_cpu_loras
+    assert manager.register(requests[0]) == 1 and reads == ["a1", "a2", "a3", "a1"]  # read again, at registration
+    assert manager.slots_for([1]) == [0] and reads[-1] == "a1"  # the step reads no file

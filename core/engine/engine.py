@@ -62,7 +62,7 @@ class LLMEngine:
                              config.engine.max_logprobs, self.logits_pipeline, self.runner,
                              fork_refusal(config, self.allocator, self.scheduler), lora=parts.lora)
         if parts.lora is not None:
-            parts.lora.waiting_demand = self._waiting_adapters
+            parts.lora.demand = self._adapter_demand
         generator = torch.Generator(device=torch.device(config.engine.device)).manual_seed(config.engine.seed)
         self.sampling = SamplingStage(self.requests, self.logits_pipeline, self.speculator, generator,
                                       config.engine.logprobs_mode == "raw")
@@ -160,10 +160,12 @@ class LLMEngine:
         """Every sequence in flight (waiting or running), children of n > 1 requests included."""
         return [seq for seq in self.requests.sequences() if not seq.is_finished]
 
-    def _waiting_adapters(self) -> dict[int, int]:
-        """Waiting sequences per LoRA adapter id (what a queue-aware residency policy keeps)."""
-        return dict(Counter(seq.lora_id for seq in self.requests.sequences()
-                            if seq.lora_id and seq.status is SequenceStatus.WAITING))
+    def _adapter_demand(self) -> tuple[dict[int, int], set[int]]:
+        """Waiting sequences per LoRA adapter id (what a queue-aware residency policy keeps),
+        and the ids of every adapter with unfinished sequences (kept in host memory)."""
+        seqs = [seq for seq in self.requests.sequences() if seq.lora_id and not seq.is_finished]
+        waiting = Counter(seq.lora_id for seq in seqs if seq.status is SequenceStatus.WAITING)
+        return dict(waiting), {seq.lora_id for seq in seqs}
 
     def speculation_stats(self) -> SpeculationStats | None:
         """Drafted/accepted totals of the configured drafter; None without one."""

@@ -50,8 +50,11 @@ class LoRAManager:
         self.tick = 0
         self.num_pool_loads = 0  # adapters put into the pool (first loads and swaps back)
         self.num_disk_reads = 0
-        # waiting sequences per adapter id (what the engine's queue needs next); set by the engine
-        self.waiting_demand: Callable[[], Mapping[int, int]] = dict
+        # (waiting sequences per adapter id, ids of every adapter with sequences in flight), read
+        # once a step; set by the engine
+        self.demand: Callable[[], tuple[Mapping[int, int], set[int]]] = lambda: ({}, set())
+        self._waiting: Mapping[int, int] = {}
+        self._in_flight: set[int] = set()  # as of the last step: kept in host memory
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------ registration
@@ -62,11 +65,12 @@ class LoRAManager:
         if not isinstance(request, LoRARequest):
             raise RequestError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         with self._lock:
-            if self._known(request):
+            if self._known(request) and request.lora_int_id in self.host:
                 return request.lora_int_id
+        # read here, for the request's own error, also when known but dropped from host memory
         adapter = self._read_file(request)
         with self._lock:
-            if self._known(request):  # registered meanwhile, by another thread
+            if self._known(request) and request.lora_int_id in self.host:  # meanwhile, by another thread
                 return request.lora_int_id
             self.requests[request.lora_int_id] = request
             self._keep_in_host(request.lora_int_id, adapter)
@@ -119,11 +123,12 @@ class LoRAManager:
     def _keep_in_host(self, lora_id: int, adapter: LoRAAdapter) -> None:
         self.host[lora_id] = adapter
         self.host.move_to_end(lora_id)
-        # host memory holds the pool's adapters and at most max_cpu_loras in all
+        # host memory holds at most max_cpu_loras adapters, more only while the pool's, or
+        # those of sequences in flight, need more (so a step never reads a file)
         for other in list(self.host):
             if len(self.host) <= self.max_cpu_loras:
                 break
-            if other not in self.slot_of and other != lora_id:
+            if other not in self.slot_of and other not in self._in_flight and other != lora_id:
                 del self.host[other]
 
     # ------------------------------------------------------------ steps
@@ -137,6 +142,8 @@ class LoRAManager:
     def _slots_for(self, lora_ids: Seq[int]) -> list[int]:
         self.tick += 1
         needed = list(dict.fromkeys(i for i in lora_ids if i))
+        self._waiting, in_flight = self.demand()
+        self._in_flight = set(in_flight) | set(needed)
         if len(needed) > self.max_loras:
             raise RuntimeError(f"a step runs {len(needed)} LoRA adapters, more than max_loras={self.max_loras}: the "
                                f"scheduler must cap adapters per batch (SchedulerContext.max_loras_per_batch)")
@@ -154,7 +161,7 @@ class LoRAManager:
         free = self.max_loras - len(self.slot_of)
         if free >= num_needed:
             return
-        demand = self.waiting_demand()
+        demand = self._waiting
         candidates = [ResidentAdapter(lora_id=i, name=self.requests[i].lora_name, loaded=self.loaded[i],
                                       last_used=self.last_used.get(i, 0), uses=self.uses[i],
                                       num_waiting=demand.get(i, 0), rank=self.host[i].max_rank,
@@ -167,8 +174,12 @@ class LoRAManager:
 
     def _load(self, lora_id: int) -> None:
         adapter = self.host.get(lora_id)
-        if adapter is None:  # dropped from host memory: read it from disk again
-            adapter = self._read_file(self.requests[lora_id])
+        if adapter is None:  # dropped from host memory before its request came in: read it again
+            try:
+                adapter = self._read_file(self.requests[lora_id])
+            except RequestError as exc:
+                raise RuntimeError(f"LoRA adapter {self.requests[lora_id].lora_name!r} changed on disk while "
+                                   f"requests used it: {exc}") from None
         self._keep_in_host(lora_id, adapter)
         slot = self.state.slots.index(None)
         self.state.slots[slot] = dict(adapter.modules)

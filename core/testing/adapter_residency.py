@@ -116,7 +116,7 @@ class AdapterResidencyContract(PolicyContract):
                 needed = list(dict.fromkeys(i for i in step if i))[:max_loras]
                 step = [i if i in needed or not i else 0 for i in step]
                 waiting = {rng.randint(1, 7): rng.randint(1, 3)}
-                manager.waiting_demand = lambda: waiting
+                manager.demand = lambda: (waiting, set(waiting))
                 with exercising(STEP_RESIDENT):
                     slots = manager.slots_for(step)
                 check(all((slot == -1) == (lora_id == 0) for slot, lora_id in zip(slots, step)), STEP_RESIDENT,
