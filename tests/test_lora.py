@@ -277,3 +277,20 @@ def test_a_gguf_base_with_an_adapter_equals_peft(tmp_path):
                        lora_request=LoRARequest("g", 1, str(tmp_path / "adapter")))[0].outputs[0].token_ids
     plain = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert got == expected and got != plain.token_ids
+
+
+def test_prompt_logprobs_are_the_adapted_models(llm, base, adapters):
+    import transformers
+    from peft import PeftModel
+
+    request = requests_for(adapters)["all"]
+    out = llm.generate(PROMPTS[1:2], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                       lora_request=request)[0]
+    model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                      adapters["all"]).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([PROMPTS[1]])).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None
+    for position, token in enumerate(PROMPTS[1][1:], start=1):
+        got = out.prompt_logprobs[position][token].logprob
+        assert got == pytest.approx(float(expected[position - 1, token]), abs=1e-4)
