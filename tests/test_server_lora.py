@@ -98,3 +98,11 @@ def test_runtime_load_unload_and_hostile_adapters(server, adapters, llama_checkp
                       timeout=30)
     assert gone.status_code == 404
     assert "evil" not in {e["id"] for e in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]}
+
+
+def test_chat_names_an_adapter_too(server):
+    body = {"messages": [{"role": "user", "content": "w5 w17"}], "max_tokens": 4, "temperature": 0}
+    adapted = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "a", **body}, timeout=60)
+    plain = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, **body}, timeout=60)
+    assert adapted.status_code == 200 and adapted.json()["model"] == "a"
+    assert plain.status_code == 200 and plain.json()["model"] == MODEL
