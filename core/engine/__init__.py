@@ -15,6 +15,7 @@ from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepReport
 from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
                                    LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin, VictimPlugin)
+from servelab.plugin_types import KVTransferPlugin
 from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
 from servelab.structured import StructuredOutput
@@ -35,6 +36,7 @@ __all__ = [
     "Logprob",
     "LogitsProcessorPlugin",
     "EngineConfig",
+    "KVTransferPlugin",
     "PluginError",
     "PluginRegistry",
     "RequestError",

@@ -21,6 +21,7 @@ from servelab.testing.contract import ContractViolation, check
 from servelab.testing.drafter import DrafterContract
 from servelab.testing.eviction import EvictionContract
 from servelab.testing.kv_tier import KVTierContract
+from servelab.testing.kv_transfer import TransportContract
 from servelab.testing.logits_processor import LogitsProcessorContract
 from servelab.testing import objectives
 from servelab.testing.objectives import Objective, ObjectiveMissed
@@ -37,6 +38,7 @@ __all__ = [
     "DrafterContract",
     "EvictionContract",
     "KVTierContract",
+    "TransportContract",
     "LogitsProcessorContract",
     "Objective",
     "ObjectiveMissed",
