@@ -28,6 +28,35 @@ class TestSharedFilesTransport(TransportContract):
         return lambda options, context: SharedFilesTransport(SharedFilesOptions(path=str(tmp_path / "kv")), context)
 
 
+class TestTorchStoreTransport(TransportContract):
+    plugin_name = "torch-store"
+
+
+def test_torch_store_endpoints_on_one_store_see_one_another():
+    from servelab.contracts.kv_transfer import KVTransferContext
+    from servelab.plugins.transports.torch_store import TorchStoreOptions, TorchStoreTransport
+    from servelab.testing.kv_transfer import sample_handoff
+
+    server = TorchStoreTransport(TorchStoreOptions(port=0, serve=True), KVTransferContext("producer", "p"))
+    consumers = [TorchStoreTransport(TorchStoreOptions(port=server.port, serve=False, timeout_s=5),
+                                     KVTransferContext("consumer", f"d{i}")) for i in range(2)]
+    handoff, payloads = sample_handoff("t-remote", num_blocks=3)
+    server.offer(handoff, payloads)
+    taken = [c.pending() for c in consumers]
+    assert sorted(len(t) for t in taken) == [0, 1]  # one consumer took it
+    [received] = [t[0] for t in taken if t]
+    assert received == handoff
+    assert consumers[1].receive("t-remote", [2])[2].data == payloads[2].data
+    consumers[0].reject("t-remote", "full")
+    assert server.poll("t-remote").state is TransferState.REJECTED
+    server.complete("t-remote")  # too late: a terminal state stays
+    assert consumers[1].poll("t-remote").reason == "full"
+    server.forget("t-remote")
+    assert consumers[0].poll("t-remote").state is TransferState.UNKNOWN
+    with pytest.raises(Exception, match="offered before"):
+        consumers[0].offer(handoff, payloads)
+
+
 # ---------------------------------------------------------------- seeded faulty transports
 
 
