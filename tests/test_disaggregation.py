@@ -148,3 +148,23 @@ def test_a_request_whose_first_token_ends_it_never_reaches_decode(servelab_tiny_
         [output] = llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=1, temperature=0)])
         assert len(output.token_ids) == 1 and output.finish_reason == "length"
         assert llm.metrics()["prefill"]["transfers"] == 0 and llm.decode[0].metrics.transfers == 0
+
+
+def test_the_bench_compares_colocated_and_xpyd_on_one_workload(servelab_tiny_checkpoint):
+    from servelab.bench.disaggregated import format_comparison, parse_topology, run_comparison
+    from servelab.bench.metrics import SLO
+    from servelab.config import EngineConfig
+
+    assert parse_topology("2p1d") == (2, 1)
+    with pytest.raises(ConfigError, match="xPyD"):
+        parse_topology("0P1D")
+    result = run_comparison(EngineConfig.load(config(servelab_tiny_checkpoint)),
+                            "fixed:num_requests=3,prompt_len=18,output_len=4", [(1, 1), (2, 1)],
+                            SLO(ttft_ms=1e6, tpot_ms=1e6))
+    assert [row["topology"] for row in result["rows"]] == ["colocated", "1P1D", "2P1D"]
+    assert result["identical"] == {"1P1D": True, "2P1D": True}
+    colocated_row, *split = result["rows"]
+    assert colocated_row["kv_bytes_moved"] == 0 and all(row["kv_bytes_moved"] > 0 for row in split)
+    assert all(row["slo_attainment"] == 1.0 and row["goodput_rps"] > 0 for row in result["rows"])
+    assert all(row["ttft_ms"]["p50"] is not None and row["tpot_ms"]["p99"] is not None for row in result["rows"])
+    assert "1P1D" in format_comparison(result)

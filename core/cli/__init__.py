@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput SLO on time to first token")
     bench.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput SLO on time per output token")
     bench.add_argument("--rates", help="comma-separated request rates (req/s) for a Poisson sweep")
+    bench.add_argument("--disaggregate", action="append", default=[], metavar="xPyD",
+                       help="compare one colocated engine against prefill/decode disaggregation with x prefill and "
+                            "y decode engines in one process (repeatable: 1P1D, 2P1D, ...)")
     bench.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     bench.add_argument("--plots", dest="plots_dir", help="write PNG plots into this directory")
     bench.add_argument("--save-workload", help="write the generated workload as JSONL (replay with file:PATH)")
@@ -242,7 +245,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         sim_accelerator=args.sim, sim_model=args.sim_model, sim_interconnect=args.sim_interconnect,
         warm_cache=args.warm_cache, replicas=args.replicas, imbalance_factor=args.imbalance_factor,
     )
-    if args.calibrate:
+    if args.disaggregate:
+        result = _disaggregated_bench(configs, args, options.slo)
+    elif args.calibrate:
         result = _calibrate(configs[0][1], args.workload)
     else:
         result = run_bench(configs, options)
@@ -251,6 +256,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as handle:
             json.dump(result, handle, indent=2)
     return 0
+
+
+def _disaggregated_bench(configs: list, args: argparse.Namespace, slo: object) -> dict:
+    from servelab.bench.disaggregated import format_comparison, parse_topology, run_comparison
+
+    topologies = [parse_topology(text) for text in args.disaggregate]
+    if len(configs) != 1 or args.sim:
+        raise ServelabError("--disaggregate runs one config on the real engine: give at most one --config, no --sim")
+    config = configs[0][1]
+    result = run_comparison(config, args.workload or "skewed:num_requests=16", topologies, slo)
+    print(format_comparison(result))
+    return result
 
 
 def _repeats(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence as Seq
 
+import attrs
+
 from servelab.config import EngineConfig
 from servelab.disagg.consumer import DecodeWorker
 from servelab.disagg.producer import PrefillWorker
@@ -61,6 +63,7 @@ class DisaggregatedLLM:
         self.router = PDRouter(self.registry, prefill_engines, decode_engines, engine.config.engine.block_size,
                                engine.limits.num_kv_blocks)
         self._params: dict[str, tuple[SamplingParams, float]] = {}  # transfer id -> params, arrival
+        self._first_token: dict[str, float] = {}  # transfer id -> when its first token came (the deployment's clock)
 
     @property
     def tokenizer(self):
@@ -94,7 +97,7 @@ class DisaggregatedLLM:
         return transfer_id
 
     def abort(self, transfer_id: str) -> None:
-        self._params.pop(transfer_id, None)
+        self.forget(transfer_id)
         for worker in self.prefill:
             worker.abort(transfer_id)
         for worker in self.decode:
@@ -103,6 +106,7 @@ class DisaggregatedLLM:
     def forget(self, transfer_id: str) -> None:
         """The request ended outside a step (its decode engine died): stop tracking it."""
         self._params.pop(transfer_id, None)
+        self._first_token.pop(transfer_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self._params) or any(w.num_holds for w in self.prefill)
@@ -115,6 +119,7 @@ class DisaggregatedLLM:
                 entry = self._params.get(done.transfer_id)
                 if entry is None:
                     continue  # aborted meanwhile
+                self._first_token[done.transfer_id] = self.clock()
                 if done.handoff is None:
                     finished.append(done.output)
                     continue
@@ -127,9 +132,19 @@ class DisaggregatedLLM:
                     finished.append(output)
         for worker in self.decode:
             finished.extend(worker.step())
-        for output in finished:
-            self._params.pop(output.request_id, None)
-        return finished
+        return [self._timed(output) for output in finished]
+
+    def _timed(self, output: RequestOutput) -> RequestOutput:
+        """`output` with its times on the deployment's clock: arrival at the router, first
+        token from the prefill engine, finish now (each engine keeps its own clock)."""
+        params = self._params.pop(output.request_id, None)
+        first = self._first_token.pop(output.request_id, None)
+        if params is None:
+            return output
+        now = self.clock()
+        return attrs.evolve(output, metrics=attrs.evolve(
+            output.metrics, arrival_time=params[1], first_scheduled_time=None,
+            first_token_time=first if first is not None else now, finish_time=now))
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
