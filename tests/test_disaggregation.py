@@ -168,3 +168,25 @@ def test_the_bench_compares_colocated_and_xpyd_on_one_workload(servelab_tiny_che
     assert all(row["slo_attainment"] == 1.0 and row["goodput_rps"] > 0 for row in result["rows"])
     assert all(row["ttft_ms"]["p50"] is not None and row["tpot_ms"]["p99"] is not None for row in result["rows"])
     assert "1P1D" in format_comparison(result)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_simulators_handoff_price_counts_the_bytes_a_real_handoff_moves(servelab_tiny_checkpoint,
+                                                                             kv_cache_dtype):
+    from servelab.bench.sim.handoff import HANDOFF_LINKS, handoff_bytes, handoff_link, handoff_rows
+
+    cfg = config(servelab_tiny_checkpoint, kv_cache_dtype=kv_cache_dtype)
+    with DisaggregatedLLM(config=cfg) as llm:
+        llm.generate([PROMPTS[0]], [GREEDY[0]])
+        moved = llm.metrics()["prefill"]["bytes"]
+        model = llm.prefill[0].engine.model_config
+    assert moved == handoff_bytes(model, len(PROMPTS[0]), 4, "float32", kv_cache_dtype) > 0
+    assert handoff_bytes(model, 3, 4) == 0  # shorter than a block: nothing moves
+    nvlink, ethernet = handoff_link("nvlink4"), handoff_link("ethernet-25g")
+    assert nvlink.seconds(moved) < ethernet.seconds(moved) and nvlink.seconds(0) == 0.0
+    rows = handoff_rows(model, 1024, 16, list(HANDOFF_LINKS))
+    assert {r["kv_cache_dtype"] for r in rows} == {"auto", "fp8_e4m3"}
+    assert all(r["bytes"] < s["bytes"] for r in rows if r["kv_cache_dtype"] == "fp8_e4m3"
+               for s in rows if s["kv_cache_dtype"] == "auto")
+    with pytest.raises(ConfigError, match="unknown handoff link"):
+        handoff_link("carrier-pigeon")
