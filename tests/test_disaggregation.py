@@ -190,3 +190,33 @@ def test_the_simulators_handoff_price_counts_the_bytes_a_real_handoff_moves(serv
                for s in rows if s["kv_cache_dtype"] == "auto")
     with pytest.raises(ConfigError, match="unknown handoff link"):
         handoff_link("carrier-pigeon")
+
+
+def test_a_simulated_pd_fleet_serves_every_request_and_prices_its_handoffs():
+    from servelab.bench.metrics import SLO
+    from servelab.bench.sim.disaggregated import run_pd_comparison, run_pd_fleet
+    from servelab.bench.sim.handoff import handoff_link
+    from servelab.bench.sim.shapes import model_shape
+    from servelab.config import EngineConfig
+    from servelab.workload import build_workload
+
+    model = model_shape("llama-3-8b")
+    workload = build_workload("fixed:num_requests=12,prompt_len=200,output_len=8,arrival=poisson,rate=50",
+                              model.vocab_size)
+    config = EngineConfig.load({})
+    slow = run_pd_fleet(config, workload, 1, 1, "h100", "llama-3-8b", handoff_link("ethernet-25g"))
+    fast = run_pd_fleet(config, workload, 1, 1, "h100", "llama-3-8b", handoff_link("nvlink4"))
+    for result in (slow, fast):
+        assert [len(o.token_ids) for o in result["outputs"]] == [8] * 12
+        assert all(o.finish_reason == "length" for o in result["outputs"]) and result["recomputes"] == 0
+        # every prompt's full 16-token blocks, at Llama-3-8B's 128 KiB a token in bf16
+        assert result["kv_bytes_moved"] == 12 * (200 // 16) * 16 * 128 * 1024
+    # the same handoffs over a slower link: the second token waits for the bytes
+    tpot = lambda result: sorted(o.tpot for o in result["outputs"])[6]  # noqa: E731
+    assert tpot(slow) > tpot(fast)
+    assert run_pd_fleet(config, workload, 1, 1, "h100", "llama-3-8b", handoff_link("nvlink4"))["outputs"][3] \
+        .metrics == fast["outputs"][3].metrics  # simulated: the same figures every run
+    comparison = run_pd_comparison(config, workload, [(1, 1)], "h100", "llama-3-8b", "nvlink4", SLO(1000, 100))
+    assert [row["topology"] for row in comparison["rows"]] == ["colocated x2", "1P1D"]
+    assert all(row["devices"] == 2 and row["goodput_per_device"] == row["goodput_rps"] / 2
+               for row in comparison["rows"])

@@ -86,7 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rates", help="comma-separated request rates (req/s) for a Poisson sweep")
     bench.add_argument("--disaggregate", action="append", default=[], metavar="xPyD",
                        help="compare one colocated engine against prefill/decode disaggregation with x prefill and "
-                            "y decode engines in one process (repeatable: 1P1D, 2P1D, ...)")
+                            "y decode engines in one process (repeatable: 1P1D, 2P1D, ...); with --sim, simulated "
+                            "fleets against as many colocated replicas")
+    bench.add_argument("--handoff-link", default="nvlink4", help="with --sim --disaggregate: the link a KV handoff "
+                       "crosses: nvlink4, pcie5, pcie4, infiniband-ndr, infiniband-hdr, ethernet-100g, ethernet-25g")
     bench.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     bench.add_argument("--plots", dest="plots_dir", help="write PNG plots into this directory")
     bench.add_argument("--save-workload", help="write the generated workload as JSONL (replay with file:PATH)")
@@ -262,10 +265,18 @@ def _disaggregated_bench(configs: list, args: argparse.Namespace, slo: object) -
     from servelab.bench.disaggregated import format_comparison, parse_topology, run_comparison
 
     topologies = [parse_topology(text) for text in args.disaggregate]
-    if len(configs) != 1 or args.sim:
-        raise ServelabError("--disaggregate runs one config on the real engine: give at most one --config, no --sim")
+    if len(configs) != 1:
+        raise ServelabError("--disaggregate compares one config colocated and disaggregated: give at most one --config")
     config = configs[0][1]
-    result = run_comparison(config, args.workload or "skewed:num_requests=16", topologies, slo)
+    if args.sim:
+        from servelab.bench.sim.disaggregated import run_pd_comparison
+        from servelab.bench.sim.shapes import model_shape
+        from servelab.workload import build_workload
+
+        workload = build_workload(args.workload or "skewed", model_shape(args.sim_model).vocab_size)
+        result = run_pd_comparison(config, workload, topologies, args.sim, args.sim_model, args.handoff_link, slo)
+    else:
+        result = run_comparison(config, args.workload or "skewed:num_requests=16", topologies, slo)
     print(format_comparison(result))
     return result
 

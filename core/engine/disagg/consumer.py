@@ -22,7 +22,7 @@ from servelab.disagg.data_path import RunnerDataPath
 from servelab.disagg.metrics import TransferMetrics
 from servelab.disagg.requests import decode_params
 from servelab.errors import ConfigError, RequestError
-from servelab.interfaces import (Handoff, KVTransport, PrefixCachingAllocator, Sequence, TransferError,
+from servelab.interfaces import (Handoff, KVDataPath, KVTransport, PrefixCachingAllocator, Sequence, TransferError,
                                  TransferState, check_handoff, layout_mismatch, lease_state, payload_indices,
                                  prefix_block_hashes)
 from servelab.logging_setup import get_logger
@@ -51,7 +51,7 @@ class DecodeWorker:
     """One consumer engine."""
 
     def __init__(self, engine: Any, transport: KVTransport, name: str, failure_policy: str = "fail",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, data_path: KVDataPath | None = None) -> None:
         if failure_policy not in FAILURE_POLICIES:
             raise ConfigError(f"failure policy {failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}")
         if not isinstance(engine.allocator, PrefixCachingAllocator):
@@ -60,7 +60,8 @@ class DecodeWorker:
         self.engine, self.transport, self.name = engine, transport, name
         self.failure_policy, self.clock = failure_policy, clock
         self.block_size = engine.config.engine.block_size
-        self.data_path = RunnerDataPath(engine.runner, engine.config.engine.kv_cache_dtype, self.block_size)
+        self.data_path = data_path or RunnerDataPath(engine.runner, engine.config.engine.kv_cache_dtype,
+                                                     self.block_size)
         self.metrics = TransferMetrics("decode")
         self._waiting: dict[str, _Accepted] = {}  # transfer id -> a handoff whose payload is not ready yet
         self._admitted: dict[str, _Accepted] = {}  # transfer id -> its request in the engine

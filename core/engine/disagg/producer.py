@@ -19,8 +19,8 @@ from servelab.disagg.data_path import RunnerDataPath
 from servelab.disagg.metrics import TransferMetrics
 from servelab.disagg.requests import prefill_params
 from servelab.errors import ConfigError
-from servelab.interfaces import (TERMINAL_STATES, BlockPayload, Handoff, KVTransport, PrefixCachingAllocator,
-                                 Sequence, TransferState, prefix_block_hashes)
+from servelab.interfaces import (TERMINAL_STATES, BlockPayload, Handoff, KVDataPath, KVTransport,
+                                 PrefixCachingAllocator, Sequence, prefix_block_hashes)
 from servelab.logging_setup import get_logger
 from servelab.outputs import RequestOutput
 from servelab.request import RequestSpec
@@ -54,14 +54,15 @@ class PrefillWorker:
     """One producer engine and its holds."""
 
     def __init__(self, engine: Any, transport: KVTransport, name: str, lease_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, data_path: KVDataPath | None = None) -> None:
         if not isinstance(engine.allocator, PrefixCachingAllocator):
             raise ConfigError(f"a prefill engine hands its KV on from its prefix cache: allocator "
                               f"{engine.config.allocator.name!r} has none; choose allocator 'hash' or 'radix'")
         self.engine, self.transport, self.name = engine, transport, name
         self.lease_s, self.clock = lease_s, clock
         self.block_size = engine.config.engine.block_size
-        self.data_path = RunnerDataPath(engine.runner, engine.config.engine.kv_cache_dtype, self.block_size)
+        self.data_path = data_path or RunnerDataPath(engine.runner, engine.config.engine.kv_cache_dtype,
+                                                     self.block_size)
         self.metrics = TransferMetrics("prefill")
         # transfer id -> (its seeded generator or None, the client's params); the generator is
         # kept here because a finished request lets go of its own
