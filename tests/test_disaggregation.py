@@ -220,3 +220,22 @@ def test_a_simulated_pd_fleet_serves_every_request_and_prices_its_handoffs():
     assert [row["topology"] for row in comparison["rows"]] == ["colocated x2", "1P1D"]
     assert all(row["devices"] == 2 and row["goodput_per_device"] == row["goodput_rps"] / 2
                for row in comparison["rows"])
+
+
+def test_the_planner_picks_the_split_with_most_goodput_per_device_meeting_the_slo():
+    from servelab.bench.disaggregated import format_comparison
+    from servelab.bench.metrics import SLO
+    from servelab.bench.sim.disaggregated import plan_pd
+    from servelab.bench.sim.shapes import model_shape
+    from servelab.config import EngineConfig
+    from servelab.workload import build_workload
+
+    workload = build_workload("fixed:num_requests=16,prompt_len=300,output_len=6,arrival=poisson,rate=40",
+                              model_shape("llama-3-8b").vocab_size)
+    plan = plan_pd(EngineConfig.load({}), workload, "h100", "llama-3-8b", "nvlink4", SLO(1000, 100), 3, 0.9)
+    assert [row["topology"] for row in plan["rows"]] == ["colocated x2", "1P1D", "colocated x3", "1P2D", "2P1D"]
+    meeting = [row for row in plan["rows"] if row["slo_attainment"] >= 0.9]
+    assert plan["best"] == max(meeting, key=lambda row: row["goodput_per_device"])["topology"]
+    assert "goodput/device" in format_comparison(plan)
+    impossible = plan_pd(EngineConfig.load({}), workload, "h100", "llama-3-8b", "nvlink4", SLO(0.001, 0.001), 2, 0.9)
+    assert impossible["best"] is None

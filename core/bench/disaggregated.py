@@ -93,12 +93,13 @@ def format_comparison(result: dict[str, Any]) -> str:
     slo = result["slo"]
     lines = [f"SLO: TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms",
              f"{'topology':<10} {'goodput/s':>9} {'SLO ok':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
-             f"{'TPOT p99':>9} {'KV MB':>8} {'recomp':>6} {'same tokens':>11}"]
+             f"{'TPOT p99':>9} {'KV MB':>8} {'recomp':>6} {'same tokens':>11} {'goodput/device':>14}"]
     for row in result["rows"]:
         same = result["identical"].get(row["topology"])
         lines.append(f"{row['topology']:<10} {number(row['goodput_rps'], 2):>9} {row['slo_attainment']:>7.0%} "
                      f"{number(row['ttft_ms']['p50']):>9} {number(row['ttft_ms']['p99']):>9} "
                      f"{number(row['tpot_ms']['p50']):>9} {number(row['tpot_ms']['p99']):>9} "
                      f"{row['kv_bytes_moved'] / 1e6:>8.2f} {row['recomputes']:>6.0f} "
-                     f"{'-' if same is None else ('yes' if same else 'NO'):>11}")
+                     f"{'-' if same is None else ('yes' if same else 'NO'):>11} "
+                     f"{number(row['goodput_per_device'] if 'goodput_per_device' in row else None, 2):>14}")
     return "\n".join(lines)

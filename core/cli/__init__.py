@@ -145,6 +145,10 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--max-draft-tokens", type=int, default=6)
     size.add_argument("--json", dest="json_out", help="write the plan as JSON to this file")
     _add_kv_cache_dtype_argument(size)
+    size.add_argument("--disaggregate", type=int, metavar="N", help="plan prefill/decode disaggregation instead: "
+                      "every colocated fleet and xPyD split of 2..N devices on the workload (give it arrivals, e.g. "
+                      "arrival=poisson,rate=R), the best goodput per device meeting --slo-attainment")
+    size.add_argument("--handoff-link", default="nvlink4", help="with --disaggregate: the link a KV handoff crosses")
     size.set_defaults(handler=_cmd_size)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
@@ -290,11 +294,29 @@ def _repeats(args: argparse.Namespace) -> int:
 def _cmd_size(args: argparse.Namespace) -> int:
     from servelab.bench.sim.size_command import size
 
-    result = size(args)
+    result = _plan_disaggregated(args) if args.disaggregate else size(args)
     if args.json_out:
         with open(args.json_out, "w") as handle:
             json.dump(result, handle, indent=2)
     return 0
+
+
+def _plan_disaggregated(args: argparse.Namespace) -> dict:
+    from servelab.bench.disaggregated import format_comparison
+    from servelab.bench.metrics import SLO
+    from servelab.bench.sim.disaggregated import plan_pd
+    from servelab.bench.sim.shapes import model_shape
+    from servelab.workload import build_workload
+
+    if args.disaggregate < 2:
+        raise ServelabError(f"--disaggregate {args.disaggregate}: a prefill and a decode engine need 2 devices or more")
+    config = EngineConfig.load(args.config).with_set_options(args.assignments)
+    workload = build_workload(args.workload, model_shape(args.sim_model).vocab_size)
+    result = plan_pd(config, workload, args.sim, args.sim_model, args.handoff_link,
+                     SLO(args.slo_ttft_ms, args.slo_tpot_ms), args.disaggregate, args.slo_attainment)
+    print(format_comparison(result))
+    print(f"best goodput per device meeting {args.slo_attainment:.0%} of the SLO: {result['best'] or 'none'}")
+    return result
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -178,3 +178,28 @@ def run_pd_comparison(config: EngineConfig, workload: Workload, topologies: Seq[
         row["goodput_per_device"] = row["goodput_rps"] / row["devices"]
     return {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "link": link_name, "rows": rows,
             "identical": {}}
+
+
+def plan_pd(config: EngineConfig, workload: Workload, accelerator: str, sim_model: str, link_name: str, slo: SLO,
+            max_devices: int, attainment: float) -> dict[str, Any]:
+    """`servelab size --disaggregate N`: every colocated fleet and every xPyD split of 2..N
+    devices on `workload`; the best is the most goodput per device among those meeting
+    `attainment` of the SLO (DistServe's placement search, over P:D ratios)."""
+    link = handoff_link(link_name)
+    rows = []
+    for devices in range(2, max_devices + 1):
+        fleet = SimFleet(f"colocated x{devices}", pd_config(config), devices, accelerator, sim_model)
+        record = run_fleet(fleet, workload)
+        rows.append({**summarize_outputs(fleet.name, record.run.outputs, record.run.end_time - record.run.start_time,
+                                         slo), "devices": devices})
+        for prefill in range(1, devices):
+            result = run_pd_fleet(config, workload, prefill, devices - prefill, accelerator, sim_model, link)
+            rows.append({**summarize_outputs(f"{prefill}P{devices - prefill}D", result["outputs"], result["seconds"],
+                                             slo, result["kv_bytes_moved"], result["recomputes"]),
+                         "devices": devices})
+    for row in rows:
+        row["goodput_per_device"] = row["goodput_rps"] / row["devices"]
+    meeting = [row for row in rows if row["slo_attainment"] >= attainment]
+    best = max(meeting, key=lambda row: (row["goodput_per_device"], -row["devices"]), default=None)
+    return {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "attainment": attainment, "link": link_name,
+            "rows": rows, "identical": {}, "best": best["topology"] if best is not None else None}
