@@ -239,3 +239,36 @@ def test_the_planner_picks_the_split_with_most_goodput_per_device_meeting_the_sl
     assert "goodput/device" in format_comparison(plan)
     impossible = plan_pd(EngineConfig.load({}), workload, "h100", "llama-3-8b", "nvlink4", SLO(0.001, 0.001), 2, 0.9)
     assert impossible["best"] is None
+
+
+def test_the_roles_state_the_scheduler_side_of_the_contract(servelab_tiny_checkpoint):
+    from servelab.interfaces import ConsumerScheduler, ProducerScheduler, TransferState
+
+    class Holding(InProcessTransport):
+        """Keeps offers unready until released."""
+
+        ready = False
+
+        def poll(self, transfer_id):
+            status = super().poll(transfer_id)
+            if not self.ready and status.state is TransferState.READY:
+                return type(status)(TransferState.OFFERED, status.lease_deadline)
+            return status
+
+    transport = Holding()
+    with DisaggregatedLLM(config=config(servelab_tiny_checkpoint), transport=transport) as llm:
+        producer, consumer = llm.prefill[0], llm.decode[0]
+        assert isinstance(producer, ProducerScheduler) and isinstance(consumer, ConsumerScheduler)
+        transfer_id = llm.add_request(PROMPTS[0], GREEDY[0])
+        while not producer.num_holds:
+            llm.step()
+        assert consumer.is_waiting(transfer_id)
+        handoff = consumer._waiting[transfer_id].handoff
+        assert consumer.remote_tokens(handoff) is None  # ask again later
+        transport.ready = True
+        assert consumer.remote_tokens(handoff) == (len(PROMPTS[0]) // 4) * 4  # nothing cached yet
+        outputs = []
+        while len(outputs) < 1:
+            outputs += llm.step()
+        assert consumer.remote_tokens(handoff) == 0  # now its own cache holds every block
+        assert outputs[0].token_ids == colocated(config(servelab_tiny_checkpoint), GREEDY)[0]

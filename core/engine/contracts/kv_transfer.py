@@ -13,8 +13,8 @@ Three parts, each small:
   with its block payloads, receive them, poll a transfer's state, complete, reject,
   abort, and renew its lease.
 
-The scheduler side (`TransferScheduler`) is what the producer and consumer roles of
-`servelab.disagg` state: how many of a request's tokens a remote producer holds, what to
+The scheduler side (`ProducerScheduler`, `ConsumerScheduler`) is what the producer and
+consumer roles of `servelab.disagg` state: how many of a request's tokens a remote producer holds, what to
 do once local blocks are allocated for them, and on finish whether to hold the blocks
 for a consumer under a lease.
 """
@@ -38,7 +38,8 @@ __all__ = [
     "KVTransferContext",
     "KVTransport",
     "KVDataPath",
-    "TransferScheduler",
+    "ProducerScheduler",
+    "ConsumerScheduler",
     "TransferError",
     "block_checksum",
 ]
@@ -230,19 +231,27 @@ class KVDataPath(Protocol):
 
 
 @runtime_checkable
-class TransferScheduler(Protocol):
-    """The scheduler side of a transfer, as the producer and consumer roles state it."""
+class ProducerScheduler(Protocol):
+    """The scheduler side of a producer (servelab.disagg.producer.PrefillWorker states it)."""
+
+    def hold_on_finish(self, transfer_id: str, prompt_token_ids: Seq[int], first_token_id: int,
+                       sampler_state: bytes | None) -> tuple[Handoff, list[BlockPayload]]:
+        """The request's prefill finished with `first_token_id`: hold its blocks under a
+        lease; the handoff to pass on and its block payloads (none for a prompt shorter
+        than a block: nothing is held)."""
+
+
+@runtime_checkable
+class ConsumerScheduler(Protocol):
+    """The scheduler side of a consumer (servelab.disagg.consumer.DecodeWorker states it)."""
 
     def remote_tokens(self, handoff: Handoff) -> int | None:
-        """Consumer: tokens of the request the producer holds and this engine lacks
+        """Tokens of the request the producer holds and this engine's prefix cache lacks
         (None: ask again later, the payload is not ready)."""
 
-    def blocks_allocated(self, handoff: Handoff, blocks: Seq[int]) -> None:
-        """Consumer: local blocks are allocated for the remote tokens; load them."""
-
-    def hold_on_finish(self, transfer_id: str) -> Handoff | None:
-        """Producer: the request's prefill finished; hold its blocks under a lease and
-        return the handoff to pass on (None: nothing to hand on)."""
+    def blocks_allocated(self, handoff: Handoff, indices: Seq[int], blocks: Seq[int]) -> None:
+        """Local blocks are allocated for the remote tokens: load the handoff's blocks
+        `indices` into the physical `blocks` (TransferError when they cannot be)."""
 
 
 def layout_mismatch(ours: KVLayout, theirs: KVLayout) -> str | None:

@@ -13,7 +13,7 @@ computed here, together with the first token.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence as Seq
 
 import attrs
 import torch
@@ -28,6 +28,7 @@ from servelab.interfaces import (Handoff, KVDataPath, KVTransport, PrefixCaching
 from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from servelab.request import RequestSpec
+from servelab.routing import reported_prefix_summary
 from servelab.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
@@ -166,21 +167,35 @@ class DecodeWorker:
         if not allocator.allocate(loader.request_id, handoff.num_blocks * block_size):
             raise TransferError(f"transfer {transfer_id!r}: no room for {handoff.num_blocks} KV blocks")
         needed = payload_indices(handoff, cached)
-        payloads = self.transport.receive(transfer_id, needed)
-        expected = self.data_path.layout().block_bytes
-        for index in needed:
-            payload = payloads.get(index) if isinstance(payloads, dict) else None
-            if payload is None or payload.index != index:
-                raise TransferError(f"transfer {transfer_id!r}: block {index} missing from the payload")
-            payload.verify(transfer_id, expected)
         table = list(allocator.block_table(loader.request_id))
-        self.data_path.load([table[i] for i in needed], [payloads[i].data for i in needed])
+        self.blocks_allocated(handoff, needed, [table[i] for i in needed])
         loader.num_computed_tokens = handoff.num_blocks * block_size
         allocator.cache_blocks(loader)
         self.metrics.transfers += 1
-        self.metrics.bytes += sum(len(payloads[i].data) for i in needed)
         self.metrics.blocks_skipped += min(cached, handoff.num_blocks)
         self.metrics.transfer_seconds += time.perf_counter() - started
+
+    def remote_tokens(self, handoff: Handoff) -> int | None:
+        """Tokens the producer holds that this engine's prefix cache lacks; None while the
+        payload is not ready (ask again later)."""
+        if lease_state(self.transport.poll(handoff.transfer_id), self.clock()) is TransferState.OFFERED:
+            return None
+        summary = reported_prefix_summary(self.engine.allocator)
+        cached = summary.cached_tokens(handoff.prompt_token_ids) if summary is not None else 0
+        return max(0, handoff.num_blocks * self.block_size - cached)
+
+    def blocks_allocated(self, handoff: Handoff, indices: Seq[int], blocks: Seq[int]) -> None:
+        """Receive the handoff's blocks `indices`, check each, and write them into `blocks`."""
+        transfer_id = handoff.transfer_id
+        payloads = self.transport.receive(transfer_id, list(indices))
+        expected = self.data_path.layout().block_bytes
+        for index in indices:
+            payload = payloads[index] if index in payloads else None
+            if payload is None or payload.index != index:
+                raise TransferError(f"transfer {transfer_id!r}: block {index} missing from the payload")
+            payload.verify(transfer_id, expected)
+        self.data_path.load(list(blocks), [payloads[i].data for i in indices])
+        self.metrics.bytes += sum(len(payloads[i].data) for i in indices)
 
     def _admit(self, entry: _Accepted, pinned: bool) -> RequestOutput | None:
         handoff = entry.handoff

@@ -11,7 +11,7 @@ lapses, whichever comes first.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence as Seq
 
 import attrs
 
@@ -135,36 +135,43 @@ class PrefillWorker:
         transfer_id = output.request_id
         if output.finish_reason != "length" or params.max_tokens <= 1:
             return PrefillDone(transfer_id, output)  # the first token ended it, or it failed
-        first = output.token_ids[0]
         started = time.perf_counter()
-        prompt = list(output.prompt_token_ids)
-        holder = Sequence(hold_id(transfer_id), prompt + [first], params, self.clock())
+        state = bytes(generator.get_state().numpy().tobytes()) if generator is not None else None
+        handoff, payloads = self.hold_on_finish(transfer_id, output.prompt_token_ids, output.token_ids[0], state)
+        if not payloads:  # a prompt shorter than a block: nothing held, nothing to move
+            return PrefillDone(transfer_id, output, handoff)
+        try:
+            self.transport.offer(handoff, payloads)
+        except Exception as exc:  # noqa: BLE001 - any transport failure: the consumer's failure policy decides
+            logger.warning("kv_transfer.offer_failed", transfer_id=transfer_id, producer=self.name, error=str(exc))
+            self._free(transfer_id)
+            return PrefillDone(transfer_id, output, handoff)
+        self.metrics.transfers += 1
+        self.metrics.bytes += sum(len(p.data) for p in payloads)
+        self.metrics.transfer_seconds += time.perf_counter() - started
+        return PrefillDone(transfer_id, output, handoff)
+
+    def hold_on_finish(self, transfer_id: str, prompt_token_ids: Seq[int], first_token_id: int,
+                       sampler_state: bytes | None) -> tuple[Handoff, list[BlockPayload]]:
+        """Hold the finished prefill's full prompt blocks (from the prefix cache, before
+        anything evicts them) under a lease; the handoff and the blocks' payloads."""
+        prompt = list(prompt_token_ids)
+        holder = Sequence(hold_id(transfer_id), prompt + [first_token_id], SamplingParams(max_tokens=1), self.clock())
         allocator = self.engine.allocator
         num_blocks = allocator.match_prefix(holder) // self.block_size
         blocks = list(allocator.block_table(holder.request_id))[:num_blocks]
-        hashes = prefix_block_hashes(prompt, self.block_size)[:num_blocks]
         deadline = self.clock() + self.lease_s
         handoff = Handoff(transfer_id=transfer_id, producer=self.name, prompt_token_ids=tuple(prompt),
-                          block_hashes=tuple(hashes), num_tokens=len(prompt), layout=self.data_path.layout(),
-                          lease_deadline=deadline, first_token_id=first,
-                          sampler_state=bytes(generator.get_state().numpy().tobytes()) if generator is not None
-                          else None)
-        if not num_blocks:  # a prompt shorter than a block: nothing to hold or move
+                          block_hashes=tuple(prefix_block_hashes(prompt, self.block_size)[:num_blocks]),
+                          num_tokens=len(prompt), layout=self.data_path.layout(), lease_deadline=deadline,
+                          first_token_id=first_token_id, sampler_state=sampler_state)
+        if not num_blocks:
             allocator.free(holder.request_id)
-            return PrefillDone(transfer_id, output, handoff)
-        data = self.data_path.save(blocks)
+            return handoff, []
         self._holds[transfer_id] = _Hold(holder.request_id, deadline, num_blocks)
         self.metrics.held_blocks += num_blocks
-        try:
-            self.transport.offer(handoff, [BlockPayload.of(transfer_id, i, d) for i, d in enumerate(data)])
-        except Exception as exc:  # the transport refused it: nothing to hold for
-            logger.warning("kv_transfer.offer_failed", transfer_id=transfer_id, error=str(exc))
-            self._free(transfer_id)
-            raise
-        self.metrics.transfers += 1
-        self.metrics.bytes += sum(len(d) for d in data)
-        self.metrics.transfer_seconds += time.perf_counter() - started
-        return PrefillDone(transfer_id, output, handoff)
+        data = self.data_path.save(blocks)
+        return handoff, [BlockPayload.of(transfer_id, i, d) for i, d in enumerate(data)]
 
     def _free(self, transfer_id: str) -> None:
         hold = self._holds.pop(transfer_id, None)
