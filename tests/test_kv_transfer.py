@@ -150,3 +150,54 @@ def test_the_workload_exercises_a_shared_prefix_and_a_sub_block_prompt():
     assert WORKLOAD[0].prompt_token_ids[:12] == WORKLOAD[1].prompt_token_ids[:12]
     assert len(WORKLOAD[2].prompt_token_ids) < 4 and WORKLOAD[1].seed is not None
     assert ScenarioResult.__attrs_attrs__  # a record the suite's users may read
+
+
+CONSUMER_PROCESS = """
+import sys, time
+from servelab.contracts.kv_transfer import KVTransferContext
+kind, where = sys.argv[1], sys.argv[2]
+if kind == "shared-files":
+    from servelab.plugins.transports.shared_files import SharedFilesOptions, SharedFilesTransport
+    transport = SharedFilesTransport(SharedFilesOptions(path=where), KVTransferContext("consumer", "d"))
+else:
+    from servelab.plugins.transports.torch_store import TorchStoreOptions, TorchStoreTransport
+    transport = TorchStoreTransport(TorchStoreOptions(port=int(where), serve=False, timeout_s=20),
+                                    KVTransferContext("consumer", "d"))
+deadline = time.monotonic() + 20
+taken = []
+while not taken and time.monotonic() < deadline:
+    taken = transport.pending()
+    time.sleep(0.02)
+[handoff] = taken
+payloads = transport.receive(handoff.transfer_id, range(handoff.num_blocks))
+for payload in payloads.values():
+    payload.verify(handoff.transfer_id, handoff.layout.block_bytes)
+transport.complete(handoff.transfer_id)
+print(handoff.transfer_id, handoff.first_token_id, sum(len(p.data) for p in payloads.values()))
+"""
+
+
+@pytest.mark.parametrize("kind", ["shared-files", "torch-store"])
+def test_a_handoff_crosses_to_another_process(kind, tmp_path):
+    import subprocess
+    import sys
+
+    from servelab.contracts.kv_transfer import KVTransferContext
+    from servelab.plugins.transports.torch_store import TorchStoreOptions, TorchStoreTransport
+    from servelab.testing.kv_transfer import sample_handoff
+
+    if kind == "shared-files":
+        where = str(tmp_path / "kv")
+        producer = SharedFilesTransport(SharedFilesOptions(path=where), KVTransferContext("producer", "p"))
+    else:
+        producer = TorchStoreTransport(TorchStoreOptions(port=0, serve=True), KVTransferContext("producer", "p"))
+        where = str(producer.port)
+    handoff, payloads = sample_handoff("t-cross", num_blocks=3)
+    producer.offer(handoff, payloads)
+    result = subprocess.run([sys.executable, "-c", CONSUMER_PROCESS, kind, where], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["t-cross", "7", str(3 * handoff.layout.block_bytes)]
+    assert producer.poll("t-cross").state is TransferState.LOADED
+    producer.forget("t-cross")
+    assert producer.poll("t-cross").state is TransferState.UNKNOWN
