@@ -66,6 +66,7 @@ class DecodeWorker:
         self.metrics = TransferMetrics("decode")
         self._waiting: dict[str, _Accepted] = {}  # transfer id -> a handoff whose payload is not ready yet
         self._admitted: dict[str, _Accepted] = {}  # transfer id -> its request in the engine
+        self._whole: set[str] = set()  # requests computed here from the prompt (their prefill engine was lost)
         # Asked before a handoff is admitted: a reason to reject it, or None to take it.
         self.admission: Callable[[Handoff], str | None] = self.room_for
 
@@ -82,6 +83,25 @@ class DecodeWorker:
             self.metrics.rejects += 1
             return self._failed(entry, f"rejected before admission: {reason}")
         return self._try_load(entry)
+
+    def recompute(self, transfer_id: str, prompt: list[int] | str, params: SamplingParams) -> RequestOutput | None:
+        """Serve a whole request here, prefill included: its prefill engine was lost before
+        handing it on. Counted in `recomputes` and logged; its output (or its error) comes
+        from `step` (or here, when the engine refuses it)."""
+        self.metrics.recomputes += 1
+        logger.warning("kv_transfer.recompute", transfer_id=transfer_id, consumer=self.name,
+                       reason="its prefill engine was lost before the handoff")
+        try:
+            [record] = self.engine.prepare_requests([RequestSpec(prompt, params, transfer_id)])
+            self.engine.admit([record])
+        except RequestError as exc:
+            self.metrics.failures += 1
+            now = self.clock()
+            return RequestOutput(transfer_id, None, list(prompt) if isinstance(prompt, list) else [],
+                                 [CompletionOutput(0, [], "", "error")], RequestMetrics(now, None, None, now),
+                                 error=str(exc))
+        self._whole.add(transfer_id)
+        return None
 
     def room_for(self, handoff: Handoff) -> str | None:
         """The default admission: reject a handoff whose blocks the pool could never hold."""
@@ -119,6 +139,9 @@ class DecodeWorker:
                 entry = self._admitted.pop(output.request_id, None)
                 if entry is not None:
                     finished.append(self._final(entry, output))
+                elif output.request_id in self._whole:
+                    self._whole.discard(output.request_id)
+                    finished.append(output)
         self._unpin()
         return finished
 
