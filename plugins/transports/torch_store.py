@@ -55,7 +55,8 @@ class TorchStoreTransport:
             raise TransferError(f"transfer {transfer_id!r} was offered before; transfer ids are unique")
         self.store.set(f"{transfer_id}/state", _state(TransferState.OFFERED, handoff.lease_deadline, ""))
         for payload in payloads:
-            self.store.set(f"{transfer_id}/block/{payload.index}", payload.checksum.to_bytes(8, "little") + payload.data)
+            self.store.set(f"{transfer_id}/block/{payload.index}",
+                           payload.checksum.to_bytes(8, "little") + payload.data)
         self.store.set(f"{transfer_id}/handoff", handoff_to_json(handoff))
         if {p.index for p in payloads} >= set(range(handoff.num_blocks)):
             self._move(transfer_id, TransferState.READY, handoff.lease_deadline, "")

@@ -181,4 +181,5 @@ class DisaggregatedLLM:
 
     def leaked_blocks(self) -> dict[str, int]:
         """KV blocks still held by any sequence, per engine (0 everywhere when idle)."""
-        return {worker.name: worker.engine.allocator.stats().num_used_blocks for worker in [*self.prefill, *self.decode]}
+        return {worker.name: worker.engine.allocator.stats().num_used_blocks
+                for worker in [*self.prefill, *self.decode]}
