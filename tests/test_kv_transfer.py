@@ -23,6 +23,8 @@ class TestInProcessTransport(TransportContract):
 
 
 class TestSharedFilesTransport(TransportContract):
+    plugin_name = "shared-files"  # built in a temporary directory by the fixture below
+
     @pytest.fixture
     def servelab_factory(self, tmp_path):
         return lambda options, context: SharedFilesTransport(SharedFilesOptions(path=str(tmp_path / "kv")), context)
