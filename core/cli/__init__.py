@@ -320,8 +320,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _calibrate(config: EngineConfig, spec: str | None, threads: int = 1, latency_requests: int = 0,
                slo=None) -> dict:
-    from servelab.bench.sim.calibrate import KINDS, calibrate
-    from servelab.bench.sim.latency_check import default_cases, format_latency
+    """`bench --calibrate`: the offline step fit and its held-out check, then (unless
+    `latency_requests` is 0) latency under arrivals on held-out rates and workloads."""
+    from servelab.bench.metrics import SLO
+    from servelab.bench.sim.calibrate import KINDS, calibrate, step_features
+    from servelab.bench.sim.hardware import StepTerms
+    from servelab.bench.sim.latency_check import check_latency, default_cases, format_latency
 
     if threads < 1 or latency_requests < 0:
         raise ConfigError(f"--threads must be >= 1 and --latency-requests >= 0, got {threads} and {latency_requests}")
@@ -339,9 +343,11 @@ def _calibrate(config: EngineConfig, spec: str | None, threads: int = 1, latency
         seed = int(options.pop("seed", 0))
         fit_workloads.append(build_workload(_spec(name, {**options, "seed": seed}), vocab_size))
         checks[kind] = build_workload(_spec(name, {**options, "seed": seed + 1}), vocab_size)
-    cases = default_cases(latency_requests) if latency_requests else None
-    result = calibrate(config, fit_workloads, checks, progress=lambda text: print(text, file=sys.stderr),
-                       threads=threads, latency_cases=cases, slo=slo)
+    progress = lambda text: print(text, file=sys.stderr)  # noqa: E731
+    result = calibrate(config, fit_workloads, checks, progress=progress, threads=threads)
+    if latency_requests:
+        result["latency"] = check_latency(config, StepTerms(**result["terms"]), step_features(config),
+                                          default_cases(latency_requests), threads, slo or SLO(), progress)
     terms = result["terms"]
     timing = "one thread, CPU time" if threads == 1 else f"{threads} threads, wall-clock time"
     print(f"fitted cpu terms ({result['fit_steps']} steps, {timing}): "

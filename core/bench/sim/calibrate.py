@@ -247,11 +247,9 @@ def check(config: EngineConfig, workload: Workload, measured: Measured, terms: S
 
 
 def calibrate(config: EngineConfig, fit_workloads: list[Workload], checks: dict[str, Workload],
-              repeats: int = 7, progress: Any = None, threads: int = 1, latency_cases: list | None = None,
-              slo: Any = None) -> dict[str, Any]:
+              repeats: int = 7, progress: Any = None, threads: int = 1) -> dict[str, Any]:
     """Fit on `fit_workloads`, then check every held-out workload of `checks` (by kind),
-    on `threads` threads; then, with `latency_cases`, latency under arrivals
-    (servelab.bench.sim.latency_check)."""
+    on `threads` threads. (Latency under arrivals is servelab.bench.sim.latency_check's.)"""
     if progress:
         progress(f"measuring {len(fit_workloads) + len(checks)} workloads, {repeats} interleaved repetitions each")
     measured = measure(config, [*fit_workloads, *checks.values()], repeats, threads)
@@ -269,12 +267,6 @@ def calibrate(config: EngineConfig, fit_workloads: list[Workload], checks: dict[
         "fit_per_step_abs_error_p50": statistics.median(abs(f - s.seconds) / s.seconds for f, s in zip(fitted, samples)),
         "kinds": results,
     }
-    if latency_cases:
-        from servelab.bench.metrics import SLO
-        from servelab.bench.sim.latency_check import check_latency
-
-        result["latency"] = check_latency(config, terms, step_features(config), latency_cases, threads,
-                                          slo or SLO(), progress)
     return result
 
 

@@ -42,10 +42,11 @@ class PrefillAloneOptions(ContinuousOptions):
 
 class PrefillAloneScheduler(ContinuousScheduler):
     name = "prefill-alone"
+    options_class = PrefillAloneOptions
 
     def __init__(self, options: Any, context: SchedulerContext) -> None:
-        super().__init__(options if options is not None else PrefillAloneOptions(), context)
-        self.num_scheduler_steps = getattr(self.options, "num_scheduler_steps", 1)
+        super().__init__(options, context)
+        self.num_scheduler_steps = self.queue_options.num_scheduler_steps
         self._steps_left = 0  # decode steps still to run in the current run
         self._run = -1
         self.runs: list[int] = []  # per planned step with work: its run's index

@@ -153,7 +153,10 @@ def _run(setup: Setup, model: ServingEngineModel | None, config: dict[str, Any] 
     workload = sharegpt_like(num_prompts, shape.vocab_size, rate)
     record = run_workload(engine, recorder, workload, f"{setup.label}")
     steps = len(record.step_traces[0])
-    runs = list(getattr(engine.scheduler, "runs", range(steps)))[-steps:] if steps else []
+    scheduler = engine.scheduler
+    runs = list(range(steps))
+    if steps and isinstance(scheduler, prefill_alone.PrefillAloneScheduler):
+        runs = scheduler.runs[-steps:]  # the warm-up-free run: its steps are the last planned
     return SimRun(record, runs)
 
 
