@@ -122,3 +122,16 @@ def _tiny_features(config: EngineConfig):
 def test_calibrate_refuses_a_bad_thread_count(capsys):
     assert main(["bench", "--calibrate", "--threads", "0"]) == 2
     assert "--threads" in capsys.readouterr().err
+
+
+def test_a_fitted_cpu_profile_simulates_the_configs_dtype_and_kv_pool_as_the_real_engine_sizes_them():
+    from servelab.bench.sim.runner import VirtualClock
+    from servelab.bench.sim.source import SimSource
+
+    config = EngineConfig().with_overrides({"engine.max_model_len": 512})
+    source = SimSource.named("tiny-random", "cpu-here", VirtualClock())
+    fitted = source.fit_config(config)
+    assert fitted.engine.num_kv_blocks is None and fitted.engine.max_model_len == 512  # engine_setup sizes them
+    assert source.dtype_bytes == 4 and source.cost_model.dtype_bytes == 4  # the config's float32
+    gpu = SimSource.named("tiny-random", "h100", VirtualClock())
+    assert gpu.fit_config(config).engine.num_kv_blocks is not None and gpu.dtype_bytes == 2
