@@ -233,7 +233,7 @@ def ablation(scale: float = 1.0, progress: Callable[[str], None] | None = None) 
 
         fixed_host = attrs.evolve(model, host=HostWork(step_s=hardware.step_overhead_s))
         variants = {"profile's engine (TensorRT-LLM-like)": (None, TRTLLM_LIKE_CONFIG),
-                    "engine's scheduler, fixed host": (fixed_host, None),
+                    "engine's scheduler and front end, fixed host": (fixed_host, None),
                     "engine model (scheduler + host work)": (model, None)}
         for variant, (variant_model, config) in variants.items():
             if progress:
