@@ -135,3 +135,17 @@ def test_a_fitted_cpu_profile_simulates_the_configs_dtype_and_kv_pool_as_the_rea
     assert source.dtype_bytes == 4 and source.cost_model.dtype_bytes == 4  # the config's float32
     gpu = SimSource.named("tiny-random", "h100", VirtualClock())
     assert gpu.fit_config(config).engine.num_kv_blocks is not None and gpu.dtype_bytes == 2
+
+
+def test_calibrate_command_prints_and_returns_the_held_out_latency_table(capsys):
+    from servelab.cli import _calibrate
+
+    config = EngineConfig().with_overrides({"engine.max_model_len": 512})
+    small = "skewed:num_requests=3,mean_prompt_len=12,mean_output_len=4,max_len=64"
+    cases = [LatencyCase("fit 300/s", f"{small},arrival=poisson,rate=300,seed=0", CONTINUOUS, FIT),
+             LatencyCase("held 600/s", f"{small},arrival=poisson,rate=600,seed=1", CONTINUOUS, HELD_OUT)]
+    result = _calibrate(config, small, threads=1, latency_requests=3, repeats=1, latency_cases=cases)
+    out = capsys.readouterr().out
+    assert result["threads"] == 1 and result["repeats"] == 1 and result["latency"]["threads"] == 1
+    assert list(result["latency"]["held_out"]) == ["held 600/s"]
+    assert "fitted cpu terms" in out and "latency under arrivals" in out and "held 600/s" in out

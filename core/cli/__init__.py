@@ -319,7 +319,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _calibrate(config: EngineConfig, spec: str | None, threads: int = 1, latency_requests: int = 0,
-               slo=None) -> dict:
+               slo=None, repeats: int = 7, latency_cases: list | None = None) -> dict:
     """`bench --calibrate`: the offline step fit and its held-out check, then (unless
     `latency_requests` is 0) latency under arrivals on held-out rates and workloads."""
     from servelab.bench.metrics import SLO
@@ -344,10 +344,11 @@ def _calibrate(config: EngineConfig, spec: str | None, threads: int = 1, latency
         fit_workloads.append(build_workload(_spec(name, {**options, "seed": seed}), vocab_size))
         checks[kind] = build_workload(_spec(name, {**options, "seed": seed + 1}), vocab_size)
     progress = lambda text: print(text, file=sys.stderr)  # noqa: E731
-    result = calibrate(config, fit_workloads, checks, progress=progress, threads=threads)
+    result = calibrate(config, fit_workloads, checks, repeats=repeats, progress=progress, threads=threads)
     if latency_requests:
+        cases = latency_cases or default_cases(latency_requests)
         result["latency"] = check_latency(config, StepTerms(**result["terms"]), step_features(config),
-                                          default_cases(latency_requests), threads, slo or SLO(), progress)
+                                          cases, threads, slo or SLO(), progress)
     terms = result["terms"]
     timing = "one thread, CPU time" if threads == 1 else f"{threads} threads, wall-clock time"
     print(f"fitted cpu terms ({result['fit_steps']} steps, {timing}): "
