@@ -12,8 +12,8 @@ from servelab.bench.sim.calibrate import StepTimer, threads_of
 from servelab.bench.sim.cost_model import CostModel
 from servelab.bench.sim.hardware import CPU_HERE_TERMS, Accelerator, StepTerms, accelerator
 from servelab.bench.sim.latency_check import (CHUNKED, CONTINUOUS, FIT, HELD_OUT, LATENCY_FIGURES, LatencyCase,
-                                              ServedRun, check_latency, default_cases, fit_served, format_latency,
-                                              latency_profile, scaled)
+                                              ServedRun, busy_after, check_latency, default_cases, fit_served,
+                                              format_latency, latency_profile, scaled)
 from servelab.bench.sim.shapes import model_shape
 from servelab.cli import main
 from servelab.config import EngineConfig
@@ -33,10 +33,18 @@ def _served(sizes: list[int], speed: float, overhead: float, idle_after: int | N
         now += speed * _TERMS.seconds(_features(size)) + overhead
         if index == idle_after:
             now += 0.5  # the engine waits for the next arrival
-    return ServedRun(record=None, steps=[(size, 0.0) for size in sizes], starts=starts)
+    busy = [index != idle_after for index in range(len(sizes))]
+    return ServedRun(record=None, steps=[(size, 0.0) for size in sizes], starts=starts, busy=busy)
 
 
-def test_fit_served_recovers_speed_and_overhead_and_ignores_idle_waits():
+def test_busy_after_tells_a_step_followed_by_work_from_one_followed_by_a_wait():
+    steps = [(None, 1.0), (None, 1.0), (None, 1.0)]
+    # one request from 0 to 2 (it finishes as the second step ends), the next arrives at 5
+    spans = [(0.0, 2.0), (5.0, 7.0)]
+    assert busy_after([0.0, 1.0, 5.0], steps, spans) == [True, False, True]
+
+
+def test_fit_served_recovers_speed_and_overhead_and_leaves_out_waits_for_arrivals():
     run = _served([1, 4, 2, 8, 3, 6, 5, 7, 2, 4] * 3, speed=1.6, overhead=2e-3, idle_after=5)
     speed, overhead = fit_served([run], _TERMS, _features)
     assert speed == pytest.approx(1.6, rel=1e-6)

@@ -7,7 +7,8 @@ driver admitting arrivals, handing out outputs, the scheduler's bookkeeping outs
 timed step). So the latency check runs workloads with Poisson and bursty arrivals for
 real, in wall-clock time, and:
 
-1. on the *fit* cases, fits two numbers by least squares over every busy step: the
+1. on the *fit* cases, fits two numbers by least squares over every busy step (one
+   after which a request was still unfinished, so the next step followed at once): the
    factor from the offline terms to a served step's wall time (`speed`) and the seconds
    between one step's start and the next's that no step term explains
    (`step_overhead_s`, the server's and engine's per-step overhead);
@@ -78,9 +79,18 @@ def default_cases(num_requests: int = 60) -> list[LatencyCase]:
 
 @attrs.frozen
 class ServedRun:
-    record: RunRecord
+    record: RunRecord | None
     steps: list[tuple[Any, float]]  # (SimInputs, wall seconds) per step that ran the model
     starts: list[float]  # per such step, its start on the engine's clock
+    busy: list[bool]  # per such step, whether a request was still unfinished when it ended
+
+
+def busy_after(starts: list[float], steps: list[tuple[Any, float]], spans: list[tuple[float, float]]) -> list[bool]:
+    """Per step, whether some request (arrival, finish) had arrived and not finished when
+    the step ended: the engine went straight on to the next step, rather than idling
+    until the next arrival."""
+    return [any(arrival <= start + seconds < finish for arrival, finish in spans)
+            for start, (_, seconds) in zip(starts, steps)]
 
 
 def serve_real(config: EngineConfig, workload: Workload, threads: int) -> ServedRun:
@@ -99,7 +109,9 @@ def serve_real(config: EngineConfig, workload: Workload, threads: int) -> Served
         run_workload(engine, recorder, offline(workload), "warm-up")
         timer.recording = True
         record = run_workload(engine, recorder, workload, workload.name)
-    return ServedRun(record, list(timer.timed), list(timer.starts))
+    steps, starts = list(timer.timed), list(timer.starts)
+    spans = [(o.metrics.arrival_time, o.metrics.finish_time) for o in record.outputs]
+    return ServedRun(record, steps, starts, busy_after(starts, steps, spans))
 
 
 def serve_sim(config: EngineConfig, workload: Workload, profile: Accelerator) -> RunRecord:
@@ -118,25 +130,21 @@ def serve_sim(config: EngineConfig, workload: Workload, profile: Accelerator) ->
 
 
 def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any], dict[str, float]]) -> tuple[float, float]:
-    """(speed, step_overhead_s): wall time from one busy step's start to the next's ~=
-    speed x the offline terms' step time + step_overhead_s, by least squares. A gap
-    longer than the step plus ten times the median leftover is the engine idling for
-    the next arrival, and left out."""
+    """(speed, step_overhead_s): wall time from one step's start to the next's ~= speed x
+    the offline terms' step time + step_overhead_s, by least squares over the steps after
+    which the engine was still busy (the others were followed by a wait for an arrival)."""
     predicted, observed = [], []
     for run in runs:
         for index in range(len(run.steps) - 1):
-            shape, _ = run.steps[index]
-            predicted.append(terms.seconds(features(shape)))
-            observed.append(run.starts[index + 1] - run.starts[index])
+            if run.busy[index]:
+                predicted.append(terms.seconds(features(run.steps[index][0])))
+                observed.append(run.starts[index + 1] - run.starts[index])
     if len(predicted) < 2:
         return 1.0, 0.0
     x, y = np.array(predicted), np.array(observed)
-    leftover = y - x
-    busy = leftover <= 10 * max(float(np.median(leftover)), 1e-4)
-    x, y = x[busy], y[busy]
     a = np.vstack([x, np.ones_like(x)]).T
     (speed, overhead), *_ = np.linalg.lstsq(a, y, rcond=None)
-    if speed <= 0:  # no spread in step sizes to separate the two: the overhead alone
+    if speed <= 0 or np.ptp(x) == 0:  # no spread in step sizes to separate the two: the overhead alone
         return 1.0, max(0.0, float(np.median(y - x)))
     if overhead < 0:
         speed, overhead = float(np.sum(x * y) / np.sum(x * x)), 0.0
