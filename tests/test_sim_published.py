@@ -145,3 +145,16 @@ class TestPrefillAloneContract(SchedulerContract):
     @pytest.mark.parametrize("case", ["tight"])
     def test_greedy_tokens_match_the_reference_policies(self, case):
         super().test_greedy_tokens_match_the_reference_policies(case)
+
+
+def test_sim_check_prints_every_published_figure_with_its_ratio(capsys, tmp_path):
+    import json
+
+    assert main(["sim-check", "published", "--scale", "0.01", "--json", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert len(rows) == sum(len(run.published) for run in published.PUBLISHED)
+    for run in published.PUBLISHED:
+        for metric, value in run.published.items():
+            assert f"| {metric} |" in out and f"{value:,.2f}" in out
+    assert f"of {len(rows)} figures within [0.8, 1.25]" in out
