@@ -17,6 +17,7 @@ from servelab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
                                    LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin, VictimPlugin)
 from servelab.plugin_types import AdapterResidencyPlugin
+from servelab.plugin_types import KVTransferPlugin
 from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
 from servelab.structured import StructuredOutput
@@ -39,6 +40,7 @@ __all__ = [
     "Logprob",
     "LogitsProcessorPlugin",
     "EngineConfig",
+    "KVTransferPlugin",
     "PluginError",
     "PluginRegistry",
     "RequestError",

@@ -9,8 +9,9 @@ import attrs
 import torch
 
 from servelab.config import EngineConfig, EngineSection, build_options
+from servelab.contracts.kv_transfer import KVTransferContext, KVTransport
 from servelab.contracts.victim import VictimContext
-from servelab.errors import ConfigError
+from servelab.errors import ConfigError, PluginError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
                                  DrafterContext, EvictionContext, FeatureDrafter, FeatureRunner, ForkingAllocator,
                                  ForkingScheduler, LMHeadRunner, LogitsProcessorContext, QuantizedKVBackend,
@@ -343,3 +344,19 @@ def fork_refusal(config: EngineConfig, allocator: Any, scheduler: Any) -> str | 
     if not isinstance(scheduler, ForkingScheduler):
         lacking.append(f"scheduler {config.scheduler.name!r} cannot fork")
     return " and ".join(lacking) or None
+
+
+def build_kv_transport(config: EngineConfig, registry: PluginRegistry, context: KVTransferContext) -> Any:
+    """The KV transport `[kv_transfer]` selects (the default, in-process, without the
+    section), its options checked: what a disaggregated deployment's roles hand KV over."""
+    kind = KINDS["kv_transfers"]
+    section = config.kv_transfer
+    name = section.name if section is not None else kind.default
+    registered = registry.select(kind.key, name)
+    options = build_options(registered.plugin.options, section.options if section is not None else {}, kind.section,
+                            name)
+    transport = build_policy(registered, options, context)
+    if not isinstance(transport, KVTransport):
+        raise PluginError(f"KV transport {name!r} from distribution {registered.distribution!r} built "
+                          f"{type(transport).__name__}, which lacks the KVTransport methods")
+    return transport

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
                                        LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin, VictimPlugin)
     from servelab.plugin_types import AdapterResidencyPlugin
+    from servelab.plugin_types import KVTransferPlugin
 
 PROJECT = "servelab"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -263,6 +264,35 @@ def servelab_register_victims() -> list[VictimPlugin]:
         def servelab_register_victims():
             return [VictimPlugin(name="cheapest-to-redo", factory=CheapestToRedo,
                                  description="most KV freed per token recomputed")]
+    """
+
+
+@hookspec
+def servelab_register_kv_transfers() -> list[KVTransferPlugin]:
+    """Return the KV transports this plugin provides (`[kv_transfer] name = ...`, read by
+    disaggregated deployments, `servelab.disagg`; one engine ignores it).
+
+    A factory is called as `factory(options, KVTransferContext)` and returns a
+    `servelab.contracts.kv_transfer.KVTransport`; `servelab.testing.TransportContract`
+    is the suite it must pass (faults injected at every state). A complete plugin::
+
+        import servelab
+        from servelab.plugin_types import KVTransferPlugin
+        from servelab.plugins.transports.in_process import InProcessTransport
+
+        class CountingTransport(InProcessTransport):
+            # The in-process transport, counting the handoffs it was offered.
+
+            offers = 0
+
+            def offer(self, handoff, payloads):
+                self.offers += 1
+                super().offer(handoff, payloads)
+
+        @servelab.hookimpl
+        def servelab_register_kv_transfers():
+            return [KVTransferPlugin(name="counting", factory=CountingTransport,
+                                     description="in-process, counting its offers")]
     """
 
 

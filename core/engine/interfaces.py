@@ -14,6 +14,8 @@ from servelab.contracts.router import *  # noqa: F401,F403
 from servelab.contracts.runner import *  # noqa: F401,F403
 from servelab.contracts.scheduler import *  # noqa: F401,F403
 from servelab.contracts.victim import *  # noqa: F401,F403
+from servelab.contracts import kv_transfer  # noqa: E402
+from servelab.contracts.kv_transfer import *  # noqa: F401,F403,E402
 
 __all__ = sorted({name for module in (allocator, scheduler, victim, drafter, attention, router, logits_processor,
-                                      eviction, adapter_residency, runner) for name in module.__all__})
+                                      eviction, runner, kv_transfer, adapter_residency) for name in module.__all__})

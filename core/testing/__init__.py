@@ -22,6 +22,7 @@ from servelab.testing.adapter_residency import AdapterResidencyContract
 from servelab.testing.drafter import DrafterContract
 from servelab.testing.eviction import EvictionContract
 from servelab.testing.kv_tier import KVTierContract
+from servelab.testing.kv_transfer import TransportContract
 from servelab.testing.logits_processor import LogitsProcessorContract
 from servelab.testing import objectives
 from servelab.testing.objectives import Objective, ObjectiveMissed
@@ -39,6 +40,7 @@ __all__ = [
     "DrafterContract",
     "EvictionContract",
     "KVTierContract",
+    "TransportContract",
     "LogitsProcessorContract",
     "Objective",
     "ObjectiveMissed",

@@ -7,6 +7,7 @@ capabilities, and where its changes by version are listed).
 | allocators | `servelab.contracts.allocator` |
 | schedulers | `servelab.contracts.scheduler` |
 | victims | `servelab.contracts.victim` |
+| kv_transfers | `servelab.contracts.kv_transfer` |
 | drafters | `servelab.contracts.drafter` |
 | attention | `servelab.contracts.attention` |
 | routers | `servelab.contracts.router` |
