@@ -17,7 +17,7 @@ from servelab import PluginRegistry
 from servelab.kit import ContinuousOptions
 from servelab.kit import QueueOptions
 from servelab.testing import (AllocatorContract, AttentionBackendContract, DrafterContract, RouterContract,
-                              SchedulerContract, VictimContract, check, objectives)
+                              SchedulerContract, TransportContract, VictimContract, check, objectives)
 
 ALLOCATOR_EXAMPLES = 100
 SCHEDULER_EXAMPLES = 150
@@ -120,9 +120,11 @@ def test_every_builtin_policy_runs_its_contract():
     tested = {(cls.kind, cls.plugin_name) for module in modules
               for cls in vars(module).values()
               if isinstance(cls, type) and issubclass(cls, (AllocatorContract, SchedulerContract, DrafterContract,
-                                                            AttentionBackendContract, RouterContract, VictimContract))
+                                                            AttentionBackendContract, RouterContract, VictimContract,
+                                                            TransportContract))
               and cls.plugin_name}
     registry = PluginRegistry.from_entry_points()
-    builtins = {(kind, p.name) for kind in ("allocators", "schedulers", "drafters", "attention", "routers", "victims")
+    builtins = {(kind, p.name) for kind in ("allocators", "schedulers", "drafters", "attention", "routers", "victims",
+                                            "kv_transfers")
                 for p in registry.policies(kind).values() if p.distribution == "servelab"}
     assert builtins - tested == set(), "built-in policies without a conformance contract class"

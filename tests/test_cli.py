@@ -57,7 +57,7 @@ def test_plugins_json():
     assert result.returncode == 0, result.stderr
     listing = json.loads(result.stdout)
     assert set(listing) == {"allocators", "schedulers", "drafters", "attention", "routers", "logits_processors",
-                            "evictors", "victims"}
+                            "evictors", "victims", "kv_transfers", "adapter_residency"}
     for entries in listing.values():
         for entry in entries:
             assert {"name", "qualified_name", "distribution", "description"} <= set(entry) <= {

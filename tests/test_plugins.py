@@ -48,7 +48,7 @@ def test_builtins_are_discovered_through_entry_points():
         assert found[name].kind == kind
     listing = registry.describe()
     assert set(listing) == {"allocators", "schedulers", "drafters", "attention", "routers", "logits_processors",
-                            "evictors", "victims"}
+                            "evictors", "victims", "kv_transfers", "adapter_residency"}
     paged = next(entry for entry in listing["allocators"] if entry["name"] == "paged")
     assert paged["distribution"] == "servelab" and paged["description"]
 

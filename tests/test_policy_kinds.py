@@ -98,14 +98,16 @@ def test_the_table_refuses_a_key_or_section_used_twice():
 
 def test_the_old_names_are_read_off_the_table():
     assert POLICY_KINDS == ("allocators", "schedulers", "drafters", "attention", "routers", "logits_processors",
-                            "evictors", "victims")
-    assert config.POLICY_SECTIONS == ("allocator", "scheduler", "drafter", "attention", "router", "eviction")
+                            "evictors", "victims", "kv_transfers", "adapter_residency")
+    assert config.POLICY_SECTIONS == ("allocator", "scheduler", "drafter", "attention", "router", "eviction",
+                                      "kv_transfer", "adapter_residency")
     assert config.DEFAULT_POLICIES == {"allocator": "paged", "scheduler": "continuous", "attention": "cpu-paged",
-                                       "eviction": "lru"}
+                                       "eviction": "lru", "adapter_residency": "lru"}
     assert config.DEFAULT_ROUTER == "round-robin"
     assert [kind.noun for kind in KINDS.values()] == ["allocator", "scheduler", "drafter", "attention backend",
                                                       "router", "logits processor", "eviction policy",
-                                                      "preemption victim"]
+                                                      "preemption victim", "KV transport",
+                                                      "adapter residency policy"]
     defaults = config.EngineConfig()
     for kind in KINDS.values():
         assert getattr(servelab.plugin_types, kind.record_name) is kind.record
@@ -128,7 +130,9 @@ def test_each_kind_names_its_contract_module():
         "allocators": "servelab.contracts.allocator", "schedulers": "servelab.contracts.scheduler",
         "drafters": "servelab.contracts.drafter", "attention": "servelab.contracts.attention",
         "routers": "servelab.contracts.router", "logits_processors": "servelab.contracts.logits_processor",
-        "evictors": "servelab.contracts.eviction", "victims": "servelab.contracts.victim"}
+        "evictors": "servelab.contracts.eviction", "victims": "servelab.contracts.victim",
+        "kv_transfers": "servelab.contracts.kv_transfer",
+        "adapter_residency": "servelab.contracts.adapter_residency"}
 
 
 def test_every_kind_has_a_typed_registration_hookspec():

@@ -113,3 +113,7 @@ def test_config_router_section_round_trips_and_overrides():
 def test_routers_are_listed_with_the_other_kinds():
     listing = PluginRegistry.from_entry_points().describe()
     assert {p["name"] for p in listing["routers"]} >= {"round-robin", "least-loaded", "prefix-affinity"}
+
+
+class TestAdapterAffinity(RouterContract):
+    plugin_name = "adapter-affinity"

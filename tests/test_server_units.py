@@ -204,6 +204,7 @@ class FakeEngine:
         self.config = SimpleNamespace(engine=SimpleNamespace(max_logprobs=20))
         self.registry = PluginRegistry()  # observers only: no policies
         self.logits_pipeline = SimpleNamespace(processors={})
+        self.runner = None  # no LoRA adapters to report
 
     def prepare_requests(self, specs):
         """The engine's admission API: records prepared off the loop, then admitted."""

@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput SLO on time to first token")
     bench.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput SLO on time per output token")
     bench.add_argument("--rates", help="comma-separated request rates (req/s) for a Poisson sweep")
+    bench.add_argument("--disaggregate", action="append", default=[], metavar="xPyD",
+                       help="compare one colocated engine against prefill/decode disaggregation with x prefill and "
+                            "y decode engines in one process (repeatable: 1P1D, 2P1D, ...); with --sim, simulated "
+                            "fleets against as many colocated replicas")
+    bench.add_argument("--handoff-link", default="nvlink4", help="with --sim --disaggregate: the link a KV handoff "
+                       "crosses: nvlink4, pcie5, pcie4, infiniband-ndr, infiniband-hdr, ethernet-100g, ethernet-25g")
     bench.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     bench.add_argument("--plots", dest="plots_dir", help="write PNG plots into this directory")
     bench.add_argument("--save-workload", help="write the generated workload as JSONL (replay with file:PATH)")
@@ -94,6 +100,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--calibrate", action="store_true",
                        help="fit the cpu-here simulator profile to real runs of the model (one thread, CPU time) "
                             "and report its error on held-out workloads, per kind")
+    bench.add_argument("--threads", type=int, default=1,
+                       help="with --calibrate: torch threads the engine runs with, fitted and checked at (default 1, "
+                            "timed in CPU time; more are timed in wall-clock time)")
+    bench.add_argument("--latency-requests", type=int, default=60, metavar="N",
+                       help="with --calibrate: requests in each latency-under-arrivals case (0: skip that check)")
     bench.add_argument("--sim-model", default="llama-3-8b",
                        help="model shape to simulate: llama-3-8b, llama-3-70b, qwen2-7b, tiny-random")
     bench.add_argument("--sim-interconnect", help="links between simulated devices under "
@@ -140,7 +151,24 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--max-draft-tokens", type=int, default=6)
     size.add_argument("--json", dest="json_out", help="write the plan as JSON to this file")
     _add_kv_cache_dtype_argument(size)
+    size.add_argument("--disaggregate", type=int, metavar="N", help="plan prefill/decode disaggregation instead: "
+                      "every colocated fleet and xPyD split of 2..N devices on the workload (give it arrivals, e.g. "
+                      "arrival=poisson,rate=R), the best goodput per device meeting --slo-attainment")
+    size.add_argument("--handoff-link", default="nvlink4", help="with --disaggregate: the link a KV handoff crosses")
     size.set_defaults(handler=_cmd_size)
+
+    check = commands.add_parser("sim-check", help="the simulator against published GPU measurements: every "
+                                "figure simulated and published, their ratio and error")
+    check.add_argument("tables", choices=["published", "trtllm"],
+                       help="published: vLLM 0.6.0 and SGLang 0.3.0 latency under load (Llama-3.1-8B on A100, "
+                            "70B on 4 x H100), each engine modelled; trtllm: TensorRT-LLM's Llama-3.1-8B tables")
+    check.add_argument("--scale", type=float, default=1.0,
+                       help="with published: simulate this share of each run's prompts (default 1: all of them)")
+    check.add_argument("--ablation", action="store_true",
+                       help="with published: also each online 8B row's TPOT and TTFT under a TensorRT-LLM-like "
+                            "engine, the engine's scheduler alone, and the full engine model")
+    check.add_argument("--json", dest="json_out", help="write the rows as JSON to this file")
+    check.set_defaults(handler=_cmd_sim_check)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     _add_engine_arguments(serve)
@@ -257,8 +285,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         sim_accelerator=args.sim, sim_model=args.sim_model, sim_interconnect=args.sim_interconnect,
         warm_cache=args.warm_cache, replicas=args.replicas, imbalance_factor=args.imbalance_factor,
     )
-    if args.calibrate:
-        result = _calibrate(configs[0][1], args.workload)
+    if args.disaggregate:
+        result = _disaggregated_bench(configs, args, options.slo)
+    elif args.calibrate:
+        result = _calibrate(configs[0][1], args.workload, args.threads, args.latency_requests,
+                            SLO(args.slo_ttft_ms, args.slo_tpot_ms))
     else:
         result = run_bench(configs, options)
         print(format_table(result))
@@ -266,6 +297,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as handle:
             json.dump(result, handle, indent=2)
     return 0
+
+
+def _disaggregated_bench(configs: list, args: argparse.Namespace, slo: object) -> dict:
+    from servelab.bench.disaggregated import format_comparison, parse_topology, run_comparison
+
+    topologies = [parse_topology(text) for text in args.disaggregate]
+    if len(configs) != 1:
+        raise ServelabError("--disaggregate compares one config colocated and disaggregated: give at most one --config")
+    config = configs[0][1]
+    if args.sim:
+        from servelab.bench.sim.disaggregated import run_pd_comparison
+        from servelab.bench.sim.shapes import model_shape
+        from servelab.workload import build_workload
+
+        workload = build_workload(args.workload or "skewed", model_shape(args.sim_model).vocab_size)
+        result = run_pd_comparison(config, workload, topologies, args.sim, args.sim_model, args.handoff_link, slo)
+    else:
+        result = run_comparison(config, args.workload or "skewed:num_requests=16", topologies, slo)
+    print(format_comparison(result))
+    return result
 
 
 def _repeats(args: argparse.Namespace) -> int:
@@ -277,7 +328,48 @@ def _repeats(args: argparse.Namespace) -> int:
 def _cmd_size(args: argparse.Namespace) -> int:
     from servelab.bench.sim.size_command import size
 
-    result = size(args)
+    result = _plan_disaggregated(args) if args.disaggregate else size(args)
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
+def _plan_disaggregated(args: argparse.Namespace) -> dict:
+    from servelab.bench.disaggregated import format_comparison
+    from servelab.bench.metrics import SLO
+    from servelab.bench.sim.disaggregated import plan_pd
+    from servelab.bench.sim.shapes import model_shape
+    from servelab.workload import build_workload
+
+    if args.disaggregate < 2:
+        raise ServelabError(f"--disaggregate {args.disaggregate}: a prefill and a decode engine need 2 devices or more")
+    config = EngineConfig.load(args.config).with_set_options(args.assignments)
+    workload = build_workload(args.workload, model_shape(args.sim_model).vocab_size)
+    result = plan_pd(config, workload, args.sim, args.sim_model, args.handoff_link,
+                     SLO(args.slo_ttft_ms, args.slo_tpot_ms), args.disaggregate, args.slo_attainment)
+    print(format_comparison(result))
+    print(f"best goodput per device meeting {args.slo_attainment:.0%} of the SLO: {result['best'] or 'none'}")
+    return result
+
+
+def _cmd_sim_check(args: argparse.Namespace) -> int:
+    if not 0 < args.scale <= 1:
+        raise ConfigError(f"--scale must be in (0, 1], got {args.scale}")
+    progress = lambda text: print(text, file=sys.stderr)  # noqa: E731
+    if args.tables == "trtllm":
+        from servelab.bench.sim.fidelity import compare, format_rows
+
+        result: dict = {"rows": compare()}
+        print(format_rows(result["rows"]))
+    else:
+        from servelab.bench.sim import published
+
+        result = {"rows": published.compare(scale=args.scale, progress=progress), "scale": args.scale}
+        print(published.format_rows(result["rows"]))
+        if args.ablation:
+            result["ablation"] = published.ablation(args.scale, progress)
+            print("\n" + published.format_ablation(result["ablation"]))
     if args.json_out:
         with open(args.json_out, "w") as handle:
             json.dump(result, handle, indent=2)
@@ -291,8 +383,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(load_config(args), options)
 
 
-def _calibrate(config: EngineConfig, spec: str | None) -> dict:
-    from servelab.bench.sim.calibrate import KINDS, calibrate
+def _calibrate(config: EngineConfig, spec: str | None, threads: int = 1, latency_requests: int = 0,
+               slo=None, repeats: int = 7, latency_cases: list | None = None) -> dict:
+    """`bench --calibrate`: the offline step fit and its held-out check, then (unless
+    `latency_requests` is 0) latency under arrivals on held-out rates and workloads."""
+    from servelab.bench.metrics import SLO
+    from servelab.bench.sim.calibrate import KINDS, calibrate, step_features
+    from servelab.bench.sim.hardware import StepTerms
+    from servelab.bench.sim.latency_check import check_latency, default_cases, format_latency
+
+    if threads < 1 or latency_requests < 0:
+        raise ConfigError(f"--threads must be >= 1 and --latency-requests >= 0, got {threads} and {latency_requests}")
     from servelab.model_source import CheckpointSource
     from servelab.workload import build_workload, parse_spec
 
@@ -307,15 +408,21 @@ def _calibrate(config: EngineConfig, spec: str | None) -> dict:
         seed = int(options.pop("seed", 0))
         fit_workloads.append(build_workload(_spec(name, {**options, "seed": seed}), vocab_size))
         checks[kind] = build_workload(_spec(name, {**options, "seed": seed + 1}), vocab_size)
-    result = calibrate(config, fit_workloads, checks, progress=lambda text: print(text, file=sys.stderr))
+    progress = lambda text: print(text, file=sys.stderr)  # noqa: E731
+    result = calibrate(config, fit_workloads, checks, repeats=repeats, progress=progress, threads=threads)
+    if latency_requests:
+        cases = latency_cases or default_cases(latency_requests)
+        result["latency"] = check_latency(config, StepTerms(**result["terms"]), step_features(config),
+                                          cases, threads, slo or SLO(), progress)
     terms = result["terms"]
-    print(f"fitted cpu terms ({result['fit_steps']} steps, one thread, CPU time): "
+    timing = "one thread, CPU time" if threads == 1 else f"{threads} threads, wall-clock time"
+    print(f"fitted cpu terms ({result['fit_steps']} steps, {timing}): "
           f"{1000 * terms['step_s']:.2f} ms a step + {1000 * terms['sequence_s']:.3f} ms a sequence; "
           f"GEMMs {_rate(terms['prefill_gemm_flop_s'])} GFLOP/s on prompt tokens, "
           f"{_rate(terms['decode_gemm_flop_s'])} on decode tokens; prefill attention "
           f"{_rate(terms['prefill_attention_flop_s'])} GFLOP/s; decode attention "
           f"{_rate(terms['decode_kv_byte_s'])} GB/s of KV; LM head {_rate(terms['lm_head_flop_s'])} GFLOP/s")
-    print(f"held out (seed + 1), CPU time: measured = fastest of {result['repeats']} interleaved repetitions per step")
+    print(f"held out (seed + 1), {timing}: measured = fastest of {result['repeats']} interleaved repetitions per step")
     print(f"{'workload':<14} {'median step ms (meas/pred)':>27} {'err':>6} {'output tok/s (meas/sim)':>24} {'err':>6} "
           f"{'repetitions tok/s':>18} {'wall tok/s':>10}")
     for kind, row in result["kinds"].items():
@@ -324,6 +431,8 @@ def _calibrate(config: EngineConfig, spec: str | None) -> dict:
         print(f"{kind:<14} {step['measured']:>13.2f} / {step['predicted']:<11.2f} {100 * step['error']:>5.1f}% "
               f"{throughput['measured']:>11.1f} / {throughput['simulated']:<10.1f} {100 * throughput['error']:>5.1f}% "
               f"{min(repeats):>8.0f}-{max(repeats):<9.0f} {throughput['measured_wall_clock']:>10.1f}")
+    if "latency" in result:
+        print(format_latency(result["latency"]))
     return result
 
 

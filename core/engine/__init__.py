@@ -12,9 +12,12 @@ from servelab.config import EngineConfig
 from servelab.errors import CheckpointError, ConfigError, DistributedError, PluginError, RequestError, ServelabError
 from servelab.hookspecs import hookimpl
 from servelab.logging_setup import get_logger
+from servelab.lora_request import LoRARequest
 from servelab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepReport
 from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
                                    LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin, VictimPlugin)
+from servelab.plugin_types import AdapterResidencyPlugin
+from servelab.plugin_types import KVTransferPlugin
 from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
 from servelab.structured import StructuredOutput
@@ -24,6 +27,8 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "LLMEngine",
+    "LoRARequest",
+    "AdapterResidencyPlugin",
     "AllocatorPlugin",
     "AttentionPlugin",
     "CheckpointError",
@@ -35,6 +40,7 @@ __all__ = [
     "Logprob",
     "LogitsProcessorPlugin",
     "EngineConfig",
+    "KVTransferPlugin",
     "PluginError",
     "PluginRegistry",
     "RequestError",

@@ -124,6 +124,16 @@ class EngineSection:
     # the micro-batches a step's rows are cut into to keep them busy (0: one per stage).
     pipeline_parallel_size: int = attrs.field(default=1, validator=_positive)
     pipeline_micro_batches: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    # LoRA adapters (docs/lora.md): requests name one (LoRARequest); `max_loras` adapters sit
+    # in the fast pool the forward pass reads, `max_cpu_loras` in host memory (the pool's
+    # included; default: max_loras), the rest on disk. A batch runs at most
+    # `max_loras_per_batch` adapters (default: max_loras). `[adapter_residency]` chooses
+    # which pool adapters make room.
+    enable_lora: bool = False
+    max_loras: int = attrs.field(default=4, validator=_positive)
+    max_cpu_loras: int | None = attrs.field(default=None, validator=_positive)
+    max_lora_rank: int = attrs.field(default=64, validator=_positive)
+    max_loras_per_batch: int | None = attrs.field(default=None, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -150,6 +160,9 @@ class EngineSection:
                                             ("pipeline_parallel_size", self.pipeline_parallel_size)) if size > 1]
         if len(parallel) > 1:
             raise ConfigError(f"[engine] {' and '.join(parallel)} > 1 do not combine yet; choose one")
+        if self.max_loras_per_batch is not None and self.max_loras_per_batch > self.max_loras:
+            raise ConfigError(f"[engine] max_loras_per_batch ({self.max_loras_per_batch}) cannot exceed max_loras "
+                              f"({self.max_loras}): a batch's adapters must all fit the fast pool")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"[engine] model must be a checkpoint path or builtin:<name>, got {self.model!r}")
 

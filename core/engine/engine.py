@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+from collections import Counter
 import time
 from typing import Any, Callable, Sequence as Seq
 
@@ -60,7 +61,9 @@ class LLMEngine:
         self.requests = RequestTable()
         self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.limits.max_model_len,
                              config.engine.max_logprobs, self.logits_pipeline, self.runner,
-                             fork_refusal(config, self.allocator, self.scheduler))
+                             fork_refusal(config, self.allocator, self.scheduler), lora=parts.lora)
+        if parts.lora is not None:
+            parts.lora.demand = self._adapter_demand
         generator = torch.Generator(device=torch.device(config.engine.device)).manual_seed(config.engine.seed)
         self.sampling = SamplingStage(self.requests, self.logits_pipeline, self.speculator, generator,
                                       config.engine.logprobs_mode == "raw")
@@ -167,6 +170,13 @@ class LLMEngine:
     def unfinished_sequences(self) -> list[Sequence]:
         """Every sequence in flight (waiting or running), children of n > 1 requests included."""
         return [seq for seq in self.requests.sequences() if not seq.is_finished]
+
+    def _adapter_demand(self) -> tuple[dict[int, int], set[int]]:
+        """Waiting sequences per LoRA adapter id (what a queue-aware residency policy keeps),
+        and the ids of every adapter with unfinished sequences (kept in host memory)."""
+        seqs = [seq for seq in self.requests.sequences() if seq.lora_id and not seq.is_finished]
+        waiting = Counter(seq.lora_id for seq in seqs if seq.status is SequenceStatus.WAITING)
+        return dict(waiting), {seq.lora_id for seq in seqs}
 
     def speculation_stats(self) -> SpeculationStats | None:
         """Drafted/accepted totals of the configured drafter; None without one."""

@@ -9,8 +9,9 @@ import attrs
 import torch
 
 from servelab.config import EngineConfig, EngineSection, build_options
+from servelab.contracts.kv_transfer import KVTransferContext, KVTransport
 from servelab.contracts.victim import VictimContext
-from servelab.errors import ConfigError
+from servelab.errors import ConfigError, PluginError
 from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousAllocator, ContiguousBlockTablesBackend,
                                  DrafterContext, EvictionContext, FeatureDrafter, FeatureRunner, ForkingAllocator,
                                  ForkingScheduler, LMHeadRunner, LogitsProcessorContext, QuantizedKVBackend,
@@ -18,6 +19,7 @@ from servelab.interfaces import (AllocatorContext, AttentionContext, ContiguousA
                                  TreeDrafter)
 from servelab.kit.tier import HostTier
 from servelab.logits_pipeline import LogitsPipeline
+from servelab.lora_setup import attach_lora, max_loras_per_batch
 from servelab.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
 from servelab.model.model_config import ModelConfig
@@ -108,6 +110,7 @@ class EnginePolicies:
     speculator: Speculator | None
     logits_pipeline: LogitsPipeline
     host_tier: HostTier | None = None  # `[kv_offload]`
+    lora: Any = None  # the LoRA adapters (servelab.lora_manager.LoRAManager), `[engine] enable_lora`
 
 
 def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
@@ -135,7 +138,8 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
         allocator=allocator, max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
         max_model_len=limits.max_model_len, clock=clock, host_tier=host_tier,
         victims=victim_builder(registry, VictimContext(block_size=engine.block_size, max_num_seqs=engine.max_num_seqs,
-                                                       can_swap=host_tier is not None))))
+                                                       can_swap=host_tier is not None)),
+        max_loras_per_batch=max_loras_per_batch(config)))
     attention_context = AttentionContext(
         num_heads=shard_config.num_heads, num_kv_heads=shard_config.num_kv_heads, head_dim=shard_config.head_dim,
         block_size=engine.block_size, num_blocks=limits.num_kv_blocks, dtype=DTYPES[engine.dtype], device=device,
@@ -159,12 +163,14 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
         runner = source.build_runner(attention, engine, limits.num_kv_blocks, limits.max_model_len)
     if host_tier is not None:
         _attach_host_tier(config, runner, host_tier, allocator)
+    lora = attach_lora(config, selected["adapter_residency"], runner) if "adapter_residency" in selected else None
     speculator = None
     if "drafters" in selected:
         speculator = _build_speculator(config, registry, source, runner, limits, selected["drafters"], allocator,
                                        attention)
     pipeline = _build_logits_pipeline(config, registry, source, device)
-    return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline, host_tier)
+    return EnginePolicies(source, limits, allocator, scheduler, attention, runner, speculator, pipeline, host_tier,
+                          lora)
 
 
 def victim_builder(registry: PluginRegistry, context: VictimContext) -> Callable[[str], Any]:
@@ -255,6 +261,8 @@ def _policy_sections(config: EngineConfig):
     yield "schedulers", config.scheduler
     yield "attention", config.attention
     yield "evictors", config.eviction
+    if config.engine.enable_lora:  # chosen only where adapters are served
+        yield "adapter_residency", config.adapter_residency
     if config.drafter is not None:
         yield "drafters", config.drafter
 
@@ -358,3 +366,19 @@ def fork_refusal(config: EngineConfig, allocator: Any, scheduler: Any) -> str | 
     if not isinstance(scheduler, ForkingScheduler):
         lacking.append(f"scheduler {config.scheduler.name!r} cannot fork")
     return " and ".join(lacking) or None
+
+
+def build_kv_transport(config: EngineConfig, registry: PluginRegistry, context: KVTransferContext) -> Any:
+    """The KV transport `[kv_transfer]` selects (the default, in-process, without the
+    section), its options checked: what a disaggregated deployment's roles hand KV over."""
+    kind = KINDS["kv_transfers"]
+    section = config.kv_transfer
+    name = section.name if section is not None else kind.default
+    registered = registry.select(kind.key, name)
+    options = build_options(registered.plugin.options, section.options if section is not None else {}, kind.section,
+                            name)
+    transport = build_policy(registered, options, context)
+    if not isinstance(transport, KVTransport):
+        raise PluginError(f"KV transport {name!r} from distribution {registered.distribution!r} built "
+                          f"{type(transport).__name__}, which lacks the KVTransport methods")
+    return transport

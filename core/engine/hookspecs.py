@@ -17,6 +17,8 @@ import pluggy
 if TYPE_CHECKING:
     from servelab.plugin_types import (AllocatorPlugin, AttentionPlugin, DrafterPlugin, EvictionPlugin,
                                        LogitsProcessorPlugin, RouterPlugin, SchedulerPlugin, VictimPlugin)
+    from servelab.plugin_types import AdapterResidencyPlugin
+    from servelab.plugin_types import KVTransferPlugin
 
 PROJECT = "servelab"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -266,6 +268,35 @@ def servelab_register_victims() -> list[VictimPlugin]:
 
 
 @hookspec
+def servelab_register_kv_transfers() -> list[KVTransferPlugin]:
+    """Return the KV transports this plugin provides (`[kv_transfer] name = ...`, read by
+    disaggregated deployments, `servelab.disagg`; one engine ignores it).
+
+    A factory is called as `factory(options, KVTransferContext)` and returns a
+    `servelab.contracts.kv_transfer.KVTransport`; `servelab.testing.TransportContract`
+    is the suite it must pass (faults injected at every state). A complete plugin::
+
+        import servelab
+        from servelab.plugin_types import KVTransferPlugin
+        from servelab.plugins.transports.in_process import InProcessTransport
+
+        class CountingTransport(InProcessTransport):
+            # The in-process transport, counting the handoffs it was offered.
+
+            offers = 0
+
+            def offer(self, handoff, payloads):
+                self.offers += 1
+                super().offer(handoff, payloads)
+
+        @servelab.hookimpl
+        def servelab_register_kv_transfers():
+            return [KVTransferPlugin(name="counting", factory=CountingTransport,
+                                     description="in-process, counting its offers")]
+    """
+
+
+@hookspec
 def servelab_register_evictors() -> list[EvictionPlugin]:
     """Return the prefix-cache eviction policies this plugin provides (`[eviction] name =
     ...`; every prefix cache built on `servelab.kit` orders its evictable blocks by it).
@@ -287,6 +318,32 @@ def servelab_register_evictors() -> list[EvictionPlugin]:
         def servelab_register_evictors():
             return [EvictionPlugin(name="deepest-first", factory=DeepestFirst,
                                    description="evicts the longest cached prefixes first")]
+    """
+
+
+@hookspec
+def servelab_register_adapter_residency() -> list[AdapterResidencyPlugin]:
+    """Return the LoRA adapter residency policies this plugin provides (`[adapter_residency]
+    name = ...`): which adapters in the fast pool (`[engine] max_loras`) make room when a
+    step needs one that is not there.
+
+    A factory is called as `factory(options, ResidencyContext)` and returns a
+    `servelab.contracts.adapter_residency.AdapterResidencyPolicy`. A complete plugin::
+
+        import servelab
+        from servelab.kit import KeyedResidency
+        from servelab.plugin_types import AdapterResidencyPlugin
+
+        class LargestFirst(KeyedResidency):
+            # The adapter taking the most pool memory goes first; among equals the oldest.
+
+            def key(self, candidate):
+                return -candidate.nbytes, candidate.last_used, candidate.lora_id
+
+        @servelab.hookimpl
+        def servelab_register_adapter_residency():
+            return [AdapterResidencyPlugin(name="largest-first", factory=LargestFirst,
+                                           description="evicts the largest adapters first")]
     """
 
 

@@ -31,7 +31,7 @@ def _all_token_ids(prompt: list | tuple) -> bool:
 
 class Intake:
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 pipeline: LogitsPipeline, runner: Runner, fork_refusal: str | None) -> None:
+                 pipeline: LogitsPipeline, runner: Runner, fork_refusal: str | None, lora: Any = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -41,6 +41,7 @@ class Intake:
         self.fork_refusal = fork_refusal  # why n > 1 cannot be served, or None
         self.scores_prompts = bool(runner.supports_prompt_logprobs)
         self.runner_name = type(runner).__name__
+        self.lora = lora  # the engine's LoRA adapters (servelab.lora_manager.LoRAManager), when it serves them
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt, validated against the vocabulary and max_model_len."""
@@ -69,7 +70,17 @@ class Intake:
             if id(spec.params) not in seen:
                 self.check_params(spec.params)
                 seen.add(id(spec.params))
+            self.lora_id(spec.lora_request)
         return [self.encode(spec.prompt) for spec in specs]
+
+    def lora_id(self, lora_request: Any) -> int:
+        """The id of the adapter a request names (read and checked the first time), 0 for
+        none; RequestError for one this engine cannot serve."""
+        if lora_request is None:
+            return 0
+        if self.lora is None:
+            raise RequestError("this engine serves no LoRA adapters: start it with [engine] enable_lora = true")
+        return self.lora.register(lora_request)
 
     def check_params(self, params: SamplingParams | None) -> None:
         if params is not None:
@@ -102,8 +113,9 @@ class Intake:
         (with nothing left behind) when a processor refuses it."""
         params = spec.params or SamplingParams()
         n = params.n
+        lora_id = self.lora_id(spec.lora_request)
         seqs = [Sequence(sequence_id(request_id, i), token_ids, params, arrival_time,
-                         priority=spec.priority, completion_index=i) for i in range(n)]
+                         priority=spec.priority, completion_index=i, lora_id=lora_id) for i in range(n)]
         generators: list[Any] = [None] * n
         if params.seed is not None:  # a seed torch refuses raises here, before anything exists
             generators = [torch.Generator(device=self.device).manual_seed(params.seed + i) for i in range(n)]

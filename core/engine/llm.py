@@ -9,6 +9,7 @@ from servelab.arrivals import NOW, Arrival, serve_arrivals
 from servelab.config import EngineConfig
 from servelab.engine import LLMEngine
 from servelab.errors import RequestError
+from servelab.lora_request import LoRARequest
 from servelab.outputs import RequestOutput
 from servelab.registry import PluginRegistry
 from servelab.request import RequestSpec
@@ -51,18 +52,23 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 priority: int | Seq[int] = 0) -> list[RequestOutput]:
+                 priority: int | Seq[int] = 0,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, all queued together; outputs in prompt order.
 
         `priority` (one for all, or one per prompt; lower runs first) orders admission
         under the continuous and chunked-prefill schedulers when not all fit at once.
+        `lora_request` (one for all, or one per prompt, None for the base model) names the
+        LoRA adapter each prompt runs with (the engine needs `enable_lora`; docs/lora.md).
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
         priorities = _as_priority_list(priority, len(prompt_list))
+        adapters = _as_lora_list(lora_request, len(prompt_list))
         # every prompt is checked (once) before any is queued
-        records = self.engine.prepare_requests([RequestSpec(p, sp, priority=rank)
-                                                for p, sp, rank in zip(prompt_list, params_list, priorities)])
+        records = self.engine.prepare_requests([RequestSpec(p, sp, priority=rank, lora_request=adapter)
+                                                for p, sp, rank, adapter
+                                                in zip(prompt_list, params_list, priorities, adapters)])
         outputs: dict[int, RequestOutput] = {}
         admitted: dict[int, str] = {}
 
@@ -123,3 +129,16 @@ def _as_priority_list(priority: Any, count: int) -> list[int]:
         if not isinstance(value, int) or isinstance(value, bool):
             raise RequestError(f"priority must be an int, got {value!r}")
     return values
+
+
+def _as_lora_list(lora_request: Any, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if not isinstance(lora_request, (list, tuple)):
+        raise RequestError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+    if len(lora_request) != count:
+        raise RequestError(f"got {len(lora_request)} lora_requests for {count} prompts; give one, or one per prompt")
+    for value in lora_request:
+        if value is not None and not isinstance(value, LoRARequest):
+            raise RequestError(f"lora_request must be a LoRARequest or None, got {type(value).__name__}")
+    return list(lora_request)

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
-from servelab.contracts import (allocator, attention, drafter, eviction, logits_processor, router, scheduler,
-                                victim)
+from servelab.contracts import (adapter_residency, allocator, attention, drafter, eviction, kv_transfer,
+                                logits_processor, router, scheduler, victim)
 from servelab.errors import PluginError
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
@@ -158,6 +158,12 @@ KINDS: dict[str, PolicyKind] = kinds_table([
     PolicyKind("victims", "preemption", "preemption victim", "VictimPlugin",
                victim.VictimPolicy, victim.VictimContext, default="newest", selectable=False,
                selected_by="[scheduler] preemption"),
+    # Read by disaggregated deployments (servelab.disagg); one engine ignores it.
+    PolicyKind("kv_transfers", "kv_transfer", "KV transport", "KVTransferPlugin",
+               kv_transfer.KVTransport, kv_transfer.KVTransferContext, default="in-process", optional=True),
+    # Which LoRA adapters stay in the fast pool (docs/lora.md).
+    PolicyKind("adapter_residency", "adapter_residency", "adapter residency policy", "AdapterResidencyPlugin",
+               adapter_residency.AdapterResidencyPolicy, adapter_residency.ResidencyContext, default="lru"),
 ])
 
 

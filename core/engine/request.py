@@ -30,6 +30,7 @@ class RequestSpec:
     request_id: str | None = None
     priority: int = 0
     arrival_time: float | None = None  # on the engine's clock; None: now
+    lora_request: Any = None  # servelab.LoRARequest: the LoRA adapter it runs with; None: the base model
 
 
 @attrs.define(eq=False)

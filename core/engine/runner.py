@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from typing import Any, Sequence as Seq
@@ -11,10 +12,11 @@ import attrs
 import numpy as np
 import torch
 
-from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, QuantizedKVBackend, Runner,
-                                 SlotMovingRunner, StepPlan, TieredRunner, sampling_rows)
+from servelab.interfaces import (AttentionMetadata, KVAllocator, KVMove, QuantizedKVBackend, QuantKernelsBackend,
+                                 Runner, SlotMovingRunner, StepPlan, TieredRunner, sampling_rows)
 from servelab.model.llama import LlamaForCausalLM
 from servelab.model.moe import expert_load, sparse_blocks
+from servelab.model.lora_layers import LoRABatch
 from servelab.model.memory import zeros_on_huge_pages
 from servelab.tier_copy import CpuTierCopier, CudaTierCopier, copy_indexed, perform_moves, tier_copier
 from servelab.tier_file import reserve_tier_file
@@ -36,6 +38,8 @@ class ModelInputs:
     # SamplingParams.prompt_logprobs: (plan row, first position, count) of prompt positions
     # whose logits follow the sampling rows, in this order (prepare(..., prompt_logprobs=True)).
     prompt_logits: tuple[tuple[int, int, int], ...] = ()
+    # Which LoRA adapter slot each row runs with; None: every row runs the base model alone.
+    lora: LoRABatch | None = None
 
 
 def new_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -67,6 +71,8 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
         # The host tier ([kv_offload]) and its copies, chosen by the device (servelab.tier_copy).
         self.tier: CpuTierCopier | CudaTierCopier | None = None
         self._sparse_blocks = sparse_blocks(model)  # a mixture-of-experts model's, for its load
+        # The LoRA adapters (servelab.lora_manager.LoRAManager) when `[engine] enable_lora`.
+        self.lora: Any = None
 
     def expert_load(self) -> dict[int, list[int]]:
         """Per sparse layer of a mixture-of-experts model, each expert's assignments so far."""
@@ -147,15 +153,26 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
             context_lens_list=tuple(context_lens),
             tree_parents=tree_parents,
         )
+        logits_rows = to_device(np.asarray(logits_indices, dtype=np.int64))
         return ModelInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=to_device(positions),
             attention=metadata,
-            logits_indices=to_device(np.asarray(logits_indices, dtype=np.int64)),
+            logits_indices=logits_rows,
             sampled_seq_rows=sampled_rows,
             num_logits_rows=num_logits_rows,
             prompt_logits=prompt_logits,
+            lora=self._lora_batch(plan, query_lens_np, logits_rows),
         )
+
+    def _lora_batch(self, plan: StepPlan, query_lens: np.ndarray, logits_rows: torch.Tensor) -> LoRABatch | None:
+        """The step's rows by adapter slot, its adapters placed in the fast pool first."""
+        if self.lora is None or not any(seq.lora_id for seq, _ in plan.scheduled):
+            return None
+        slots = self.lora.slots_for([seq.lora_id for seq, _ in plan.scheduled])
+        token_slots = torch.from_numpy(np.repeat(np.asarray(slots, dtype=np.int64), query_lens)).to(self.device)
+        kept = token_slots.index_select(0, logits_rows) if logits_rows.shape[0] < token_slots.shape[0] else None
+        return LoRABatch(token_slots, kept)
 
     @staticmethod
     def _prompt_logits_rows(plan: StepPlan, query_lens: list[int], logits_indices: list[int]):
@@ -226,15 +243,33 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
         """Logits [R, vocab] float32 and the final-normed hidden states [R, hidden] they
         were computed from, for the rows in inputs.logits_indices."""
         prepared = self.backend.prepare(inputs.attention)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend, prepared,
-                          inputs.logits_indices)
+        with self._adapters(inputs):
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend, prepared,
+                              inputs.logits_indices)
 
     def execute_with_features(self, inputs: ModelInputs, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [R, vocab] float32 and the residual stream after each decoder layer in
         `layers` at every input row: [T, len(layers) * hidden] (FeatureRunner)."""
         prepared = self.backend.prepare(inputs.attention)
-        return self.model.forward_with_features(inputs.input_ids, inputs.positions, self.kv_caches, self.backend,
-                                                prepared, inputs.logits_indices, layers)
+        with self._adapters(inputs):
+            return self.model.forward_with_features(inputs.input_ids, inputs.positions, self.kv_caches,
+                                                    self.backend, prepared, inputs.logits_indices, layers)
+
+    @contextlib.contextmanager
+    def _adapters(self, inputs: ModelInputs):
+        """The step's LoRA rows set on the model for the forward (and cleared after it)."""
+        state = self.model.lora
+        if state is None:
+            yield
+            return
+        # the backend's native library (the one whose quantized matmul it hands out), once built
+        if isinstance(self.backend, QuantKernelsBackend):
+            state.use_kernels(self.backend.quant_kernels)
+        state.batch = inputs.lora
+        try:
+            yield
+        finally:
+            state.batch = None
 
     def close(self) -> None:
         """Waits for the host tier's copies still in flight (CUDA); nothing else outlives

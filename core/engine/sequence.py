@@ -77,6 +77,8 @@ class Sequence:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     error: str | None = None  # why the request failed (finish_reason "error"), e.g. a logits processor raised
+    # The LoRA adapter its tokens run with (LoRARequest.lora_int_id, > 0); 0: the base model alone.
+    lora_id: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,7 @@
     POST /tokenize              POST /detokenize               GET /version
     GET  /tokenizer_info        GET  /health                   GET /ready
     GET  /metrics               GET|POST /ping
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter   (with --allow-runtime-lora-updating)
 
 `/v1/*`, `/tokenize`, `/detokenize` and `/tokenizer_info` require `Authorization: Bearer
 <key>` when the server has an API key; `/health`, `/ready`, `/ping`, `/version` and
@@ -36,6 +37,7 @@ from servelab.server.engine_loop import AdmissionFailed, AsyncEngine, EngineUnav
 from servelab.errors import NO_NEXT_TOKEN
 from servelab.server.generation import EngineFailure, Generation, RequestFailed
 from servelab.server.limits import RequestLimits, parse_body, read_body
+from servelab.server.lora import LoRAModules
 from servelab.server.metrics import ServerMetrics
 from servelab.server.protocol import (ApiError, GenerationRequest, PromptBounds, bad_request, check_model,
                                       check_response_size, parse_chat, parse_completion, request_error)
@@ -64,6 +66,7 @@ class ServerState:
     stop_ray: bool = False  # the replicas run on a local Ray started by this server
     trust_request_chat_template: bool = False  # render a request's own chat_template (else 400)
     stream_interval: int = 1  # tokens per stream chunk
+    lora: LoRAModules | None = None  # the LoRA adapters served (`model` names one), when the engine serves them
 
     @property
     def bounds(self) -> PromptBounds:
@@ -95,6 +98,9 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/completions", _guarded(_completions), methods=["POST"]),
         Route("/v1/chat/completions", _guarded(_chat_completions), methods=["POST"]),
     ]
+    if state.lora is not None and state.lora.runtime_updates:
+        routes += [Route("/v1/load_lora_adapter", _guarded(_load_lora_adapter), methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", _guarded(_unload_lora_adapter), methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.servelab = state
@@ -249,9 +255,38 @@ async def _metrics(request: Request) -> Response:
 
 
 async def _models(request: Request, state: ServerState) -> Response:
+    adapters = [{"id": adapter.lora_name, "object": "model", "created": 0, "owned_by": "servelab",
+                 "root": adapter.lora_path, "parent": state.model_name, "max_model_len": state.max_model_len}
+                for adapter in (state.lora.names() if state.lora is not None else [])]
     return JSONResponse({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": 0, "owned_by": "servelab",
-        "max_model_len": state.max_model_len}]})
+        "id": state.model_name, "object": "model", "created": 0, "owned_by": "servelab", "root": state.model_name,
+        "parent": None, "max_model_len": state.max_model_len}, *adapters]})
+
+
+async def _load_lora_adapter(request: Request, state: ServerState) -> Response:
+    body = parse_body(await read_body(request.stream(), request.headers.get("content-length"), state.limits),
+                      state.limits)
+    adapter = await asyncio.to_thread(state.lora.load, body.get("lora_name"), body.get("lora_path"))
+    logger.info("lora.loaded", name=adapter.lora_name, lora_id=adapter.lora_int_id, path=adapter.lora_path)
+    return Response(f"Success: LoRA adapter '{adapter.lora_name}' added successfully.", media_type="text/plain")
+
+
+async def _unload_lora_adapter(request: Request, state: ServerState) -> Response:
+    body = parse_body(await read_body(request.stream(), request.headers.get("content-length"), state.limits),
+                      state.limits)
+    state.lora.unload(body.get("lora_name"))
+    logger.info("lora.unloaded", name=body.get("lora_name"))
+    return Response(f"Success: LoRA adapter '{body.get('lora_name')}' removed successfully.", media_type="text/plain")
+
+
+def _adapter_of(body: dict[str, Any], state: ServerState) -> Any:
+    """The LoRA adapter the body's `model` names (None: the base model); 404 for a name
+    that is neither."""
+    model = body.get("model")
+    adapter = state.lora.resolve(model) if state.lora is not None and isinstance(model, str) else None
+    if adapter is None:
+        check_model(body, state.model_name)
+    return adapter
 
 
 async def _body(request: Request, state: ServerState) -> dict[str, Any]:
@@ -259,7 +294,6 @@ async def _body(request: Request, state: ServerState) -> dict[str, Any]:
     # parsing and checking every value is proportional to the body: on a thread, not the event loop
     body = parse_body(raw, state.limits) if len(raw) < _INLINE_BYTES else await asyncio.to_thread(
         parse_body, raw, state.limits)
-    check_model(body, state.model_name)
     return body
 
 
@@ -311,36 +345,42 @@ def _check_chat_template(state: ServerState, source: str | None) -> None:
 
 async def _completions(request: Request, state: ServerState) -> Response:
     arrival_time = state.engine.clock()  # TTFT counts the tokenization too
-    parsed = parse_completion(await _body(request, state), state.bounds)
+    body = await _body(request, state)
+    adapter = _adapter_of(body, state)
+    parsed = parse_completion(body, state.bounds)
     prompts = await _encoded(state.codec.encode_prompts(parsed.prompts), "prompt")
     limits = _check_context(prompts, parsed, state, "prompt")
     generation = await _start(request, state, parsed, prompts, "prompt", "cmpl", "completions", arrival_time,
-                              limits)
+                              limits, adapter)
+    model = adapter.lora_name if adapter is not None else state.model_name
     if parsed.stream:
-        return _sse(completion_chunks(generation, state.model_name, parsed), parsed.structured_field)
+        return _sse(completion_chunks(generation, model, parsed), parsed.structured_field)
     await _run_to_end(generation, request, parsed.structured_field)
-    return await _json(completion_body(generation, state.model_name, parsed))
+    return await _json(completion_body(generation, model, parsed))
 
 
 async def _chat_completions(request: Request, state: ServerState) -> Response:
     arrival_time = state.engine.clock()
-    parsed = parse_chat(await _body(request, state), state.bounds)
+    body = await _body(request, state)
+    adapter = _adapter_of(body, state)
+    parsed = parse_chat(body, state.bounds)
     _check_chat_template(state, parsed.chat_template)
     prompt = await _encoded(state.codec.encode_chat(list(parsed.messages), state.bounds.max_prompt_chars,
                                                     parsed.chat_template, parsed.chat_template_kwargs),
                             "messages")
     limits = _check_context([prompt], parsed, state, "messages")
     generation = await _start(request, state, parsed, [prompt], "messages", "chatcmpl", "chat.completions",
-                              arrival_time, limits)
+                              arrival_time, limits, adapter)
+    model = adapter.lora_name if adapter is not None else state.model_name
     if parsed.stream:
-        return _sse(chat_chunks(generation, state.model_name, parsed), parsed.structured_field)
+        return _sse(chat_chunks(generation, model, parsed), parsed.structured_field)
     await _run_to_end(generation, request, parsed.structured_field)
-    return await _json(chat_body(generation, state.model_name, parsed))
+    return await _json(chat_body(generation, model, parsed))
 
 
 async def _start(request: Request, state: ServerState, parsed: GenerationRequest, prompts: list[Any],
                  prompt_field: str, id_prefix: str, endpoint: str, arrival_time: float,
-                 max_tokens: list[int] | None = None) -> Generation:
+                 max_tokens: list[int] | None = None, lora_request: Any = None) -> Generation:
     """Admission control, then queue every choice; 400 / 429 / 500 / 503 as ApiError."""
     if state.draining:  # it began before the signal and was tokenized since
         raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
@@ -358,7 +398,7 @@ async def _start(request: Request, state: ServerState, parsed: GenerationRequest
         echo_texts = await state.codec.decode_prompts(parsed.prompts)
     generation = Generation(state.engine, state.codec.tokenizer, prompts, parsed.params, parsed.n,
                             f"{id_prefix}-{uuid.uuid4().hex}", endpoint, echo_texts, max_tokens,
-                            parsed.scoring_only, state.stream_interval)
+                            parsed.scoring_only, state.stream_interval, lora_request)
     try:
         # a client that leaves while its request is validated or its grammar compiles
         # cancels it there (the compilation stops once no request waits for it)

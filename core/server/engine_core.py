@@ -36,7 +36,7 @@ import structlog
 import servelab
 from servelab.errors import RequestError
 from servelab.expert_load import expert_load_of, pipeline_stats_of
-from servelab.interfaces import AllocatorStats, ClosingProcessor, SchedulerStats, SequenceStatus, WarmingProcessor
+from servelab.interfaces import AllocatorStats, ClosingProcessor, LoRARunner, SchedulerStats, SequenceStatus, WarmingProcessor
 from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
 from servelab.server.errors import AdmissionFailed, EngineUnavailable
@@ -54,6 +54,7 @@ class NewRequest:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float  # on the engine's clock (time.perf_counter unless the engine has its own)
+    lora_request: Any = None  # servelab.LoRARequest: the LoRA adapter it runs with; None: the base model
 
 
 @attrs.frozen
@@ -68,6 +69,7 @@ class EngineSnapshot:
     num_running_tokens: int = 0  # context tokens of running sequences (for routers; 0 unless asked for)
     num_preparing: int = 0  # requests being validated or waiting for a grammar, not yet in the scheduler
     tier: Any = None  # TierStats of the host KV tier ([kv_offload]), None without one
+    resident_adapters: tuple[str, ...] = ()  # LoRA adapters in the fast pool (for an adapter-affinity router)
     expert_load: Any = None  # a mixture-of-experts model's {layer: assignments per expert}, None for a dense one
     pipeline_bubble: float | None = None  # under pipeline parallelism, stage 0's idle share so far
 
@@ -207,8 +209,9 @@ class EngineCore:
         self._last_snapshot = EngineSnapshot(self.engine.scheduler.stats(), self.engine.allocator.stats(),
                                              counter.num_steps, counter.num_draft_tokens, counter.num_accepted_tokens,
                                              running_tokens, preparing,
-                                             counter.tier_stats, expert_load_of(self.engine) or None,
-                                             _bubble(pipeline_stats_of(self.engine)))
+                                             counter.tier_stats, resident_adapters(self.engine),
+                                             expert_load=expert_load_of(self.engine) or None,
+                                             pipeline_bubble=_bubble(pipeline_stats_of(self.engine)))
         return self._last_snapshot
 
     def _serve(self, in_flight: set[str]) -> None:
@@ -295,3 +298,9 @@ class EngineCore:
                     refused.append((command_id, EngineUnavailable("the engine has failed")))
             if refused:
                 self._send(CoreOutput({}, [], self._last_snapshot, refused))
+
+
+def resident_adapters(engine: Any) -> tuple[str, ...]:
+    """The LoRA adapters in the engine's fast pool (none without LoRA)."""
+    runner = engine.runner
+    return tuple(runner.lora.resident()) if isinstance(runner, LoRARunner) and runner.lora is not None else ()

@@ -131,11 +131,13 @@ class Generation:
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, prompts: Seq[list[int]], params: SamplingParams,
                  n: int, request_id: str, endpoint: str, echo_texts: Seq[str] | None = None,
-                 max_tokens: Seq[int] | None = None, scoring_only: bool = False, stream_interval: int = 1) -> None:
+                 max_tokens: Seq[int] | None = None, scoring_only: bool = False, stream_interval: int = 1,
+                 lora_request: Any = None) -> None:
         """`max_tokens`: each prompt's own (clipped to its context), else params'.
         `scoring_only` (max_tokens 0): the prompt is scored and the token its prefill
         samples is left out of the choices and the usage."""
         self.engine = engine
+        self.lora_request = lora_request  # the LoRA adapter every prompt runs with (servelab.LoRARequest), or None
         self.scoring_only = scoring_only
         self.stream_interval = stream_interval
         self._pending: dict[int, ChoiceDelta] = {}  # a choice's tokens not yet stream_interval of them
@@ -161,7 +163,8 @@ class Generation:
 
     async def start(self, arrival_time: float) -> None:
         """Queue every prompt in the engine (RequestError / EngineUnavailable propagate)."""
-        self._events = await self.engine.add([NewRequest(rid, prompt, params, arrival_time) for rid, prompt, params
+        self._events = await self.engine.add([NewRequest(rid, prompt, params, arrival_time, self.lora_request)
+                                              for rid, prompt, params
                                               in zip(self.engine_request_ids, self._prompts, self._prompt_params)],
                                              decode=self._text_deltas)
 

@@ -43,8 +43,8 @@ class Group:
 def prepare_off_loop(engine: Any, requests: list[Any]) -> tuple[list[Any], list[concurrent.futures.Future]]:
     """The engine's records of a group's requests (RequestError names the first bad one,
     and then none exist) and the preparations to wait for before the loop may queue them."""
-    records = engine.prepare_requests([RequestSpec(r.prompt, r.params, r.request_id, arrival_time=r.arrival_time)
-                                       for r in requests])
+    records = engine.prepare_requests([RequestSpec(r.prompt, r.params, r.request_id, arrival_time=r.arrival_time,
+                                                   lora_request=r.lora_request) for r in requests])
     tickets = list({id(f): f for record in records for f in record.preparing.values()}.values())
     return records, tickets
 

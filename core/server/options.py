@@ -23,6 +23,7 @@ API_KEY_ENV = "SERVELAB_API_KEY"
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     """The HTTP server's own options (the engine's come from --model, --config, --set)."""
     limits = RequestLimits()
+    _add_lora_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on /v1/* (better: --api-key-file "
@@ -83,7 +84,29 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
                          engine_threads=args.engine_threads, replicas=args.replicas, ray_address=args.ray_address,
                          liveness_timeout=args.liveness_timeout, chat_template=args.chat_template,
                          trust_request_chat_template=args.trust_request_chat_template,
-                         stream_interval=args.stream_interval)
+                         stream_interval=args.stream_interval,
+                         lora_modules=tuple(_lora_module(text) for text in args.lora_modules or ()),
+                         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                         max_lora_adapters=args.max_lora_adapters, max_lora_bytes=args.max_lora_bytes)
+
+
+def _add_lora_arguments(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                       help="LoRA adapters (peft's saved directories) served as the models NAME (sets [engine] "
+                            "enable_lora); docs/lora.md")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    serve.add_argument("--max-lora-adapters", type=int, default=64,
+                       help="LoRA adapters the server holds at once (default 64)")
+    serve.add_argument("--max-lora-bytes", type=int, default=256 * 2**20,
+                       help="the largest adapter weights file the server loads, in bytes (default 256 MiB)")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, separator, path = text.partition("=")
+    if not separator or not name or not path:
+        raise ServelabError(f"--lora-modules takes NAME=PATH, got {text!r}")
+    return name, path
 
 
 def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:

@@ -121,7 +121,8 @@ class ReplicaSet:
             raise EngineUnavailable(self.error or "the server is shutting down")
         first = requests[0]
         prompt = first.prompt if isinstance(first.prompt, list) else []
-        route = RouteRequest(first.request_id, prompt, first.params.max_tokens, first.arrival_time)
+        route = RouteRequest(first.request_id, prompt, first.params.max_tokens, first.arrival_time,
+                             adapter=first.lora_request.lora_name if first.lora_request is not None else None)
         from servelab.routing import checked_route
 
         choice = checked_route(self.router, self.router_name, route, [self.route_snapshot(i) for i in live])
@@ -194,7 +195,7 @@ class ReplicaSet:
             replica_id=index, num_waiting=replica.num_waiting, num_running=snapshot.scheduler.num_running,
             num_queued_tokens=replica.num_waiting_tokens, num_running_tokens=snapshot.num_running_tokens,
             num_kv_blocks=snapshot.allocator.num_blocks, num_used_kv_blocks=snapshot.allocator.num_used_blocks,
-            block_size=self.block_size)
+            block_size=self.block_size, resident_adapters=snapshot.resident_adapters)
 
     # ------------------------------------------------------------ events (on the event loop)
 

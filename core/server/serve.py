@@ -58,12 +58,20 @@ class ServerOptions:
     chat_template: str | None = None  # a template file, its text, or "plain"; None: the checkpoint's own
     trust_request_chat_template: bool = False  # render a `chat_template` a request sends (else a 400)
     stream_interval: int = 1  # tokens per stream chunk (vLLM's --stream-interval)
+    # LoRA adapters (docs/lora.md): (name, path) served as OpenAI models named `name`; loading
+    # and unloading at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter) only with
+    # `allow_runtime_lora_updating`, within max_lora_adapters adapters of max_lora_bytes each.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora_updating: bool = False
+    max_lora_adapters: int = 64
+    max_lora_bytes: int = 256 * 2**20
 
     def __attrs_post_init__(self) -> None:
         positive = {"--max-waiting": self.max_waiting, "--header-timeout": self.header_timeout,
                     "--body-timeout": self.limits.body_timeout, "--max-body-bytes": self.limits.max_body_bytes,
                     "--max-json-depth": self.limits.max_json_depth, "--tokenizer-workers": self.tokenizer_workers,
-                    "--liveness-timeout": self.liveness_timeout, "--stream-interval": self.stream_interval}
+                    "--liveness-timeout": self.liveness_timeout, "--stream-interval": self.stream_interval,
+                    "--max-lora-adapters": self.max_lora_adapters, "--max-lora-bytes": self.max_lora_bytes}
         if self.engine_threads is not None:
             positive["--engine-threads"] = self.engine_threads
         if self.replicas is not None:
@@ -137,6 +145,9 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     disable_created_metrics()  # process-wide: no `_created` series next to every counter
     metrics = ServerMetrics(options.served_model_name or config.engine.model)
     checkpoint = Checkpoint.open(config.engine.model)  # config and tokenizer only: the weights stay in the engine
+    if options.lora_modules or options.allow_runtime_lora_updating:
+        config = config.with_overrides({"engine.enable_lora": True})
+    lora = lora_modules(config, options, checkpoint.config)  # a bad adapter stops the start before the engine
     metrics.kv_bytes_per_token.labels(config.engine.kv_cache_dtype).set(checkpoint.config.kv_bytes_per_token(
         DTYPE_BYTES[config.engine.dtype], config.engine.kv_cache_dtype))
     codec = TextCodec(checkpoint.tokenizer, chat_template(checkpoint.tokenizer, options.chat_template,
@@ -161,7 +172,25 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
                        api_key=options.api_key, limits=options.limits, stop_ray=stop_ray,
                        liveness_timeout=options.liveness_timeout,
                        trust_request_chat_template=options.trust_request_chat_template,
-                       stream_interval=options.stream_interval)
+                       stream_interval=options.stream_interval, lora=lora)
+
+
+def lora_modules(config: EngineConfig, options: ServerOptions, model_config: Any) -> Any:
+    """The adapters `--lora-modules` names, each checked against the base model (None where
+    the engine serves no LoRA); ServelabError naming the adapter's file and field."""
+    if not config.engine.enable_lora:
+        return None
+    from servelab.server.lora import LoRABounds, LoRAModules
+    from servelab.server.protocol import ApiError
+
+    modules = LoRAModules(model_config, LoRABounds(options.max_lora_adapters, options.max_lora_bytes,
+                                                   config.engine.max_lora_rank), options.allow_runtime_lora_updating)
+    for name, path in options.lora_modules:
+        try:
+            modules.load(name, path)
+        except ApiError as exc:
+            raise ServelabError(f"--lora-modules {name}={path}: {exc.message}") from None
+    return modules
 
 
 def default_engine_threads() -> int:

@@ -18,9 +18,11 @@ loaded through the pytest11 entry point) adds `--servelab-max-examples` and a
 from servelab.testing.allocator import AllocatorContract
 from servelab.testing.attention import AttentionBackendContract
 from servelab.testing.contract import ContractViolation, check
+from servelab.testing.adapter_residency import AdapterResidencyContract
 from servelab.testing.drafter import DrafterContract
 from servelab.testing.eviction import EvictionContract
 from servelab.testing.kv_tier import KVTierContract
+from servelab.testing.kv_transfer import TransportContract
 from servelab.testing.logits_processor import LogitsProcessorContract
 from servelab.testing import objectives
 from servelab.testing.objectives import Objective, ObjectiveMissed
@@ -31,12 +33,14 @@ from servelab.testing.scheduler_workloads import make_allocator
 from servelab.testing.victim import VictimContract
 
 __all__ = [
+    "AdapterResidencyContract",
     "AllocatorContract",
     "AttentionBackendContract",
     "ContractViolation",
     "DrafterContract",
     "EvictionContract",
     "KVTierContract",
+    "TransportContract",
     "LogitsProcessorContract",
     "Objective",
     "ObjectiveMissed",

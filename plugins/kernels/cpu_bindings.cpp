@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("format"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("scalar") = false);
 
+  m.def("lora_shrink_expand", &lora_shrink_expand,
+        "scale * (x[rows] A^T) B^T: one LoRA adapter's update of its rows (float32)");
+
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<const std::vector<std::vector<std::optional<at::Tensor>>>&,
                           const std::vector<std::vector<int64_t>>&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,

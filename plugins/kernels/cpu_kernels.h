@@ -43,6 +43,10 @@ std::string quant_path();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
                         const std::optional<at::Tensor>& bias, bool scalar);
 
+// cpu_lora.cpp
+at::Tensor lora_shrink_expand(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& lora_a,
+                              const at::Tensor& lora_b, double scale);
+
 // cpu_decoder.cpp: a Llama decoder's whole forward in one call (see there).
 class Decoder {
  public:

@@ -2,6 +2,7 @@
 
 import servelab
 from servelab.plugin_types import NoOptions, RouterPlugin
+from servelab.plugins.routers.adapter_affinity import AdapterAffinityOptions
 from servelab.plugins.routers.prefix_affinity import PrefixAffinityOptions
 
 
@@ -26,5 +27,12 @@ def servelab_register_routers():
             options=PrefixAffinityOptions,
             description="cache-aware (SGLang's router): the replica holding the longest prefix of the prompt, "
                         "unless its load exceeds the least-loaded replica's by a margin",
+        ),
+        RouterPlugin(
+            name="adapter-affinity",
+            factory="servelab.plugins.routers.adapter_affinity:AdapterAffinityRouter",
+            options=AdapterAffinityOptions,
+            description="a LoRA request to a replica holding its adapter in the fast pool, unless that "
+                        "replica's load exceeds the least-loaded replica's by a margin",
         ),
     ]

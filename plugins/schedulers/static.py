@@ -50,6 +50,8 @@ class StaticScheduler(QueueScheduler):
             slots = seq.params.n  # its other completions are forked from it after its first step
             if self.num_batch_slots and self.num_batch_slots + slots > self.context.max_num_seqs:
                 break
+            if not self._adapter_fits(seq):
+                break  # a LoRA adapter past max_loras_per_batch opens the next batch
             if not self._admit(seq, seq.num_uncomputed_tokens, whole=True):
                 break  # the pool is full; the head of the queue opens the next batch
             self.waiting.pop(0)

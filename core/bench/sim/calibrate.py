@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import attrs
 import numpy as np
@@ -49,17 +49,22 @@ KINDS = {
 
 class StepTimer:
     """An observer plugin noting, for every step that ran the model, its shape (the
-    features the simulator sees) and the CPU time of the whole step."""
+    features the simulator sees), the time of the whole step on `clock` (process CPU
+    time by default) and when it started on the engine's clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.process_time) -> None:
+        self.clock = clock
         self.recording = False
         self.timed: list[tuple[SimInputs, float]] = []
+        self.starts: list[float] = []
         self._started = 0.0
+        self._engine_started = 0.0
         self._shape: SimInputs | None = None
 
     @servelab.hookimpl
     def servelab_step_started(self, engine: Any) -> None:
-        self._started, self._shape = time.process_time(), None
+        self._started, self._shape = self.clock(), None
+        self._engine_started = engine.clock()
 
     @servelab.hookimpl
     def servelab_step_planned(self, engine: Any, plan: Any) -> None:
@@ -68,7 +73,8 @@ class StepTimer:
     @servelab.hookimpl
     def servelab_step_finished(self, engine: Any, report: Any) -> None:
         if self.recording and self._shape is not None:
-            self.timed.append((self._shape, time.process_time() - self._started))
+            self.timed.append((self._shape, self.clock() - self._started))
+            self.starts.append(self._engine_started)
 
 
 @attrs.frozen
@@ -103,20 +109,27 @@ class Measured:
 
 
 @contextlib.contextmanager
-def one_thread() -> Iterator[None]:
+def threads_of(count: int) -> Iterator[None]:
+    """torch on `count` threads for the block."""
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
 
 
-def measure(config: EngineConfig, workloads: list[Workload], repeats: int = 7) -> list[Measured]:
-    """Run every workload for real on one thread, `repeats` times each from an empty
-    prefix cache, interleaved (round r runs them all, starting one later each round).
+def one_thread():
+    return threads_of(1)
+
+
+def measure(config: EngineConfig, workloads: list[Workload], repeats: int = 7, threads: int = 1) -> list[Measured]:
+    """Run every workload for real on `threads` threads, `repeats` times each from an
+    empty prefix cache, interleaved (round r runs them all, starting one later each round).
+    One thread is timed in process CPU time; several in wall-clock time (CPU time would
+    add the threads' times up).
 
     Offline, the engine plans the same steps every repetition, so each step is timed
     `repeats` times and its fastest time kept: a step slowed by another job's burst on
@@ -127,9 +140,9 @@ def measure(config: EngineConfig, workloads: list[Workload], repeats: int = 7) -
     registry = PluginRegistry.from_entry_points()
     recorder = StepRecorder()
     registry.register(recorder)
-    timer = StepTimer()
+    timer = StepTimer(time.process_time if threads == 1 else time.perf_counter)
     registry.register(timer)
-    with one_thread():
+    with threads_of(threads):
         engine = LLMEngine(config, registry)
         recorder.clock = engine.clock
         # Each workload once, untimed: the first run of a batch shape first-touches its
@@ -189,8 +202,8 @@ def fit(samples: list[StepSample]) -> StepTerms:
     return StepTerms.from_coefficients(coefficients)
 
 
-def profile_of(terms: StepTerms) -> Accelerator:
-    return Accelerator("cpu-here (fitted)", 1.0, 1.0, 24e9, 0.0, terms=terms)
+def profile_of(terms: StepTerms, threads: int = 1) -> Accelerator:
+    return Accelerator("cpu-here (fitted)", 1.0, 1.0, 24e9, 0.0, terms=terms, threads=threads)
 
 
 def simulate(config: EngineConfig, workload: Workload, profile: Accelerator) -> dict[str, float]:
@@ -211,12 +224,13 @@ def simulate(config: EngineConfig, workload: Workload, profile: Accelerator) -> 
             "output_tokens_per_s": num_output / (record.end_time - record.start_time)}
 
 
-def check(config: EngineConfig, workload: Workload, measured: Measured, terms: StepTerms) -> dict[str, Any]:
+def check(config: EngineConfig, workload: Workload, measured: Measured, terms: StepTerms,
+          threads: int = 1) -> dict[str, Any]:
     """The fitted terms against one measured run: step times and throughput."""
     predicted = [terms.seconds(s.features) for s in measured.samples]
     actual = [s.seconds for s in measured.samples]
     step_errors = [abs(p - a) / a for p, a in zip(predicted, actual)]
-    simulated = simulate(config, workload, profile_of(terms))["output_tokens_per_s"]
+    simulated = simulate(config, workload, profile_of(terms, threads))["output_tokens_per_s"]
     return {
         "workload": workload.name,
         "steps": len(actual),
@@ -233,21 +247,34 @@ def check(config: EngineConfig, workload: Workload, measured: Measured, terms: S
 
 
 def calibrate(config: EngineConfig, fit_workloads: list[Workload], checks: dict[str, Workload],
-              repeats: int = 7, progress: Any = None) -> dict[str, Any]:
-    """Fit on `fit_workloads`, then check every held-out workload of `checks` (by kind)."""
+              repeats: int = 7, progress: Any = None, threads: int = 1) -> dict[str, Any]:
+    """Fit on `fit_workloads`, then check every held-out workload of `checks` (by kind),
+    on `threads` threads. (Latency under arrivals is servelab.bench.sim.latency_check's.)"""
     if progress:
         progress(f"measuring {len(fit_workloads) + len(checks)} workloads, {repeats} interleaved repetitions each")
-    measured = measure(config, [*fit_workloads, *checks.values()], repeats)
+    measured = measure(config, [*fit_workloads, *checks.values()], repeats, threads)
     samples = [sample for m in measured[:len(fit_workloads)] for sample in m.samples]
     terms = fit(samples)
     fitted = [terms.seconds(s.features) for s in samples]
-    results = {kind: check(config, workload, m, terms)
+    results = {kind: check(config, workload, m, terms, threads)
                for (kind, workload), m in zip(checks.items(), measured[len(fit_workloads):])}
-    return {
+    result = {
         "terms": attrs.asdict(terms),
+        "threads": threads,
         "fit_steps": len(samples),
         "repeats": repeats,
         "fit_workloads": [w.name for w in fit_workloads],
         "fit_per_step_abs_error_p50": statistics.median(abs(f - s.seconds) / s.seconds for f, s in zip(fitted, samples)),
         "kinds": results,
     }
+    return result
+
+
+def step_features(config: EngineConfig) -> Any:
+    """A function from a step's shape (SimInputs) to the features StepTerms prices."""
+    from servelab.model_source import CheckpointSource
+
+    cost = CostModel(CheckpointSource(config.engine.model).model_config,
+                     Accelerator("probe", 1.0, 1.0, 1.0, 0.0, terms=CPU_HERE_TERMS),
+                     dtype_bytes=DTYPE_BYTES[config.engine.dtype])
+    return lambda shape: cost.features(shape.query_lens, shape.context_lens, len(shape.sampled_seq_rows))

@@ -93,7 +93,8 @@ class CostModel:
         hw = self.hardware
         if hw.terms is not None:  # one process on one device: no collectives (_check_tensor_parallel)
             features = self.features(query_lens, context_lens, num_sampled, (flops, nbytes))
-            return StepCost(total_flops, total_bytes, hw.terms.seconds(features))
+            # step_overhead_s: the work between steps a served run adds (latency_check fits it)
+            return StepCost(total_flops, total_bytes, hw.terms.seconds(features) + hw.step_overhead_s)
         kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
         if self.tensor_parallel > 1:
             kernels["communication"] = self._communication_seconds(num_tokens, num_sampled)

@@ -70,6 +70,7 @@ class Accelerator:
     # the host memory one device may use for it (0: the tier is not simulated on it).
     host_link: str = "pcie4"
     host_memory_bytes: float = 0.0
+    threads: int = 0  # a CPU profile: the torch threads the engine ran with when it was fitted (0: not a CPU)
 
     @property
     def per_kernel(self) -> bool:
@@ -125,7 +126,7 @@ ACCELERATORS = {
     # so no tensor parallelism.
     "cpu-here": Accelerator("2-core CPU (fp32, one thread, fitted)", 105e9, 3.2e9, 24e9, 0.0, 1.0, 1.0,
                             terms=CPU_HERE_TERMS, behaves_like="servelab on this CPU, additive fitted step terms",
-                            host_link="host-dram", host_memory_bytes=8e9),
+                            host_link="host-dram", host_memory_bytes=8e9, threads=1),
 }
 EAGER_SUFFIX = "-eager"
 

@@ -60,7 +60,13 @@ class SimSource:
                          interconnect(self.hardware.host_link), self.hardware.host_memory_bytes)
 
     def fit_config(self, config: EngineConfig) -> EngineConfig:
-        """The config with KV blocks sized to the accelerator's memory (unless set)."""
+        """The config with KV blocks sized to the accelerator's memory (unless set). A
+        fitted CPU profile prices this machine's engine: the config's dtype, and the KV
+        pool and context the real engine sizes from the same config."""
+        if not self.hardware.per_kernel:
+            self.dtype_bytes = DTYPE_BYTES[config.engine.dtype]
+            self.cost_model = self._cost_model(config.engine.tensor_parallel_size, config.engine.kv_cache_dtype)
+            return config
         self._for_engine(config.engine)
         overrides: dict[str, Any] = {}
         if config.engine.num_kv_blocks is None:

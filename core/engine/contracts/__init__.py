@@ -7,11 +7,13 @@ capabilities, and where its changes by version are listed).
 | allocators | `servelab.contracts.allocator` |
 | schedulers | `servelab.contracts.scheduler` |
 | victims | `servelab.contracts.victim` |
+| kv_transfers | `servelab.contracts.kv_transfer` |
 | drafters | `servelab.contracts.drafter` |
 | attention | `servelab.contracts.attention` |
 | routers | `servelab.contracts.router` |
 | logits_processors | `servelab.contracts.logits_processor` |
 | evictors | `servelab.contracts.eviction` |
+| adapter_residency | `servelab.contracts.adapter_residency` |
 | (the model runner) | `servelab.contracts.runner` |
 | (seams: expert routing, expert placement) | `servelab.contracts.moe` |
 | (seam: pipeline chunk sizing) | `servelab.contracts.pipeline` |

@@ -85,6 +85,8 @@ class ReplicaSnapshot:
     num_used_kv_blocks: int = 0  # blocks held by sequences
     block_size: int = BLOCK_SIZE  # token slots per KV block
     prefix_summary: PrefixSummary | None = None  # the replica's cached prefixes, where it reports them
+    # Names of the LoRA adapters in the replica's fast pool (empty: none, or no LoRA).
+    resident_adapters: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
 
     @property
     def load_tokens(self) -> int:
@@ -103,6 +105,7 @@ class RouteRequest:
     # A key the caller gives requests of one conversation or user (None: none given), so a
     # router may keep a session on one replica.
     session: str | None = None
+    adapter: str | None = None  # the LoRA adapter it runs with (LoRARequest.lora_name); None: the base model
 
 
 @attrs.frozen

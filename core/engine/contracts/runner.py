@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # torch stays out of imports that plugin discovery triggers
     import torch
 
 __all__ = [
+    "LoRARunner",
     "KVMove",
     "sampling_rows",
     "StepInputs",
@@ -147,3 +148,13 @@ class LMHeadRunner(Protocol):
 
     def lm_head(self, hidden: "torch.Tensor") -> "torch.Tensor":
         """float32 logits of final-normed hidden states."""
+
+
+@runtime_checkable
+class LoRARunner(Protocol):
+    """A runner that serves LoRA adapters (`[engine] enable_lora`): its `model`'s target
+    layers are wrapped (servelab.model.lora_layers.install_lora) and `lora` is set to the
+    engine's adapter manager (servelab.lora_manager.LoRAManager; None until then)."""
+
+    model: Any
+    lora: Any

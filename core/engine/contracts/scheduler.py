@@ -44,6 +44,9 @@ class SchedulerContext:
     # engine's registry, for a scheduler whose victim is chosen by name (`[scheduler]
     # preemption`); None outside an engine.
     victims: Any = None
+    # LoRA: the most distinct adapters (Sequence.lora_id > 0) one step may run, or None (no
+    # cap: the engine serves no adapters). The kit's schedulers admit no sequence past it.
+    max_loras_per_batch: int | None = None
 
 
 @attrs.frozen

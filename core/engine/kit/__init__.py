@@ -28,6 +28,8 @@ KV blocks (`servelab.kit.blocks`, `servelab.kit.prefix`, `servelab.kit.eviction`
 - `KeyedEviction`, `LeastRecentlyUsed`: eviction policies as one sort key; the cache
   keeps such a policy's order in an `EvictionQueue` when its index is an
   `IncrementalPrefixIndex` (reports its changes), instead of sorting at each eviction.
+- `KeyedResidency`, `LeastRecentlyUsedAdapter` (`servelab.kit.residency`): LoRA adapter
+  residency policies as one sort key; `checked_residency_choice` checks a policy's answer.
 - `HostTier` (`servelab.kit.tier`): the host KV tier below the device pool
   (`[kv_offload]`): prefix blocks the cache evicts, swapped-out sequences, the moves
   the runner performs.
@@ -42,6 +44,7 @@ from servelab.kit.blocks import FreeBlocks, PagedAllocator, SeqBlocks, blocks_fo
 from servelab.kit.eviction import EvictionQueue, KeyedEviction, LeastRecentlyUsed, checked_choice, orders_by_key
 from servelab.kit.prefix import IncrementalPrefixIndex, PrefixCachingPagedAllocator, PrefixIndex, PrefixLookups
 from servelab.kit.tier import HostTier
+from servelab.kit.residency import KeyedResidency, LeastRecentlyUsedAdapter, checked_residency_choice
 from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit, kit_options, option_or
 from servelab.kit.victims import VICTIMS, KeyedVictim, as_preemption, check_victim, checked_victim, last_max
 
@@ -54,6 +57,8 @@ __all__ = [
     "HostTier",
     "IncrementalPrefixIndex",
     "KeyedEviction",
+    "KeyedResidency",
+    "LeastRecentlyUsedAdapter",
     "LeastRecentlyUsed",
     "PagedAllocator",
     "PlanBuilder",
@@ -68,6 +73,7 @@ __all__ = [
     "blocks_for",
     "check_whole_prompts_fit",
     "checked_choice",
+    "checked_residency_choice",
     "as_preemption",
     "check_victim",
     "checked_victim",

@@ -175,14 +175,13 @@ class PrefixCachingPagedAllocator(PagedAllocator):
         table = state.table
         for index in range(state.num_cached_blocks, num_full):
             parent = table[index - 1] if index else None
-            cached = self.index.insert(parent, tuple(seq.token_slice(index * block_size, (index + 1) * block_size)),
-                                       table[index])
+            cached = self.index.insert(parent, block_chunk(seq, index, block_size), table[index])
             if cached is None:
                 return  # this block and its successors stay uncached
             if cached != table[index]:
                 self._share_cached(table, index, cached)
             elif self.tier is not None:
-                self._name(cached, parent, tuple(seq.token_slice(index * block_size, (index + 1) * block_size)))
+                self._name(cached, parent, block_chunk(seq, index, block_size))
             state.num_cached_blocks = index + 1
 
     def reset_prefix_cache(self) -> None:
@@ -372,7 +371,7 @@ class PrefixCachingPagedAllocator(PagedAllocator):
         """The chunks a lookup may hit: at least one token must be computed, for logits."""
         block_size = self.block_size
         max_blocks = (seq.num_tokens - 1) // block_size
-        return (tuple(seq.token_slice(i * block_size, (i + 1) * block_size)) for i in range(max_blocks))
+        return (block_chunk(seq, i, block_size) for i in range(max_blocks))
 
     def _share_cached(self, table: list[int], index: int, cached: int) -> None:
         """Another sequence computed and cached this block's prefix first (both ran in one
@@ -380,3 +379,12 @@ class PrefixCachingPagedAllocator(PagedAllocator):
         self._hold(cached)
         self._release(table[index])
         table[index] = cached
+
+
+def block_chunk(seq: Sequence, index: int, block_size: int) -> Chunk:
+    """What names block `index` of `seq` in a prefix cache: its tokens, and for block 0 of a
+    sequence served with a LoRA adapter, first the adapter's id negated (token ids are never
+    negative). A block's name chains through every block before it, so K/V computed under
+    one adapter is never served to another adapter, nor to the base model."""
+    tokens = tuple(seq.token_slice(index * block_size, (index + 1) * block_size))
+    return (-seq.lora_id, *tokens) if index == 0 and seq.lora_id else tokens

@@ -309,7 +309,7 @@ class QueueScheduler:
         while index < len(self.waiting) and len(self.running) < self.context.max_num_seqs and (
                 whole or builder.budget > 0):
             seq = self.waiting[index]
-            if not self.admissible(seq):
+            if not (self.admissible(seq) and self._adapter_fits(seq)):
                 index += 1
                 continue
             num_new = self._admit(seq, builder.budget, whole=whole)
@@ -318,6 +318,15 @@ class QueueScheduler:
             self.waiting.pop(index)
             self._start(seq)
             builder.add(seq, num_new)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether running `seq` keeps the batch within `max_loras_per_batch` LoRA adapters;
+        one that would not waits (others, of adapters already running, go ahead of it)."""
+        cap = self.context.max_loras_per_batch
+        if cap is None or not seq.lora_id:
+            return True
+        running = {other.lora_id for other in self.running if other.lora_id}
+        return seq.lora_id in running or len(running) < cap
 
     def _make_room(self, seq: Sequence, num_new: int, builder: PlanBuilder) -> bool:
         """Allocate `num_new` more tokens for running `seq`, preempting victims while the

@@ -198,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         self._panel_kernels = None  # the backend library whose matmul the packed linears moved to
         self._quant_kernels = None  # the backend library whose kernel the quantized linears took
+        self.lora = None  # the LoRA adapters' state (servelab.model.lora_layers.install_lora), when served
 
     @torch.inference_mode()
     def forward(
@@ -222,7 +223,8 @@ class LlamaForCausalLM(nn.Module):
         ops = backend.layer_ops if has_ops else None
         if ops is not None and self._fusable(input_ids):
             selected = None
-            if has_decoder and features is None:  # the native decoder keeps no layer's output
+            # the native decoder keeps no layer's output, and runs no LoRA update
+            if has_decoder and features is None and self.lora is None:
                 selected = backend.decoder_forward(self, input_ids, positions, kv_caches, prepared, logits_indices)
             if selected is None:
                 selected = self._forward_fused(input_ids, positions, kv_caches, backend, prepared, logits_indices, ops,

@@ -1,0 +1,232 @@
+"""Latency under arrivals on this machine: the fitted `cpu-here` profile against real runs.
+
+`servelab bench --calibrate` first fits the step terms offline (servelab.bench.sim.
+calibrate: CPU time, fastest of several repetitions). A served request sees more: wall
+time at the thread count the engine runs with, and the work between two steps (the
+driver admitting arrivals, handing out outputs, the scheduler's bookkeeping outside the
+timed step). So the latency check runs workloads with Poisson and bursty arrivals for
+real, in wall-clock time, and:
+
+1. on the *fit* cases, fits two numbers by least squares over every busy step (one
+   after which a request was still unfinished, so the next step followed at once): the
+   factor from the offline terms to a served step's wall time (`speed`) and the seconds
+   between one step's start and the next's that no step term explains
+   (`step_overhead_s`, the server's and engine's per-step overhead);
+2. on the *held-out* cases (other rates, past saturation among them, bursty arrivals,
+   the chunked-prefill scheduler, a workload kind the fit never saw), simulates the same
+   workload through the same config with the profile so fitted and reports, per case,
+   TTFT and TPOT p50 / p90 / p99 and goodput, measured, simulated and their error, and
+   the median error over the held-out cases per figure."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+
+from servelab.bench.driver import RunRecord, StepRecorder, run_workload
+from servelab.bench.metrics import SLO, summarize
+from servelab.bench.repetitions import offline
+from servelab.bench.sim.calibrate import StepTimer, threads_of
+from servelab.bench.sim.hardware import Accelerator, StepTerms
+from servelab.bench.sim.runner import VirtualClock
+from servelab.bench.sim.source import SimSource
+from servelab.config import EngineConfig
+from servelab.kv_sizing import DTYPE_BYTES
+from servelab.registry import PluginRegistry
+from servelab.workload import Workload, build_workload
+
+FIT, HELD_OUT = "fit", "held-out"
+CHUNKED = {"scheduler.name": "chunked-prefill", "engine.max_num_batched_tokens": 64}
+CONTINUOUS = {"scheduler.name": "continuous"}
+_BASE = "skewed:num_requests={n},mean_prompt_len=80,mean_output_len=48"
+LATENCY_FIGURES = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99", "goodput_rps")
+
+
+@attrs.frozen
+class LatencyCase:
+    name: str
+    workload: str  # a workload spec with its arrivals
+    overrides: dict[str, Any]  # scheduler (and its budget) for this case
+    role: str  # FIT or HELD_OUT
+
+
+def default_cases(num_requests: int = 60) -> list[LatencyCase]:
+    """The plan `--calibrate` runs (for max_model_len 512): continuous batching at 2 and
+    8 req/s fits (seed 0); held out (seed 1): 4, 12 and 24 req/s (past saturation),
+    bursts at 8 req/s, chunked prefill at 4 and 12, and long-burst traffic at 6."""
+    base = _BASE.format(n=num_requests)
+
+    def case(name: str, spec: str, overrides: dict[str, Any], role: str) -> LatencyCase:
+        return LatencyCase(name, spec, overrides, role)
+
+    return [
+        case("continuous poisson 2/s", f"{base},arrival=poisson,rate=2,seed=0", CONTINUOUS, FIT),
+        case("continuous poisson 8/s", f"{base},arrival=poisson,rate=8,seed=0", CONTINUOUS, FIT),
+        case("continuous poisson 4/s", f"{base},arrival=poisson,rate=4,seed=1", CONTINUOUS, HELD_OUT),
+        case("continuous poisson 12/s", f"{base},arrival=poisson,rate=12,seed=1", CONTINUOUS, HELD_OUT),
+        case("continuous poisson 24/s", f"{base},arrival=poisson,rate=24,seed=1", CONTINUOUS, HELD_OUT),
+        case("continuous bursty 8/s", f"{base},arrival=bursty,rate=8,burst_size=8,seed=1", CONTINUOUS, HELD_OUT),
+        case("chunked poisson 4/s", f"{base},arrival=poisson,rate=4,seed=1", CHUNKED, HELD_OUT),
+        case("chunked poisson 12/s", f"{base},arrival=poisson,rate=12,seed=1", CHUNKED, HELD_OUT),
+        case("long-burst poisson 6/s", f"long-burst:num_long=4,long_len=384,num_short={max(1, num_requests - 4)},"
+             f"short_len=32,output_len=48,arrival=poisson,rate=6,seed=1", CONTINUOUS, HELD_OUT),
+    ]
+
+
+@attrs.frozen
+class ServedRun:
+    record: RunRecord | None
+    steps: list[tuple[Any, float]]  # (SimInputs, wall seconds) per step that ran the model
+    starts: list[float]  # per such step, its start on the engine's clock
+    busy: list[bool]  # per such step, whether a request was still unfinished when it ended
+
+
+def busy_after(starts: list[float], steps: list[tuple[Any, float]], spans: list[tuple[float, float]]) -> list[bool]:
+    """Per step, whether some request (arrival, finish) had arrived and not finished when
+    the step ended: the engine went straight on to the next step, rather than idling
+    until the next arrival."""
+    return [any(arrival <= start + seconds < finish for arrival, finish in spans)
+            for start, (_, seconds) in zip(starts, steps)]
+
+
+def serve_real(config: EngineConfig, workload: Workload, threads: int) -> ServedRun:
+    """The workload through the real engine in wall-clock time, on `threads` threads,
+    after an untimed offline pass of it (first touches of memory)."""
+    from servelab.engine import LLMEngine
+
+    registry = PluginRegistry.from_entry_points()
+    recorder = StepRecorder()
+    registry.register(recorder)
+    timer = StepTimer(clock=time.perf_counter)
+    registry.register(timer)
+    with threads_of(threads):
+        engine = LLMEngine(config, registry)
+        recorder.clock = engine.clock
+        run_workload(engine, recorder, offline(workload), "warm-up")
+        timer.recording = True
+        record = run_workload(engine, recorder, workload, workload.name)
+    steps, starts = list(timer.timed), list(timer.starts)
+    spans = [(o.metrics.arrival_time, o.metrics.finish_time) for o in record.outputs]
+    return ServedRun(record, steps, starts, busy_after(starts, steps, spans))
+
+
+def serve_sim(config: EngineConfig, workload: Workload, profile: Accelerator) -> RunRecord:
+    """The workload through the same config, timed by `profile`."""
+    from servelab.engine import LLMEngine
+    from servelab.model_source import CheckpointSource
+
+    shape = CheckpointSource(config.engine.model).model_config
+    clock = VirtualClock()
+    source = SimSource(shape, profile, clock, dtype_bytes=DTYPE_BYTES[config.engine.dtype])
+    registry = PluginRegistry.from_entry_points()
+    recorder = StepRecorder(clock)
+    registry.register(recorder)
+    engine = LLMEngine(config, registry, clock=clock, source=source)
+    return run_workload(engine, recorder, workload, workload.name)
+
+
+def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any], dict[str, float]]) -> tuple[float, float]:
+    """(speed, step_overhead_s): wall time from one step's start to the next's ~= speed x
+    the offline terms' step time + step_overhead_s, by least squares over the steps after
+    which the engine was still busy (the others were followed by a wait for an arrival)."""
+    predicted, observed = [], []
+    for run in runs:
+        for index in range(len(run.steps) - 1):
+            if run.busy[index]:
+                predicted.append(terms.seconds(features(run.steps[index][0])))
+                observed.append(run.starts[index + 1] - run.starts[index])
+    if len(predicted) < 2:
+        return 1.0, 0.0
+    x, y = np.array(predicted), np.array(observed)
+    a = np.vstack([x, np.ones_like(x)]).T
+    (speed, overhead), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if speed <= 0 or np.ptp(x) == 0:  # no spread in step sizes to separate the two: the overhead alone
+        return 1.0, max(0.0, float(np.median(y - x)))
+    if overhead < 0:
+        speed, overhead = float(np.sum(x * y) / np.sum(x * x)), 0.0
+    return float(speed), float(overhead)
+
+
+def latency_figures(record: RunRecord, slo: SLO) -> dict[str, float | None]:
+    metrics = summarize(record, slo)
+    ttft, tpot = metrics["ttft_ms"], metrics["tpot_ms"]
+    return {"ttft_p50": ttft["p50"], "ttft_p90": ttft["p90"], "ttft_p99": ttft["p99"],
+            "tpot_p50": tpot["p50"], "tpot_p90": tpot["p90"], "tpot_p99": tpot["p99"],
+            "goodput_rps": metrics["goodput_rps"]}
+
+
+def scaled(terms: StepTerms, speed: float) -> StepTerms:
+    return StepTerms(**{name: value * speed for name, value in attrs.asdict(terms).items()})
+
+
+def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[Any], dict[str, float]],
+                  cases: list[LatencyCase], threads: int, slo: SLO = SLO(),
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Fit speed and per-step overhead on the FIT cases, then every HELD_OUT case
+    measured and simulated (module docstring)."""
+    from servelab.model_source import CheckpointSource
+
+    vocab_size = CheckpointSource(config.engine.model).model_config.vocab_size
+    served: dict[str, ServedRun] = {}
+    for case in cases:
+        if progress:
+            progress(f"serving {case.name} for real ({threads} thread{'s' if threads > 1 else ''}, wall clock)")
+        served[case.name] = serve_real(config.with_overrides(case.overrides),
+                                       build_workload(case.workload, vocab_size), threads)
+    speed, overhead = fit_served([served[c.name] for c in cases if c.role == FIT], terms, features)
+    profile = latency_profile(terms, speed, overhead, threads)
+    rows = {}
+    for case in cases:
+        if case.role != HELD_OUT:
+            continue
+        measured = latency_figures(served[case.name].record, slo)
+        simulated = latency_figures(serve_sim(config.with_overrides(case.overrides),
+                                              build_workload(case.workload, vocab_size), profile), slo)
+        rows[case.name] = {name: {"measured": measured[name], "simulated": simulated[name],
+                                  "error": _error(simulated[name], measured[name])} for name in LATENCY_FIGURES}
+    median_error = {}
+    for name in LATENCY_FIGURES:
+        errors = [row[name]["error"] for row in rows.values() if row[name]["error"] is not None]
+        median_error[name] = statistics.median(errors) if errors else None
+    return {"threads": threads, "speed": speed, "step_overhead_s": overhead,
+            "fit_cases": [c.name for c in cases if c.role == FIT], "slo": attrs.asdict(slo),
+            "held_out": rows, "median_error": median_error}
+
+
+def latency_profile(terms: StepTerms, speed: float, overhead: float, threads: int) -> Accelerator:
+    return Accelerator("cpu-here (fitted, served)", 1.0, 1.0, 24e9, overhead, terms=scaled(terms, speed),
+                       threads=threads)
+
+
+def _error(simulated: float | None, measured: float | None) -> float | None:
+    if simulated is None or measured is None:
+        return None
+    if measured == 0:
+        return 0.0 if simulated == 0 else None
+    return abs(simulated - measured) / abs(measured)
+
+
+def format_latency(result: dict[str, Any]) -> str:
+    """The held-out table: per case and figure, measured / simulated and the error."""
+    lines = [f"latency under arrivals ({result['threads']} thread(s), wall clock): fitted on "
+             f"{', '.join(result['fit_cases'])}: speed x{result['speed']:.2f} of the offline terms, "
+             f"{1000 * result['step_overhead_s']:.2f} ms a step between steps",
+             f"{'held-out case':<26}" + "".join(f"{name:>22}" for name in LATENCY_FIGURES)]
+    for case, row in result["held_out"].items():
+        cells = []
+        for name in LATENCY_FIGURES:
+            cell = row[name]
+            if cell["measured"] is None:
+                cells.append(f"{'-':>22}")
+                continue
+            error = "-" if cell["error"] is None else f"{100 * cell['error']:.0f}%"
+            cells.append(f"{cell['measured']:>8.1f}/{cell['simulated']:<7.1f}{error:>6}")
+        lines.append(f"{case:<26}" + "".join(cells))
+    medians = [f"{'-' if e is None else f'{100 * e:.0f}%':>22}" for e in result["median_error"].values()]
+    lines.append(f"{'median error':<26}" + "".join(medians))
+    lines.append("(ms measured/simulated and error; goodput in req/s)")
+    return "\n".join(lines)

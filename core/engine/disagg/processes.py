@@ -1,0 +1,239 @@
+"""xPyD with one OS process per engine: `ProcessDeployment`.
+
+Each prefill and decode engine runs in its own process (multiprocessing, spawn) with its
+role (`PrefillWorker` / `DecodeWorker`) and its own endpoint of a transport between
+processes (`shared-files` unless the config names another), and talks to the router in
+this process over two queues: commands down (add, accept, recompute, abort, stats,
+stop), results up (a finished prefill with its handoff, a finished request, stats).
+
+A prefill process that dies takes its holds with it; the router notices (the process is
+not alive) and ends each request it had there by the failure policy: `recompute` sends
+the whole request to a decode engine (counted, and logged as a warning), `fail` ends it
+with an error. A handoff already offered stays loadable until its lease lapses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import queue
+import time
+from typing import Any, Mapping, Sequence as Seq
+
+from servelab.disagg.requests import check_disaggregable
+from servelab.disagg.routing import mint_transfer_id
+from servelab.errors import ConfigError
+from servelab.logging_setup import get_logger
+from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelab.sampling_params import SamplingParams
+
+logger = get_logger(__name__)
+
+_IDLE_WAIT_S = 0.01
+
+
+def _role_main(role: str, name: str, config: Mapping[str, Any], lease_s: float, failure_policy: str,
+               commands: Any, results: Any) -> None:
+    """One engine's process: its role's loop over the command queue."""
+    from servelab.config import EngineConfig
+    from servelab.disagg.consumer import DecodeWorker
+    from servelab.disagg.producer import PrefillWorker
+    from servelab.engine import LLMEngine
+    from servelab.engine_setup import build_kv_transport
+    from servelab.interfaces import KVTransferContext
+    from servelab.registry import PluginRegistry
+
+    engine_config = EngineConfig.load(dict(config))
+    registry = PluginRegistry.from_entry_points()
+    engine = LLMEngine(engine_config, registry)
+    transport = build_kv_transport(engine_config, registry, KVTransferContext(role=role, name=name))
+    worker: Any = (PrefillWorker(engine, transport, name, lease_s) if role == "producer"
+                   else DecodeWorker(engine, transport, name, failure_policy))
+    results.put(("ready", name))
+    while True:
+        busy = worker.has_work() or (role == "producer" and worker.num_holds)
+        try:
+            command = commands.get(timeout=0 if busy else _IDLE_WAIT_S)
+        except queue.Empty:
+            command = None
+        if command is not None:
+            kind, *args = command
+            if kind == "stop":
+                break
+            if kind == "add":
+                worker.add(*args)
+            elif kind == "accept":
+                output = worker.accept(*args)
+                if output is not None:
+                    results.put(("output", output))
+            elif kind == "recompute":
+                output = worker.recompute(*args)
+                if output is not None:
+                    results.put(("output", output))
+            elif kind == "abort":
+                worker.abort(args[0])
+            elif kind == "stats":
+                results.put(("stats", name, engine.allocator.stats().num_used_blocks, worker.metrics.as_dict()))
+            continue
+        if role == "producer":
+            for done in worker.step():
+                results.put(("prefilled", done.transfer_id, done.output, done.handoff))
+        else:
+            for output in worker.step():
+                results.put(("output", output))
+    transport.close()
+
+
+class ProcessDeployment:
+    """x prefill and y decode engines, one process each, behind a router in this process."""
+
+    def __init__(self, config: Mapping[str, Any], prefill_engines: int = 1, decode_engines: int = 1,
+                 failure_policy: str = "recompute", lease_s: float = 30.0, start_timeout_s: float = 300.0) -> None:
+        if failure_policy not in ("fail", "recompute"):
+            raise ConfigError(f"failure policy {failure_policy!r} is not one of fail, recompute")
+        config = {**config, "kv_transfer": dict(config.get("kv_transfer", {"name": "shared-files"}))}
+        self.failure_policy = failure_policy
+        context = multiprocessing.get_context("spawn")
+        self.results = context.Queue()
+        self.engines: dict[str, tuple[Any, Any, str]] = {}  # name -> (process, command queue, role)
+        for role, count in (("producer", prefill_engines), ("consumer", decode_engines)):
+            for i in range(count):
+                name = f"{'prefill' if role == 'producer' else 'decode'}-{i}"
+                commands = context.Queue()
+                process = context.Process(target=_role_main, name=f"servelab-{name}", daemon=True,
+                                          args=(role, name, config, lease_s, failure_policy, commands, self.results))
+                process.start()
+                self.engines[name] = (process, commands, role)
+        self.engine_metrics: dict[str, dict[str, float]] = {}  # per engine, as of the last used_blocks()
+        self._outputs: list[RequestOutput] = []
+        self._requests: dict[str, tuple[list[int] | str, SamplingParams, str]] = {}  # id -> prompt, params, prefill
+        self._prefilled: set[str] = set()
+        self._next_decode = itertools.cycle([n for n, (_, _, r) in self.engines.items() if r == "consumer"])
+        self._next_prefill = itertools.cycle([n for n, (_, _, r) in self.engines.items() if r == "producer"])
+        ready: set[str] = set()
+        deadline = time.monotonic() + start_timeout_s
+        while len(ready) < len(self.engines):
+            message = self._get(deadline)
+            if message[0] == "ready":
+                ready.add(message[1])
+        self.dead: set[str] = set()
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, prompt: list[int] | str, params: SamplingParams) -> str:
+        check_disaggregable(params)
+        transfer_id = mint_transfer_id()
+        name = next(n for n in self._next_prefill if n not in self.dead)
+        self._requests[transfer_id] = (prompt, params, name)
+        self.engines[name][1].put(("add", transfer_id, prompt, params, None))
+        return transfer_id
+
+    def generate(self, prompts: Seq[list[int] | str], params: Seq[SamplingParams], timeout_s: float = 120.0
+                 ) -> list[RequestOutput]:
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self.wait(ids, timeout_s)
+
+    def wait(self, ids: Seq[str], timeout_s: float) -> list[RequestOutput]:
+        """The outputs of `ids`, in order; TimeoutError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        found: dict[str, RequestOutput] = {}
+        while any(i not in found for i in ids):
+            for output in self._outputs:
+                found[output.request_id] = output
+            self._outputs = [o for o in self._outputs if o.request_id not in ids]
+            if all(i in found for i in ids):
+                break
+            self._check_prefill_engines()
+            try:
+                self._handle(self._get(min(deadline, time.monotonic() + 0.1)))
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+        return [found[i] for i in ids]
+
+    def kill(self, name: str) -> None:
+        """Kill an engine's process (fault injection: a prefill process dying mid-stream)."""
+        process = self.engines[name][0]
+        process.kill()
+        process.join(timeout=10)
+
+    def used_blocks(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """KV blocks held by any sequence, per live engine."""
+        names = [n for n in self.engines if n not in self.dead and self.engines[n][0].is_alive()]
+        for name in names:
+            self.engines[name][1].put(("stats",))
+        deadline = time.monotonic() + timeout_s
+        found: dict[str, int] = {}
+        while len(found) < len(names):
+            message = self._get(deadline)
+            if message[0] == "stats":
+                found[message[1]] = message[2]
+                self.engine_metrics[message[1]] = message[3]
+            else:
+                self._handle(message)
+        return found
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for process, commands, _ in self.engines.values():
+            if process.is_alive():
+                commands.put(("stop",))
+        for process, _, _ in self.engines.values():
+            process.join(timeout=timeout_s)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=timeout_s)
+
+    def __enter__(self) -> "ProcessDeployment":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ messages
+
+    def _get(self, deadline: float) -> tuple:
+        try:
+            return self.results.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError("no message from the engine processes before the deadline") from None
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "prefilled":
+            _, transfer_id, output, handoff = message
+            self._prefilled.add(transfer_id)
+            entry = self._requests.get(transfer_id)
+            if entry is None:
+                return
+            if handoff is None:
+                self._finish(output)
+                return
+            decode = next(self._next_decode)
+            self.engines[decode][1].put(("accept", handoff, entry[1], output.metrics.arrival_time))
+        elif kind == "output":
+            self._finish(message[1])
+
+    def _finish(self, output: RequestOutput) -> None:
+        self._requests.pop(output.request_id, None)
+        self._prefilled.discard(output.request_id)
+        self._outputs.append(output)
+
+    def _check_prefill_engines(self) -> None:
+        """End, by the failure policy, the requests a dead prefill process had not handed on."""
+        for name, (process, _, role) in self.engines.items():
+            if role != "producer" or name in self.dead or process.is_alive():
+                continue
+            self.dead.add(name)
+            lost = [tid for tid, (_, _, at) in self._requests.items() if at == name and tid not in self._prefilled]
+            logger.warning("kv_transfer.prefill_engine_died", engine=name, requests=len(lost),
+                           failure_policy=self.failure_policy)
+            for transfer_id in lost:
+                prompt, params, _ = self._requests[transfer_id]
+                if self.failure_policy == "recompute":
+                    self.engines[next(self._next_decode)][1].put(("recompute", transfer_id, prompt, params))
+                else:
+                    now = time.perf_counter()
+                    self._finish(RequestOutput(transfer_id, None, list(prompt) if isinstance(prompt, list) else [],
+                                               [CompletionOutput(0, [], "", "error")],
+                                               RequestMetrics(now, None, None, now),
+                                               error=f"prefill engine {name} died"))

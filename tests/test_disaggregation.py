@@ -1,0 +1,274 @@
+"""Prefill/decode disaggregation in one process (servelab.disagg): output identical to one
+colocated engine for every KV dtype, the data path bit for bit, the KV-aware P/D
+router, the failure policies and the per-role metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from servelab import SamplingParams
+from servelab.disagg.data_path import RunnerDataPath
+from servelab.disagg.llm import DisaggregatedLLM
+from servelab.errors import ConfigError, RequestError
+from servelab.llm import LLM
+from servelab.plugins.transports.in_process import InProcessTransport
+
+PROMPTS = [list(range(5, 31)), list(range(5, 17)) + list(range(60, 75)), [9, 8, 7], list(range(40, 63))]
+
+
+def config(checkpoint: str, **engine) -> dict:
+    return {"engine": {"model": checkpoint, "block_size": 4, "num_kv_blocks": 96, "max_num_seqs": 4,
+                       "max_model_len": 128, **engine}, "allocator": {"name": "hash"}}
+
+
+def colocated(cfg: dict, params: list[SamplingParams]) -> list[list[int]]:
+    llm = LLM(config=cfg)
+    try:
+        prompts = PROMPTS * (len(params) // len(PROMPTS))
+        return [o.token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.close()
+
+
+GREEDY = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * len(PROMPTS)
+SEEDED = [SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True) for s in range(4)]
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("float32", "auto"), ("bfloat16", "auto"),
+                                                       ("float32", "int8"), ("float32", "fp8_e4m3"),
+                                                       ("float32", "fp8_e5m2")])
+def test_output_equals_one_colocated_engine_for_every_kv_dtype(servelab_tiny_checkpoint, dtype, kv_cache_dtype):
+    cfg = config(servelab_tiny_checkpoint, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    expected = colocated(cfg, GREEDY + SEEDED)
+    with DisaggregatedLLM(config=cfg) as llm:
+        outputs = llm.generate(PROMPTS * 2, GREEDY + SEEDED)
+        assert [o.token_ids for o in outputs] == expected
+        assert [o.prompt_token_ids for o in outputs] == PROMPTS * 2
+        metrics = llm.metrics()
+        assert metrics["decode"]["recomputes"] == 0 and metrics["decode"]["failures"] == 0
+        assert metrics["prefill"]["transfers"] > 0 and metrics["decode"]["bytes"] > 0
+        assert set(llm.leaked_blocks().values()) == {0}
+        assert metrics["prefill"]["held_blocks"] == 0
+
+
+def test_the_data_path_moves_blocks_bit_for_bit_with_their_scales(servelab_tiny_checkpoint):
+    for kv_cache_dtype in ("auto", "int8", "fp8_e4m3"):
+        cfg = config(servelab_tiny_checkpoint, kv_cache_dtype=kv_cache_dtype)
+        source, target = LLM(config=cfg).engine, LLM(config=cfg).engine
+        for pair in source.runner.kv_caches:  # random bytes in every block, scales included
+            for cache in pair:
+                raw = cache.view(torch.uint8)
+                raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+        path_from = RunnerDataPath(source.runner, kv_cache_dtype, 4)
+        path_to = RunnerDataPath(target.runner, kv_cache_dtype, 4)
+        assert path_from.layout() == path_to.layout()
+        assert path_from.layout().scales == ("none" if kv_cache_dtype == "auto" else "inline-row")
+        data = path_from.save([3, 7, 1])
+        assert len(data) == 3 and all(len(d) == path_from.layout().block_bytes for d in data)
+        path_to.load([10, 2, 5], data)
+        dim = source.runner.block_dim
+        for (sk, sv), (tk, tv) in zip(source.runner.kv_caches, target.runner.kv_caches):
+            for s, t in ((sk, tk), (sv, tv)):
+                for a, b in ((3, 10), (7, 2), (1, 5)):
+                    assert torch.equal(s.view(torch.uint8).select(dim, a), t.view(torch.uint8).select(dim, b))
+        with pytest.raises(ValueError, match="bytes"):
+            path_to.load([0], [data[0][:-1]])
+
+
+def test_the_decode_engine_holding_the_prompt_is_chosen_and_loads_only_what_it_lacks(servelab_tiny_checkpoint):
+    cfg = config(servelab_tiny_checkpoint)
+    prompt = list(range(5, 37))
+    with DisaggregatedLLM(config=cfg, prefill_engines=2, decode_engines=2) as llm:
+        first = llm.generate([prompt], [GREEDY[0]])[0]
+        warm = [i for i, w in enumerate(llm.decode) if w.metrics.transfers]
+        assert len(warm) == 1
+        bytes_before = llm.metrics()["decode"]["bytes"]
+        again = llm.generate([prompt], [GREEDY[0]])[0]
+        assert again.token_ids == first.token_ids
+        # the second handoff went to the decode engine whose cache held the prompt, and moved no block
+        assert llm.decode[warm[0]].metrics.blocks_skipped == len(prompt) // 4
+        assert llm.metrics()["decode"]["bytes"] == bytes_before
+        assert first.request_id != again.request_id and first.request_id.startswith("xfer-")
+
+
+def test_recompute_is_counted_and_logged_never_silent(servelab_tiny_checkpoint):
+    cfg = config(servelab_tiny_checkpoint)
+    expected = colocated(cfg, GREEDY)
+
+    class Dropping(InProcessTransport):
+        def offer(self, handoff, payloads):
+            pass  # nothing ever lands
+
+    with DisaggregatedLLM(config=cfg, failure_policy="recompute", transport=Dropping()) as llm, \
+            capture_logs() as logs:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outputs] == expected
+        recomputed = llm.metrics()["decode"]["recomputes"]
+        assert recomputed == 3  # every prompt of at least one block
+        assert sum(entry["event"] == "kv_transfer.recompute" and entry["log_level"] == "warning"
+                   for entry in logs) == recomputed
+    with DisaggregatedLLM(config=cfg, failure_policy="fail", transport=Dropping()) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        failed = [o for o in outputs if o.finish_reason == "error"]
+        assert len(failed) == 3 and all("unknown" in o.error for o in failed)
+        assert llm.metrics()["decode"]["failures"] == 3
+
+
+def test_a_reject_frees_the_producers_blocks_at_once(servelab_tiny_checkpoint):
+    with DisaggregatedLLM(config=config(servelab_tiny_checkpoint), failure_policy="fail", lease_s=3600) as llm:
+        llm.decode[0].admission = lambda handoff: "full"
+        transfer_id = llm.add_request(PROMPTS[0], GREEDY[0])
+        outputs = []
+        for _ in range(3):
+            outputs += llm.step()
+        assert [o.request_id for o in outputs] == [transfer_id] and outputs[0].finish_reason == "error"
+        assert "rejected before admission" in outputs[0].error
+        assert llm.prefill[0].num_holds == 0 and set(llm.leaked_blocks().values()) == {0}
+        assert llm.metrics()["decode"]["rejects"] == 1 and llm.metrics()["prefill"]["leases_expired"] == 0
+
+
+def test_what_cannot_be_split_is_refused_by_name(servelab_tiny_checkpoint):
+    with DisaggregatedLLM(config=config(servelab_tiny_checkpoint)) as llm:
+        for params, word in ((SamplingParams(n=2), "n=2"), (SamplingParams(stop=["x"]), "stop strings"),
+                             (SamplingParams(logprobs=2), "logprobs")):
+            with pytest.raises(RequestError, match=word):
+                llm.add_request(PROMPTS[0], params)
+        assert not llm.has_unfinished()
+    with pytest.raises(ConfigError, match="failure policy"):
+        DisaggregatedLLM(config=config(servelab_tiny_checkpoint), failure_policy="retry")
+    with pytest.raises(ConfigError, match="at least one prefill"):
+        DisaggregatedLLM(config=config(servelab_tiny_checkpoint), prefill_engines=0)
+
+
+def test_a_request_whose_first_token_ends_it_never_reaches_decode(servelab_tiny_checkpoint):
+    cfg = config(servelab_tiny_checkpoint)
+    with DisaggregatedLLM(config=cfg) as llm:
+        [output] = llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=1, temperature=0)])
+        assert len(output.token_ids) == 1 and output.finish_reason == "length"
+        assert llm.metrics()["prefill"]["transfers"] == 0 and llm.decode[0].metrics.transfers == 0
+
+
+def test_the_bench_compares_colocated_and_xpyd_on_one_workload(servelab_tiny_checkpoint):
+    from servelab.bench.disaggregated import format_comparison, parse_topology, run_comparison
+    from servelab.bench.metrics import SLO
+    from servelab.config import EngineConfig
+
+    assert parse_topology("2p1d") == (2, 1)
+    with pytest.raises(ConfigError, match="xPyD"):
+        parse_topology("0P1D")
+    result = run_comparison(EngineConfig.load(config(servelab_tiny_checkpoint)),
+                            "fixed:num_requests=3,prompt_len=18,output_len=4", [(1, 1), (2, 1)],
+                            SLO(ttft_ms=1e6, tpot_ms=1e6))
+    assert [row["topology"] for row in result["rows"]] == ["colocated", "1P1D", "2P1D"]
+    assert result["identical"] == {"1P1D": True, "2P1D": True}
+    colocated_row, *split = result["rows"]
+    assert colocated_row["kv_bytes_moved"] == 0 and all(row["kv_bytes_moved"] > 0 for row in split)
+    assert all(row["slo_attainment"] == 1.0 and row["goodput_rps"] > 0 for row in result["rows"])
+    assert all(row["ttft_ms"]["p50"] is not None and row["tpot_ms"]["p99"] is not None for row in result["rows"])
+    assert "1P1D" in format_comparison(result)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_simulators_handoff_price_counts_the_bytes_a_real_handoff_moves(servelab_tiny_checkpoint,
+                                                                             kv_cache_dtype):
+    from servelab.bench.sim.handoff import HANDOFF_LINKS, handoff_bytes, handoff_link, handoff_rows
+
+    cfg = config(servelab_tiny_checkpoint, kv_cache_dtype=kv_cache_dtype)
+    with DisaggregatedLLM(config=cfg) as llm:
+        llm.generate([PROMPTS[0]], [GREEDY[0]])
+        moved = llm.metrics()["prefill"]["bytes"]
+        model = llm.prefill[0].engine.model_config
+    assert moved == handoff_bytes(model, len(PROMPTS[0]), 4, "float32", kv_cache_dtype) > 0
+    assert handoff_bytes(model, 3, 4) == 0  # shorter than a block: nothing moves
+    nvlink, ethernet = handoff_link("nvlink4"), handoff_link("ethernet-25g")
+    assert nvlink.seconds(moved) < ethernet.seconds(moved) and nvlink.seconds(0) == 0.0
+    rows = handoff_rows(model, 1024, 16, list(HANDOFF_LINKS))
+    assert {r["kv_cache_dtype"] for r in rows} == {"auto", "fp8_e4m3"}
+    assert all(r["bytes"] < s["bytes"] for r in rows if r["kv_cache_dtype"] == "fp8_e4m3"
+               for s in rows if s["kv_cache_dtype"] == "auto")
+    with pytest.raises(ConfigError, match="unknown handoff link"):
+        handoff_link("carrier-pigeon")
+
+
+def test_a_simulated_pd_fleet_serves_every_request_and_prices_its_handoffs():
+    from servelab.bench.metrics import SLO
+    from servelab.bench.sim.disaggregated import run_pd_comparison, run_pd_fleet
+    from servelab.bench.sim.handoff import handoff_link
+    from servelab.bench.sim.shapes import model_shape
+    from servelab.config import EngineConfig
+    from servelab.workload import build_workload
+
+    model = model_shape("llama-3-8b")
+    workload = build_workload("fixed:num_requests=12,prompt_len=200,output_len=8,arrival=poisson,rate=50",
+                              model.vocab_size)
+    config = EngineConfig.load({})
+    slow = run_pd_fleet(config, workload, 1, 1, "h100", "llama-3-8b", handoff_link("ethernet-25g"))
+    fast = run_pd_fleet(config, workload, 1, 1, "h100", "llama-3-8b", handoff_link("nvlink4"))
+    for result in (slow, fast):
+        assert [len(o.token_ids) for o in result["outputs"]] == [8] * 12
+        assert all(o.finish_reason == "length" for o in result["outputs"]) and result["recomputes"] == 0
+        # every prompt's full 16-token blocks, at Llama-3-8B's 128 KiB a token in bf16
+        assert result["kv_bytes_moved"] == 12 * (200 // 16) * 16 * 128 * 1024
+    # the same handoffs over a slower link: the second token waits for the bytes
+    tpot = lambda result: sorted(o.tpot for o in result["outputs"])[6]  # noqa: E731
+    assert tpot(slow) > tpot(fast)
+    assert run_pd_fleet(config, workload, 1, 1, "h100", "llama-3-8b", handoff_link("nvlink4"))["outputs"][3] \
+        .metrics == fast["outputs"][3].metrics  # simulated: the same figures every run
+    comparison = run_pd_comparison(config, workload, [(1, 1)], "h100", "llama-3-8b", "nvlink4", SLO(1000, 100))
+    assert [row["topology"] for row in comparison["rows"]] == ["colocated x2", "1P1D"]
+    assert all(row["devices"] == 2 and row["goodput_per_device"] == row["goodput_rps"] / 2
+               for row in comparison["rows"])
+
+
+def test_the_planner_picks_the_split_with_most_goodput_per_device_meeting_the_slo():
+    from servelab.bench.disaggregated import format_comparison
+    from servelab.bench.metrics import SLO
+    from servelab.bench.sim.disaggregated import plan_pd
+    from servelab.bench.sim.shapes import model_shape
+    from servelab.config import EngineConfig
+    from servelab.workload import build_workload
+
+    workload = build_workload("fixed:num_requests=16,prompt_len=300,output_len=6,arrival=poisson,rate=40",
+                              model_shape("llama-3-8b").vocab_size)
+    plan = plan_pd(EngineConfig.load({}), workload, "h100", "llama-3-8b", "nvlink4", SLO(1000, 100), 3, 0.9)
+    assert [row["topology"] for row in plan["rows"]] == ["colocated x2", "1P1D", "colocated x3", "1P2D", "2P1D"]
+    meeting = [row for row in plan["rows"] if row["slo_attainment"] >= 0.9]
+    assert plan["best"] == max(meeting, key=lambda row: row["goodput_per_device"])["topology"]
+    assert "goodput/device" in format_comparison(plan)
+    impossible = plan_pd(EngineConfig.load({}), workload, "h100", "llama-3-8b", "nvlink4", SLO(0.001, 0.001), 2, 0.9)
+    assert impossible["best"] is None
+
+
+def test_the_roles_state_the_scheduler_side_of_the_contract(servelab_tiny_checkpoint):
+    from servelab.interfaces import ConsumerScheduler, ProducerScheduler, TransferState
+
+    class Holding(InProcessTransport):
+        """Keeps offers unready until released."""
+
+        ready = False
+
+        def poll(self, transfer_id):
+            status = super().poll(transfer_id)
+            if not self.ready and status.state is TransferState.READY:
+                return type(status)(TransferState.OFFERED, status.lease_deadline)
+            return status
+
+    transport = Holding()
+    with DisaggregatedLLM(config=config(servelab_tiny_checkpoint), transport=transport) as llm:
+        producer, consumer = llm.prefill[0], llm.decode[0]
+        assert isinstance(producer, ProducerScheduler) and isinstance(consumer, ConsumerScheduler)
+        transfer_id = llm.add_request(PROMPTS[0], GREEDY[0])
+        while not producer.num_holds:
+            llm.step()
+        assert consumer.is_waiting(transfer_id)
+        handoff = consumer._waiting[transfer_id].handoff
+        assert consumer.remote_tokens(handoff) is None  # ask again later
+        transport.ready = True
+        assert consumer.remote_tokens(handoff) == (len(PROMPTS[0]) // 4) * 4  # nothing cached yet
+        outputs = []
+        while len(outputs) < 1:
+            outputs += llm.step()
+        assert consumer.remote_tokens(handoff) == 0  # now its own cache holds every block
+        assert outputs[0].token_ids == colocated(config(servelab_tiny_checkpoint), GREEDY)[0]

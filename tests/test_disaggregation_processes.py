@@ -1,0 +1,45 @@
+"""xPyD with one process per engine (servelab.disagg.processes): output identical to one
+colocated engine through the shared-files transport; a prefill process killed mid-stream
+ends each of its requests by the failure policy within a bound, and no engine left holds
+a KV block."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelab import SamplingParams
+from servelab.disagg.processes import ProcessDeployment
+from servelab.llm import LLM
+
+PROMPTS = [list(range(5, 31)), list(range(5, 17)) + list(range(60, 75)), list(range(40, 63))]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("failure_policy", ["recompute", "fail"])
+def test_two_processes_match_one_engine_and_survive_a_killed_prefill(servelab_tiny_checkpoint, tmp_path,
+                                                                     failure_policy):
+    config = {"engine": {"model": servelab_tiny_checkpoint, "block_size": 4, "num_kv_blocks": 96,
+                         "max_num_seqs": 4, "max_model_len": 128}, "allocator": {"name": "hash"},
+              "kv_transfer": {"name": "shared-files", "path": str(tmp_path / "kv")}}
+    llm = LLM(config={k: v for k, v in config.items() if k != "kv_transfer"})
+    try:
+        expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        expected_longer = [o.token_ids for o in llm.generate(PROMPTS, longer)]
+    finally:
+        llm.close()
+    with ProcessDeployment(config, failure_policy=failure_policy, lease_s=2.0) as deployment:
+        outputs = deployment.generate(PROMPTS, [GREEDY] * len(PROMPTS), timeout_s=120)
+        assert [o.token_ids for o in outputs] == expected
+        # kill the prefill process with requests on it: each ends within the bound
+        ids = [deployment.add_request(p, longer) for p in PROMPTS]
+        deployment.kill("prefill-0")
+        ended = deployment.wait(ids, timeout_s=60)
+        for output, tokens in zip(ended, expected_longer):
+            if failure_policy == "recompute" or output.finish_reason != "error":
+                assert output.token_ids == tokens
+        assert deployment.used_blocks() == {"decode-0": 0}
+        lost = deployment.engine_metrics["decode-0"]["recomputes"] if failure_policy == "recompute" else sum(
+            o.finish_reason == "error" and "died" in o.error for o in ended)
+        assert lost >= 1  # the kill caught requests before their handoff
+    assert all(not process.is_alive() for process, _, _ in deployment.engines.values())

@@ -1,0 +1,159 @@
+"""The latency-under-arrivals check of `servelab bench --calibrate`: the served-step fit,
+the per-step overhead in the fitted CPU profile, and the held-out table (tiny runs: the
+machinery, not the fit's quality, which is measured on a quiet machine)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from servelab.bench.sim.calibrate import StepTimer, threads_of
+from servelab.bench.sim.cost_model import CostModel
+from servelab.bench.sim.hardware import CPU_HERE_TERMS, Accelerator, StepTerms, accelerator
+from servelab.bench.sim.latency_check import (CHUNKED, CONTINUOUS, FIT, HELD_OUT, LATENCY_FIGURES, LatencyCase,
+                                              ServedRun, busy_after, check_latency, default_cases, fit_served,
+                                              format_latency, latency_profile, scaled)
+from servelab.bench.sim.shapes import model_shape
+from servelab.cli import main
+from servelab.config import EngineConfig
+
+_TERMS = StepTerms(step_s=1e-3, sequence_s=1e-3)
+
+
+def _features(num_seqs: int) -> dict[str, float]:
+    return {"step": 1.0, "sequence": float(num_seqs), "prefill_gemm_flop": 0.0, "decode_gemm_flop": 0.0,
+            "prefill_attention_flop": 0.0, "decode_kv_byte": 0.0, "lm_head_flop": 0.0}
+
+
+def _served(sizes: list[int], speed: float, overhead: float, idle_after: int | None = None) -> ServedRun:
+    starts, now = [], 0.0
+    for index, size in enumerate(sizes):
+        starts.append(now)
+        now += speed * _TERMS.seconds(_features(size)) + overhead
+        if index == idle_after:
+            now += 0.5  # the engine waits for the next arrival
+    busy = [index != idle_after for index in range(len(sizes))]
+    return ServedRun(record=None, steps=[(size, 0.0) for size in sizes], starts=starts, busy=busy)
+
+
+def test_busy_after_tells_a_step_followed_by_work_from_one_followed_by_a_wait():
+    steps = [(None, 1.0), (None, 1.0), (None, 1.0)]
+    # one request from 0 to 2 (it finishes as the second step ends), the next arrives at 5
+    spans = [(0.0, 2.0), (5.0, 7.0)]
+    assert busy_after([0.0, 1.0, 5.0], steps, spans) == [True, False, True]
+
+
+def test_fit_served_recovers_speed_and_overhead_and_leaves_out_waits_for_arrivals():
+    run = _served([1, 4, 2, 8, 3, 6, 5, 7, 2, 4] * 3, speed=1.6, overhead=2e-3, idle_after=5)
+    speed, overhead = fit_served([run], _TERMS, _features)
+    assert speed == pytest.approx(1.6, rel=1e-6)
+    assert overhead == pytest.approx(2e-3, rel=1e-6)
+
+
+def test_fit_served_with_steps_all_alike_puts_the_difference_in_the_overhead():
+    speed, overhead = fit_served([_served([3] * 12, speed=1.0, overhead=1e-3)], _TERMS, _features)
+    assert speed * _TERMS.seconds(_features(3)) + overhead == pytest.approx(5e-3, rel=1e-6)
+    assert overhead >= 0
+
+
+def test_the_cpu_profile_adds_its_per_step_overhead_to_the_fitted_terms():
+    shape = model_shape("tiny-random")
+    base = CostModel(shape, accelerator("cpu-here"))
+    served = CostModel(shape, latency_profile(CPU_HERE_TERMS, 2.0, 3e-3, threads=2))
+    step = ([1] * 4, [40] * 4, 4)
+    assert served.step(*step).seconds == pytest.approx(2 * base.step(*step).seconds + 3e-3)
+    assert accelerator("cpu-here").threads == 1 and served.hardware.threads == 2
+    assert scaled(CPU_HERE_TERMS, 2.0).step_s == pytest.approx(2 * CPU_HERE_TERMS.step_s)
+
+
+def test_threads_of_sets_and_restores_torchs_thread_count():
+    before = torch.get_num_threads()
+    with threads_of(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_step_timer_keeps_each_steps_start_on_the_engines_clock():
+    timer = StepTimer(clock=iter([10.0, 10.5]).__next__)
+    timer.recording = True
+
+    class Engine:
+        @staticmethod
+        def clock():
+            return 7.0
+
+    timer.servelab_step_started(Engine())
+    timer._shape = "shape"
+    timer.servelab_step_finished(Engine(), None)
+    assert timer.timed == [("shape", 0.5)] and timer.starts == [7.0]
+
+
+def test_default_plan_holds_out_rates_past_saturation_bursts_chunked_prefill_and_another_kind():
+    cases = default_cases(60)
+    fit = [c for c in cases if c.role == FIT]
+    held = [c for c in cases if c.role == HELD_OUT]
+    assert fit and all(c.overrides == CONTINUOUS and "seed=0" in c.workload for c in fit)
+    assert all("seed=1" in c.workload for c in held)
+    assert any("rate=24" in c.workload for c in held)
+    assert any("arrival=bursty" in c.workload for c in held)
+    assert any(c.overrides == CHUNKED for c in held)
+    assert any(c.workload.startswith("long-burst") for c in held)
+
+
+def test_check_latency_fits_on_fit_cases_and_reports_every_figure_of_the_held_out_ones():
+    config = EngineConfig().with_overrides({"engine.max_model_len": 128})
+    small = "skewed:num_requests=4,mean_prompt_len=12,mean_output_len=4,max_len=64"
+    cases = [LatencyCase("fit", f"{small},arrival=poisson,rate=200,seed=0", CONTINUOUS, FIT),
+             LatencyCase("bursty", f"{small},arrival=bursty,rate=200,burst_size=2,seed=1", CONTINUOUS, HELD_OUT),
+             LatencyCase("chunked", f"{small},arrival=poisson,rate=200,seed=1", {**CHUNKED,
+                         "engine.max_num_batched_tokens": 8}, HELD_OUT)]
+    result = check_latency(config, CPU_HERE_TERMS, _tiny_features(config), cases, threads=1)
+    assert result["fit_cases"] == ["fit"] and set(result["held_out"]) == {"bursty", "chunked"}
+    assert result["speed"] > 0 and result["step_overhead_s"] >= 0
+    for row in result["held_out"].values():
+        assert set(row) == set(LATENCY_FIGURES)
+        for cell in row.values():
+            assert cell["measured"] is not None and cell["simulated"] is not None
+            if cell["measured"]:
+                assert cell["error"] == pytest.approx(abs(cell["simulated"] - cell["measured"]) / cell["measured"])
+    table = format_latency(result)
+    assert "bursty" in table and "chunked" in table and "median error" in table
+
+
+def _tiny_features(config: EngineConfig):
+    from servelab.bench.sim.calibrate import step_features
+
+    return step_features(config)
+
+
+def test_calibrate_refuses_a_bad_thread_count(capsys):
+    assert main(["bench", "--calibrate", "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err
+
+
+def test_a_fitted_cpu_profile_simulates_the_configs_dtype_and_kv_pool_as_the_real_engine_sizes_them():
+    from servelab.bench.sim.runner import VirtualClock
+    from servelab.bench.sim.source import SimSource
+
+    config = EngineConfig().with_overrides({"engine.max_model_len": 512})
+    source = SimSource.named("tiny-random", "cpu-here", VirtualClock())
+    fitted = source.fit_config(config)
+    assert fitted.engine.num_kv_blocks is None and fitted.engine.max_model_len == 512  # engine_setup sizes them
+    assert source.dtype_bytes == 4 and source.cost_model.dtype_bytes == 4  # the config's float32
+    gpu = SimSource.named("tiny-random", "h100", VirtualClock())
+    assert gpu.fit_config(config).engine.num_kv_blocks is not None and gpu.dtype_bytes == 2
+
+
+def test_calibrate_command_prints_and_returns_the_held_out_latency_table(capsys):
+    from servelab.cli import _calibrate
+
+    config = EngineConfig().with_overrides({"engine.max_model_len": 512})
+    small = "skewed:num_requests=3,mean_prompt_len=12,mean_output_len=4,max_len=64"
+    cases = [LatencyCase("fit 300/s", f"{small},arrival=poisson,rate=300,seed=0", CONTINUOUS, FIT),
+             LatencyCase("held 600/s", f"{small},arrival=poisson,rate=600,seed=1", CONTINUOUS, HELD_OUT)]
+    result = _calibrate(config, small, threads=1, latency_requests=3, repeats=1, latency_cases=cases)
+    out = capsys.readouterr().out
+    assert result["threads"] == 1 and result["repeats"] == 1 and result["latency"]["threads"] == 1
+    assert list(result["latency"]["held_out"]) == ["held 600/s"]
+    assert "fitted cpu terms" in out and "latency under arrivals" in out and "held 600/s" in out
