@@ -2,7 +2,8 @@
 
     python examples/measurements/server_vs_vllm.py --model ../peers/smollm2-hf \
         --vllm-python ../peers/vllm/bin/python --rates inf,4 --rounds 2 \
-        --servelab defaults= --servelab "one-thread=--engine-threads 1"
+        --servelab defaults= --servelab "one-thread=--engine-threads 1" \
+        --servelab "spinning=OMP_WAIT_POLICY=ACTIVE"
 
 Each round starts every server in turn (each `--servelab NAME=ARGS`, then vLLM's), warms
 it up, and loads it at every rate with `vllm bench serve --backend openai --dataset-name
@@ -68,10 +69,13 @@ def main() -> int:
     runs: list[dict] = []
     for round_index in range(args.rounds):
         for name, extra in configs:
-            runs += _measure_server(args, name, _servelab_command(args, extra), rates, round_index, servelab=True)
+            environment, extra = _split_environment(extra)
+            runs += _measure_server(args, name, _servelab_command(args, extra), rates, round_index, servelab=True,
+                                    environment=environment)
         if not args.no_vllm:
             runs += _measure_server(args, "vllm", _vllm_command(args), rates, round_index, servelab=False)
-        runs.append({"server": "offline", "rate": "inf", "round": round_index, **_offline(args, configs[0][1])})
+        runs.append({"server": "offline", "rate": "inf", "round": round_index,
+                     **_offline(args, _split_environment(configs[0][1])[1])})
         print(json.dumps(runs[-1]), file=sys.stderr)
     _print_table(runs, [name for name, _ in configs] + ([] if args.no_vllm else ["vllm"]), rates)
     if args.json:
@@ -80,8 +84,18 @@ def main() -> int:
 
 
 def _named(spec: str) -> tuple[str, list[str]]:
+    """NAME=ARGS; ARGS may start with environment assignments (OMP_WAIT_POLICY=PASSIVE ...)."""
     name, _, extra = spec.partition("=")
     return name, shlex.split(extra)
+
+
+def _split_environment(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    environment = {}
+    while words and "=" in words[0] and words[0].split("=", 1)[0].isupper():
+        key, _, value = words[0].partition("=")
+        environment[key] = value
+        words = words[1:]
+    return environment, words
 
 
 def _servelab_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -93,8 +107,8 @@ def _vllm_command(args: argparse.Namespace) -> list[str]:
 
 
 def _measure_server(args: argparse.Namespace, name: str, command: list[str], rates: list[str], round_index: int,
-                    servelab: bool) -> list[dict]:
-    env = vllm_environment(args.vllm_python) if not servelab else dict(os.environ)
+                    servelab: bool, environment: dict[str, str] | None = None) -> list[dict]:
+    env = vllm_environment(args.vllm_python) if not servelab else dict(os.environ, **(environment or {}))
     log = Path(tempfile.mkdtemp(prefix=f"server-{name}-")) / "server.log"
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     runs = []
@@ -195,7 +209,7 @@ def _offline(args: argparse.Namespace, servelab_args: list[str]) -> dict:
         "from servelab.cli import serving_config_for\n"
         "config = serving_config_for(sys.argv[1], sys.argv[5:])\n"
         "torch.set_num_threads(default_engine_threads())\n"
-        "llm = LLM(config)\n"
+        "llm = LLM(config=config)\n"
         "n, prompt_len, output_len = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])\n"
         "generator = torch.Generator().manual_seed(0)\n"
         "vocab = llm.engine.model_config.vocab_size\n"
