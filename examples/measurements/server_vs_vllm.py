@@ -110,6 +110,7 @@ def _measure_server(args: argparse.Namespace, name: str, command: list[str], rat
                     servelab: bool, environment: dict[str, str] | None = None) -> list[dict]:
     env = vllm_environment(args.vllm_python) if not servelab else dict(os.environ, **(environment or {}))
     log = Path(tempfile.mkdtemp(prefix=f"server-{name}-")) / "server.log"
+    print(f"{name}: {' '.join(command)} (log: {log})", file=sys.stderr)
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     runs = []
     try:
@@ -201,14 +202,16 @@ def _labelled(cpu: dict[int, float], root: int) -> dict[int, tuple[str, float]]:
 
 
 def _offline(args: argparse.Namespace, servelab_args: list[str]) -> dict:
-    """LLM.generate on prompts of the same lengths, with the server's engine settings and threads."""
+    """LLM.generate on prompts of the same lengths, with the server's engine settings and threads
+    (the first --servelab config's)."""
     script = (
         "import json, sys, time, torch\n"
         "from servelab import LLM, SamplingParams\n"
         "from servelab.server.serve import default_engine_threads\n"
-        "from servelab.cli import serving_config_for\n"
+        "from servelab.cli import parse_args, serving_config_for\n"
         "config = serving_config_for(sys.argv[1], sys.argv[5:])\n"
-        "torch.set_num_threads(default_engine_threads())\n"
+        "serve = parse_args(['serve', *sys.argv[5:]])\n"
+        "torch.set_num_threads(serve.engine_threads or default_engine_threads())\n"
         "llm = LLM(config=config)\n"
         "n, prompt_len, output_len = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])\n"
         "generator = torch.Generator().manual_seed(0)\n"
