@@ -35,3 +35,20 @@ def test_the_engine_keeps_its_cpu_kv_caches_there():
     assert len({cache.data_ptr() for cache in caches}) == len(caches)
     if sys.platform.startswith("linux") and caches[0].nbytes >= HUGE_PAGE:
         assert all(cache.data_ptr() % HUGE_PAGE == 0 for cache in caches)
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool is mapped lazily on Linux only")
+def test_a_large_pool_is_resident_only_where_written():
+    before = _resident_bytes()
+    tensor = zeros_on_huge_pages((64, 2**20), torch.float32)  # 256 MiB
+    assert _resident_bytes() - before < 64 * 2**20
+    assert not tensor[::8].any()  # reading the zero pages maps no memory of its own
+    tensor[0].fill_(1.0)  # 4 MiB written
+    assert _resident_bytes() - before < 64 * 2**20 and tensor.sum().item() == 2**20

@@ -7,6 +7,7 @@ one (SIGSTOP) taken out of rotation instead of hanging requests."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import re
 import signal
@@ -123,17 +124,25 @@ def test_a_stopped_replica_leaves_the_rotation_and_its_requests_do_not_hang(tmp_
                     next(stream)  # both run, one on each replica (round-robin)
                 os.kill(pids[0], signal.SIGSTOP)
                 start = time.monotonic()
-                endings = [list(stream) for stream in streams]
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:  # round-robin: to the stopped replica
+                    unanswered = pool.submit(client.post, "/v1/completions",
+                                             json={**body, "max_tokens": 4, "stream": False}, timeout=60)
+                    endings = [list(stream) for stream in streams]
+                    failed_over = unanswered.result()
                 waited = time.monotonic() - start
             try:
                 errors = [events[-2]["error"]["message"] for events in endings if "error" in events[-2]]
                 assert len(errors) == 1 and "engine replica 0 stopped answering" in errors[0], endings
                 assert waited < 30, waited
+                # the request the stopped replica never took was routed again: answered, not refused
+                assert failed_over.status_code == 200, failed_over.text
+                assert len(failed_over.json()["choices"][0]["text"]) > 0
                 assert client.get("/health").status_code == 200
                 for _ in range(4):  # every new request goes to the live replica, none hangs
                     reply = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False}, timeout=30)
                     assert reply.status_code == 200, reply.text
                 assert server.metrics()['servelab_replica_up{replica="0"}'] == 0
+                assert server.metrics()['servelab_requests_failed_over_total{replica="0"}'] == 1
             finally:
                 os.kill(pids[0], signal.SIGCONT)
             server.wait_metrics(lambda m: m['servelab_replica_up{replica="0"}'] == 1, timeout=30)

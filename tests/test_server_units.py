@@ -189,11 +189,16 @@ def test_deltas_without_stop_strings_send_everything_and_end_on_the_full_text():
 class FakeEngine:
     """Each request gets one token per step until max_tokens; step number `fail_at` raises."""
 
-    def __init__(self, fail_at: int | None = None, stall_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, stall_at: int | None = None, max_running: int | None = None) -> None:
         self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
         self.steps = 0
         self.fail_at = fail_at
         self.stall_at = stall_at  # step number that hangs (a stopped process) until `resume` is set
+        self.max_running = max_running  # requests past the first max_running wait, queued, for a token
+        self.finished_ids: list[str] = []
+        self.hang = threading.Event()  # set: the next step hangs until `resume` is set
+        self.hang_once_admitted: str | None = None  # or the first step after this request was admitted
+        self.hanging = threading.Event()
         self.resume = threading.Event()
         self.scheduler = FakeStats(lambda: SchedulerStats(num_waiting=0, num_running=len(self.requests),
                                                           num_preemptions=0))
@@ -233,10 +238,13 @@ class FakeEngine:
         self.steps += 1
         if self.steps == self.fail_at:
             raise RuntimeError("boom")
-        if self.steps == self.stall_at:
+        if self.hang_once_admitted in self.requests:
+            self.hang.set()
+        if self.steps == self.stall_at or self.hang.is_set():
+            self.hanging.set()
             self.resume.wait()
         new, finished = {}, []
-        for request_id, (params, tokens) in list(self.requests.items()):
+        for request_id, (params, tokens) in list(self.requests.items())[:self.max_running]:
             tokens.append(self.steps)
             new[request_id] = [self.steps]
             if len(tokens) == params.max_tokens:
@@ -245,6 +253,8 @@ class FakeEngine:
 
     def _retire(self, request_id, reason):
         _, tokens = self.requests.pop(request_id)
+        if reason != "abort":
+            self.finished_ids.append(request_id)
         return RequestOutput(request_id, None, [1], [CompletionOutput(0, tokens, "", reason)],
                              RequestMetrics(0.0, 0.0, 0.0, 0.0))
 
@@ -513,6 +523,70 @@ def test_a_silent_replica_leaves_the_rotation_and_its_requests_fail_over_fast():
 
     run(scenario())
     assert 'servelab_replica_up{replica="1"} 1.0' in metrics.render().decode()
+
+
+def test_requests_a_silent_replica_never_started_fail_over_to_a_live_one():
+    """A replica stops (its loop hangs) holding a request it never answered the add of and
+    one it admitted but had queued: once the watchdog finds it silent, both are routed
+    again to the live replica and their readers get every token and the end, from the
+    same queue; the request it had started ends with the retryable error; it runs none of
+    them when it resumes."""
+    from servelab.server.metrics import ServerMetrics
+    from servelab.server.replica_set import ReplicaSet
+
+    router, metrics = RecordingRouter(), ServerMetrics()
+    engines = [FakeEngine(), FakeEngine(max_running=1)]
+    engines[1].hang_once_admitted = "d"
+    replicas = ReplicaSet([AsyncEngine(ThreadConnection(e), name=f"replica {i}") for i, e in enumerate(engines)],
+                          router, "recording", block_size=16, metrics=metrics, liveness_timeout=0.5)
+
+    async def finish(events):
+        tokens = []
+        while True:
+            _, event = await events.get()
+            tokens.extend(event.new_token_ids)
+            if event.is_last:
+                return event, tokens
+
+    async def until(condition):
+        for _ in range(500):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def scenario():
+        replicas.start()  # the round-robin router alternates: replica 0, 1, 0, 1, ...
+        await replicas.add([NewRequest("a", [1], SamplingParams(max_tokens=2), 0.0)])
+        started = await replicas.add([NewRequest("b", [1], SamplingParams(max_tokens=10**5), 0.0)])
+        await replicas.add([NewRequest("c", [1], SamplingParams(max_tokens=2), 0.0)])
+        queued = await replicas.add([NewRequest("d", [1], SamplingParams(max_tokens=4), 0.0)])  # behind "b"
+        await until(engines[1].hanging.is_set)
+        await replicas.add([NewRequest("f", [1], SamplingParams(max_tokens=2), 0.0)])
+        unanswered = asyncio.create_task(replicas.add([NewRequest("e", [1], SamplingParams(max_tokens=3), 0.0)]))
+        ended, _ = await asyncio.wait_for(finish(started), 5)
+        assert "engine replica 1 stopped answering" in ended.error
+        queued_end, queued_tokens = await asyncio.wait_for(finish(queued), 5)
+        unanswered_end, unanswered_tokens = await asyncio.wait_for(finish(await unanswered), 5)
+        assert queued_end.output.finish_reason == "length" and len(queued_tokens) == 4
+        assert unanswered_end.output.finish_reason == "length" and len(unanswered_tokens) == 3
+        assert queued_end.output.outputs[0].token_ids == queued_tokens  # every token reached the reader
+        assert "d" in engines[0].finished_ids and "e" in engines[0].finished_ids
+        engines[1].hang.clear()
+        engines[1].resume.set()
+        for _ in range(100):
+            if not engines[1].requests:
+                break
+            await asyncio.sleep(0.05)
+        assert not engines[1].requests  # aborted there: nothing runs for nobody
+        assert replicas.num_in_flight == 0 and not replicas._groups and not replicas._group_left
+        await replicas.shutdown()
+
+    run(scenario())
+    text = metrics.render().decode()
+    assert 'servelab_requests_failed_over_total{replica="1"} 2.0' in text
+    assert sorted(router.finished) == [("a", 0), ("b", 1), ("c", 0), ("d", 0), ("d", 1), ("e", 0), ("e", 1),
+                                       ("f", 0)]
 
 
 def test_an_unread_stream_is_buffered_within_a_bound_and_loses_nothing():

@@ -171,6 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(handler=_cmd_sim_check)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    serve.add_argument("model_path", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's `serve MODEL`)")
     _add_engine_arguments(serve)
     add_serve_arguments(serve)
     serve.set_defaults(handler=_cmd_serve)
@@ -380,7 +381,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from servelab.server.serve import run_server
 
     options = serve_options(args, os.environ)  # usage errors before the config is read
-    return run_server(load_config(args), options)
+    return run_server(serving_config(args), options)
+
+
+def serving_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config `servelab serve` runs: the user's, sized for throughput where they
+    left a size unset (servelab.server.serving_defaults)."""
+    from servelab.server.serving_defaults import explicit_keys, with_serving_defaults
+
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise ConfigError(f"two models given: {args.model_path!r} and --model {args.model!r}; give one")
+        args.model = args.model_path
+    return with_serving_defaults(load_config(args), explicit_keys(args.config, args.assignments))
+
+
+def serving_config_for(model: str, serve_arguments: Seq[str]) -> EngineConfig:
+    """The engine config `servelab serve --model MODEL ARGUMENTS...` would run (for measurements
+    that compare the server with offline runs of the same engine)."""
+    return serving_config(parse_args(["serve", "--model", model, *serve_arguments]))
 
 
 def _calibrate(config: EngineConfig, spec: str | None, threads: int = 1, latency_requests: int = 0,

@@ -96,20 +96,23 @@ class AsyncEngine:
         self.connection.start(self._on_output, self._on_exit)
         self._started_connection = True
 
-    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> StreamBuffer:
+    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None,
+                  events: StreamBuffer | None = None) -> StreamBuffer:
         """Add a group of requests, all or none (RequestError names the first bad one).
 
         Returns one queue receiving `(sequence or request id, RequestEvent)` for every
-        request of the group until each has had its output. Until a request's first token
-        its sequences count in `num_waiting`. With `decode`, each event keyed by a request
-        id also carries that request's text deltas, decoded on the detokenizer's thread.
+        request of the group until each has had its output (`events`, when given: a group
+        moved here from another engine keeps its reader's queue). Until a request's first
+        token its sequences count in `num_waiting`. With `decode`, each event keyed by a
+        request id also carries that request's text deltas, decoded on the detokenizer's thread.
         """
         if self.error is not None or self.stopping:
             raise EngineUnavailable(self.error or "the server is shutting down")
         request_ids = [request.request_id for request in requests]
         if decode is not None:
             self._detokenizer.register(request_ids, decode)
-        events = StreamBuffer()  # bounded: a lagging reader's events merge (stream_buffer.py)
+        if events is None:
+            events = StreamBuffer()  # bounded: a lagging reader's events merge (stream_buffer.py)
         for request in requests:
             self._queues[request.request_id] = events
             tokens = request.params.n * (len(request.prompt) if isinstance(request.prompt, list) else 0)
@@ -164,6 +167,20 @@ class AsyncEngine:
                 future.set_exception(EngineUnavailable(message))
         if request_ids:
             self.connection.send(("abort", None, request_ids))
+
+    def has_started(self, request_id: str) -> bool:
+        """Whether any event of the request (a token, its end) has reached its queue."""
+        return request_id not in self._unstarted
+
+    def detach(self, request_ids: Seq[str]) -> None:
+        """Forget requests that have not started, without a word to their readers, and abort
+        them in the core (which may be stopped: the abort waits in its pipe): the reader's
+        queue is about to be fed by another engine."""
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
+            self._started(request_id)
+        self._detokenizer.unregister(list(request_ids))
+        self.abort(request_ids)
 
     @property
     def num_in_flight(self) -> int:

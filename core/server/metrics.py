@@ -136,6 +136,9 @@ class ServerMetrics:
                                              ["replica"], registry=r)
         self.replica_tokens = Counter("servelab_replica_generation_tokens", "Tokens the replica generated.",
                                       ["replica"], registry=r)
+        self.replica_failed_over = Counter("servelab_requests_failed_over", "Requests routed again because the "
+                                           "replica they waited on stopped answering, by that replica.",
+                                           ["replica"], registry=r)
         self.replica_routed = Counter("servelab_replica_requests_routed", "Requests the router sent to the replica.",
                                       ["replica"], registry=r)
         self._sources = [self.requests_running, self.requests_waiting, self.kv_usage, self.ttft, self.tpot, self.e2e,
@@ -194,6 +197,9 @@ class ServerMetrics:
 
     def routed(self, index: int) -> None:
         self.replica_routed.labels(str(index)).inc()
+
+    def failed_over(self, index: int, num_requests: int) -> None:
+        self.replica_failed_over.labels(replica=str(index)).inc(num_requests)
 
     def replica_down(self, index: int) -> None:
         self.replica_up.labels(str(index)).set(0)

@@ -14,9 +14,13 @@ does the set report the engine failed (/health 503, exit code 1).
 
 A replica that goes silent (its process stopped or hung: no output, not even a
 heartbeat, for `liveness_timeout` seconds while it has work) is taken out of rotation
-too: a watchdog fails its requests in flight and the adds it has not answered with a
-retryable error naming the replica (a client's retry is routed to a live one), and aborts
-them there, and `servelab_replica_up` shows 0. It comes back into rotation once it is
+too, by a watchdog, and `servelab_replica_up` shows 0. Its requests that have not
+started (an add it never answered, or a request still queued there: no token sent to
+the client yet) fail over: they are aborted there and routed again to a live replica,
+the client's stream unchanged (`servelab_requests_failed_over`). Its requests that
+have started end with a retryable error naming the replica (their tokens so far went
+out from the silent replica's sampling, so another could not continue them unseen), and
+are aborted there. It comes back into rotation once it is
 heard from again. /health stays 200 while any replica answers; it turns 503 only when
 every replica is silent or dead.
 """
@@ -34,7 +38,7 @@ from servelab.errors import ServelabError
 from servelab.interfaces import AllocatorStats, FinishAwareRouter, ReplicaSnapshot, RouteRequest, SchedulerStats
 from servelab.server.detokenizer import Decode
 from servelab.server.engine_core import EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
-from servelab.server.engine_loop import AsyncEngine, Events
+from servelab.server.engine_loop import AsyncEngine, Events, RequestEvent
 from servelab.server.stream_buffer import StreamBuffer
 
 logger = structlog.get_logger(__name__)
@@ -62,6 +66,8 @@ class ReplicaSet:
         self._owner: dict[str, int] = {}  # engine request id -> replica
         self._group_of: dict[str, str] = {}  # engine request id -> the routed group's key (its first id)
         self._group_left: dict[str, int] = {}  # group key -> its requests not finished yet
+        self._groups: dict[str, tuple[list[NewRequest], Decode | None, StreamBuffer]] = {}  # to move a group
+        self._moving: set[asyncio.Task] = set()
         for index, replica in enumerate(self.replicas):
             replica.on_failure = functools.partial(self._replica_failed, index)
             replica.listener = functools.partial(self._observe, index)
@@ -109,35 +115,80 @@ class ReplicaSet:
         logger.error("replica.silent", replica=index, stalled_seconds=round(stalled, 1), live=self.live_replicas())
         if self.metrics is not None:
             self.metrics.replica_down(index)
+        replica = self.replicas[index]
         owned = [r for r, owner in self._owner.items() if owner == index]
-        self.replicas[index].fail_in_flight(message)
-        for request_id in owned:
+        unstarted = [group for group in dict.fromkeys(self._group_of[r] for r in owned)
+                     if group in self._groups
+                     and not any(replica.has_started(request.request_id) for request in self._groups[group][0])]
+        moving = [self._groups[group] for group in unstarted] if self.live_replicas() else []
+        for requests, _, _ in moving:
+            replica.detach([request.request_id for request in requests])
+        replica.fail_in_flight(message)
+        for request_id in owned:  # the router hears that each left the silent replica
             self._finished(request_id)
+        for group in moving:
+            task = asyncio.get_running_loop().create_task(self._move(group, index))
+            self._moving.add(task)
+            task.add_done_callback(self._moving.discard)
+
+    async def _move(self, group: tuple[list[NewRequest], Decode | None, StreamBuffer], silent: int) -> None:
+        """Route a group that never started on the silent replica again, into the queue its reader holds."""
+        requests, decode, events = group
+        if self.metrics is not None:
+            self.metrics.failed_over(silent, len(requests))
+        logger.warning("replica.failover", replica=silent, request_ids=[r.request_id for r in requests])
+        try:
+            await self._route_and_add(requests, decode, events)
+        except BaseException as exc:
+            failed = RequestEvent(error=f"engine replica {silent} stopped answering and no other replica took the "
+                                        f"request ({exc}): retry")
+            for request in requests:
+                events.put_nowait((request.request_id, failed))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
 
     async def add(self, requests: Seq[NewRequest], decode: Decode | None = None) -> StreamBuffer:
-        """Route the group (every prompt of one HTTP request) to one live replica and add it there."""
-        live = self.live_replicas()
-        if self.stopping or not live:
-            raise EngineUnavailable(self.error or "the server is shutting down")
-        first = requests[0]
-        prompt = first.prompt if isinstance(first.prompt, list) else []
-        route = RouteRequest(first.request_id, prompt, first.params.max_tokens, first.arrival_time,
-                             adapter=first.lora_request.lora_name if first.lora_request is not None else None)
-        from servelab.routing import checked_route
+        """Route the group (every prompt of one HTTP request) to one live replica and add it
+        there; an add that replica never answers (it went silent) is routed again."""
+        return await self._route_and_add(list(requests), decode, None)
 
-        choice = checked_route(self.router, self.router_name, route, [self.route_snapshot(i) for i in live])
-        for request in requests:
-            self._owner[request.request_id] = choice
-            self._group_of[request.request_id] = first.request_id
-        self._group_left[first.request_id] = len(requests)
-        if self.metrics is not None:
-            self.metrics.routed(choice)
-        try:
-            return await self.replicas[choice].add(requests, decode)
-        except BaseException:
+    async def _route_and_add(self, requests: list[NewRequest], decode: Decode | None,
+                             events: StreamBuffer | None) -> StreamBuffer:
+        first = requests[0]
+        while True:
+            live = self.live_replicas()
+            if self.stopping or not live:
+                raise EngineUnavailable(self.error or "the server is shutting down")
+            prompt = first.prompt if isinstance(first.prompt, list) else []
+            route = RouteRequest(first.request_id, prompt, first.params.max_tokens, first.arrival_time,
+                                 adapter=first.lora_request.lora_name if first.lora_request is not None else None)
+            from servelab.routing import checked_route
+
+            choice = checked_route(self.router, self.router_name, route, [self.route_snapshot(i) for i in live])
             for request in requests:
-                self._finished(request.request_id)
-            raise
+                self._owner[request.request_id] = choice
+                self._group_of[request.request_id] = first.request_id
+            self._group_left[first.request_id] = len(requests)
+            if self.metrics is not None:
+                self.metrics.routed(choice)
+            try:
+                events = await self.replicas[choice].add(requests, decode, events)
+            except EngineUnavailable:
+                for request in requests:
+                    self._finished(request.request_id)
+                if choice in self.silent and self.live_replicas():
+                    if self.metrics is not None:
+                        self.metrics.failed_over(choice, len(requests))
+                    logger.warning("replica.failover", replica=choice, request_ids=[r.request_id for r in requests])
+                    continue  # it went silent before it took the group: another replica will
+                raise
+            except BaseException:
+                for request in requests:
+                    self._finished(request.request_id)
+                raise
+            if first.request_id in self._group_left:  # not finished while the add was answered
+                self._groups[first.request_id] = (requests, decode, events)
+            return events
 
     def abort(self, request_ids: Iterable[str]) -> None:
         by_replica: dict[int, list[str]] = {}
@@ -156,6 +207,8 @@ class ReplicaSet:
         self.stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
+        for task in list(self._moving):
+            task.cancel()
         await asyncio.gather(*(replica.shutdown(timeout) for replica in self.replicas))
 
     @property
@@ -215,6 +268,7 @@ class ReplicaSet:
         self._group_left[group] -= 1
         if self._group_left[group] == 0:
             del self._group_left[group]
+            self._groups.pop(group, None)
             if isinstance(self.router, FinishAwareRouter):
                 self.router.request_finished(group, owner)
 

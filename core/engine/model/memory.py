@@ -8,6 +8,7 @@ import ctypes.util
 import functools
 import gc
 import math
+import mmap
 import sys
 
 import torch
@@ -54,12 +55,17 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     pages, asked for with madvise before the memory is first touched); elsewhere, or when
     the request is refused, an ordinary zeroed tensor. Decode attention reads K and V in
     4 KiB tiles scattered over the cache: with 4 KiB pages nearly every tile costs a TLB
-    miss, with 2 MiB pages the whole cache fits the TLB."""
+    miss, with 2 MiB pages the whole cache fits the TLB.
+
+    On Linux the memory is an anonymous mapping, which the kernel hands out zeroed on first
+    touch: a large KV pool costs neither time at start nor resident memory for the blocks
+    that never hold a token."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     madvise = _madvise() if sys.platform.startswith("linux") else None
     if madvise is None or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping for the tensor's life
     offset = -buffer.data_ptr() % HUGE_PAGE
     madvise(buffer.data_ptr() + offset, nbytes - nbytes % HUGE_PAGE, MADV_HUGEPAGE)  # refused: 4 KiB pages
-    return buffer[offset:offset + nbytes].view(dtype).view(shape).zero_()
+    return buffer[offset:offset + nbytes].view(dtype).view(shape)
