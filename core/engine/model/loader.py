@@ -72,7 +72,8 @@ def resolve_model(model: str) -> Path:
 
 
 def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: int,
-               prepack_weights: bool = False, weights: str = "dequantize") -> LlamaForCausalLM:
+               prepack_weights: bool = False, weights: str = "dequantize",
+               quantized_activations: str = "int8") -> LlamaForCausalLM:
     """The checkpoint's decoder in `dtype` on `device`; with `prepack_weights` (CPU), the
     decoder's linear layers and LM head packed for oneDNN (see servelab.model.packed_linear);
     with `weights` "int8" or "int4" they are kept as quantized blocks instead
@@ -89,7 +90,7 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, checkpoint.tensors())
     if weights != "dequantize":
-        quantize_linears(model, weights)
+        quantize_linears(model, weights, activations=quantized_activations)
     if prepack_weights and can_prepack(torch_device, torch_dtype):
         prepack_linears(model, keep_weights=("lm_head",))
     elif prepack_weights and torch_device.type == "cpu" and torch_dtype in PACKABLE_DTYPES:
