@@ -365,3 +365,38 @@ def test_the_avx2_build_passes_too():
                           "kernel and not avx2_build"], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
+
+
+@pytest.mark.parametrize("types, weights", [(("Q4_1",), "int4"), (("Q4_0", "Q8_0"), "int4"), (("Q8_0", "F16"), "int8"),
+                                            (("Q4_1",), "int8")])
+def test_a_gguf_file_s_own_blocks_reach_the_layers_as_they_are(tmp_path, types, weights):
+    """A GGUF file's Q8_0 / Q4_0 / Q4_1 tensors are the layers' blocks, bytes unchanged (the
+    query/key rows put in Hugging Face's order, a fused projection's parts stacked), where
+    the scheme keeps that format (int4: any of them; int8: q8_0); the other layers are
+    quantized from their dequantized values in the scheme's format."""
+    from servelab.model.loader import Checkpoint
+    from servelab.testing.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", types)
+    tensors = Checkpoint.open(str(path)).tensors()
+    llm = LLM(str(path), max_model_len=64, weights=weights, **{"attention.build": "never"})
+    model = llm.engine.runner.model
+    kept = {"int4": ("q8_0", "q4_0", "q4_1"), "int8": ("q8_0",)}[weights]
+    file_formats = {name: tensors._file.tensors[tensors._where[name]].tensor_type.name.lower() for name in tensors}
+    taken = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, QuantizedLinear):
+            continue
+        parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(
+            name.rpartition(".")[2])
+        names = [f"{name.rpartition('.')[0]}.{part}.weight" for part in parts] if parts else [f"{name}.weight"]
+        formats = {file_formats[n] for n in names}
+        if len(formats) == 1 and formats <= set(kept):
+            assert layer.format == formats.pop()
+            assert torch.equal(layer.quantized_weight.dequantize(), torch.cat([tensors[n] for n in names]))
+            raw = torch.cat([tensors.blocks(n)[1] for n in names])
+            assert torch.equal(layer.blocks, raw)
+            taken += 1
+        else:
+            assert layer.format == ({"int4": "q4_1", "int8": "q8_0"}[weights] if name != "lm_head" else "q8_0")
+    assert taken > 0 if set(t.lower() for t in types) & set(kept) else taken == 0

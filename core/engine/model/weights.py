@@ -12,7 +12,7 @@ from servelab.errors import CheckpointError
 from servelab.model.llama import LlamaForCausalLM
 
 # Checkpoint projections that the decoder stores fused, in concatenation order.
-_FUSED = {
+FUSED = _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
