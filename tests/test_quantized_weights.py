@@ -141,7 +141,8 @@ def test_int8_activation_kernel_matches_a_float64_matmul_of_the_same_quantizatio
     """Integer dot products (VNNI, AVX2 maddubs, scalar): the gguf-dequantized weight times
     x quantized as quantize_activations does, in float64, to float32 rounding (a wrong sign
     trick, offset or scale is off by ~1), for every tile (1-4 rows in registers, more over a
-    decoded panel: 5, 6, 7, 13, 64; none; leading dims, a strided input); and within 3% (RMS)
+    decoded panel: 5, 6, 7, 13, 64, and 133 in chunks of 64; none; leading dims, a strided
+    input); and within 3% (RMS)
     of the float activations' result, what int8 activations cost on Gaussian inputs."""
     kernels = _kernels()
     generator = torch.Generator().manual_seed(out_features * 5 + in_features)
@@ -159,7 +160,7 @@ def test_int8_activation_kernel_matches_a_float64_matmul_of_the_same_quantizatio
             exact = F.linear(x.double(), dequantized, None if b is None else b.double())
             assert (got.double() - exact).norm() <= 0.03 * exact.norm()
 
-    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 13, 64):
+    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 13, 64, 133):
         check(torch.randn(rows, in_features, generator=generator))
     check(torch.randn(2, 3, 2 * in_features, generator=generator)[..., ::2])
 

@@ -1,6 +1,7 @@
 // y = x W^T + b with W kept as blocks of 32 quantized weights, in GGML's own block layouts
-// (what a GGUF file holds), dequantized in registers as they are read; float32 activations,
-// float32 products and sums.
+// (what a GGUF file holds). Two paths: x quantized per block to int8 and integer dot products
+// (`format` + kInt8Activations; llama.cpp's way, below "int8 activations"), or float32 x with
+// the blocks dequantized in registers as they are read (float32 products and sums).
 //
 //   q8_0: 34 bytes a block: scale d (float16), 32 int8 q; w = d * q
 //   q4_0: 18 bytes: d (float16), 16 bytes of nibbles; w = d * (q - 8)
@@ -9,11 +10,11 @@
 // A weight [N, K] is N rows of ceil(K / 32) blocks: a uint8 tensor [N, blocks * bytes].
 //
 // Decode (a few rows of x) is bandwidth-bound: the weights stream from memory once per call,
-// 1.06 (q8_0), 0.56 (q4_0) or 0.63 (q4_1) bytes a weight against float32's 4. Each task is
-// 4 output rows; their blocks are widened to float32 in registers and multiplied into the
-// sums of every row of x at once (up to 4 rows, AVX2 2). With more rows, a task widens its 4
-// weight rows once into a float32 scratch row (L1/L2) and runs blocks of rows of x over it,
-// so the widening is paid once per call, not once per row. The threads split the tasks.
+// 1.06 (q8_0), 0.56 (q4_0) or 0.63 (q4_1) bytes a weight against float32's 4. Float path:
+// each task is 4 output rows; their blocks are widened to float32 in registers and multiplied
+// into the sums of every row of x at once (up to 4 rows, AVX2 2). With more rows, a task
+// widens its 4 weight rows once into a float32 scratch row (L1/L2) and runs blocks of rows of
+// x over it, so the widening is paid once per call, not once per row. The threads split the tasks.
 #include "cpu_kernels.h"
 
 #include <algorithm>
@@ -235,7 +236,8 @@ void run_linear(bool vectorised, const uint8_t* w, int64_t w_stride, const float
 // Tiles: a task is kTaskRows output rows, run against kIntRows rows of x at a time with its
 // weights read in registers; with more rows of x than that, the task first decodes its rows'
 // blocks into bytes and float scales (a panel that stays in L1) and runs every group of
-// rows over it, so the weights come from memory once per call and are unpacked once.
+// rows of a chunk of kRowChunk rows over it, so the weights come from memory and are
+// unpacked once per chunk (once per call up to 64 rows), while the chunk of x stays in L2.
 
 struct Activations {  // x's rows as int8 blocks
   std::vector<int8_t> q;  // [m][k_padded]
@@ -447,6 +449,7 @@ constexpr int kIntRows = 4;  // rows of x a tile runs: two pairs
 #else
 constexpr int kIntRows = 2;
 #endif
+constexpr int64_t kRowChunk = 64;  // rows of x a work item runs over one task's weights (64 x K bytes: L2)
 
 // Rows r0 .. r0 + count of x against a task's weights, in tiles of at most kIntRows.
 template <int F, typename Source>
@@ -483,18 +486,23 @@ template <int F>
 void vector_int_linear(const uint8_t* w, int64_t w_stride, const Activations& a, int64_t m, const float* bias,
                        float* y, int64_t n) {
   const int64_t tasks = (n + kTaskRows - 1) / kTaskRows, k_padded = a.k_padded, blocks = a.blocks;
+  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
   const bool panel = m > kIntRows;
-  at::parallel_for(0, tasks, std::max<int64_t>(1, 64 / kTaskRows), [&](int64_t first, int64_t last) {
+  // Work items chunk-major: a thread's run of items shares one chunk of x (kept in L2) and
+  // moves across the weights; a task's panel is decoded again for each chunk (1/kRowChunk of
+  // its dot products' work).
+  at::parallel_for(0, chunks * tasks, std::max<int64_t>(1, 64 / kTaskRows), [&](int64_t first, int64_t last) {
     std::vector<int8_t> values(panel ? kTaskRows * k_padded : 0);
     std::vector<float> scales(panel ? 2 * kTaskRows * blocks : 0);
-    for (int64_t task = first; task < last; ++task) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t task = item % tasks, r0 = item / tasks * kRowChunk, count = std::min(kRowChunk, m - r0);
       const int64_t n0 = task * kTaskRows;
       const int rows = static_cast<int>(std::min<int64_t>(kTaskRows, n - n0));
       const float* bt = bias == nullptr ? nullptr : bias + n0;
       BlockSource direct{w, w_stride, {}};
       for (int t = 0; t < kTaskRows; ++t) direct.rows[t] = w + (n0 + (t < rows ? t : 0)) * w_stride;
       if (!panel) {
-        int_rows<F>(direct, rows, a, 0, m, bt, y + n0, n);
+        int_rows<F>(direct, rows, a, r0, count, bt, y + n0, n);
         continue;
       }
       PanelSource decoded{values.data(), scales.data(), scales.data() + kTaskRows * blocks, k_padded, blocks};
@@ -507,7 +515,7 @@ void vector_int_linear(const uint8_t* w, int64_t w_stride, const Activations& a,
           scales[t * blocks + b] = d;
           scales[(kTaskRows + t) * blocks + b] = min;
         }
-      int_rows<F>(decoded, rows, a, 0, m, bt, y + n0, n);
+      int_rows<F>(decoded, rows, a, r0, count, bt, y + n0, n);
     }
   });
 }
