@@ -157,9 +157,10 @@ def main() -> None:
     vocab = llms["dequantize"].engine.model_config.vocab_size
     workload = build_workload(args.workload, vocab)
     warm = Workload("warm-up", tuple(sorted(workload.requests, key=lambda r: -len(r.prompt_token_ids))[:8]))
-    for llm in llms.values():
-        throughput(llm, warm)  # the kernels handed out, oneDNN's kernels generated
-    print("loaded and warmed up", flush=True)
+    if not args.no_speed:  # accuracy alone needs no warm engines
+        for llm in llms.values():
+            throughput(llm, warm)  # the kernels handed out, oneDNN's kernels generated
+    print("loaded" + ("" if args.no_speed else " and warmed up"), flush=True)
     accuracy_prompts = build_workload(WORKLOAD, vocab).requests  # the same prompts whatever --workload is
     prompts = [list(r.prompt_token_ids[:128]) for r in accuracy_prompts[:args.prompts]]
     figures = {"model": args.model, "dtype": args.dtype, "read_bandwidth_gbs": bandwidth,
