@@ -78,7 +78,7 @@ def run_cpu_table(model: str, repeats: int = 3, shape: Shape = Shape(), variants
     if unknown:
         raise ValueError(f"unknown servelab columns {unknown}; the table has {', '.join(VARIANTS)}")
     threads = torch.get_num_threads()
-    options = {"max_model_len": shape.prompt + shape.output + 16, "max_num_seqs": max(shape.batches, default=1),
+    options = {"max_model_len": shape.prompt + shape.output, "max_num_seqs": max(shape.batches, default=1),
                "max_num_batched_tokens": max(2048, shape.prompt), "attention.name": "cpu-paged",
                "attention.build": "wait", **(engine_options or {})}
     columns: dict[str, Callable[[], dict[str, Any]]] = {}
