@@ -21,8 +21,8 @@ from torch.nn import functional as F
 from servelab import LLM, SamplingParams
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
-from servelab.model.quantized_linear import (BLOCK_BYTES, FORMAT_IDS, QuantizedLinear, QuantizedWeight,
-                                             quantize_linears)
+from servelab.model.quantized_linear import (BLOCK_BYTES, FORMAT_IDS, INT8_ACTIVATIONS, QuantizedLinear,
+                                             QuantizedWeight, quantize_activations, quantize_linears)
 from servelab.plugins.kernels.cpu_build import kernel_build
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -74,6 +74,17 @@ def test_the_kernel_takes_the_path_of_the_cpu():
     """The vector path this CPU's build has (what ATEN_CPU_CAPABILITY names, when it is set)."""
     capability = torch.backends.cpu.get_cpu_capability()
     assert _kernels().quant_path() == {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "scalar")
+    vnni = capability == "AVX512" and os.environ.get("SERVELAB_CPU_VNNI", "1") != "0" and _cpu_has("avx512_vnni")
+    int_path = "avx512-vnni" if vnni else "avx2" if capability in ("AVX512", "AVX2") else "scalar"
+    assert _kernels().quant_int_path() == int_path
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return any(line.startswith("flags") and f" {flag}" in line for line in cpuinfo)
+    except OSError:
+        return False
 
 
 @needs_compiler
@@ -105,6 +116,76 @@ def test_kernel_matches_a_float64_matmul_of_the_gguf_dequantized_weight(format, 
     check(torch.randn(2, 3, 2 * in_features, generator=generator)[..., ::2])
 
 
+def test_activations_are_quantized_as_llama_cpp_s_q8_0():
+    """Per block of 32 (the last padded): d = amax / 127 kept in float32 (gguf's q8_0 rounds
+    it to float16), q = round-half-even(x / d): the q of gguf's q8_0 reference (round half
+    away from zero), but at exact halves."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 100, generator=generator) * 3
+    x[0, :32] = 0  # a block of zeros: scale 0
+    got = quantize_activations(x)
+    q = _gguf_blocks(x, "q8_0").view(3, 4, 34)[..., 2:].contiguous().view(torch.int8).float()
+    d = F.pad(x, (0, 28)).view(3, 4, 32).abs().amax(-1, keepdim=True) / 127
+    assert got.shape == x.shape and torch.equal(got, (d * q).view(3, 128)[:, :100])
+    assert torch.equal(quantize_activations(torch.tensor([[63.5, 127.0, 0.5, -63.5] + [0.0] * 28])),
+                       torch.tensor([[64.0, 127.0, 0.0, -64.0] + [0.0] * 28]))  # 63.5 and 0.5: to even
+
+
+@needs_compiler
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("out_features, in_features", [(1, 32), (70, 100), (211, 13), (9, 576), (130, 1536)])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("scalar", [False, True], ids=["vector", "scalar"])
+def test_int8_activation_kernel_matches_a_float64_matmul_of_the_same_quantization(format, out_features, in_features,
+                                                                                  bias, scalar):
+    """Integer dot products (VNNI, AVX2 maddubs, scalar): the gguf-dequantized weight times
+    x quantized as quantize_activations does, in float64, to float32 rounding (a wrong sign
+    trick, offset or scale is off by ~1), for every tile (1-4 rows in registers, more over a
+    decoded panel: 5, 6, 7, 13, 64, and 133 in chunks of 64; none; leading dims, a strided
+    input); and within 3% (RMS)
+    of the float activations' result, what int8 activations cost on Gaussian inputs."""
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(out_features * 5 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    blocks = _gguf_blocks(weight, format)
+    dequantized = _gguf_dequantized(blocks, format, in_features).double()
+    b = torch.randn(out_features, generator=generator) if bias else None
+
+    def check(x):
+        expected = F.linear(quantize_activations(x).double(), dequantized, None if b is None else b.double())
+        got = kernels.quant_linear(x, blocks, FORMAT_IDS[format] + INT8_ACTIVATIONS, b, scalar)
+        assert got.dtype == torch.float32 and got.shape == (*x.shape[:-1], out_features)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6 * in_features)
+        if x.numel():
+            exact = F.linear(x.double(), dequantized, None if b is None else b.double())
+            assert (got.double() - exact).norm() <= 0.03 * exact.norm()
+
+    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 13, 64, 133):
+        check(torch.randn(rows, in_features, generator=generator))
+    check(torch.randn(2, 3, 2 * in_features, generator=generator)[..., ::2])
+
+
+@needs_compiler
+def test_int8_activation_kernel_takes_extreme_blocks():
+    """q8_0 weights of -128 (gguf never writes one, other quantizers may: |w| = 128 must not
+    saturate maddubs' int16 pairs), x's own extremes, and blocks of zeros on either side."""
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(11)
+    blocks = _gguf_blocks(torch.randn(8, 64, generator=generator), "q8_0").view(8, 2, 34)
+    blocks[:4, :, 2:] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
+    blocks[5, 1, 2:] = 0
+    blocks = blocks.reshape(8, 68)
+    dequantized = _gguf_dequantized(blocks, "q8_0", 64).double()
+    x = torch.randn(6, 64, generator=generator)
+    x[0] = 1000.0
+    x[1, ::2] = -1000.0
+    x[2, 32:] = 0
+    for scalar in (False, True):
+        got = kernels.quant_linear(x, blocks, FORMAT_IDS["q8_0"] + INT8_ACTIVATIONS, None, scalar)
+        expected = F.linear(quantize_activations(x).double(), dequantized)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-3)
+
+
 @needs_compiler
 def test_kernel_refuses_mismatched_inputs():
     kernels = _kernels()
@@ -114,7 +195,8 @@ def test_kernel_refuses_mismatched_inputs():
         kernels.quant_linear(torch.randn(2, 96), blocks, FORMAT_IDS["q4_1"])
     with pytest.raises(RuntimeError, match="x must be a float32 tensor"):
         kernels.quant_linear(torch.randn(2, 64, dtype=torch.bfloat16), blocks, FORMAT_IDS["q4_1"])
-    with pytest.raises(RuntimeError, match="format must be 0 \\(q8_0\\), 1 \\(q4_0\\) or 2 \\(q4_1\\), got 7"):
+    with pytest.raises(RuntimeError, match="format must be 0 \\(q8_0\\), 1 \\(q4_0\\) or 2 \\(q4_1\\), plus 16 "
+                                           "for int8 activations, got 7"):
         kernels.quant_linear(torch.randn(2, 64), blocks, 7)
     with pytest.raises(RuntimeError, match="bias must be a contiguous float32 tensor of 8 values"):
         kernels.quant_linear(torch.randn(2, 64), blocks, FORMAT_IDS["q4_1"], torch.randn(7))
@@ -122,17 +204,19 @@ def test_kernel_refuses_mismatched_inputs():
         kernels.quant_linear(torch.randn(2, 64), blocks.float(), FORMAT_IDS["q4_1"])
 
 
+@pytest.mark.parametrize("activations", ["float", "int8"])
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_torch_path_and_the_kernel_agree(format, dtype):
+def test_the_torch_path_and_the_kernel_agree(format, dtype, activations):
     """Before the library is loaded (or without a compiler) a layer dequantizes with torch;
     once it has the kernel, the same outputs to float rounding, in the input's dtype."""
     generator = torch.Generator().manual_seed(3)
     linear = nn.Linear(100, 70).to(dtype)
-    layer = QuantizedLinear(QuantizedWeight.quantize(linear.weight, format), linear.bias)
+    layer = QuantizedLinear(QuantizedWeight.quantize(linear.weight, format), linear.bias, activations=activations)
     x = torch.randn(5, 100, generator=generator).to(dtype)
     on_torch = layer(x)
-    expected = F.linear(x.double(), _gguf_dequantized(_gguf_blocks(linear.weight.detach(), format), format,
+    inputs = quantize_activations(x.float()) if activations == "int8" else x
+    expected = F.linear(inputs.double(), _gguf_dequantized(_gguf_blocks(linear.weight.detach(), format), format,
                                                       100).double(), linear.bias.double())
     assert on_torch.dtype == dtype
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
@@ -176,7 +260,8 @@ def test_engine_greedy_matches_transformers_on_the_dequantized_weights(checkpoin
     model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     expected = [model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    llm = LLM(path, max_model_len=128, weights=weights, **{"attention.name": "cpu-paged", "attention.build": build})
+    llm = LLM(path, max_model_len=128, weights=weights, quantized_activations="float",
+              **{"attention.name": "cpu-paged", "attention.build": build})
     outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
@@ -253,6 +338,11 @@ def test_the_option_flows_from_config_and_is_checked():
         EngineConfig.load(None).with_overrides({"engine.weights": "int8", "engine.device": "cuda"})
     with pytest.raises(ConfigError, match="not sharded over ranks yet"):
         EngineConfig.load(None).with_overrides({"engine.weights": "int8", "engine.tensor_parallel_size": 2})
+    assert EngineConfig.load(None).engine.quantized_activations == "int8"
+    with pytest.raises(ConfigError, match="\\[engine\\] quantized_activations must be one of int8, float, got 'int4'"):
+        EngineConfig.load(None).with_overrides({"engine.quantized_activations": "int4"})
+    with pytest.raises(ValueError, match="quantized weights multiply int8 or float activations, got 'int4'"):
+        QuantizedLinear(QuantizedWeight.quantize(torch.randn(8, 64), "q8_0"), activations="int4")
     with pytest.raises(ConfigError, match="\\[engine\\] weights must be a str, got 8"):
         EngineConfig.load({"engine": {"weights": 8}})
 
@@ -276,3 +366,38 @@ def test_the_avx2_build_passes_too():
                           "kernel and not avx2_build"], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
+
+
+@pytest.mark.parametrize("types, weights", [(("Q4_1",), "int4"), (("Q4_0", "Q8_0"), "int4"), (("Q8_0", "F16"), "int8"),
+                                            (("Q4_1",), "int8")])
+def test_a_gguf_file_s_own_blocks_reach_the_layers_as_they_are(tmp_path, types, weights):
+    """A GGUF file's Q8_0 / Q4_0 / Q4_1 tensors are the layers' blocks, bytes unchanged (the
+    query/key rows put in Hugging Face's order, a fused projection's parts stacked), where
+    the scheme keeps that format (int4: any of them; int8: q8_0); the other layers are
+    quantized from their dequantized values in the scheme's format."""
+    from servelab.model.loader import Checkpoint
+    from servelab.testing.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", types)
+    tensors = Checkpoint.open(str(path)).tensors()
+    llm = LLM(str(path), max_model_len=64, weights=weights, **{"attention.build": "never"})
+    model = llm.engine.runner.model
+    kept = {"int4": ("q8_0", "q4_0", "q4_1"), "int8": ("q8_0",)}[weights]
+    file_formats = {name: tensors._file.tensors[tensors._where[name]].tensor_type.name.lower() for name in tensors}
+    taken = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, QuantizedLinear):
+            continue
+        parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(
+            name.rpartition(".")[2])
+        names = [f"{name.rpartition('.')[0]}.{part}.weight" for part in parts] if parts else [f"{name}.weight"]
+        formats = {file_formats[n] for n in names}
+        if len(formats) == 1 and formats <= set(kept):
+            assert layer.format == formats.pop()
+            assert torch.equal(layer.quantized_weight.dequantize(), torch.cat([tensors[n] for n in names]))
+            raw = torch.cat([tensors.blocks(n)[1] for n in names])
+            assert torch.equal(layer.blocks, raw)
+            taken += 1
+        else:
+            assert layer.format == ({"int4": "q4_1", "int8": "q8_0"}[weights] if name != "lm_head" else "q8_0")
+    assert taken > 0 if set(t.lower() for t in types) & set(kept) else taken == 0

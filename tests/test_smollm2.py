@@ -163,3 +163,29 @@ def test_structured_output_over_the_real_vocabulary_validates(llm, hf):
                                                    structured=StructuredOutput.json(SCHEMA)))[0]
     assert output.finish_reason == "stop", output.text
     jsonschema.validate(json.loads(output.text), SCHEMA)
+
+
+# How far (nats) a token int8 activations pick may fall short of transformers' best after the
+# same prefix: a near-tie closer than this may go either way. Measured on the 5 prompts x 20
+# tokens: 96 of 100 picks are the argmax, the other 4 short by 0.08-0.17 nats (the test runs
+# the three chats, to stay quick).
+INT8_ACTIVATION_TOLERANCE = 0.25
+
+
+def test_the_file_s_own_4_bit_blocks_with_int8_activations_stay_greedy_within_tolerance(hf, prompts):
+    """`weights = "int4"` multiplies the file's own Q4_1 blocks (the weights transformers
+    dequantizes; the tied head's Q8_0 embedding blocks) by int8 activations: every token it
+    picks greedily on the chat prompts is transformers' argmax after the same prefix, or
+    within INT8_ACTIVATION_TOLERANCE of it, and most are the argmax itself."""
+    _, model = hf
+    llm = LLM("smollm2-135m", max_model_len=512, weights="int4", **{"attention.build": "wait"})
+    outputs = llm.generate(prompts[:3], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    shortfalls = []
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad(), one_thread():
+            logits = model(torch.tensor([prompt + output.token_ids])).logits[0, len(prompt) - 1:-1].float()
+        reference = torch.log_softmax(logits, dim=-1)
+        picked = reference.gather(1, torch.tensor(output.token_ids)[:, None])[:, 0]
+        shortfalls += (reference.max(dim=-1).values - picked).tolist()
+    assert max(shortfalls) < INT8_ACTIVATION_TOLERANCE, sorted(shortfalls)[-5:]
+    assert sum(s == 0 for s in shortfalls) >= 0.9 * len(shortfalls), sorted(shortfalls)[-10:]

@@ -77,8 +77,13 @@ def _parser() -> argparse.ArgumentParser:
                        f"are reported (default {DEFAULT_REPEATS}; 1 with --sim, whose clock is deterministic)")
     bench.add_argument("--warm-cache", action="store_true", help="keep prefix caches between the warm-up "
                        "and the repetitions (default: every repetition starts from an empty cache)")
-    bench.add_argument("--baseline", choices=["hf", "vllm"],
-                       help="also run transformers generate with static batches (hf), or vLLM's offline LLM (vllm)")
+    bench.add_argument("--baseline", choices=["hf", "vllm", "llama.cpp"],
+                       help="also run transformers generate with static batches (hf), or vLLM's offline LLM (vllm); "
+                            "llama.cpp: the CPU table instead, servelab's int4/int8/fp32/bf16 against llama.cpp on "
+                            "the same GGUF file (batch-1 TPOT and TTFT, 8 and 32 sequences' output tok/s)")
+    bench.add_argument("--llama-cpp-bin", metavar="DIR",
+                       help="for --baseline llama.cpp: the folder holding llama-bench and llama-batched-bench "
+                            "(default $SERVELAB_LLAMA_CPP_BIN, then PATH, then llama-cpp-python)")
     bench.add_argument("--baseline-python", metavar="PATH",
                        help="for --baseline vllm: the Python of a virtual environment with vLLM installed")
     bench.add_argument("--hf-batch-size", type=int, help="static batch size for the baseline (default max_num_seqs)")
@@ -286,6 +291,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         sim_accelerator=args.sim, sim_model=args.sim_model, sim_interconnect=args.sim_interconnect,
         warm_cache=args.warm_cache, replicas=args.replicas, imbalance_factor=args.imbalance_factor,
     )
+    if args.baseline == "llama.cpp":
+        return _cpu_table(args)
     if args.disaggregate:
         result = _disaggregated_bench(configs, args, options.slo)
     elif args.calibrate:
@@ -318,6 +325,25 @@ def _disaggregated_bench(configs: list, args: argparse.Namespace, slo: object) -
         result = run_comparison(config, args.workload or "skewed:num_requests=16", topologies, slo)
     print(format_comparison(result))
     return result
+
+
+def _cpu_table(args: argparse.Namespace) -> int:
+    """`bench --baseline llama.cpp`: the CPU table (servelab.bench.cpu_table)."""
+    from servelab.bench.cpu_table import format_cpu_table, run_cpu_table
+
+    if not args.model:
+        raise ServelabError("--baseline llama.cpp needs --model naming a GGUF file (or a named model such as "
+                            "smollm2-135m): both engines read the same file")
+    if args.sim or args.configs or args.rates:
+        raise ServelabError("--baseline llama.cpp runs its own table on the real model: it takes --model, "
+                            "--repeats, --llama-cpp-bin and --json, not --sim, --config or --rates")
+    result = run_cpu_table(args.model, repeats=_repeats(args), llama_cpp_bin=args.llama_cpp_bin,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_cpu_table(result))
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
 
 
 def _repeats(args: argparse.Namespace) -> int:

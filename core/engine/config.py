@@ -56,6 +56,7 @@ SECTIONS = ("engine", *POLICY_SECTIONS, *(k.section for k in KINDS.values() if n
             "kv_offload")
 LOGPROBS_MODES = ("raw", "processed")
 WEIGHTS = ("dequantize", "int8", "int4")  # `[engine] weights` (servelab.model.quantized_linear)
+QUANTIZED_ACTIVATIONS = ("int8", "float")  # `[engine] quantized_activations` (the same)
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -99,6 +100,10 @@ class EngineSection:
     # as quantized blocks, "int8" (q8_0) or "int4" (q4_1, the LM head q8_0), multiplied by a
     # kernel that widens them as it reads (servelab.model.quantized_linear).
     weights: str = "dequantize"
+    # What quantized weights are multiplied by: "int8" (each row of activations quantized per
+    # block of 32 to int8, integer dot products: the fast path, as llama.cpp's), or "float"
+    # (float32 activations, the blocks widened to float32: exactly the dequantized model's math).
+    quantized_activations: str = "int8"
     # On CPU, how many compiled oneDNN kernels (and torch's oneDNN computations) stay cached:
     # one per linear shape and row count, ~0.4-1 MiB of generated code each; an evicted one
     # is rebuilt in ~0.25 ms when its row count comes back (servelab.model.onednn_caches).
@@ -146,6 +151,9 @@ class EngineSection:
             raise ConfigError(f"[engine] dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.weights not in WEIGHTS:
             raise ConfigError(f"[engine] weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ConfigError(f"[engine] quantized_activations must be one of {', '.join(QUANTIZED_ACTIVATIONS)}, "
+                              f"got {self.quantized_activations!r}")
         if self.weights != "dequantize" and self.device != "cpu":
             raise ConfigError(f"[engine] weights = {self.weights!r} runs on the CPU only (device is "
                               f"{self.device!r}); use weights = \"dequantize\" there")

@@ -1,7 +1,8 @@
 """The quantized matmul alone (plugins/kernels/cpu_quant.cpp) against the library's float32
 matmul on the same shapes: one pass over a decoder's four projections in every layer
-(weights cycled through memory, as in a step), min of interleaved repetitions, at 1 and 64
-rows; the bytes each format reads, and the rate it reads them at.
+(weights cycled through memory, as in a step), min of interleaved repetitions, at 1, 8, 32
+and 64 rows; the bytes each format reads, and the rate it reads them at. Each format runs
+with int8 activations (integer dot products, `q4_1`) and float32 ones (`q4_1:float`).
 
     python examples/measurements/quant_kernel.py --hidden 576 --intermediate 1536 --qkv 960 --layers 30
 
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from servelab.model.quantized_linear import FORMAT_IDS, QuantizedWeight
+from servelab.model.quantized_linear import FORMAT_IDS, INT8_ACTIVATIONS, QuantizedWeight
 from servelab.plugins.kernels.cpu_build import kernel_build
 
 
@@ -25,7 +26,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--qkv", type=int, default=960)
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--rows", default="1,64")
+    parser.add_argument("--rows", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
@@ -40,10 +41,11 @@ def main() -> None:
     variants = {"float32": [[(kernels.pack_panels(w), w.shape[0]) for w in layer] for layer in weights]}
     for format in ("q8_0", "q4_1", "q4_0"):
         variants[format] = [[QuantizedWeight.quantize(w, format).blocks for w in layer] for layer in weights]
+        variants[f"{format}:float"] = variants[format]
     del weights
     nbytes = {"float32": sum(n * k * 4 for n, k in shapes) * args.layers}
     for format in ("q8_0", "q4_1", "q4_0"):
-        nbytes[format] = sum(b.numel() for layer in variants[format] for b in layer)
+        nbytes[format] = nbytes[f"{format}:float"] = sum(b.numel() for layer in variants[format] for b in layer)
 
     def run(name: str, x_by_k: dict[int, torch.Tensor]) -> None:
         for layer in variants[name]:
@@ -51,10 +53,13 @@ def main() -> None:
                 if name == "float32":
                     kernels.panel_linear(x_by_k[k], item[0], None, item[1])
                 else:
-                    kernels.quant_linear(x_by_k[k], item, FORMAT_IDS[name])
+                    format, _, activations = name.partition(":")
+                    kernels.quant_linear(x_by_k[k], item,
+                                         FORMAT_IDS[format] + (0 if activations == "float" else INT8_ACTIVATIONS))
 
-    print(f"{args.layers} layers of {shapes}, {args.threads} threads")
-    print(f"{'rows':>4} {'format':8} {'MB':>7} {'ms (min)':>9} {'GB/s':>6} {'vs float32':>10}")
+    print(f"{args.layers} layers of {shapes}, {args.threads} threads; int8 activations take the "
+          f"{kernels.quant_int_path()} path")
+    print(f"{'rows':>4} {'format':10} {'MB':>7} {'ms (min)':>9} {'GB/s':>6} {'vs float32':>10}")
     for rows in [int(r) for r in args.rows.split(",")]:
         x_by_k = {k: torch.randn(rows, k, generator=generator) for k in {k for _, k in shapes}}
         best = {name: float("inf") for name in variants}
@@ -64,7 +69,7 @@ def main() -> None:
                 run(name, x_by_k)
                 best[name] = min(best[name], time.perf_counter() - start)
         for name in variants:
-            print(f"{rows:4} {name:8} {nbytes[name] / 1e6:7.1f} {best[name] * 1e3:9.2f} "
+            print(f"{rows:4} {name:10} {nbytes[name] / 1e6:7.1f} {best[name] * 1e3:9.2f} "
                   f"{nbytes[name] / best[name] / 1e9:6.1f} {best['float32'] / best[name]:9.2f}x")
 
 

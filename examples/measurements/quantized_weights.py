@@ -2,6 +2,12 @@
 in one process on one machine: accuracy, then speed.
 
     python examples/measurements/quantized_weights.py --model builtin:tiny-random --repeats 3
+    python examples/measurements/quantized_weights.py --model smollm2-135m --no-speed   # accuracy only
+
+Each quantized variant runs twice: `int8` / `int4` multiply int8 activations (the default,
+`[engine] quantized_activations = "int8"`), `int8:float` / `int4:float` float32 ones (the
+dequantized model's math on the blocks' values): the difference between the two is what
+quantizing the activations costs, beside what the weights' own quantization costs.
 
 Accuracy, over `--prompts` prompts of the skewed workload (their first 128 tokens):
 - teacher-forced: the dequantized model's greedy continuation (`--tokens` tokens) is fed to
@@ -39,7 +45,7 @@ from speed_figures import read_bandwidth_gbs  # noqa: E402 (the bandwidth probe 
 from servelab.model.rope import apply_rotary
 from servelab.workload import Workload, build_workload
 
-WEIGHTS = ("dequantize", "int8", "int4")
+WEIGHTS = ("dequantize", "int8", "int4", "int8:float", "int4:float")
 WORKLOAD = "skewed:num_requests=64"
 
 
@@ -90,6 +96,7 @@ def accuracy(llms: dict[str, LLM], prompts: list[list[int]], tokens: int) -> dic
         if name == "dequantize":
             continue
         model = llm.engine.runner.model
+        own = greedy(llm, prompts, tokens)  # first: a step hands the layers the library's kernel
         agree, kls, total = 0, [], 0
         for prompt, continuation in zip(prompts, reference):
             sequence = prompt + continuation[:-1]
@@ -100,7 +107,6 @@ def accuracy(llms: dict[str, LLM], prompts: list[list[int]], tokens: int) -> dic
             total += p.shape[0]
             kls.append((p.exp() * (p - q)).sum(-1))
         kl = torch.cat(kls)
-        own = greedy(llm, prompts, tokens)
         same = sum(a == b for ours, theirs in zip(own, reference) for a, b in zip(ours, theirs))
         prefixes = [next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(theirs))
                     for ours, theirs in zip(own, reference)]
@@ -144,15 +150,17 @@ def main() -> None:
     names = ["dequantize"] + [w for w in args.weights.split(",") if w and w != "dequantize"]
 
     bandwidth = read_bandwidth_gbs()
-    llms = {name: LLM(args.model, dtype=args.dtype, weights=name, max_model_len=512, max_num_seqs=64,
+    llms = {name: LLM(args.model, dtype=args.dtype, weights=name.partition(":")[0],
+                      quantized_activations=name.partition(":")[2] or "int8", max_model_len=512, max_num_seqs=64,
                       max_num_batched_tokens=2048, **{"attention.name": "cpu-paged", "attention.build": "wait"})
             for name in names}
     vocab = llms["dequantize"].engine.model_config.vocab_size
     workload = build_workload(args.workload, vocab)
     warm = Workload("warm-up", tuple(sorted(workload.requests, key=lambda r: -len(r.prompt_token_ids))[:8]))
-    for llm in llms.values():
-        throughput(llm, warm)  # the kernels handed out, oneDNN's kernels generated
-    print("loaded and warmed up", flush=True)
+    if not args.no_speed:  # accuracy alone needs no warm engines
+        for llm in llms.values():
+            throughput(llm, warm)  # the kernels handed out, oneDNN's kernels generated
+    print("loaded" + ("" if args.no_speed else " and warmed up"), flush=True)
     accuracy_prompts = build_workload(WORKLOAD, vocab).requests  # the same prompts whatever --workload is
     prompts = [list(r.prompt_token_ids[:128]) for r in accuracy_prompts[:args.prompts]]
     figures = {"model": args.model, "dtype": args.dtype, "read_bandwidth_gbs": bandwidth,

@@ -19,7 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x W^T + b with W packed by pack_panels");
 
   m.def("quant_path", &quant_path, "the path quant_linear takes here: avx512, avx2 or scalar");
-  m.def("quant_linear", &quant_linear, "x W^T + b with W as GGML blocks (q8_0, q4_0, q4_1)",
+  m.def("quant_int_path", &quant_int_path, "the integer path int8 activations take here: avx512-vnni, avx2 or scalar");
+  m.def("quant_linear", &quant_linear, "x W^T + b with W as GGML blocks (q8_0, q4_0, q4_1; +16: int8 activations)",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("format"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("scalar") = false);
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import subprocess
 import sys
 import threading
@@ -57,9 +58,24 @@ def _flags() -> tuple[str, list[str]]:
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if capability == "AVX512":
-        flags += ["-mavx512f"]
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+        if _has_vnni():  # the int8 dot products (cpu_quant.cpp): one `dpbusd` for maddubs + madd
+            flags += ["-mavx512vnni"]
+            capability = "AVX512_VNNI"
     digest = hashlib.sha256(b"".join(Path(path).read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:8]
     return f"servelab_cpu_paged_{capability.lower()}_{digest}", flags
+
+
+def _has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (Linux's /proc/cpuinfo flags), unless
+    SERVELAB_CPU_VNNI=0 builds the AVX-512 library without it (what CPUs without it run)."""
+    if os.environ.get("SERVELAB_CPU_VNNI", "1") == "0":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return any(line.startswith("flags") and " avx512_vnni" in line for line in cpuinfo)
+    except OSError:
+        return False
 
 
 class KernelBuild:

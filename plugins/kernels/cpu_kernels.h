@@ -40,6 +40,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
 
 // cpu_quant.cpp
 std::string quant_path();
+std::string quant_int_path();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
                         const std::optional<at::Tensor>& bias, bool scalar);
 

@@ -45,6 +45,8 @@ _LAYER_TENSORS = {  # blk.{i}.<gguf name> -> layers.{i}.<Hugging Face name>
 _STACKED_CACHED = 3  # stacked expert tensors kept dequantized while their experts load
 _MODEL_TENSORS = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                   "output.weight": "lm_head.weight"}
+# GGML block types the quantized-weight kernels multiply as they are (quantized_linear)
+KERNEL_BLOCK_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
 
 def is_gguf(path: Path) -> bool:
@@ -181,6 +183,23 @@ class GGUFTensors(Mapping):
         if not values.flags.writeable:  # an F32 tensor is a view of the read-only mapping
             values = values.copy()
         return torch.from_numpy(values)
+
+    def blocks(self, name: str) -> tuple[str, torch.Tensor, int] | None:
+        """A 2-D tensor's own GGML blocks, when its type is one the quantized-weight kernels
+        take: (format, uint8 [rows, bytes a row] with the query/key rows in Hugging Face's
+        order, in_features); None for any other type (or name)."""
+        if name not in self._where:
+            return None
+        tensor = self._file.tensors[self._where[name]]
+        format = KERNEL_BLOCK_TYPES.get(tensor.tensor_type.name)
+        if format is None or len(tensor.shape) != 2:
+            return None
+        in_features, rows = (int(n) for n in tensor.shape)
+        raw = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        for projection, heads in self._heads.items():
+            if name.startswith("layers.") and projection in name:
+                raw = _unpermute(raw, heads)  # whole rows of blocks move, as the values' rows do
+        return format, torch.from_numpy(np.array(raw)), in_features
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

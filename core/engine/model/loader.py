@@ -18,10 +18,10 @@ from servelab.model.memory import release_freed_memory
 from servelab.model.model_config import ModelConfig
 from servelab.model.moe_model import model_class
 from servelab.model.packed_linear import PACKABLE_DTYPES, can_prepack, prepack_linears
-from servelab.model.quantized_linear import quantize_linears
+from servelab.model.quantized_linear import QuantizedWeight, quantize_linears
 from servelab.model.rope import RotaryEmbedding
 from servelab.model.tokenizer import Tokenizer
-from servelab.model.weights import load_weights, read_checkpoint_tensors
+from servelab.model.weights import FUSED, load_weights, read_checkpoint_tensors
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}  # `[engine] dtype` -> torch.dtype
 
@@ -62,6 +62,33 @@ class Checkpoint:
         return read_checkpoint_tensors(self.path)
 
 
+def file_blocks(checkpoint: Checkpoint, model: LlamaForCausalLM, weights: str) -> dict[str, QuantizedWeight]:
+    """A GGUF file's own blocks for the model's linear layers (a fused projection's parts
+    stacked), handed to the kernels as they are: with weights = "int4" every layer whose
+    parts the file holds in q8_0, q4_0 or q4_1 (all in one format); with "int8" those in
+    q8_0. The other layers are quantized from their dequantized values as the scheme says.
+    The LM head of a tied model takes the embedding's blocks."""
+    tensors = checkpoint.gguf.hf_tensors(checkpoint.config)
+    kept = {"int4": ("q8_0", "q4_0", "q4_1"), "int8": ("q8_0",)}[weights]
+    given = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        owner, _, layer_leaf = name.rpartition(".")
+        layer, _, block = owner.rpartition(".")  # "layers.0", "self_attn" of "layers.0.self_attn.qkv_proj"
+        fused = FUSED.get(f"{block}.{layer_leaf}")
+        parts = [f"{layer}.{part}" for part in fused] if fused else [name]
+        if name == "lm_head" and checkpoint.config.tie_word_embeddings:
+            parts = ["embed_tokens"]
+        found = [tensors.blocks(f"{part}.weight") for part in parts]
+        if any(f is None for f in found) or len({f[0] for f in found}) != 1 or found[0][0] not in kept:
+            continue
+        stacked = QuantizedWeight.from_blocks(found[0][0], torch.cat([f[1] for f in found]), found[0][2])
+        if (stacked.out_features, stacked.in_features) == (module.out_features, module.in_features):
+            given[name] = stacked
+    return given
+
+
 def resolve_model(model: str) -> Path:
     """Where `model` lives: `builtin:<name>`, a path, or a named model (when no such path exists)."""
     if model.startswith(builtin.BUILTIN_PREFIX):
@@ -74,7 +101,8 @@ def resolve_model(model: str) -> Path:
 
 def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: int,
                prepack_weights: bool = False, weights: str = "dequantize",
-               prune: Callable[[torch.nn.Module], None] | None = None) -> LlamaForCausalLM:
+               prune: Callable[[torch.nn.Module], None] | None = None,
+               quantized_activations: str = "int8") -> LlamaForCausalLM:
     """The checkpoint's decoder in `dtype` on `device`; with `prepack_weights` (CPU), the
     decoder's linear layers and LM head packed for oneDNN (see servelab.model.packed_linear);
     with `weights` "int8" or "int4" they are kept as quantized blocks instead
@@ -94,7 +122,8 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, checkpoint.tensors())
     if weights != "dequantize":
-        quantize_linears(model, weights)
+        given = file_blocks(checkpoint, model, weights) if checkpoint.gguf is not None else None
+        quantize_linears(model, weights, given=given, activations=quantized_activations)
     if prepack_weights and can_prepack(torch_device, torch_dtype):
         prepack_linears(model, keep_weights=("lm_head",))
     elif prepack_weights and torch_device.type == "cpu" and torch_dtype in PACKABLE_DTYPES:

@@ -3,10 +3,14 @@
 Decode reads every weight once a step, so its speed is the bytes a step reads. A weight
 kept as GGML's blocks of 32 (the layouts a GGUF file holds) is 1.06 bytes a weight in
 q8_0 and 0.63 in q4_1, against float32's 4. The blocks are multiplied by a native kernel
-that widens them to float32 in registers (plugins/kernels/cpu_quant.cpp, in the `cpu-paged`
-library: AVX-512 and AVX2 paths, float32 sums); until the library is loaded, or where it
-cannot be built, a layer dequantizes its blocks with torch for every call (same results to
-float rounding, slower than the float model: it reads and writes the float weight too).
+(plugins/kernels/cpu_quant.cpp, in the `cpu-paged` library). With `activations="int8"` (the
+default, `[engine] quantized_activations`) each row of x is quantized per block of 32 to
+int8 as llama.cpp's q8_0/q8_1 (`quantize_activations`) and the blocks are multiplied with
+integer dot products (AVX-512 VNNI, AVX2, or scalar); with "float" the blocks are widened to
+float32 in registers and multiplied by float32 x (the dequantized model's math). Until the
+library is loaded, or where it cannot be built, a layer dequantizes its blocks with torch
+for every call (same results to float rounding, slower than the float model: it reads and
+writes the float weight too).
 
 "int8" keeps the decoder's linear layers and the LM head as q8_0; "int4" keeps the
 decoder's as q4_1 (a scale and a minimum per block: closer to the weights than q4_0's
@@ -36,6 +40,8 @@ logger = get_logger(__name__)
 
 BLOCK = 32
 FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # cpu_quant.cpp's `format` argument
+INT8_ACTIVATIONS = 16  # added to a format id: x quantized to int8 blocks, integer dot products
+ACTIVATIONS = ("int8", "float")
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 # `[engine] weights` -> (decoder linears' format, LM head's format)
 SCHEMES = {"int8": ("q8_0", "q8_0"), "int4": ("q4_1", "q8_0")}
@@ -135,6 +141,18 @@ def _half_bytes(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.float16).view(torch.uint8)
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 as the int8 blocks the integer kernel multiplies stand for: per
+    block of 32 along K (the last one padded with zeros), d = amax / 127 and q =
+    round-half-even(x / d), returned as d * q (float32, x's shape). Bit for bit the kernel's
+    quantization (the torch reference of its tests, and the torch path's)."""
+    k = x.shape[-1]
+    blocks = F.pad(x.float(), (0, -k % BLOCK)).unflatten(-1, (-1, BLOCK))
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d == 0, torch.zeros_like(d), 1 / d))
+    return (d * q).flatten(-2)[..., :k]
+
+
 @runtime_checkable
 class QuantKernels(Protocol):
     """A native library's matmul on quantized blocks (cpu_quant.cpp)."""
@@ -150,12 +168,15 @@ class QuantizedLinear(nn.Module):
     output in the input's dtype."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 plain_weight: nn.Parameter | None = None) -> None:
+                 plain_weight: nn.Parameter | None = None, activations: str = "int8") -> None:
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"quantized weights multiply {' or '.join(ACTIVATIONS)} activations, got {activations!r}")
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.format = weight.format
-        self.format_id = FORMAT_IDS[weight.format]
+        self.activations = activations
+        self.format_id = FORMAT_IDS[weight.format] + (INT8_ACTIVATIONS if activations == "int8" else 0)
         self.register_buffer("blocks", weight.blocks, persistent=False)
         self.bias32 = None if bias is None else bias.detach().float().contiguous()
         if plain_weight is not None:  # the same Parameter: a tied embedding stays tied
@@ -170,7 +191,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
         if self.kernels is None:
-            y = F.linear(x32, self.quantized_weight.dequantize(), self.bias32)
+            inputs = quantize_activations(x32) if self.activations == "int8" else x32
+            y = F.linear(inputs, self.quantized_weight.dequantize(), self.bias32)
         elif torch.autograd._profiler_enabled():  # a library call is invisible to torch's profiler otherwise
             with record_function(self._profile_name):
                 y = self.kernels.quant_linear(x32, self.blocks, self.format_id, self.bias32)
@@ -182,7 +204,8 @@ class QuantizedLinear(nn.Module):
         self.kernels, self._profile_name = kernels, profile_name
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "
+                f"activations={self.activations}")
 
 
 def use_quant_kernels(root: nn.Module, kernels: Any) -> int:
@@ -200,7 +223,7 @@ def use_quant_kernels(root: nn.Module, kernels: Any) -> int:
 
 
 def quantize_linears(model: nn.Module, weights: str,
-                     given: Mapping[str, QuantizedWeight] | None = None) -> int:
+                     given: Mapping[str, QuantizedWeight] | None = None, activations: str = "int8") -> int:
     """Replace the decoder's linear layers and the LM head of a loaded model by
     QuantizedLinear layers as `weights` ("int8", "int4") says; returns how many.
 
@@ -208,6 +231,7 @@ def quantize_linears(model: nn.Module, weights: str,
     blocks made elsewhere (a GGUF file's own, whose rows the caller has put in the model's
     order: a fused projection's parts stacked with QuantizedWeight.concat), used instead of
     quantizing that layer's float weight; their format may differ from the scheme's.
+    `activations` ("int8", "float"): what the layers multiply their blocks by (QuantizedLinear).
     """
     if weights not in SCHEMES:
         raise ValueError(f"weights must be one of {', '.join(SCHEMES)} to quantize, got {weights!r}")
@@ -226,7 +250,8 @@ def quantize_linears(model: nn.Module, weights: str,
             raise ValueError(f"blocks given for {name} are [{quantized.out_features}, {quantized.in_features}], "
                              f"the layer is [{linear.out_features}, {linear.in_features}]")
         setattr(parent, child_name, QuantizedLinear(quantized, linear.bias,
-                                                    plain_weight=linear.weight if is_head else None))
+                                                    plain_weight=linear.weight if is_head else None,
+                                                    activations=activations))
         trim_heap()  # the float weight just dropped
     if given:
         raise ValueError(f"blocks given for layers the model does not have: {', '.join(sorted(given))}")

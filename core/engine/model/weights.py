@@ -13,7 +13,7 @@ from servelab.model.llama import LlamaForCausalLM
 from servelab.model.moe_weights import moe_source
 
 # Checkpoint projections that the decoder stores fused, in concatenation order.
-_FUSED = {
+FUSED = _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
