@@ -44,7 +44,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine-threads", type=int, default=default_engine_threads(),
                         help="torch threads of the server's engine process and of the offline engine "
-                             "(default: as `servelab serve`, the cores less one)")
+                             "(default: as `servelab serve`, every core)")
     parser.add_argument("--default-threads-too", action="store_true",
                         help="also run offline with torch's default thread count each repeat (slow where the "
                              "cores are shared: torch's threads then wait for each other)")

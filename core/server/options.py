@@ -54,7 +54,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--tokenizer-workers", type=int, default=2,
                        help="threads that tokenize prompts and render chat templates (default 2)")
     serve.add_argument("--engine-threads", type=int, default=None,
-                       help="torch threads of the engine process (default: the CPU cores less one, at least 1)")
+                       help="torch threads of the engine process (default: every CPU core, as vLLM's; "
+                            "fewer where other work shares the machine)")
     serve.add_argument("--chat-template", default=None,
                        help="the chat template (a jinja file, or its text) for a checkpoint without one, or "
                             "instead of its own; 'plain' for `role: content` lines (default: the checkpoint's; "

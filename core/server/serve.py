@@ -51,7 +51,7 @@ class ServerOptions:
     header_timeout: float = 10.0  # seconds a connection gets to send a request's headers
     limits: RequestLimits = attrs.field(factory=RequestLimits)  # body size and time, JSON depth, prompt size
     tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
-    engine_threads: int | None = None  # torch threads of the engine process; None: one core left to this one
+    engine_threads: int | None = None  # torch threads of the engine process; None: every core
     replicas: int | None = None  # run this many engine replicas as Ray actors (None: one engine process)
     ray_address: str | None = None  # the Ray cluster to join; None: start a local Ray for the replicas
     liveness_timeout: float = 30.0  # /health: 503 once the engine's loop is silent this long with work queued
@@ -194,13 +194,15 @@ def lora_modules(config: EngineConfig, options: ServerOptions, model_config: Any
 
 
 def default_engine_threads() -> int:
-    """Every core but one, which the HTTP front end (and its detokenizer) needs: torch's
-    intra-op threads wait for each other at every operation, so one preempted by the
-    front end stalls them all (on 2 cores, 2 engine threads ran several times slower than 1)."""
+    """Every core, as vLLM's engine: the front end's share of the CPU is small (about 0.1 ms
+    a streamed token against several ms of engine time a token on SmolLM2-135M), and on a
+    quiet 2-core machine two engine threads served 1.6-1.7x the tokens of one, with TPOT
+    at 4 requests/s a third of one thread's (docs/serving.md, "Against vLLM's server").
+    On a machine shared with other work, `--engine-threads` fewer than the cores keeps
+    torch's threads, which wait for each other at every operation, from being preempted."""
     import os
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _graceful_server(config: Any, state: Any, shutdown_timeout: float, on_ready: Callable[[], None]) -> Any:
