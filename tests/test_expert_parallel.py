@@ -101,4 +101,4 @@ def test_quantized_experts_spread_over_two_ranks(checkpoint_factory, tmp_path):
 
     path = checkpoint_factory("qwen2_moe")
     expected = hf_greedy(_dequantized_moe_checkpoint(path, tmp_path / "dequantized", "int8"))
-    assert run(path, weights="int8", expert_placement="round_robin", **EP) == expected
+    assert run(path, weights="int8", quantized_activations="float", expert_placement="round_robin", **EP) == expected

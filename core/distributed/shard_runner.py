@@ -73,7 +73,8 @@ def build_expert_shard(checkpoint: Checkpoint, spec: ShardSpec, comm: Communicat
     placements = initial_placements(checkpoint.config, placement_policy(spec.expert_placement, spec.redundant_experts),
                                     spec.size)
     model = load_model(checkpoint, engine.dtype, str(comm.device), spec.max_positions, engine.prepack_weights,
-                       engine.weights, prune=lambda m: prune_experts(m, placements, comm.rank))
+                       engine.weights, prune=lambda m: prune_experts(m, placements, comm.rank),
+                       quantized_activations=engine.quantized_activations)
     attach_dispatchers(model, comm, placements)
     return model
 
@@ -86,7 +87,8 @@ def build_pipeline_stage(checkpoint: Checkpoint, spec: ShardSpec, comm: Communic
     engine = spec.engine
     layers = stage_layers(checkpoint.config.num_layers, comm.rank, spec.size)
     model = load_model(checkpoint, engine.dtype, str(comm.device), spec.max_positions, engine.prepack_weights,
-                       engine.weights, prune=lambda m: prune_layers(m, layers))
+                       engine.weights, prune=lambda m: prune_layers(m, layers),
+                       quantized_activations=engine.quantized_activations)
     make_stage(model, comm, layers)
     return model
 

@@ -36,6 +36,6 @@ class CheckpointSource:
 
     def build_runner(self, attention: Any, engine: EngineSection, num_blocks: int, max_positions: int) -> Any:
         model = load_model(self.checkpoint, engine.dtype, engine.device, max_positions, engine.prepack_weights,
-                           engine.weights, engine.quantized_activations)
+                           engine.weights, quantized_activations=engine.quantized_activations)
         return ModelRunner(model, attention, num_blocks, engine.block_size, DTYPES[engine.dtype],
                            torch.device(engine.device))
