@@ -1,0 +1,179 @@
+"""A disaggregated server on a real local Ray (`servelab serve --prefill-replicas 1
+--decode-replicas 1`, builtin:tiny, the shared-files transport): completions and chat,
+streamed or not, token-identical to one colocated engine; what P/D cannot serve refused
+with a 400; a client abort mid-stream leaves no KV block held on either replica; and the
+prefill replica's process killed mid-stream: every request ends within a bound with its
+recomputed completion, and no replica left holds a block."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from conftest_server import ServerProcess, sse_events
+
+ray = pytest.importorskip("ray", reason="the disaggregated server tests need Ray: pip install 'servelab[ray]'")
+
+MODEL = "builtin:tiny"
+SETTINGS = ("--set", "engine.max_model_len=256", "--set", "engine.max_num_seqs=8", "--engine-threads", "1")
+# most of them longer than a block (16 tokens), so KV blocks are handed over; the last is shorter than one
+PROMPTS = [" ".join([p] * 6) for p in ("Once upon a time", "The cat sat", "In the beginning", "def add(a, b):")] + \
+    ["Hello there"]
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+
+
+def _used(metrics: dict[str, float], replica: str) -> float:
+    return metrics[f'servelab_replica_kv_blocks_used{{replica="{replica}"}}']
+
+
+def _idle(metrics: dict[str, float]) -> bool:
+    """No KV block held on either live replica, no hold for a transfer."""
+    return (_used(metrics, "decode-0") == 0 and metrics['servelab_kv_blocks{state="used"}'] == 0
+            and metrics['servelab_kv_transfer_held_blocks{replica="prefill-0",role="prefill"}'] == 0)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """One colocated engine's greedy tokens for each prompt, 12 of them, and 40 with their text."""
+    from servelab import LLM, SamplingParams
+
+    llm = LLM(MODEL, max_model_len=256)
+    try:
+        short = [o.outputs[0].token_ids for o in llm.generate(
+            PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+        longer = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in llm.generate(
+            PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))]
+        yield llm, [list(t) for t in short], longer
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pd")
+    process = ServerProcess(MODEL, "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-lease-s", "5",
+                            "--set", 'kv_transfer.name="shared-files"',
+                            "--set", f'kv_transfer.path="{folder / "kv"}"', *SETTINGS, log_path=folder / "log")
+    yield process
+    assert process.terminate(60) == 0, process.log_path.read_text()
+    assert "kv_blocks_used=0" in process.log_path.read_text()
+
+
+def test_completions_streamed_or_not_match_one_colocated_engine(server, expected):
+    _, short, _ = expected
+
+    def ask(prompt: str) -> tuple[list[int], list[int], str]:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            body = {"prompt": prompt, "max_tokens": 12, **GREEDY}
+            whole = client.post("/v1/completions", json=body)
+            assert whole.status_code == 200, whole.text
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                events = list(sse_events(response))
+        assert events[-1] == "[DONE]"
+        choice = whole.json()["choices"][0]
+        streamed = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        assert streamed == choice["text"]
+        return choice["token_ids"], [], streamed
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrently: batched on both replicas
+        answers = list(pool.map(ask, PROMPTS))
+    assert [tokens for tokens, _, _ in answers] == short
+    metrics = server.wait_metrics(_idle, timeout=10)
+    # every prompt but the short last one moved its full blocks; nothing was recomputed or rejected
+    assert metrics['servelab_kv_transfers_total{replica="decode-0",role="decode"}'] >= 2 * (len(PROMPTS) - 1)
+    assert metrics['servelab_kv_transfer_bytes_total{replica="decode-0",role="decode"}'] > 0
+    assert metrics['servelab_kv_transfer_recomputes_total{replica="decode-0",role="decode"}'] == 0
+    assert metrics['servelab_kv_transfer_rejects_total{replica="decode-0",role="decode"}'] == 0
+    assert metrics['servelab_replica_generation_tokens_total{replica="prefill-0"}'] == 2 * len(PROMPTS)
+
+
+def test_chat_streamed_or_not_matches_one_colocated_engine(server, expected):
+    from servelab import SamplingParams
+
+    llm, _, _ = expected
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 12, **GREEDY}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            events = list(sse_events(response))
+    [colocated] = llm.generate([choice["prompt_token_ids"]], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                            ignore_eos=True))
+    assert choice["token_ids"] == list(colocated.outputs[0].token_ids)
+    assert len(choice["prompt_token_ids"]) > 16  # a block or more handed over
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+    assert events[-1] == "[DONE]" and streamed == choice["message"]["content"]
+
+
+def test_what_prefill_decode_cannot_serve_is_refused_with_a_400(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for extra in ({"n": 2}, {"stop": ["cat"]}, {"logprobs": 2}):
+            reply = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, **extra})
+            assert reply.status_code == 400, (extra, reply.text)
+            assert "disaggregated deployment cannot serve" in reply.json()["error"]["message"]
+
+
+def test_a_client_abort_mid_stream_frees_both_replicas(server):
+    before = server.metrics().get('servelab_requests_finished_total{finish_reason="abort"}', 0.0)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"prompt": PROMPTS[1], "max_tokens": 200, "stream": True, **GREEDY}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            stream = sse_events(response)
+            next(stream), next(stream), next(stream)  # the first token from P, then D's; leaving hangs up
+    server.wait_metrics(lambda m: m.get('servelab_requests_finished_total{finish_reason="abort"}') == before + 1
+                        and _idle(m), timeout=10)
+
+
+def test_a_killed_prefill_replica_ends_each_request_within_the_bound_and_leaks_nothing(server, expected):
+    """SIGKILL of the prefill replica's process while one stream decodes on the decode
+    replica and others wait on the prefill replica: the handed-on stream completes, the others are
+    recomputed on the decode replica (the failure policy), each within the bound; the
+    decode replica holds no block afterwards, and the server keeps answering."""
+    _, _, longer = expected
+    found = re.findall(r"replica\.started\s.*?pid=(\d+) replica=prefill-0", server.log())
+    assert found, server.log()
+    pid = int(found[0])
+    body = {"max_tokens": 40, "stream": True, **GREEDY}
+
+    def stream(prompt: str) -> list:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as response:
+                return list(sse_events(response))
+
+    started = time.monotonic()
+    with httpx.Client(base_url=server.url, timeout=60) as client, \
+            concurrent.futures.ThreadPoolExecutor(len(PROMPTS) - 1) as pool:
+        with client.stream("POST", "/v1/completions", json={**body, "prompt": PROMPTS[0]}) as first:
+            events = sse_events(first)
+            head = [next(events), next(events)]  # it decodes on the decode replica
+            routed = server.metrics()['servelab_replica_requests_routed_total{replica="prefill-0"}']
+            os.kill(pid, signal.SIGSTOP)  # so that the others are surely on it, not prefilled, when it dies
+            others = [pool.submit(stream, prompt) for prompt in PROMPTS[1:]]
+            server.wait_metrics(lambda m: m['servelab_replica_requests_routed_total{replica="prefill-0"}']
+                                == routed + len(others), timeout=10)
+            os.kill(pid, signal.SIGKILL)
+            head += list(events)
+        endings = [head] + [future.result(timeout=60) for future in others]
+    waited = time.monotonic() - started
+    assert waited < 30, waited  # within the lease (5 s) and a margin, not a client's timeout
+    for events, (_, text) in zip(endings, longer):
+        assert events[-1] == "[DONE]"
+        assert "error" not in events[-2], events[-2]  # failure policy recompute: every request answered
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == text
+    metrics = server.wait_metrics(lambda m: m['servelab_replica_up{replica="prefill-0"}'] == 0, timeout=10)
+    assert metrics['servelab_kv_transfer_recomputes_total{replica="decode-0",role="decode"}'] == len(others)
+    server.wait_metrics(lambda m: _used(m, "decode-0") == 0 and m['servelab_kv_blocks{state="used"}'] == 0,
+                        timeout=10)
+    log = server.log()
+    assert "disagg.replica_died" in log and log.count("kv_transfer.prefill_lost") == len(others)
+    with httpx.Client(base_url=server.url, timeout=60) as client:  # served whole on the decode replica now
+        reply = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 40, **GREEDY})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == longer[2][0]
+        assert client.get("/health").status_code == 200
