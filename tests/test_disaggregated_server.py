@@ -40,7 +40,8 @@ def _idle(metrics: dict[str, float]) -> bool:
 
 @pytest.fixture(scope="module")
 def expected():
-    """One colocated engine's greedy tokens for each prompt, 12 of them, and 40 with their text."""
+    """One colocated engine's greedy tokens for each prompt, 12 of them, and 40 (200 for the
+    first) with their text."""
     from servelab import LLM, SamplingParams
 
     llm = LLM(MODEL, max_model_len=256)
@@ -49,6 +50,8 @@ def expected():
             PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
         longer = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in llm.generate(
             PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))]
+        [longest] = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        longer[0] = (list(longest.outputs[0].token_ids), longest.outputs[0].text)  # the stream decoding at the kill
         yield llm, [list(t) for t in short], longer
     finally:
         llm.close()
@@ -150,7 +153,7 @@ def test_a_killed_prefill_replica_ends_each_request_within_the_bound_and_leaks_n
     started = time.monotonic()
     with httpx.Client(base_url=server.url, timeout=60) as client, \
             concurrent.futures.ThreadPoolExecutor(len(PROMPTS) - 1) as pool:
-        with client.stream("POST", "/v1/completions", json={**body, "prompt": PROMPTS[0]}) as first:
+        with client.stream("POST", "/v1/completions", json={**body, "prompt": PROMPTS[0], "max_tokens": 200}) as first:
             events = sse_events(first)
             head = [next(events), next(events)]  # it decodes on the decode replica
             routed = server.metrics()['servelab_replica_requests_routed_total{replica="prefill-0"}']
@@ -177,3 +180,151 @@ def test_a_killed_prefill_replica_ends_each_request_within_the_bound_and_leaks_n
         reply = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 40, **GREEDY})
         assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == longer[2][0]
         assert client.get("/health").status_code == 200
+
+
+# ---------------------------------------------------------------- the front end alone, its replicas faked
+
+
+class _FakeReplica:
+    """A RoleReplica without Ray: the commands it was sent, nothing run."""
+
+    def __init__(self, role: str, name: str) -> None:
+        from servelab.server.engine_core import EMPTY_SNAPSHOT, EngineInfo
+
+        self.role, self.name, self.index = role, name, 0
+        self.info = EngineInfo(256, 1000)
+        self.snapshot, self.transfer_metrics, self.prefix_summary = EMPTY_SNAPSHOT, {}, None
+        self.dead, self.last_heard = False, time.monotonic()
+        self.sent: list[tuple] = []
+
+    def start(self, on_poll, on_exit) -> None:
+        pass
+
+    def send(self, command: tuple) -> None:
+        self.sent.append(command)
+
+    def stop(self, timeout: float) -> None:
+        pass
+
+
+def _front_end(failure_policy: str):
+    from servelab.disagg.routing import PDRouter
+    from servelab.registry import PluginRegistry
+    from servelab.server.disaggregated import CONSUMER, PRODUCER, DisaggregatedEngine
+
+    prefill, decode = _FakeReplica(PRODUCER, "prefill-0"), _FakeReplica(CONSUMER, "decode-0")
+    router = PDRouter(PluginRegistry.from_entry_points(), 1, 1, 16, 0)
+    engine = DisaggregatedEngine([prefill], [decode], router, 16, failure_policy)
+    failures: list[str] = []
+    engine.on_failure = failures.append
+    return engine, prefill, decode, failures
+
+
+async def _added(engine, prefill, request_id: str = "r0", max_tokens: int = 8):
+    """Add one request and answer its add as the prefill replica does; its events' queue."""
+    import asyncio
+
+    from servelab import SamplingParams
+    from servelab.server.engine_core import EMPTY_SNAPSHOT, NewRequest
+
+    request = NewRequest(request_id, list(range(5, 25)), SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                         engine.clock())
+    adding = asyncio.ensure_future(engine.add([request]))
+    await asyncio.sleep(0)
+    kind, transfer_id, *_ = prefill.sent[-1]
+    assert kind == "add" and transfer_id.startswith("xfer-")
+    engine._handle(prefill, [("added", transfer_id, None)], (EMPTY_SNAPSHOT, {}, None))
+    return await adding, transfer_id
+
+
+async def _last_event(events):
+    import asyncio
+
+    while True:
+        _, event = await asyncio.wait_for(events.get(), 5)
+        if event.is_last:
+            return event
+
+
+def test_front_end_hands_the_first_token_on_and_fails_requests_by_the_fail_policy():
+    """Policy fail: a request the dead prefill replica had not handed on ends with an error
+    naming it, a handed-on one goes on decoding, and the deployment stops (on_failure)
+    only once that one has ended; a decode replica's death fails its requests."""
+    import asyncio
+    import types
+
+    from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from servelab.server.engine_core import EMPTY_SNAPSHOT
+
+    async def run():
+        engine, prefill, decode, failures = _front_end("fail")
+        engine.start()
+        try:
+            handed, handed_id = await _added(engine, prefill, "r0")
+            lost, _ = await _added(engine, prefill, "r1")
+            handoff = types.SimpleNamespace(first_token_id=42, prompt_token_ids=tuple(range(5, 25)))
+            engine._handle(prefill, [("prefilled", handed_id, None, handoff)], (EMPTY_SNAPSHOT, {}, None))
+            _, first = await asyncio.wait_for(handed.get(), 5)
+            assert first.new_token_ids == (42,)  # streamed before the decode replica's tokens
+            assert decode.sent[-1][0] == "accept" and decode.sent[-1][1] is handoff
+            engine._replica_died(prefill, "killed")
+            ended = await _last_event(lost)
+            assert ended.output.finish_reason == "error" and "prefill replica prefill-0 died" in ended.output.error
+            assert failures == [] and engine.num_in_flight == 1  # r0 decodes on
+            with pytest.raises(Exception, match="every prefill replica has failed"):
+                await engine.add([])
+            now = engine.clock()
+            final = RequestOutput(handed_id, None, list(range(5, 25)), [CompletionOutput(0, [42, 43], "", "length")],
+                                  RequestMetrics(now, None, None, now))
+            engine._handle(decode, [("step", {handed_id: [43]}, [final])], (EMPTY_SNAPSHOT, {}, None))
+            done = await _last_event(handed)
+            assert done.output.token_ids == [42, 43] and done.output.request_id == "r0"
+            await asyncio.sleep(0.1)
+            assert len(failures) == 1 and "every prefill replica has failed" in failures[0]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_front_end_aborts_on_both_replicas_and_fails_requests_of_a_dead_decode_replica():
+    import asyncio
+    import types
+
+    from servelab.errors import RequestError
+    from servelab.server.engine_core import EMPTY_SNAPSHOT
+
+    async def run():
+        engine, prefill, decode, failures = _front_end("recompute")
+        engine.start()
+        try:
+            events, transfer_id = await _added(engine, prefill, "r0")
+            handoff = types.SimpleNamespace(first_token_id=42, prompt_token_ids=tuple(range(5, 25)))
+            engine._handle(prefill, [("prefilled", transfer_id, None, handoff)], (EMPTY_SNAPSHOT, {}, None))
+            engine.abort(["r0"])
+            ended = await _last_event(events)
+            assert ended.output.finish_reason == "abort" and ended.output.token_ids == [42]
+            assert ("abort", [transfer_id]) in prefill.sent and ("abort", [transfer_id]) in decode.sent
+            assert engine.num_in_flight == 0
+            # a prefill replica that refuses a request: RequestError (a 400), nothing left behind
+            from servelab import SamplingParams
+            from servelab.server.engine_core import NewRequest
+
+            adding = asyncio.ensure_future(engine.add([NewRequest("r1", [5] * 20, SamplingParams(max_tokens=4),
+                                                                  engine.clock())]))
+            await asyncio.sleep(0)
+            engine._handle(prefill, [("added", prefill.sent[-1][1], "too long")], (EMPTY_SNAPSHOT, {}, None))
+            with pytest.raises(RequestError, match="too long"):
+                await adding
+            assert engine.num_in_flight == 0
+            # the decode replica dies with a request on it: an error naming it, and the deployment has failed
+            events, transfer_id = await _added(engine, prefill, "r2")
+            engine._handle(prefill, [("prefilled", transfer_id, None, handoff)], (EMPTY_SNAPSHOT, {}, None))
+            engine._replica_died(decode, "killed")
+            ended = await _last_event(events)
+            assert ended.output.finish_reason == "error" and "decode replica decode-0 died" in ended.output.error
+            assert failures and "every decode replica has failed" in failures[0]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
