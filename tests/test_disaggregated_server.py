@@ -38,34 +38,47 @@ def _idle(metrics: dict[str, float]) -> bool:
             and metrics['servelab_kv_transfer_held_blocks{replica="prefill-0",role="prefill"}'] == 0)
 
 
-@pytest.fixture(scope="module")
-def expected():
+def _colocated():
     """One colocated engine's greedy tokens for each prompt, 12 of them, and 40 (200 for the
-    first) with their text."""
+    first) with their text; and the engine."""
     from servelab import LLM, SamplingParams
 
     llm = LLM(MODEL, max_model_len=256)
-    try:
-        short = [o.outputs[0].token_ids for o in llm.generate(
-            PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
-        longer = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in llm.generate(
-            PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))]
-        [longest] = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
-        longer[0] = (list(longest.outputs[0].token_ids), longest.outputs[0].text)  # the stream decoding at the kill
-        yield llm, [list(t) for t in short], longer
-    finally:
-        llm.close()
+    short = [list(o.outputs[0].token_ids) for o in llm.generate(
+        PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    longer = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in llm.generate(
+        PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))]
+    [longest] = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    longer[0] = (list(longest.outputs[0].token_ids), longest.outputs[0].text)  # the stream decoding at the kill
+    return llm, short, longer
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def deployment(tmp_path_factory):
+    """The 1P1D server (started while the colocated answers are computed) and those answers."""
     folder = tmp_path_factory.mktemp("pd")
-    process = ServerProcess(MODEL, "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-lease-s", "5",
-                            "--set", 'kv_transfer.name="shared-files"',
-                            "--set", f'kv_transfer.path="{folder / "kv"}"', *SETTINGS, log_path=folder / "log")
-    yield process
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(ServerProcess, MODEL, "--prefill-replicas", "1", "--decode-replicas", "1",
+                               "--kv-lease-s", "5", "--set", 'kv_transfer.name="shared-files"',
+                               "--set", f'kv_transfer.path="{folder / "kv"}"', *SETTINGS, log_path=folder / "log")
+        try:
+            answers = _colocated()
+        finally:
+            process = starting.result()
+    yield process, answers
+    answers[0].close()
     assert process.terminate(60) == 0, process.log_path.read_text()
     assert "kv_blocks_used=0" in process.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def server(deployment):
+    return deployment[0]
+
+
+@pytest.fixture(scope="module")
+def expected(deployment):
+    return deployment[1]
 
 
 def test_completions_streamed_or_not_match_one_colocated_engine(server, expected):
