@@ -128,6 +128,17 @@ def test_chat_streamed_or_not_matches_one_colocated_engine(server, expected):
     assert events[-1] == "[DONE]" and streamed == choice["message"]["content"]
 
 
+def test_a_request_its_first_token_ends_is_answered_by_the_prefill_replica(server, expected):
+    _, short, _ = expected
+    before = server.metrics()['servelab_kv_transfers_total{replica="prefill-0",role="prefill"}']
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        reply = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1, **GREEDY})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == short[0][:1]
+    metrics = server.wait_metrics(_idle, timeout=10)
+    assert metrics['servelab_kv_transfers_total{replica="prefill-0",role="prefill"}'] == before  # nothing moved
+
+
 def test_what_prefill_decode_cannot_serve_is_refused_with_a_400(server):
     with httpx.Client(base_url=server.url, timeout=60) as client:
         for extra in ({"n": 2}, {"stop": ["cat"]}, {"logprobs": 2}):

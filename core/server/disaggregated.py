@@ -179,14 +179,12 @@ class RoleActor:
                 return taken
 
     def _command(self, command: tuple) -> None:
-        from servelab.errors import RequestError as EngineRequestError
-
         kind, *args = command
         worker = self.worker
         if kind == "add":  # producer: (transfer id, prompt, params)
             try:
                 worker.add(*args)
-            except EngineRequestError as exc:
+            except RequestError as exc:
                 self._emit(("added", args[0], str(exc)))
             else:
                 self._emit(("added", args[0], None))
@@ -271,7 +269,8 @@ class RoleReplica:
                 messages, report, done = ray.get(self.actor.poll.remote(_POLL_SECONDS))
             except Exception as exc:  # RayActorError and its kin: the actor (or its node) is gone
                 if not self._stopping:
-                    on_exit(self, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no message'}")
+                    text = str(exc).strip()
+                    on_exit(self, f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else 'no message'}")
                 return
             on_poll(self, messages, report)
             if done:
@@ -350,16 +349,16 @@ class DisaggregatedEngine:
             self._detokenizer.register(request_ids, decode)
         events = events if events is not None else StreamBuffer()
         states = []
-        for request in requests:
-            state = _Request(request, mint_transfer_id(), events, added=self._loop.create_future())
-            self._requests[request.request_id] = state
-            self._queues[request.request_id] = events
-            self._by_transfer[state.transfer_id] = state
-            states.append(state)
-            self._route_prefill(state)
         try:
+            for request in requests:
+                state = _Request(request, mint_transfer_id(), events, added=self._loop.create_future())
+                self._requests[request.request_id] = state
+                self._queues[request.request_id] = events
+                self._by_transfer[state.transfer_id] = state
+                states.append(state)
+                self._route_prefill(state)
             results = await asyncio.gather(*(state.added for state in states))
-        except BaseException:  # the engine failed, or the client left while the group was queued
+        except BaseException:  # a router that broke its contract, the engine failed, or the client left
             self._detokenizer.unregister(request_ids)
             self._drop(states)
             raise
