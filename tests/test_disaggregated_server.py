@@ -352,3 +352,18 @@ def test_front_end_aborts_on_both_replicas_and_fails_requests_of_a_dead_decode_r
             await engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_the_options_go_together():
+    from servelab.errors import ServelabError
+    from servelab.server.serve import ServerOptions
+
+    ServerOptions(prefill_replicas=2, decode_replicas=1, kv_failure_policy="fail", ray_address="10.0.0.5:6379")
+    for options, message in (({"prefill_replicas": 1}, "give both"),
+                             ({"prefill_replicas": 1, "decode_replicas": 1, "replicas": 2}, "does not go with"),
+                             ({"prefill_replicas": 0, "decode_replicas": 1}, "--prefill-replicas must be > 0"),
+                             ({"prefill_replicas": 1, "decode_replicas": 1, "kv_lease_s": 0}, "--kv-lease-s"),
+                             ({"prefill_replicas": 1, "decode_replicas": 1, "kv_failure_policy": "retry"},
+                              "--kv-failure-policy")):
+        with pytest.raises(ServelabError, match=message):
+            ServerOptions(**options)
