@@ -128,6 +128,27 @@ def test_chat_streamed_or_not_matches_one_colocated_engine(server, expected):
     assert events[-1] == "[DONE]" and streamed == choice["message"]["content"]
 
 
+def test_seeded_sampling_matches_one_colocated_engine(server, expected):
+    """The first token is sampled on the prefill replica, the rest on the decode replica from
+    the generator state the handoff carries: the same tokens as one engine draws."""
+    from servelab import SamplingParams
+
+    llm, _, _ = expected
+    seeds = range(7, 7 + len(PROMPTS))
+    colocated = [list(o.outputs[0].token_ids) for o in llm.generate(
+        PROMPTS, [SamplingParams(max_tokens=16, temperature=0.8, seed=seed) for seed in seeds])]
+
+    def ask(prompt_and_seed) -> list[int]:
+        prompt, seed = prompt_and_seed
+        reply = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 16, "temperature": 0.8, "seed": seed, "return_token_ids": True})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["token_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(ask, zip(PROMPTS, seeds))) == colocated
+
+
 def test_a_request_its_first_token_ends_is_answered_by_the_prefill_replica(server, expected):
     _, short, _ = expected
     before = server.metrics()['servelab_kv_transfers_total{replica="prefill-0",role="prefill"}']
