@@ -519,6 +519,8 @@ class DisaggregatedEngine:
         tokens.setdefault(transfer_id, []).append(handoff.first_token_id)
         live = [r for r in self.decode if not r.dead]
         if not live:
+            if state.prefill is not None:
+                state.prefill.send(("abort", [transfer_id]))  # its hold freed now, not at the lease
             now = self.clock()
             finished.append(RequestOutput(transfer_id, None, [], [CompletionOutput(
                 0, [handoff.first_token_id], self._decode([handoff.first_token_id]), "error")],
