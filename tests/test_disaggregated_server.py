@@ -255,7 +255,8 @@ class _FakeReplica:
 def _front_end(failure_policy: str):
     from servelab.disagg.routing import PDRouter
     from servelab.registry import PluginRegistry
-    from servelab.server.disaggregated import CONSUMER, PRODUCER, DisaggregatedEngine
+    from servelab.server.disaggregated import DisaggregatedEngine
+    from servelab.server.role_replicas import CONSUMER, PRODUCER
 
     prefill, decode = _FakeReplica(PRODUCER, "prefill-0"), _FakeReplica(CONSUMER, "decode-0")
     router = PDRouter(PluginRegistry.from_entry_points(), 1, 1, 16, 0)
