@@ -70,6 +70,47 @@ class VllmNames:
                 yield renamed
 
 
+# A disaggregated server's transfer counters (servelab.disagg.metrics.TransferMetrics), per role and replica:
+# name in TransferMetrics -> (metric name, kind, help)
+TRANSFER_METRICS = {
+    "transfers": ("servelab_kv_transfers", "counter", "KV handoffs offered (prefill) or loaded (decode)."),
+    "bytes": ("servelab_kv_transfer_bytes", "counter", "KV block bytes saved (prefill) or loaded (decode)."),
+    "transfer_seconds": ("servelab_kv_transfer_seconds", "counter",
+                         "Seconds spent in the KV data path and transport."),
+    "blocks_skipped": ("servelab_kv_transfer_blocks_skipped", "counter",
+                       "Decode: handed-over blocks its own prefix cache already held (not moved)."),
+    "leases_expired": ("servelab_kv_transfer_leases_expired", "counter",
+                       "Prefill: holds freed because their lease lapsed."),
+    "rejects": ("servelab_kv_transfer_rejects", "counter", "Decode: handoffs rejected before admission."),
+    "recomputes": ("servelab_kv_transfer_recomputes", "counter",
+                   "Decode: requests whose KV was computed again (failure policy recompute)."),
+    "failures": ("servelab_kv_transfer_failures", "counter",
+                 "Requests ended with an error by the failure policy fail."),
+    "held_blocks": ("servelab_kv_transfer_held_blocks", "gauge", "Prefill: KV blocks held for decode replicas now."),
+}
+
+
+class TransferCounters:
+    """A collector of the transfer counters each prefill and decode replica last reported."""
+
+    def __init__(self, metrics: "ServerMetrics") -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        source = self._metrics.transfer_source
+        if source is None:
+            return
+        reports = source()
+        for key, (name, kind, documentation) in TRANSFER_METRICS.items():
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name, documentation, labels=["role", "replica"])
+            for role, replica, counters in reports:
+                family.add_metric([role, replica], float(counters.get(key, 0)))
+            yield family
+
+
 class ServerMetrics:
     """Every metric the server exports, on a registry of its own."""
 
@@ -144,6 +185,9 @@ class ServerMetrics:
         self._sources = [self.requests_running, self.requests_waiting, self.kv_usage, self.ttft, self.tpot, self.e2e,
                          self.generation_tokens, self.prompt_tokens, self.finished, self.preemptions]
         r.register(VllmNames(self, model_name))
+        # With prefill and decode replicas: () -> [(role, replica, that replica's transfer counters)]
+        self.transfer_source: Any = None
+        r.register(TransferCounters(self))
         self._replicas: dict[int, EngineSnapshot] = {}
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -70,7 +70,21 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="run N engine replicas as Ray actors behind this server, requests spread by the "
                             "config's [router] (needs the ray extra)")
     serve.add_argument("--ray-address", default=None,
-                       help="with --replicas: the Ray cluster to join (default: start a local Ray)")
+                       help="with --replicas (or --prefill-replicas): the Ray cluster to join (default: start a "
+                            "local Ray)")
+    serve.add_argument("--prefill-replicas", type=int, default=None,
+                       help="prefill/decode disaggregation: run N prefill engines as Ray actors, with "
+                            "--decode-replicas M decode engines, the KV handed over by the config's [kv_transfer] "
+                            "(default shared-files); docs/disaggregation.md")
+    serve.add_argument("--decode-replicas", type=int, default=None,
+                       help="with --prefill-replicas: M decode engines as Ray actors")
+    serve.add_argument("--kv-failure-policy", choices=("fail", "recompute"), default="recompute",
+                       help="with --prefill-replicas: a request whose prefill replica or KV handoff was lost ends "
+                            "with an error (fail) or is computed again on a decode replica, counted and logged "
+                            "(recompute, the default)")
+    serve.add_argument("--kv-lease-s", type=float, default=30.0,
+                       help="with --prefill-replicas: seconds a prefill replica holds a request's KV blocks for "
+                            "its decode replica (default 30)")
 
 
 def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerOptions:
@@ -83,6 +97,8 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
                          shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
                          limits=limits, tokenizer_workers=args.tokenizer_workers,
                          engine_threads=args.engine_threads, replicas=args.replicas, ray_address=args.ray_address,
+                         prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
+                         kv_failure_policy=args.kv_failure_policy, kv_lease_s=args.kv_lease_s,
                          liveness_timeout=args.liveness_timeout, chat_template=args.chat_template,
                          trust_request_chat_template=args.trust_request_chat_template,
                          stream_interval=args.stream_interval,

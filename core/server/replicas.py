@@ -202,20 +202,12 @@ def launch_replicas(configs: Seq[Any], ray_address: str | None = None, threads: 
     router = build_router(configs[0], PluginRegistry.from_entry_points(), RouterContext(  # names checked first
         num_replicas=len(configs), block_size=block_size, num_kv_blocks=0))
     ray = import_ray()
-    started_here = False
-    if not ray.is_initialized():
-        options: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING"}
-        if ray_address is None:  # a new local instance, never one that happens to run on this machine
-            started_here = True
-            ray_address = "local"
-            options["object_store_memory"] = 128 * 1024 * 1024  # outputs are small messages, not objects
-            options["num_cpus"] = max(os.cpu_count() or 1, int(len(configs) * num_cpus_per_replica + 0.999))
-        ray.init(address=ray_address, **options)
+    started_here = start_ray(ray, ray_address, len(configs), num_cpus_per_replica)
     remote = ray.remote(num_cpus=num_cpus_per_replica, max_concurrency=4)(EngineActor)
     verbosity = configured_verbosity()
     actors = [remote.remote(config, index, threads, verbosity) for index, config in enumerate(configs)]
     try:
-        infos = _wait_started(ray, actors)
+        infos = wait_started(ray, actors)
     except BaseException:
         for actor in actors:
             ray.kill(actor)
@@ -229,12 +221,28 @@ def launch_replicas(configs: Seq[Any], ray_address: str | None = None, threads: 
     return ReplicaSet(engines, router, router_section(configs[0]).name, block_size, metrics), started_here
 
 
-def _wait_started(ray: Any, actors: list[Any]) -> list[Any]:
+def start_ray(ray: Any, ray_address: str | None, num_actors: int, num_cpus_per_actor: float) -> bool:
+    """Join the cluster at `ray_address`, or start a local Ray with a CPU for each actor;
+    whether Ray was started here (the caller then stops it)."""
+    if ray.is_initialized():
+        return False
+    options: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING"}
+    started_here = False
+    if ray_address is None:  # a new local instance, never one that happens to run on this machine
+        started_here = True
+        ray_address = "local"
+        options["object_store_memory"] = 128 * 1024 * 1024  # outputs are small messages, not objects
+        options["num_cpus"] = max(os.cpu_count() or 1, int(num_actors * num_cpus_per_actor + 0.999))
+    ray.init(address=ray_address, **options)
+    return started_here
+
+
+def wait_started(ray: Any, actors: list[Any], noun: str = "replica") -> list[Any]:
     pending = {actor.info.remote(): index for index, actor in enumerate(actors)}
     results: dict[int, Any] = {}
     ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=_START_TIMEOUT)
     if not_ready:
-        raise ServelabError(f"{len(not_ready)} of {len(actors)} replicas did not start within {_START_TIMEOUT:g} s "
+        raise ServelabError(f"{len(not_ready)} of {len(actors)} {noun}s did not start within {_START_TIMEOUT:g} s "
                             f"(does the Ray cluster have a CPU free for each?)")
     for ref in ready:
         index = pending[ref]
@@ -242,5 +250,5 @@ def _wait_started(ray: Any, actors: list[Any]) -> list[Any]:
             results[index] = ray.get(ref)
         except Exception as exc:
             cause = getattr(exc, "cause", None) or exc
-            raise ServelabError(f"replica {index} could not start: {_first_line(cause)}") from None
+            raise ServelabError(f"{noun} {index} could not start: {_first_line(cause)}") from None
     return [results[index] for index in range(len(actors))]

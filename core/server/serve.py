@@ -54,6 +54,11 @@ class ServerOptions:
     engine_threads: int | None = None  # torch threads of the engine process; None: every core
     replicas: int | None = None  # run this many engine replicas as Ray actors (None: one engine process)
     ray_address: str | None = None  # the Ray cluster to join; None: start a local Ray for the replicas
+    # prefill and decode replicas as Ray actors, the KV handed over (docs/disaggregation.md); None: not disaggregated
+    prefill_replicas: int | None = None
+    decode_replicas: int | None = None
+    kv_failure_policy: str = "recompute"  # a request whose prefill replica or handoff was lost: fail or recompute
+    kv_lease_s: float = 30.0  # how long a prefill replica holds a request's KV blocks for its decode replica
     liveness_timeout: float = 30.0  # /health: 503 once the engine's loop is silent this long with work queued
     chat_template: str | None = None  # a template file, its text, or "plain"; None: the checkpoint's own
     trust_request_chat_template: bool = False  # render a `chat_template` a request sends (else a 400)
@@ -74,10 +79,23 @@ class ServerOptions:
                     "--max-lora-adapters": self.max_lora_adapters, "--max-lora-bytes": self.max_lora_bytes}
         if self.engine_threads is not None:
             positive["--engine-threads"] = self.engine_threads
+        disaggregated = self.prefill_replicas is not None or self.decode_replicas is not None
+        if disaggregated:
+            if self.prefill_replicas is None or self.decode_replicas is None:
+                raise ServelabError("give both --prefill-replicas N and --decode-replicas M")
+            if self.replicas is not None:
+                raise ServelabError("--replicas runs colocated replicas: it does not go with --prefill-replicas and "
+                                    "--decode-replicas")
+            positive["--prefill-replicas"] = self.prefill_replicas
+            positive["--decode-replicas"] = self.decode_replicas
+            positive["--kv-lease-s"] = self.kv_lease_s
+            if self.kv_failure_policy not in ("fail", "recompute"):
+                raise ServelabError(f"--kv-failure-policy must be fail or recompute, got {self.kv_failure_policy!r}")
         if self.replicas is not None:
             positive["--replicas"] = self.replicas
-        elif self.ray_address is not None:
-            raise ServelabError("--ray-address is for replicas: give --replicas N too")
+        elif self.ray_address is not None and not disaggregated:
+            raise ServelabError("--ray-address is for replicas: give --replicas N (or --prefill-replicas and "
+                                "--decode-replicas) too")
         if self.limits.max_prompt_chars is not None:
             positive["--max-prompt-chars"] = self.limits.max_prompt_chars
         for flag, value in positive.items():
@@ -154,7 +172,18 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
                                                           config.engine.model.startswith("builtin:")),
                       options.tokenizer_workers)
     stop_ray = False
-    if options.replicas is not None:
+    if options.prefill_replicas is not None:
+        from servelab.server.disaggregated import launch_disaggregated
+
+        if options.lora_modules or options.allow_runtime_lora_updating:
+            raise ServelabError("a disaggregated server does not serve LoRA adapters yet")
+        threads = options.engine_threads
+        if threads is None and options.ray_address is None:  # a local Ray: the cores shared out
+            threads = max(1, default_engine_threads() // (options.prefill_replicas + options.decode_replicas))
+        engine, stop_ray = launch_disaggregated(config, options.prefill_replicas, options.decode_replicas,
+                                                options.kv_failure_policy, options.kv_lease_s, options.ray_address,
+                                                threads=threads, tokenizer=checkpoint.tokenizer, metrics=metrics)
+    elif options.replicas is not None:
         from servelab.server.replicas import launch_replicas, replica_configs
 
         threads = options.engine_threads

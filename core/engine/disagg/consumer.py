@@ -67,6 +67,8 @@ class DecodeWorker:
         self._waiting: dict[str, _Accepted] = {}  # transfer id -> a handoff whose payload is not ready yet
         self._admitted: dict[str, _Accepted] = {}  # transfer id -> its request in the engine
         self._whole: set[str] = set()  # requests computed here from the prompt (their prefill engine was lost)
+        # the last step's new token ids by sequence id (a server streams them; the producer's first token is not here)
+        self.new_token_ids: dict[str, list[int]] = {}
         # Asked before a handoff is admitted: a reason to reject it, or None to take it.
         self.admission: Callable[[Handoff], str | None] = self.room_for
 
@@ -134,8 +136,11 @@ class DecodeWorker:
     def step(self) -> list[RequestOutput]:
         """Retry the waiting handoffs, then one engine step; the requests that finished."""
         finished = [out for entry in list(self._waiting.values()) if (out := self._try_load(entry)) is not None]
+        self.new_token_ids = {}
         if self.engine.has_unfinished():
-            for output in self.engine.step().finished:
+            result = self.engine.step()
+            self.new_token_ids = result.new_token_ids
+            for output in result.finished:
                 entry = self._admitted.pop(output.request_id, None)
                 if entry is not None:
                     finished.append(self._final(entry, output))

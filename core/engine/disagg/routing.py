@@ -10,7 +10,7 @@ import uuid
 from typing import Any, Sequence as Seq
 
 from servelab.config import PolicySection, build_options
-from servelab.interfaces import RouteRequest, Router, RouterContext
+from servelab.interfaces import ReplicaSnapshot, RouteRequest, Router, RouterContext
 from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, build_policy
 from servelab.routing import checked_route, reported_prefix_summary, replica_snapshot
@@ -51,4 +51,13 @@ class PDRouter:
         """The decode engine for `request` (its prompt and first token), prefix caches read."""
         snapshots = [replica_snapshot(engine, i, reported_prefix_summary(engine.allocator))
                      for i, engine in enumerate(engines)]
+        return checked_route(self.decode_router, self.decode_name, request, snapshots)
+
+    def route_prefill(self, request: RouteRequest, snapshots: Seq[ReplicaSnapshot]) -> int:
+        """The prefill engine's replica id, from load snapshots the caller took (engines in
+        other processes: the server's prefill replicas)."""
+        return checked_route(self.prefill_router, self.prefill_name, request, snapshots)
+
+    def route_decode(self, request: RouteRequest, snapshots: Seq[ReplicaSnapshot]) -> int:
+        """The decode engine's replica id, from snapshots carrying each one's prefix summary."""
         return checked_route(self.decode_router, self.decode_name, request, snapshots)

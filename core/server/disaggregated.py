@@ -1,0 +1,497 @@
+"""Prefill and decode replicas behind one server (`servelab serve --prefill-replicas N
+--decode-replicas M`).
+
+Each engine is a Ray actor (`RoleActor`, role_replicas.py; one process each, as
+`--replicas`) running its role from servelab.disagg unchanged: a `PrefillWorker` (the
+request runs with max_tokens=1, its KV held under a lease and offered through the
+`[kv_transfer]` transport) or a `DecodeWorker` (it accepts a handoff, loads only the
+blocks its prefix cache lacks, and decodes on).
+
+`DisaggregatedEngine` is what the HTTP routes talk to, with the interface of one
+AsyncEngine (as ReplicaSet has): it mints a transfer id per request, sends the request to
+a prefill replica (the P/D router's prefill policy over the replicas' load), streams the
+first token when the prefill ends, hands the handoff to a decode replica (the router's
+decode policy over their load and prefix summaries) and streams that replica's tokens
+into the same stream. Request times (TTFT, TPOT) are taken on this process's clock.
+
+Failures, per the deployment's failure policy (`--kv-failure-policy`):
+- a prefill replica that dies ends each request it had not handed on: `recompute` sends
+  the whole request to a decode replica (counted in its `recomputes`, logged as a
+  warning), `fail` ends it with an error naming the replica. A handoff already offered
+  stays loadable until its lease lapses; after that the decode replica applies the
+  policy itself. With no prefill replica left, `recompute` serves new requests whole on
+  the decode replicas and `fail` refuses them (503) and stops the server once the
+  requests in flight have ended.
+- a decode replica that dies ends its requests with an error naming it; with none left
+  the server has failed (exit code 1, as when every `--replicas` replica has).
+- a client that goes away aborts its request on both replicas: the prefill stopped or
+  its hold freed, the transfer aborted, the decode replica's blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Iterable, Sequence as Seq
+
+import attrs
+import structlog
+
+from servelab.disagg.requests import check_disaggregable
+from servelab.disagg.routing import PDRouter, mint_transfer_id
+from servelab.errors import RequestError, ServelabError
+from servelab.interfaces import ReplicaSnapshot, RouteRequest
+from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelab.server.detokenizer import Decode, Detokenizer
+from servelab.server.engine_core import EMPTY_SNAPSHOT, EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
+from servelab.server.engine_loop import Events, RequestEvent
+from servelab.server.replica_set import sum_snapshots
+from servelab.server.replicas import import_ray, start_ray, wait_started
+from servelab.server.role_replicas import CONSUMER, PRODUCER, RoleActor, RoleReplica
+from servelab.server.stream_buffer import StreamBuffer
+
+logger = structlog.get_logger(__name__)
+
+FAILURE_POLICIES = ("fail", "recompute")
+DEFAULT_LEASE_S = 30.0
+
+
+@attrs.define
+class _Request:
+    """One engine request as the front end follows it."""
+
+    request: NewRequest
+    transfer_id: str
+    events: StreamBuffer
+    prefill: RoleReplica | None = None  # where its prefill runs (None once handed on, or recomputed)
+    decode: RoleReplica | None = None  # where it decodes
+    token_ids: list[int] = attrs.field(factory=list)  # streamed so far
+    first_token_time: float | None = None
+    added: asyncio.Future | None = None  # answered when the replica took it (or refused it)
+
+
+class DisaggregatedEngine:
+    """Prefill replicas then decode replicas, with the interface of one AsyncEngine."""
+
+    def __init__(self, prefill: Seq[RoleReplica], decode: Seq[RoleReplica], router: PDRouter, block_size: int,
+                 failure_policy: str, tokenizer: Any = None, metrics: Any = None) -> None:
+        if not prefill or not decode:
+            raise ServelabError("a disaggregated server needs at least one prefill and one decode replica")
+        self.prefill, self.decode = list(prefill), list(decode)
+        self.replicas = [*self.prefill, *self.decode]
+        self.router = router
+        self.block_size = block_size
+        self.failure_policy = failure_policy
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.on_failure: Any = None
+        self.error: str | None = None
+        self.stopping = False
+        self._exit_when_idle: str | None = None  # the deployment cannot serve new requests: stop once idle
+        self._requests: dict[str, _Request] = {}  # engine request id -> its state
+        self._by_transfer: dict[str, _Request] = {}  # transfer id -> the same
+        self._queues: dict[str, StreamBuffer] = {}  # engine request id -> its reader's queue, until its last event
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._detokenizer: Detokenizer | None = None
+        self.info = EngineInfo(min(r.info.max_model_len for r in self.replicas), self.replicas[0].info.vocab_size,
+                               min(r.info.max_logprobs for r in self.replicas))
+        if metrics is not None:
+            metrics.transfer_source = self.transfer_metrics
+
+    @staticmethod
+    def clock() -> float:
+        return time.perf_counter()
+
+    # ------------------------------------------------------------ the AsyncEngine interface
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._detokenizer = Detokenizer(lambda events, *extra: self._call_soon(self._deliver, events, *extra),
+                                        RequestEvent, threaded=True)
+        for replica in self.replicas:
+            replica.start(self._on_poll, self._on_exit)
+
+    async def add(self, requests: Seq[NewRequest], decode: Decode | None = None,
+                  events: StreamBuffer | None = None) -> StreamBuffer:
+        """Add a group of requests, all or none (RequestError: what P/D cannot serve)."""
+        if self.error is not None or self.stopping or self._exit_when_idle is not None:
+            raise EngineUnavailable(self.error or self._exit_when_idle or "the server is shutting down")
+        for request in requests:
+            check_disaggregable(request.params)
+            if request.lora_request is not None:
+                raise RequestError("a disaggregated deployment does not serve LoRA adapters yet; send the request "
+                                   "to a colocated server")
+        request_ids = [request.request_id for request in requests]
+        if decode is not None:
+            self._detokenizer.register(request_ids, decode)
+        events = events if events is not None else StreamBuffer()
+        states = []
+        try:
+            for request in requests:
+                state = _Request(request, mint_transfer_id(), events, added=self._loop.create_future())
+                self._requests[request.request_id] = state
+                self._queues[request.request_id] = events
+                self._by_transfer[state.transfer_id] = state
+                states.append(state)
+                self._route_prefill(state)
+            results = await asyncio.gather(*(state.added for state in states))
+        except BaseException:  # a router that broke its contract, the engine failed, or the client left
+            self._detokenizer.unregister(request_ids)
+            self._drop(states)
+            raise
+        refused = [error for error in results if error is not None]
+        if refused:
+            self._detokenizer.unregister(request_ids)
+            self._drop(states)
+            raise RequestError(refused[0])
+        return events
+
+    def _drop(self, states: Seq[_Request]) -> None:
+        """Forget requests and abort them wherever they went."""
+        for state in states:
+            self._forget(state)
+            self._queues.pop(state.request.request_id, None)
+            self._abort_on_replicas(state)
+
+    def _route_prefill(self, state: _Request) -> None:
+        request = state.request
+        live = [r for r in self.prefill if not r.dead]
+        if not live:
+            self._recompute_or_fail(state, "no prefill replica is left")
+            return
+        prompt = request.prompt if isinstance(request.prompt, list) else []
+        snapshots = [self._route_snapshot(r) for r in live]
+        choice = self.router.route_prefill(RouteRequest(state.transfer_id, prompt, request.params.max_tokens,
+                                                        request.arrival_time), snapshots)
+        replica = next(r for r in live if r.index == choice)
+        state.prefill = replica
+        if self.metrics is not None:
+            self.metrics.routed(replica.name)
+        replica.send(("add", state.transfer_id, request.prompt, request.params))
+
+    def _recompute_or_fail(self, state: _Request, reason: str) -> None:
+        """Its prefill replica was lost before the handoff: the failure policy."""
+        live = [r for r in self.decode if not r.dead]
+        state.prefill = None
+        if self.failure_policy == "recompute" and live:
+            replica = min(live, key=lambda r: r.snapshot.scheduler.num_running + r.snapshot.scheduler.num_waiting)
+            state.decode = replica
+            replica.send(("recompute", state.transfer_id, state.request.prompt, state.request.params))
+            return
+        message = f"{reason}; the request ended by the failure policy {self.failure_policy!r}: retry"
+        if state.added is not None and not state.added.done():
+            state.added.set_result(None)  # taken in; it ends at once with the error
+        now = self.clock()
+        output = RequestOutput(state.transfer_id, None, [], [CompletionOutput(0, [], "", "error")],
+                               RequestMetrics(now, None, None, now), error=message)
+        self._put(None, {}, [output])
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort requests on both sides; each ends with an output whose finish_reason is "abort"."""
+        outputs = []
+        for request_id in request_ids:
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            self._abort_on_replicas(state)
+            if state.added is not None and not state.added.done():
+                state.added.set_result(None)  # its add returns the queue, where the abort output waits
+            text = self.tokenizer.decode(state.token_ids) if self.tokenizer is not None else ""
+            now = self.clock()
+            outputs.append(RequestOutput(state.transfer_id, None, [], [CompletionOutput(0, list(state.token_ids), text,
+                                                                                       "abort")],
+                                         RequestMetrics(now, None, None, now)))
+        if outputs:
+            self._put(None, {}, outputs)
+
+    def _abort_on_replicas(self, state: _Request) -> None:
+        for replica in (state.prefill, state.decode):
+            if replica is not None:
+                replica.send(("abort", [state.transfer_id]))
+
+    def abort_all(self) -> None:
+        self.abort(list(self._requests))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self.stopping = True
+        if self._loop is None:
+            return
+        await asyncio.gather(*(asyncio.to_thread(r.stop, timeout) for r in self.replicas))
+        await asyncio.to_thread(self._detokenizer.stop)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests with no token yet."""
+        return sum(1 for state in self._requests.values() if not state.token_ids)
+
+    def stalled_seconds(self) -> float:
+        """The longest a live replica with requests on it has not been heard from."""
+        now = time.monotonic()
+        busy = {id(s.prefill) for s in self._requests.values()} | {id(s.decode) for s in self._requests.values()}
+        return max((now - r.last_heard for r in self.replicas if not r.dead and id(r) in busy), default=0.0)
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The live replicas' counters summed (a dead replica's memory went with it)."""
+        return sum_snapshots([r.snapshot for r in self.replicas if not r.dead] or [EMPTY_SNAPSHOT])
+
+    def transfer_metrics(self) -> list[tuple[str, str, dict[str, float]]]:
+        """(role, replica, counters) of every replica, as last reported."""
+        return [("prefill" if r.role == PRODUCER else "decode", r.name, r.transfer_metrics) for r in self.replicas]
+
+    def _route_snapshot(self, replica: RoleReplica) -> ReplicaSnapshot:
+        snapshot = replica.snapshot
+        queued = sum(1 for s in self._requests.values() if s.prefill is replica and not s.token_ids)
+        return ReplicaSnapshot(
+            replica_id=replica.index, num_waiting=snapshot.scheduler.num_waiting + queued,
+            num_running=snapshot.scheduler.num_running, num_kv_blocks=snapshot.allocator.num_blocks,
+            num_used_kv_blocks=snapshot.allocator.num_used_blocks, block_size=self.block_size,
+            prefix_summary=replica.prefix_summary)
+
+    # ------------------------------------------------------------ the replicas' reader threads
+
+    def _on_poll(self, replica: RoleReplica, messages: list[tuple], report: tuple) -> None:
+        self._call_soon(self._handle, replica, messages, report)
+
+    def _on_exit(self, replica: RoleReplica, reason: str) -> None:
+        self._call_soon(self._replica_died, replica, reason)
+
+    # ------------------------------------------------------------ on the event loop
+
+    def _handle(self, replica: RoleReplica, messages: list[tuple], report: tuple) -> None:
+        replica.last_heard = time.monotonic()
+        replica.snapshot, replica.transfer_metrics, replica.prefix_summary = report
+        tokens: dict[str, list[int]] = {}
+        finished: list[RequestOutput] = []
+        for message in messages:
+            kind = message[0]
+            if kind == "added":
+                state = self._by_transfer.get(message[1])
+                if state is not None and state.added is not None and not state.added.done():
+                    state.added.set_result(message[2])
+            elif kind == "prefilled":
+                self._prefilled(*message[1:], tokens, finished)
+            elif kind == "step":
+                for transfer_id, token_ids in message[1].items():
+                    tokens.setdefault(transfer_id, []).extend(token_ids)
+                finished.extend(message[2])
+            elif kind == "failed":
+                logger.error("disagg.replica_engine_failed", replica=replica.name, error=message[1])
+        self._put(replica, tokens, finished)
+
+    def _prefilled(self, transfer_id: str, output: RequestOutput, handoff: Any, tokens: dict[str, list[int]],
+                   finished: list[RequestOutput]) -> None:
+        state = self._by_transfer.get(transfer_id)
+        if state is None:
+            return  # aborted meanwhile: the prefill replica freed its hold on the abort
+        state.first_token_time = self.clock()
+        if handoff is None:  # the first token ended it, or it failed: the answer comes from P
+            tokens.setdefault(transfer_id, []).extend(output.outputs[0].token_ids)
+            finished.append(output)
+            return
+        tokens.setdefault(transfer_id, []).append(handoff.first_token_id)
+        live = [r for r in self.decode if not r.dead]
+        if not live:
+            if state.prefill is not None:
+                state.prefill.send(("abort", [transfer_id]))  # its hold freed now, not at the lease
+            now = self.clock()
+            finished.append(RequestOutput(transfer_id, None, [], [CompletionOutput(
+                0, [handoff.first_token_id], self._decode([handoff.first_token_id]), "error")],
+                RequestMetrics(now, None, None, now), error="no decode replica is left: retry"))
+            return
+        request = RouteRequest(transfer_id, [*handoff.prompt_token_ids, handoff.first_token_id],
+                               state.request.params.max_tokens - 1)
+        choice = self.router.route_decode(request, [self._route_snapshot(r) for r in live])
+        state.decode = next(r for r in live if r.index == choice)
+        if self.metrics is not None:
+            self.metrics.routed(state.decode.name)
+        state.decode.send(("accept", handoff, state.request.params))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    def _put(self, replica: RoleReplica | None, tokens: dict[str, list[int]], finished: list[RequestOutput]) -> None:
+        """Turn transfer-keyed tokens and outputs into the requests' events, through the detokenizer."""
+        events: Events = {}
+        now = self.clock()
+        for transfer_id, token_ids in tokens.items():
+            state = self._by_transfer.get(transfer_id)
+            if state is None or not token_ids:
+                continue
+            state.token_ids.extend(token_ids)
+            if state.first_token_time is None:
+                state.first_token_time = now
+            events[state.request.request_id] = RequestEvent(tuple(token_ids))
+        for output in finished:
+            state = self._by_transfer.get(output.request_id)
+            if state is None:
+                continue
+            first = state.first_token_time if state.first_token_time is not None else (now if output.token_ids
+                                                                                        else None)
+            metrics = attrs.evolve(output.metrics, arrival_time=state.request.arrival_time, first_scheduled_time=None,
+                                   first_token_time=first, finish_time=now)
+            output = attrs.evolve(output, request_id=state.request.request_id, metrics=metrics,
+                                  prompt_token_ids=list(output.prompt_token_ids) or self._prompt_ids(state))
+            previous = events.get(state.request.request_id)
+            events[state.request.request_id] = (attrs.evolve(previous, output=output) if previous is not None
+                                                else RequestEvent(output=output))
+            self._forget(state)
+        if events or replica is not None:
+            self._detokenizer.put(events, replica)
+
+    @staticmethod
+    def _prompt_ids(state: _Request) -> list[int]:
+        prompt = state.request.prompt
+        return list(prompt) if isinstance(prompt, list) else []
+
+    def _forget(self, state: _Request) -> None:
+        self._requests.pop(state.request.request_id, None)
+        self._by_transfer.pop(state.transfer_id, None)
+
+    def _deliver(self, events: Events, replica: RoleReplica | None) -> None:
+        """Each event to its request's queue (after the detokenizer's thread made its text)."""
+        for key, event in events.items():
+            target = self._queues.get(key)
+            if target is not None:
+                target.put_nowait((key, event))
+            if event.is_last:
+                self._detokenizer.unregister([key])
+                self._queues.pop(key, None)
+        if self.metrics is not None:
+            self.metrics.observe(events, self.snapshot)
+            if replica is not None:
+                self.metrics.observe_replica(replica.name, events, replica.snapshot)
+        if self._exit_when_idle is not None and not self._requests and self.error is None:
+            self._failed(self._exit_when_idle)
+
+    def _replica_died(self, replica: RoleReplica, reason: str) -> None:
+        if replica.dead or self.stopping:
+            return
+        replica.dead = True
+        message = f"{'prefill' if replica.role == PRODUCER else 'decode'} replica {replica.name} died ({reason})"
+        affected = [s for s in self._requests.values() if s.prefill is replica or s.decode is replica]
+        logger.error("disagg.replica_died", replica=replica.name, role=replica.role, requests=len(affected),
+                     failure_policy=self.failure_policy, error=reason)
+        if self.metrics is not None:
+            self.metrics.replica_down(replica.name)
+            self.metrics.observe_replica(replica.name, {}, EMPTY_SNAPSHOT)  # its blocks went with it
+        lost: list[RequestOutput] = []
+        now = self.clock()
+        for state in affected:
+            if state.decode is replica:
+                lost.append(RequestOutput(state.transfer_id, None, [], [CompletionOutput(
+                    0, list(state.token_ids), self._decode(state.token_ids), "error")],
+                    RequestMetrics(now, None, None, now), error=f"{message}: retry"))
+            elif state.decode is None and not state.token_ids:  # not handed on: the failure policy
+                logger.warning("kv_transfer.prefill_lost", transfer_id=state.transfer_id, replica=replica.name,
+                               failure_policy=self.failure_policy)
+                self._recompute_or_fail(state, message)
+            else:
+                state.prefill = None  # handed on: the decode replica loads it, or applies the policy at the lease
+        if lost:
+            self._put(None, {}, lost)
+        live_prefill = [r for r in self.prefill if not r.dead]
+        live_decode = [r for r in self.decode if not r.dead]
+        if not live_decode:
+            self._fail_all(f"every decode replica has failed; the last: {message}")
+        elif not live_prefill and self.failure_policy == "fail":
+            self._exit_when_idle = f"every prefill replica has failed; the last: {message}"
+            if not self._requests:
+                self._failed(self._exit_when_idle)
+        elif not live_prefill:
+            logger.warning("disagg.no_prefill_replica", failure_policy=self.failure_policy,
+                           detail="new requests are computed whole on the decode replicas")
+
+    def _fail_all(self, message: str) -> None:
+        outputs = []
+        now = self.clock()
+        for state in list(self._requests.values()):
+            outputs.append(RequestOutput(state.transfer_id, None, [], [CompletionOutput(
+                0, list(state.token_ids), self._decode(state.token_ids), "error")],
+                RequestMetrics(now, None, None, now), error=message))
+            if state.added is not None and not state.added.done():
+                state.added.set_exception(EngineUnavailable(message))
+        if outputs:
+            self._put(None, {}, outputs)
+        self._failed(message)
+
+    def _failed(self, message: str) -> None:
+        if self.error is not None:
+            return
+        self.error = message
+        logger.error("disagg.failed", error=message)
+        if self.on_failure is not None:
+            self.on_failure(message)
+
+    def _call_soon(self, callback: Any, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+# ---------------------------------------------------------------- starting it
+
+
+def disaggregated_config(config: Any) -> Any:
+    """`config` as both roles need it: an allocator with a prefix cache (`hash` unless it
+    names `radix`), and a transport between processes (`shared-files` unless
+    `[kv_transfer]` names one)."""
+    overrides: dict[str, Any] = {}
+    if config.allocator is None or config.allocator.name not in ("hash", "radix"):
+        overrides["allocator.name"] = "hash"
+    if config.kv_transfer is None:
+        overrides["kv_transfer.name"] = "shared-files"
+    return config.with_overrides(overrides) if overrides else config
+
+
+def launch_disaggregated(config: Any, num_prefill: int, num_decode: int, failure_policy: str = "recompute",
+                         lease_s: float = DEFAULT_LEASE_S, ray_address: str | None = None,
+                         threads: int | None = None, tokenizer: Any = None, metrics: Any = None,
+                         num_cpus_per_replica: float = 1.0) -> tuple[DisaggregatedEngine, bool]:
+    """Start `num_prefill` prefill and `num_decode` decode RoleActors (on the cluster at
+    `ray_address`, else on a local Ray started here), wait until every model is loaded,
+    and put them behind a DisaggregatedEngine. Returns it, and whether Ray was started here."""
+    from servelab.logging_setup import configured_verbosity
+    from servelab.registry import PluginRegistry
+
+    if failure_policy not in FAILURE_POLICIES:
+        raise ServelabError(f"--kv-failure-policy must be one of {', '.join(FAILURE_POLICIES)}, got {failure_policy!r}")
+    if num_prefill < 1 or num_decode < 1:
+        raise ServelabError(f"a disaggregated server needs at least one prefill and one decode replica, got "
+                            f"{num_prefill}P{num_decode}D")
+    if not lease_s > 0:
+        raise ServelabError(f"--kv-lease-s must be > 0, got {lease_s}")
+    config = disaggregated_config(config)
+    registry = PluginRegistry.from_entry_points()
+    router = PDRouter(registry, num_prefill, num_decode, config.engine.block_size, 0)  # names checked first
+    ray = import_ray()
+    started_here = start_ray(ray, ray_address, num_prefill + num_decode, num_cpus_per_replica)
+    remote = ray.remote(num_cpus=num_cpus_per_replica, max_concurrency=4)(RoleActor)
+    verbosity = configured_verbosity()
+    roles = [(PRODUCER, f"prefill-{i}", i) for i in range(num_prefill)] + \
+            [(CONSUMER, f"decode-{i}", i) for i in range(num_decode)]
+    actors = [remote.remote(config, role, name, lease_s, failure_policy, threads, verbosity)
+              for role, name, _ in roles]
+    try:
+        infos = wait_started(ray, actors, noun="prefill/decode replica")
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        if started_here:
+            ray.shutdown()
+        raise
+    replicas = []
+    for actor, (role, name, index), (info, pid) in zip(actors, roles, infos):
+        logger.info("replica.started", replica=name, role=role, pid=pid, max_model_len=info.max_model_len)
+        replicas.append(RoleReplica(actor, role, name, index, info, pid))
+    engine = DisaggregatedEngine([r for r in replicas if r.role == PRODUCER],
+                                 [r for r in replicas if r.role == CONSUMER], router, config.engine.block_size,
+                                 failure_policy, tokenizer, metrics)
+    logger.info("disagg.started", prefill=num_prefill, decode=num_decode, failure_policy=failure_policy,
+                lease_s=lease_s, transport=config.kv_transfer.name)
+    return engine, started_here

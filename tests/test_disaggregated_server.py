@@ -1,0 +1,391 @@
+"""A disaggregated server on a real local Ray (`servelab serve --prefill-replicas 1
+--decode-replicas 1`, builtin:tiny, the shared-files transport): completions and chat,
+streamed or not, token-identical to one colocated engine; what P/D cannot serve refused
+with a 400; a client abort mid-stream leaves no KV block held on either replica; and the
+prefill replica's process killed mid-stream: every request ends within a bound with its
+recomputed completion, and no replica left holds a block."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from conftest_server import ServerProcess, sse_events
+
+ray = pytest.importorskip("ray", reason="the disaggregated server tests need Ray: pip install 'servelab[ray]'")
+
+MODEL = "builtin:tiny"
+SETTINGS = ("--set", "engine.max_model_len=256", "--set", "engine.max_num_seqs=8", "--engine-threads", "1")
+# most of them longer than a block (16 tokens), so KV blocks are handed over; the last is shorter than one
+PROMPTS = [" ".join([p] * 6) for p in ("Once upon a time", "The cat sat", "In the beginning", "def add(a, b):")] + \
+    ["Hello there"]
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+
+
+def _used(metrics: dict[str, float], replica: str) -> float:
+    return metrics[f'servelab_replica_kv_blocks_used{{replica="{replica}"}}']
+
+
+def _idle(metrics: dict[str, float]) -> bool:
+    """No KV block held on either live replica, no hold for a transfer."""
+    return (_used(metrics, "decode-0") == 0 and metrics['servelab_kv_blocks{state="used"}'] == 0
+            and metrics['servelab_kv_transfer_held_blocks{replica="prefill-0",role="prefill"}'] == 0)
+
+
+def _colocated():
+    """One colocated engine's greedy tokens for each prompt, 12 of them, and 40 (200 for the
+    first) with their text; and the engine."""
+    from servelab import LLM, SamplingParams
+
+    llm = LLM(MODEL, max_model_len=256)
+    short = [list(o.outputs[0].token_ids) for o in llm.generate(
+        PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    longer = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in llm.generate(
+        PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))]
+    [longest] = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    longer[0] = (list(longest.outputs[0].token_ids), longest.outputs[0].text)  # the stream decoding at the kill
+    return llm, short, longer
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """The 1P1D server (started while the colocated answers are computed) and those answers."""
+    folder = tmp_path_factory.mktemp("pd")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(ServerProcess, MODEL, "--prefill-replicas", "1", "--decode-replicas", "1",
+                               "--kv-lease-s", "5", "--set", 'kv_transfer.name="shared-files"',
+                               "--set", f'kv_transfer.path="{folder / "kv"}"', *SETTINGS, log_path=folder / "log")
+        try:
+            answers = _colocated()
+        finally:
+            process = starting.result()
+    yield process, answers
+    answers[0].close()
+    assert process.terminate(60) == 0, process.log_path.read_text()
+    assert "kv_blocks_used=0" in process.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def server(deployment):
+    return deployment[0]
+
+
+@pytest.fixture(scope="module")
+def expected(deployment):
+    return deployment[1]
+
+
+def test_completions_streamed_or_not_match_one_colocated_engine(server, expected):
+    _, short, _ = expected
+
+    def ask(prompt: str) -> tuple[list[int], list[int], str]:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            body = {"prompt": prompt, "max_tokens": 12, **GREEDY}
+            whole = client.post("/v1/completions", json=body)
+            assert whole.status_code == 200, whole.text
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                events = list(sse_events(response))
+        assert events[-1] == "[DONE]"
+        choice = whole.json()["choices"][0]
+        streamed = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        assert streamed == choice["text"]
+        return choice["token_ids"], [], streamed
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrently: batched on both replicas
+        answers = list(pool.map(ask, PROMPTS))
+    assert [tokens for tokens, _, _ in answers] == short
+    metrics = server.wait_metrics(_idle, timeout=10)
+    # every prompt but the short last one moved its full blocks; nothing was recomputed or rejected
+    assert metrics['servelab_kv_transfers_total{replica="decode-0",role="decode"}'] >= 2 * (len(PROMPTS) - 1)
+    assert metrics['servelab_kv_transfer_bytes_total{replica="decode-0",role="decode"}'] > 0
+    assert metrics['servelab_kv_transfer_recomputes_total{replica="decode-0",role="decode"}'] == 0
+    assert metrics['servelab_kv_transfer_rejects_total{replica="decode-0",role="decode"}'] == 0
+    assert metrics['servelab_replica_generation_tokens_total{replica="prefill-0"}'] == 2 * len(PROMPTS)
+
+
+def test_chat_streamed_or_not_matches_one_colocated_engine(server, expected):
+    from servelab import SamplingParams
+
+    llm, _, _ = expected
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 12, **GREEDY}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            events = list(sse_events(response))
+    [colocated] = llm.generate([choice["prompt_token_ids"]], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                            ignore_eos=True))
+    assert choice["token_ids"] == list(colocated.outputs[0].token_ids)
+    assert len(choice["prompt_token_ids"]) > 16  # a block or more handed over
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+    assert events[-1] == "[DONE]" and streamed == choice["message"]["content"]
+
+
+def test_seeded_sampling_matches_one_colocated_engine(server, expected):
+    """The first token is sampled on the prefill replica, the rest on the decode replica from
+    the generator state the handoff carries: the same tokens as one engine draws."""
+    from servelab import SamplingParams
+
+    llm, _, _ = expected
+    seeds = range(7, 7 + len(PROMPTS))
+    colocated = [list(o.outputs[0].token_ids) for o in llm.generate(
+        PROMPTS, [SamplingParams(max_tokens=16, temperature=0.8, seed=seed) for seed in seeds])]
+
+    def ask(prompt_and_seed) -> list[int]:
+        prompt, seed = prompt_and_seed
+        reply = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 16, "temperature": 0.8, "seed": seed, "return_token_ids": True})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["token_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(ask, zip(PROMPTS, seeds))) == colocated
+
+
+def test_a_request_its_first_token_ends_is_answered_by_the_prefill_replica(server, expected):
+    _, short, _ = expected
+    before = server.metrics()['servelab_kv_transfers_total{replica="prefill-0",role="prefill"}']
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        reply = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1, **GREEDY})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == short[0][:1]
+    metrics = server.wait_metrics(_idle, timeout=10)
+    assert metrics['servelab_kv_transfers_total{replica="prefill-0",role="prefill"}'] == before  # nothing moved
+
+
+def test_what_prefill_decode_cannot_serve_is_refused_with_a_400(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for extra in ({"n": 2}, {"stop": ["cat"]}, {"logprobs": 2}):
+            reply = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, **extra})
+            assert reply.status_code == 400, (extra, reply.text)
+            assert "disaggregated deployment cannot serve" in reply.json()["error"]["message"]
+
+
+def test_a_client_abort_mid_stream_frees_both_replicas(server):
+    before = server.metrics().get('servelab_requests_finished_total{finish_reason="abort"}', 0.0)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"prompt": PROMPTS[1], "max_tokens": 200, "stream": True, **GREEDY}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            stream = sse_events(response)
+            next(stream), next(stream), next(stream)  # the first token from P, then D's; leaving hangs up
+    server.wait_metrics(lambda m: m.get('servelab_requests_finished_total{finish_reason="abort"}') == before + 1
+                        and _idle(m), timeout=10)
+
+
+def test_a_killed_prefill_replica_ends_each_request_within_the_bound_and_leaks_nothing(server, expected):
+    """SIGKILL of the prefill replica's process while one stream decodes on the decode
+    replica and others wait on the prefill replica: the handed-on stream completes, the others are
+    recomputed on the decode replica (the failure policy), each within the bound; the
+    decode replica holds no block afterwards, and the server keeps answering."""
+    _, _, longer = expected
+    found = re.findall(r"replica\.started\s.*?pid=(\d+) replica=prefill-0", server.log())
+    assert found, server.log()
+    pid = int(found[0])
+    body = {"max_tokens": 40, "stream": True, **GREEDY}
+
+    def stream(prompt: str) -> list:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as response:
+                return list(sse_events(response))
+
+    started = time.monotonic()
+    with httpx.Client(base_url=server.url, timeout=60) as client, \
+            concurrent.futures.ThreadPoolExecutor(len(PROMPTS) - 1) as pool:
+        with client.stream("POST", "/v1/completions", json={**body, "prompt": PROMPTS[0], "max_tokens": 200}) as first:
+            events = sse_events(first)
+            head = [next(events), next(events)]  # it decodes on the decode replica
+            routed = server.metrics()['servelab_replica_requests_routed_total{replica="prefill-0"}']
+            os.kill(pid, signal.SIGSTOP)  # so that the others are surely on it, not prefilled, when it dies
+            others = [pool.submit(stream, prompt) for prompt in PROMPTS[1:]]
+            server.wait_metrics(lambda m: m['servelab_replica_requests_routed_total{replica="prefill-0"}']
+                                == routed + len(others), timeout=10)
+            os.kill(pid, signal.SIGKILL)
+            head += list(events)
+        endings = [head] + [future.result(timeout=60) for future in others]
+    waited = time.monotonic() - started
+    assert waited < 30, waited  # within the lease (5 s) and a margin, not a client's timeout
+    for events, (_, text) in zip(endings, longer):
+        assert events[-1] == "[DONE]"
+        assert "error" not in events[-2], events[-2]  # failure policy recompute: every request answered
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == text
+    metrics = server.wait_metrics(lambda m: m['servelab_replica_up{replica="prefill-0"}'] == 0, timeout=10)
+    assert metrics['servelab_kv_transfer_recomputes_total{replica="decode-0",role="decode"}'] == len(others)
+    server.wait_metrics(lambda m: _used(m, "decode-0") == 0 and m['servelab_kv_blocks{state="used"}'] == 0,
+                        timeout=10)
+    log = server.log()
+    assert "disagg.replica_died" in log and log.count("kv_transfer.prefill_lost") == len(others)
+    with httpx.Client(base_url=server.url, timeout=60) as client:  # served whole on the decode replica now
+        reply = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 40, **GREEDY})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == longer[2][0]
+        assert client.get("/health").status_code == 200
+
+
+# ---------------------------------------------------------------- the front end alone, its replicas faked
+
+
+class _FakeReplica:
+    """A RoleReplica without Ray: the commands it was sent, nothing run."""
+
+    def __init__(self, role: str, name: str) -> None:
+        from servelab.server.engine_core import EMPTY_SNAPSHOT, EngineInfo
+
+        self.role, self.name, self.index = role, name, 0
+        self.info = EngineInfo(256, 1000)
+        self.snapshot, self.transfer_metrics, self.prefix_summary = EMPTY_SNAPSHOT, {}, None
+        self.dead, self.last_heard = False, time.monotonic()
+        self.sent: list[tuple] = []
+
+    def start(self, on_poll, on_exit) -> None:
+        pass
+
+    def send(self, command: tuple) -> None:
+        self.sent.append(command)
+
+    def stop(self, timeout: float) -> None:
+        pass
+
+
+def _front_end(failure_policy: str):
+    from servelab.disagg.routing import PDRouter
+    from servelab.registry import PluginRegistry
+    from servelab.server.disaggregated import DisaggregatedEngine
+    from servelab.server.role_replicas import CONSUMER, PRODUCER
+
+    prefill, decode = _FakeReplica(PRODUCER, "prefill-0"), _FakeReplica(CONSUMER, "decode-0")
+    router = PDRouter(PluginRegistry.from_entry_points(), 1, 1, 16, 0)
+    engine = DisaggregatedEngine([prefill], [decode], router, 16, failure_policy)
+    failures: list[str] = []
+    engine.on_failure = failures.append
+    return engine, prefill, decode, failures
+
+
+async def _added(engine, prefill, request_id: str = "r0", max_tokens: int = 8):
+    """Add one request and answer its add as the prefill replica does; its events' queue."""
+    import asyncio
+
+    from servelab import SamplingParams
+    from servelab.server.engine_core import EMPTY_SNAPSHOT, NewRequest
+
+    request = NewRequest(request_id, list(range(5, 25)), SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                         engine.clock())
+    adding = asyncio.ensure_future(engine.add([request]))
+    await asyncio.sleep(0)
+    kind, transfer_id, *_ = prefill.sent[-1]
+    assert kind == "add" and transfer_id.startswith("xfer-")
+    engine._handle(prefill, [("added", transfer_id, None)], (EMPTY_SNAPSHOT, {}, None))
+    return await adding, transfer_id
+
+
+async def _last_event(events):
+    import asyncio
+
+    while True:
+        _, event = await asyncio.wait_for(events.get(), 5)
+        if event.is_last:
+            return event
+
+
+def test_front_end_hands_the_first_token_on_and_fails_requests_by_the_fail_policy():
+    """Policy fail: a request the dead prefill replica had not handed on ends with an error
+    naming it, a handed-on one goes on decoding, and the deployment stops (on_failure)
+    only once that one has ended; a decode replica's death fails its requests."""
+    import asyncio
+    import types
+
+    from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from servelab.server.engine_core import EMPTY_SNAPSHOT
+
+    async def run():
+        engine, prefill, decode, failures = _front_end("fail")
+        engine.start()
+        try:
+            handed, handed_id = await _added(engine, prefill, "r0")
+            lost, _ = await _added(engine, prefill, "r1")
+            handoff = types.SimpleNamespace(first_token_id=42, prompt_token_ids=tuple(range(5, 25)))
+            engine._handle(prefill, [("prefilled", handed_id, None, handoff)], (EMPTY_SNAPSHOT, {}, None))
+            _, first = await asyncio.wait_for(handed.get(), 5)
+            assert first.new_token_ids == (42,)  # streamed before the decode replica's tokens
+            assert decode.sent[-1][0] == "accept" and decode.sent[-1][1] is handoff
+            engine._replica_died(prefill, "killed")
+            ended = await _last_event(lost)
+            assert ended.output.finish_reason == "error" and "prefill replica prefill-0 died" in ended.output.error
+            assert failures == [] and engine.num_in_flight == 1  # r0 decodes on
+            with pytest.raises(Exception, match="every prefill replica has failed"):
+                await engine.add([])
+            now = engine.clock()
+            final = RequestOutput(handed_id, None, list(range(5, 25)), [CompletionOutput(0, [42, 43], "", "length")],
+                                  RequestMetrics(now, None, None, now))
+            engine._handle(decode, [("step", {handed_id: [43]}, [final])], (EMPTY_SNAPSHOT, {}, None))
+            done = await _last_event(handed)
+            assert done.output.token_ids == [42, 43] and done.output.request_id == "r0"
+            await asyncio.sleep(0.1)
+            assert len(failures) == 1 and "every prefill replica has failed" in failures[0]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_front_end_aborts_on_both_replicas_and_fails_requests_of_a_dead_decode_replica():
+    import asyncio
+    import types
+
+    from servelab.errors import RequestError
+    from servelab.server.engine_core import EMPTY_SNAPSHOT
+
+    async def run():
+        engine, prefill, decode, failures = _front_end("recompute")
+        engine.start()
+        try:
+            events, transfer_id = await _added(engine, prefill, "r0")
+            handoff = types.SimpleNamespace(first_token_id=42, prompt_token_ids=tuple(range(5, 25)))
+            engine._handle(prefill, [("prefilled", transfer_id, None, handoff)], (EMPTY_SNAPSHOT, {}, None))
+            engine.abort(["r0"])
+            ended = await _last_event(events)
+            assert ended.output.finish_reason == "abort" and ended.output.token_ids == [42]
+            assert ("abort", [transfer_id]) in prefill.sent and ("abort", [transfer_id]) in decode.sent
+            assert engine.num_in_flight == 0
+            # a prefill replica that refuses a request: RequestError (a 400), nothing left behind
+            from servelab import SamplingParams
+            from servelab.server.engine_core import NewRequest
+
+            adding = asyncio.ensure_future(engine.add([NewRequest("r1", [5] * 20, SamplingParams(max_tokens=4),
+                                                                  engine.clock())]))
+            await asyncio.sleep(0)
+            engine._handle(prefill, [("added", prefill.sent[-1][1], "too long")], (EMPTY_SNAPSHOT, {}, None))
+            with pytest.raises(RequestError, match="too long"):
+                await adding
+            assert engine.num_in_flight == 0
+            # the decode replica dies with a request on it: an error naming it, and the deployment has failed
+            events, transfer_id = await _added(engine, prefill, "r2")
+            engine._handle(prefill, [("prefilled", transfer_id, None, handoff)], (EMPTY_SNAPSHOT, {}, None))
+            engine._replica_died(decode, "killed")
+            ended = await _last_event(events)
+            assert ended.output.finish_reason == "error" and "decode replica decode-0 died" in ended.output.error
+            assert failures and "every decode replica has failed" in failures[0]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_the_options_go_together():
+    from servelab.errors import ServelabError
+    from servelab.server.serve import ServerOptions
+
+    ServerOptions(prefill_replicas=2, decode_replicas=1, kv_failure_policy="fail", ray_address="10.0.0.5:6379")
+    for options, message in (({"prefill_replicas": 1}, "give both"),
+                             ({"prefill_replicas": 1, "decode_replicas": 1, "replicas": 2}, "does not go with"),
+                             ({"prefill_replicas": 0, "decode_replicas": 1}, "--prefill-replicas must be > 0"),
+                             ({"prefill_replicas": 1, "decode_replicas": 1, "kv_lease_s": 0}, "--kv-lease-s"),
+                             ({"prefill_replicas": 1, "decode_replicas": 1, "kv_failure_policy": "retry"},
+                              "--kv-failure-policy")):
+        with pytest.raises(ServelabError, match=message):
+            ServerOptions(**options)
