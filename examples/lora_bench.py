@@ -40,10 +40,12 @@ def build_adapters(model: str, count: int, root: Path) -> list[LoRARequest]:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    base_path = str(resolve_model(model))
+    base_path = Path(resolve_model(model))
+    # a GGUF file (smollm2-135m) is read by transformers from its folder, named by gguf_file
+    where, gguf = (base_path.parent, {"gguf_file": base_path.name}) if base_path.suffix == ".gguf" else (base_path, {})
     adapters = []
     for index in range(count):
-        base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32, **gguf)
         rank = RANKS[index % len(RANKS)]
         peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS)))
         with torch.no_grad():
