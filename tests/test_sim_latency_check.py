@@ -12,8 +12,8 @@ from servelab.bench.sim.calibrate import StepTimer, threads_of
 from servelab.bench.sim.cost_model import CostModel
 from servelab.bench.sim.hardware import CPU_HERE_TERMS, Accelerator, StepTerms, accelerator
 from servelab.bench.sim.latency_check import (CHUNKED, CONTINUOUS, FIT, HELD_OUT, LATENCY_FIGURES, LatencyCase,
-                                              ServedRun, busy_after, check_latency, default_cases, fit_served,
-                                              format_latency, latency_profile, scaled)
+                                              ServedRun, admitted_between, busy_after, check_latency, default_cases,
+                                              fit_served, format_latency, latency_profile, scaled)
 from servelab.bench.sim.shapes import model_shape
 from servelab.cli import main
 from servelab.config import EngineConfig
@@ -26,15 +26,19 @@ def _features(num_seqs: int) -> dict[str, float]:
             "prefill_attention_flop": 0.0, "decode_kv_byte": 0.0, "lm_head_flop": 0.0}
 
 
-def _served(sizes: list[int], speed: float, overhead: float, idle_after: int | None = None) -> ServedRun:
+def _served(sizes: list[int], speed: float, overhead: float, idle_after: int | None = None,
+            admitted: list[int] | None = None, admission: float = 0.0,
+            stalls: dict[int, float] | None = None) -> ServedRun:
     starts, now = [], 0.0
+    admitted = admitted or [0] * len(sizes)
     for index, size in enumerate(sizes):
         starts.append(now)
-        now += speed * _TERMS.seconds(_features(size)) + overhead
+        now += speed * _TERMS.seconds(_features(size)) + overhead + admission * admitted[index]
+        now += (stalls or {}).get(index, 0.0)  # a thread preempted by other work
         if index == idle_after:
             now += 0.5  # the engine waits for the next arrival
     busy = [index != idle_after for index in range(len(sizes))]
-    return ServedRun(record=None, steps=[(size, 0.0) for size in sizes], starts=starts, busy=busy)
+    return ServedRun(record=None, steps=[(size, 0.0) for size in sizes], starts=starts, busy=busy, admitted=admitted)
 
 
 def test_busy_after_tells_a_step_followed_by_work_from_one_followed_by_a_wait():
@@ -46,15 +50,38 @@ def test_busy_after_tells_a_step_followed_by_work_from_one_followed_by_a_wait():
 
 def test_fit_served_recovers_speed_and_overhead_and_leaves_out_waits_for_arrivals():
     run = _served([1, 4, 2, 8, 3, 6, 5, 7, 2, 4] * 3, speed=1.6, overhead=2e-3, idle_after=5)
-    speed, overhead = fit_served([run], _TERMS, _features)
-    assert speed == pytest.approx(1.6, rel=1e-6)
-    assert overhead == pytest.approx(2e-3, rel=1e-6)
+    fit = fit_served([run], _TERMS, _features)
+    assert fit.speed == pytest.approx(1.6, rel=1e-6)
+    assert fit.step_overhead_s == pytest.approx(2e-3, rel=1e-6)
+    assert fit.admission_s == 0.0 and max(abs(r) for r in fit.residuals_s) < 1e-9
+
+
+def test_fit_served_prices_each_request_admitted_between_two_steps():
+    sizes = [1, 4, 2, 8, 3, 6, 5, 7, 2, 4] * 3
+    admitted = [0, 1, 0, 2, 0, 0, 1, 3, 0, 1] * 3
+    fit = fit_served([_served(sizes, speed=1.3, overhead=1e-3, admitted=admitted, admission=4e-4)], _TERMS, _features)
+    assert (fit.speed, fit.step_overhead_s, fit.admission_s) == pytest.approx((1.3, 1e-3, 4e-4), rel=1e-6)
+
+
+def test_fit_served_leaves_stalls_out_of_the_fit_and_keeps_them_as_step_noise():
+    sizes = [1, 4, 2, 8, 3, 6, 5, 7, 2, 4] * 6
+    stalls = {7: 0.02, 23: 0.03, 41: 0.02}  # three steps whose thread was preempted
+    fit = fit_served([_served(sizes, speed=1.6, overhead=2e-3, stalls=stalls)], _TERMS, _features)
+    assert fit.speed == pytest.approx(1.6, rel=1e-6) and fit.step_overhead_s == pytest.approx(2e-3, rel=1e-6)
+    assert sorted(fit.residuals_s)[-3:] == pytest.approx([0.02, 0.02, 0.03], rel=1e-6)
+    plain = fit_served([_served(sizes, speed=1.6, overhead=2e-3)], _TERMS, _features)
+    assert plain.speed == pytest.approx(1.6, rel=1e-6)
+
+
+def test_admitted_between_counts_the_arrivals_before_each_next_step():
+    assert admitted_between([0.0, 1.0, 2.0], [0.5, 0.7, 1.5, 3.0]) == [2, 1, 0]
+    assert admitted_between([], [1.0]) == []
 
 
 def test_fit_served_with_steps_all_alike_puts_the_difference_in_the_overhead():
-    speed, overhead = fit_served([_served([3] * 12, speed=1.0, overhead=1e-3)], _TERMS, _features)
-    assert speed * _TERMS.seconds(_features(3)) + overhead == pytest.approx(5e-3, rel=1e-6)
-    assert overhead >= 0
+    fit = fit_served([_served([3] * 12, speed=1.0, overhead=1e-3)], _TERMS, _features)
+    assert fit.speed * _TERMS.seconds(_features(3)) + fit.step_overhead_s == pytest.approx(5e-3, rel=1e-6)
+    assert fit.step_overhead_s >= 0
 
 
 def test_the_cpu_profile_adds_its_per_step_overhead_to_the_fitted_terms():
@@ -65,6 +92,40 @@ def test_the_cpu_profile_adds_its_per_step_overhead_to_the_fitted_terms():
     assert served.step(*step).seconds == pytest.approx(2 * base.step(*step).seconds + 3e-3)
     assert accelerator("cpu-here").threads == 1 and served.hardware.threads == 2
     assert scaled(CPU_HERE_TERMS, 2.0).step_s == pytest.approx(2 * CPU_HERE_TERMS.step_s)
+
+
+def test_a_served_profile_charges_admissions_to_the_step_that_starts_the_prompts():
+    shape = model_shape("tiny-random")
+    plain = CostModel(shape, latency_profile(CPU_HERE_TERMS, 1.0, 0.0, threads=1))
+    admitting = CostModel(shape, latency_profile(CPU_HERE_TERMS, 1.0, 0.0, threads=1, admission_s=5e-4))
+    starting = ([30, 20, 1], [30, 20, 41], 3)  # two prompts start, one sequence decodes
+    assert admitting.step(*starting).seconds == pytest.approx(plain.step(*starting).seconds + 2 * 5e-4)
+    later_chunk = ([30], [60], 1)
+    assert admitting.step(*later_chunk).seconds == pytest.approx(plain.step(*later_chunk).seconds)
+
+
+def test_simulated_steps_draw_the_profiles_step_noise_the_same_way_every_run():
+    from servelab.bench.sim.runner import SimInputs, SimRunner, VirtualClock
+
+    shape = model_shape("tiny-random")
+    noise = (0.0, 0.0, 0.0, 0.01)
+
+    def step_times(profile):
+        clock = VirtualClock()
+        runner = SimRunner(CostModel(shape, profile), clock)
+        times = []
+        for _ in range(400):
+            before = clock()
+            runner.execute(SimInputs([1] * 4, [40] * 4, [0, 1, 2, 3], [1] * 4))
+            times.append(clock() - before)
+        return times
+
+    quiet = step_times(latency_profile(CPU_HERE_TERMS, 1.0, 0.0, threads=1))
+    noisy = step_times(latency_profile(CPU_HERE_TERMS, 1.0, 0.0, threads=1, step_noise_s=noise))
+    assert noisy == step_times(latency_profile(CPU_HERE_TERMS, 1.0, 0.0, threads=1, step_noise_s=noise))
+    stalled = sum(1 for n, q in zip(noisy, quiet) if n == pytest.approx(q + 0.01))
+    assert 60 < stalled < 140 and all(n == pytest.approx(q) or n == pytest.approx(q + 0.01)
+                                      for n, q in zip(noisy, quiet))
 
 
 def test_threads_of_sets_and_restores_torchs_thread_count():
@@ -110,7 +171,8 @@ def test_check_latency_fits_on_fit_cases_and_reports_every_figure_of_the_held_ou
                          "engine.max_num_batched_tokens": 8}, HELD_OUT)]
     result = check_latency(config, CPU_HERE_TERMS, _tiny_features(config), cases, threads=1)
     assert result["fit_cases"] == ["fit"] and set(result["held_out"]) == {"bursty", "chunked"}
-    assert result["speed"] > 0 and result["step_overhead_s"] >= 0
+    assert result["speed"] > 0 and result["step_overhead_s"] >= 0 and result["admission_s"] >= 0
+    assert result["step_noise_ms"]["steps"] >= 0
     for row in result["held_out"].values():
         assert set(row) == set(LATENCY_FIGURES)
         for cell in row.values():

@@ -93,8 +93,11 @@ class CostModel:
         hw = self.hardware
         if hw.terms is not None:  # one process on one device: no collectives (_check_tensor_parallel)
             features = self.features(query_lens, context_lens, num_sampled, (flops, nbytes))
-            # step_overhead_s: the work between steps a served run adds (latency_check fits it)
-            return StepCost(total_flops, total_bytes, hw.terms.seconds(features) + hw.step_overhead_s)
+            # step_overhead_s: the work between steps a served run adds; admission_s: admitting each
+            # request whose prompt starts in this step (latency_check fits both)
+            new_prompts = sum(1 for q, c in zip(query_lens, context_lens) if c == q)
+            return StepCost(total_flops, total_bytes,
+                            hw.terms.seconds(features) + hw.step_overhead_s + hw.admission_s * new_prompts)
         kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
         if self.tensor_parallel > 1:
             kernels["communication"] = self._communication_seconds(num_tokens, num_sampled)

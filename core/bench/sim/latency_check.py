@@ -7,11 +7,16 @@ driver admitting arrivals, handing out outputs, the scheduler's bookkeeping outs
 timed step). So the latency check runs workloads with Poisson and bursty arrivals for
 real, in wall-clock time, and:
 
-1. on the *fit* cases, fits two numbers by least squares over every busy step (one
+1. on the *fit* cases, fits three numbers by least squares over every busy step (one
    after which a request was still unfinished, so the next step followed at once): the
-   factor from the offline terms to a served step's wall time (`speed`) and the seconds
+   factor from the offline terms to a served step's wall time (`speed`), the seconds
    between one step's start and the next's that no step term explains
-   (`step_overhead_s`, the server's and engine's per-step overhead);
+   (`step_overhead_s`, the server's and engine's per-step overhead) and the seconds each
+   request admitted between them adds (`admission_s`). The fit is refitted without the
+   steps far above it (the machine's stalls: a thread of the engine preempted by other
+   work); what is left over of every busy step, stalls included, is kept as the
+   profile's step noise, one residual drawn per simulated step (seeded), so the
+   simulated tails carry the machine's stalls as often and as long as the fit saw them;
 2. on the *held-out* cases (other rates, past saturation among them, bursty arrivals,
    the chunked-prefill scheduler, a workload kind the fit never saw), simulates the same
    workload through the same config with the profile so fitted and reports, per case,
@@ -83,6 +88,18 @@ class ServedRun:
     steps: list[tuple[Any, float]]  # (SimInputs, wall seconds) per step that ran the model
     starts: list[float]  # per such step, its start on the engine's clock
     busy: list[bool]  # per such step, whether a request was still unfinished when it ended
+    admitted: list[int] = attrs.field(factory=list)  # per such step, requests arriving before the next one
+
+
+@attrs.frozen
+class ServedFit:
+    """Wall time from one busy step's start to the next's ~= speed x the offline terms'
+    step time + step_overhead_s + admission_s x the requests admitted between them."""
+
+    speed: float = 1.0
+    step_overhead_s: float = 0.0
+    admission_s: float = 0.0
+    residuals_s: tuple[float, ...] = ()  # every busy step's observed - fitted (stalls included)
 
 
 def busy_after(starts: list[float], steps: list[tuple[Any, float]], spans: list[tuple[float, float]]) -> list[bool]:
@@ -111,7 +128,15 @@ def serve_real(config: EngineConfig, workload: Workload, threads: int) -> Served
         record = run_workload(engine, recorder, workload, workload.name)
     steps, starts = list(timer.timed), list(timer.starts)
     spans = [(o.metrics.arrival_time, o.metrics.finish_time) for o in record.outputs]
-    return ServedRun(record, steps, starts, busy_after(starts, steps, spans))
+    return ServedRun(record, steps, starts, busy_after(starts, steps, spans),
+                     admitted_between(starts, [arrival for arrival, _ in spans]))
+
+
+def admitted_between(starts: list[float], arrivals: list[float]) -> list[int]:
+    """Per step, the requests that arrived after it started and by the next step's start:
+    the driver admitted them between the two (the last step: none)."""
+    ends = [*starts[1:], starts[-1]] if starts else []
+    return [sum(1 for a in arrivals if start < a <= end) for start, end in zip(starts, ends)]
 
 
 def serve_sim(config: EngineConfig, workload: Workload, profile: Accelerator) -> RunRecord:
@@ -129,26 +154,48 @@ def serve_sim(config: EngineConfig, workload: Workload, profile: Accelerator) ->
     return run_workload(engine, recorder, workload, workload.name)
 
 
-def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any], dict[str, float]]) -> tuple[float, float]:
-    """(speed, step_overhead_s): wall time from one step's start to the next's ~= speed x
-    the offline terms' step time + step_overhead_s, by least squares over the steps after
-    which the engine was still busy (the others were followed by a wait for an arrival)."""
-    predicted, observed = [], []
+def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any], dict[str, float]]) -> ServedFit:
+    """The ServedFit of the busy steps (the others were followed by a wait for an arrival):
+    least squares, then again without the steps more than STALL_MADS robust deviations
+    above the first fit (stalls would drag speed up), and the residuals of all of them."""
+    predicted, observed, admitted = [], [], []
     for run in runs:
+        counts = run.admitted or [0] * len(run.steps)
         for index in range(len(run.steps) - 1):
             if run.busy[index]:
                 predicted.append(terms.seconds(features(run.steps[index][0])))
                 observed.append(run.starts[index + 1] - run.starts[index])
+                admitted.append(counts[index])
     if len(predicted) < 2:
-        return 1.0, 0.0
-    x, y = np.array(predicted), np.array(observed)
-    a = np.vstack([x, np.ones_like(x)]).T
-    (speed, overhead), *_ = np.linalg.lstsq(a, y, rcond=None)
-    if speed <= 0 or np.ptp(x) == 0:  # no spread in step sizes to separate the two: the overhead alone
-        return 1.0, max(0.0, float(np.median(y - x)))
+        return ServedFit()
+    x, y, n = np.array(predicted), np.array(observed), np.array(admitted, dtype=float)
+    keep = np.ones_like(y, dtype=bool)
+    for _ in range(2):
+        speed, overhead, admission = _least_squares(x[keep], y[keep], n[keep])
+        residuals = y - (speed * x + overhead + admission * n)
+        deviation = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
+        keep = residuals <= np.median(residuals) + STALL_MADS * max(deviation, 1e-6)
+    return ServedFit(speed, overhead, admission, tuple(float(r) for r in residuals))
+
+
+STALL_MADS = 5.0
+
+
+def _least_squares(x: np.ndarray, y: np.ndarray, n: np.ndarray) -> tuple[float, float, float]:
+    """(speed, overhead, admission) >= 0 with y ~= speed x + overhead + admission n; a
+    column without spread (or with a negative coefficient) is left out."""
+    if np.ptp(x) == 0:  # no spread in step sizes to separate speed from overhead: the overhead alone
+        return 1.0, max(0.0, float(np.median(y - x))), 0.0
+    columns = [x, np.ones_like(x)] + ([n] if np.ptp(n) > 0 else [])
+    coefficients = np.linalg.lstsq(np.vstack(columns).T, y, rcond=None)[0]
+    if len(coefficients) == 3 and coefficients[2] < 0:
+        return _least_squares(x, y, np.zeros_like(n))
+    speed, overhead = float(coefficients[0]), float(coefficients[1])
+    admission = float(coefficients[2]) if len(coefficients) == 3 else 0.0
     if overhead < 0:
-        speed, overhead = float(np.sum(x * y) / np.sum(x * x)), 0.0
-    return float(speed), float(overhead)
+        rest = y - admission * n
+        speed, overhead = float(np.sum(x * rest) / np.sum(x * x)), 0.0
+    return speed, overhead, admission
 
 
 def latency_figures(record: RunRecord, slo: SLO) -> dict[str, float | None]:
@@ -177,8 +224,8 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
             progress(f"serving {case.name} for real ({threads} thread{'s' if threads > 1 else ''}, wall clock)")
         served[case.name] = serve_real(config.with_overrides(case.overrides),
                                        build_workload(case.workload, vocab_size), threads)
-    speed, overhead = fit_served([served[c.name] for c in cases if c.role == FIT], terms, features)
-    profile = latency_profile(terms, speed, overhead, threads)
+    fit = fit_served([served[c.name] for c in cases if c.role == FIT], terms, features)
+    profile = latency_profile(terms, fit.speed, fit.step_overhead_s, threads, fit.admission_s, fit.residuals_s)
     rows = {}
     for case in cases:
         if case.role != HELD_OUT:
@@ -192,14 +239,19 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
     for name in LATENCY_FIGURES:
         errors = [row[name]["error"] for row in rows.values() if row[name]["error"] is not None]
         median_error[name] = statistics.median(errors) if errors else None
-    return {"threads": threads, "speed": speed, "step_overhead_s": overhead,
+    noise = np.array(fit.residuals_s) if fit.residuals_s else np.zeros(1)
+    return {"threads": threads, "speed": fit.speed, "step_overhead_s": fit.step_overhead_s,
+            "admission_s": fit.admission_s,
+            "step_noise_ms": {"steps": len(fit.residuals_s),
+                              **{f"p{q}": float(np.percentile(noise, q)) * 1e3 for q in (50, 90, 99)}},
             "fit_cases": [c.name for c in cases if c.role == FIT], "slo": attrs.asdict(slo),
             "held_out": rows, "median_error": median_error}
 
 
-def latency_profile(terms: StepTerms, speed: float, overhead: float, threads: int) -> Accelerator:
+def latency_profile(terms: StepTerms, speed: float, overhead: float, threads: int, admission_s: float = 0.0,
+                    step_noise_s: tuple[float, ...] = ()) -> Accelerator:
     return Accelerator("cpu-here (fitted, served)", 1.0, 1.0, 24e9, overhead, terms=scaled(terms, speed),
-                       threads=threads)
+                       threads=threads, admission_s=admission_s, step_noise_s=step_noise_s)
 
 
 def _error(simulated: float | None, measured: float | None) -> float | None:
@@ -214,7 +266,9 @@ def format_latency(result: dict[str, Any]) -> str:
     """The held-out table: per case and figure, measured / simulated and the error."""
     lines = [f"latency under arrivals ({result['threads']} thread(s), wall clock): fitted on "
              f"{', '.join(result['fit_cases'])}: speed x{result['speed']:.2f} of the offline terms, "
-             f"{1000 * result['step_overhead_s']:.2f} ms a step between steps",
+             f"{1000 * result['step_overhead_s']:.2f} ms a step between steps, "
+             f"{1000 * result.get('admission_s', 0.0):.2f} ms a request admitted; step noise (ms) "
+             + ", ".join(f"{k} {v:.2f}" for k, v in result.get("step_noise_ms", {}).items() if k != "steps"),
              f"{'held-out case':<26}" + "".join(f"{name:>22}" for name in LATENCY_FIGURES)]
     for case, row in result["held_out"].items():
         cells = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import attrs
@@ -66,6 +67,7 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
         self.host_memory_bytes = host_memory_bytes
         self._offload_seconds = 0.0  # this step's offloads, overlapped with its forward
         self.move_seconds = 0.0  # link time the steps waited for, in total
+        self._noise = random.Random(0)  # draws of the profile's step residuals: the same every run
 
     def attach_host_tier(self, num_host_blocks: int, path: str | None) -> None:
         """The host tier costs link time; its capacity must fit the profile's host memory."""
@@ -97,8 +99,10 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
 
     def execute(self, inputs: SimInputs) -> torch.Tensor:
         cost = self.cost_model.step(inputs.query_lens, inputs.context_lens, len(inputs.sampled_seq_rows))
-        seconds = max(cost.seconds, self._offload_seconds)
-        self.move_seconds += seconds - cost.seconds
+        noise = self.cost_model.hardware.step_noise_s
+        step_seconds = max(0.0, cost.seconds + self._noise.choice(noise)) if noise else cost.seconds
+        seconds = max(step_seconds, self._offload_seconds)
+        self.move_seconds += seconds - step_seconds
         self._offload_seconds = 0.0
         self.clock.advance(seconds)
         self.total_seconds += seconds
