@@ -73,6 +73,33 @@ def test_fit_served_leaves_stalls_out_of_the_fit_and_keeps_them_as_step_noise():
     assert plain.speed == pytest.approx(1.6, rel=1e-6)
 
 
+def test_fit_served_takes_the_wake_up_from_the_steps_after_a_wait():
+    run = _served([1, 4, 2, 8, 3, 6, 5, 7, 2, 4] * 3, speed=1.6, overhead=2e-3, idle_after=5)
+    durations = [1.6 * _TERMS.seconds(_features(size)) + (7e-4 if index == 6 else 0.0)
+                 for index, (size, _) in enumerate(run.steps)]
+    run = attrs.evolve(run, steps=[(size, d) for (size, _), d in zip(run.steps, durations)])
+    fit = fit_served([run], _TERMS, _features)
+    assert fit.wake_s == pytest.approx(7e-4, rel=1e-6) and fit.woken_s == pytest.approx((7e-4,), rel=1e-6)
+
+
+def test_a_simulated_step_after_a_wait_pays_the_profiles_wake_up():
+    from servelab.bench.sim.runner import SimInputs, SimRunner, VirtualClock
+
+    clock = VirtualClock()
+    runner = SimRunner(CostModel(model_shape("tiny-random"),
+                                 latency_profile(CPU_HERE_TERMS, 1.0, 0.0, threads=1, wake_s=1e-3)), clock)
+    inputs = SimInputs([1] * 4, [40] * 4, [0, 1, 2, 3], [1] * 4)
+    runner.execute(inputs)
+    busy = clock() - 0.0
+    clock.advance_to(clock() + 0.5)  # the engine waited for an arrival
+    before = clock()
+    runner.execute(inputs)
+    assert clock() - before == pytest.approx(busy + 1e-3)
+    before = clock()
+    runner.execute(inputs)
+    assert clock() - before == pytest.approx(busy)
+
+
 def test_admitted_between_counts_the_arrivals_before_each_next_step():
     assert admitted_between([0.0, 1.0, 2.0], [0.5, 0.7, 1.5, 3.0]) == [2, 1, 0]
     assert admitted_between([], [1.0]) == []
@@ -172,7 +199,7 @@ def test_check_latency_fits_on_fit_cases_and_reports_every_figure_of_the_held_ou
     result = check_latency(config, CPU_HERE_TERMS, _tiny_features(config), cases, threads=1)
     assert result["fit_cases"] == ["fit"] and set(result["held_out"]) == {"bursty", "chunked"}
     assert result["speed"] > 0 and result["step_overhead_s"] >= 0 and result["admission_s"] >= 0
-    assert result["step_noise_ms"]["steps"] >= 0
+    assert result["step_noise_ms"]["count"] >= 0 and result["wake_ms"]["count"] >= 0
     for row in result["held_out"].values():
         assert set(row) == set(LATENCY_FIGURES)
         for cell in row.values():

@@ -71,11 +71,14 @@ class Accelerator:
     host_link: str = "pcie4"
     host_memory_bytes: float = 0.0
     threads: int = 0  # a CPU profile: the torch threads the engine ran with when it was fitted (0: not a CPU)
-    # A served CPU profile (servelab.bench.sim.latency_check fits both): host seconds to admit one
-    # request, charged to the step that starts its prompt; and the measured residuals of served
-    # steps around the fit (the machine's own stalls among them), one drawn per simulated step.
+    # A served CPU profile (servelab.bench.sim.latency_check fits these): host seconds to admit one
+    # request, charged to the step that starts its prompt; the measured residuals of served
+    # steps around the fit (the machine's own stalls among them), one drawn per simulated step;
+    # and what the first step after the engine waited for an arrival costs beyond the fit
+    # (threads and caches waking: the median of those measured).
     admission_s: float = 0.0
     step_noise_s: tuple[float, ...] = ()
+    wake_s: float = 0.0
 
     @property
     def per_kernel(self) -> bool:

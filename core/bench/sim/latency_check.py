@@ -17,6 +17,11 @@ real, in wall-clock time, and:
    work); what is left over of every busy step, stalls included, is kept as the
    profile's step noise, one residual drawn per simulated step (seeded), so the
    simulated tails carry the machine's stalls as often and as long as the fit saw them;
+   and the median step after a wait for an arrival, less its fitted time, is the
+   profile's `wake_s` (what the first step after idling costs: threads and caches waking),
+   which the simulator adds to every step that follows a wait (a median, not the spread:
+   how long a wake takes depends on how long the engine slept, which the fit cases'
+   rates do not span);
 2. on the *held-out* cases (other rates, past saturation among them, bursty arrivals,
    the chunked-prefill scheduler, a workload kind the fit never saw), simulates the same
    workload through the same config with the profile so fitted and reports, per case,
@@ -100,6 +105,8 @@ class ServedFit:
     step_overhead_s: float = 0.0
     admission_s: float = 0.0
     residuals_s: tuple[float, ...] = ()  # every busy step's observed - fitted (stalls included)
+    wake_s: float = 0.0  # the median step after a wait for an arrival, less its fitted time
+    woken_s: tuple[float, ...] = ()  # each such step, less its fitted time
 
 
 def busy_after(starts: list[float], steps: list[tuple[Any, float]], spans: list[tuple[float, float]]) -> list[bool]:
@@ -175,7 +182,11 @@ def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any]
         residuals = y - (speed * x + overhead + admission * n)
         deviation = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
         keep = residuals <= np.median(residuals) + STALL_MADS * max(deviation, 1e-6)
-    return ServedFit(speed, overhead, admission, tuple(float(r) for r in residuals))
+    woken = [run.steps[i][1] - speed * terms.seconds(features(run.steps[i][0]))
+             for run in runs for i in range(1, len(run.steps)) if not run.busy[i - 1]]
+    wake = max(0.0, float(np.median(woken))) if woken else 0.0
+    return ServedFit(speed, overhead, admission, tuple(float(r) for r in residuals), wake,
+                     tuple(float(w) for w in woken))
 
 
 STALL_MADS = 5.0
@@ -225,7 +236,8 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
         served[case.name] = serve_real(config.with_overrides(case.overrides),
                                        build_workload(case.workload, vocab_size), threads)
     fit = fit_served([served[c.name] for c in cases if c.role == FIT], terms, features)
-    profile = latency_profile(terms, fit.speed, fit.step_overhead_s, threads, fit.admission_s, fit.residuals_s)
+    profile = latency_profile(terms, fit.speed, fit.step_overhead_s, threads, fit.admission_s, fit.residuals_s,
+                              fit.wake_s)
     rows = {}
     for case in cases:
         if case.role != HELD_OUT:
@@ -239,19 +251,28 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
     for name in LATENCY_FIGURES:
         errors = [row[name]["error"] for row in rows.values() if row[name]["error"] is not None]
         median_error[name] = statistics.median(errors) if errors else None
-    noise = np.array(fit.residuals_s) if fit.residuals_s else np.zeros(1)
     return {"threads": threads, "speed": fit.speed, "step_overhead_s": fit.step_overhead_s,
             "admission_s": fit.admission_s,
-            "step_noise_ms": {"steps": len(fit.residuals_s),
-                              **{f"p{q}": float(np.percentile(noise, q)) * 1e3 for q in (50, 90, 99)}},
+            "step_noise_ms": _spread_ms(fit.residuals_s), "wake_ms": _spread_ms(fit.woken_s),
             "fit_cases": [c.name for c in cases if c.role == FIT], "slo": attrs.asdict(slo),
             "held_out": rows, "median_error": median_error}
 
 
 def latency_profile(terms: StepTerms, speed: float, overhead: float, threads: int, admission_s: float = 0.0,
-                    step_noise_s: tuple[float, ...] = ()) -> Accelerator:
+                    step_noise_s: tuple[float, ...] = (), wake_s: float = 0.0) -> Accelerator:
     return Accelerator("cpu-here (fitted, served)", 1.0, 1.0, 24e9, overhead, terms=scaled(terms, speed),
-                       threads=threads, admission_s=admission_s, step_noise_s=step_noise_s)
+                       threads=threads, admission_s=admission_s, step_noise_s=step_noise_s, wake_s=wake_s)
+
+
+def _spread_ms(values: tuple[float, ...]) -> dict[str, float]:
+    array = np.array(values) if values else np.zeros(1)
+    return {"count": len(values), **{f"p{q}": float(np.percentile(array, q)) * 1e3 for q in (50, 90, 99)}}
+
+
+def _spread_text(spread: dict[str, float] | None) -> str:
+    if not spread:
+        return "-"
+    return "ms p50 {p50:.2f}, p90 {p90:.2f}, p99 {p99:.2f}".format(**spread)
 
 
 def _error(simulated: float | None, measured: float | None) -> float | None:
@@ -267,8 +288,9 @@ def format_latency(result: dict[str, Any]) -> str:
     lines = [f"latency under arrivals ({result['threads']} thread(s), wall clock): fitted on "
              f"{', '.join(result['fit_cases'])}: speed x{result['speed']:.2f} of the offline terms, "
              f"{1000 * result['step_overhead_s']:.2f} ms a step between steps, "
-             f"{1000 * result.get('admission_s', 0.0):.2f} ms a request admitted; step noise (ms) "
-             + ", ".join(f"{k} {v:.2f}" for k, v in result.get("step_noise_ms", {}).items() if k != "steps"),
+             f"{1000 * result.get('admission_s', 0.0):.2f} ms a request admitted, "
+             f"step noise {_spread_text(result.get('step_noise_ms'))}, waking after a wait "
+             f"{_spread_text(result.get('wake_ms'))}",
              f"{'held-out case':<26}" + "".join(f"{name:>22}" for name in LATENCY_FIGURES)]
     for case, row in result["held_out"].items():
         cells = []

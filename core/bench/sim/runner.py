@@ -17,6 +17,7 @@ class VirtualClock:
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.idled = False  # the engine waited for an arrival since the last step (advance_to moved it)
 
     def __call__(self) -> float:
         return self.now
@@ -25,7 +26,9 @@ class VirtualClock:
         self.now += seconds
 
     def advance_to(self, when: float) -> None:
-        self.now = max(self.now, when)
+        if when > self.now:
+            self.now = when
+            self.idled = True
 
 
 @attrs.frozen
@@ -99,8 +102,12 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
 
     def execute(self, inputs: SimInputs) -> torch.Tensor:
         cost = self.cost_model.step(inputs.query_lens, inputs.context_lens, len(inputs.sampled_seq_rows))
-        noise = self.cost_model.hardware.step_noise_s
+        hardware = self.cost_model.hardware
+        noise = hardware.step_noise_s
         step_seconds = max(0.0, cost.seconds + self._noise.choice(noise)) if noise else cost.seconds
+        if self.clock.idled:  # the first step after a wait pays the profile's wake-up
+            step_seconds += hardware.wake_s
+            self.clock.idled = False
         seconds = max(step_seconds, self._offload_seconds)
         self.move_seconds += seconds - step_seconds
         self._offload_seconds = 0.0
