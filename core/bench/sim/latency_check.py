@@ -252,7 +252,7 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
         errors = [row[name]["error"] for row in rows.values() if row[name]["error"] is not None]
         median_error[name] = statistics.median(errors) if errors else None
     return {"threads": threads, "speed": fit.speed, "step_overhead_s": fit.step_overhead_s,
-            "admission_s": fit.admission_s,
+            "admission_s": fit.admission_s, "wake_s": fit.wake_s,
             "step_noise_ms": _spread_ms(fit.residuals_s), "wake_ms": _spread_ms(fit.woken_s),
             "fit_cases": [c.name for c in cases if c.role == FIT], "slo": attrs.asdict(slo),
             "held_out": rows, "median_error": median_error}
@@ -289,8 +289,8 @@ def format_latency(result: dict[str, Any]) -> str:
              f"{', '.join(result['fit_cases'])}: speed x{result['speed']:.2f} of the offline terms, "
              f"{1000 * result['step_overhead_s']:.2f} ms a step between steps, "
              f"{1000 * result.get('admission_s', 0.0):.2f} ms a request admitted, "
-             f"step noise {_spread_text(result.get('step_noise_ms'))}, waking after a wait "
-             f"{_spread_text(result.get('wake_ms'))}",
+             f"{1000 * result.get('wake_s', 0.0):.2f} ms waking after a wait (the median; "
+             f"{_spread_text(result.get('wake_ms'))}); step noise {_spread_text(result.get('step_noise_ms'))}",
              f"{'held-out case':<26}" + "".join(f"{name:>22}" for name in LATENCY_FIGURES)]
     for case, row in result["held_out"].items():
         cells = []
