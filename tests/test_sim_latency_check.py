@@ -100,6 +100,14 @@ def test_a_simulated_step_after_a_wait_pays_the_profiles_wake_up():
     assert clock() - before == pytest.approx(busy)
 
 
+def test_fit_served_never_gives_a_negative_speed_on_a_handful_of_steps():
+    # bigger steps followed sooner by the next: least squares alone would give a negative speed
+    run = ServedRun(record=None, steps=[(1, 0.0), (1, 0.0), (8, 0.0), (1, 0.0), (2, 0.0)],
+                    starts=[0.0, 0.004, 0.010, 0.012, 0.018], busy=[True] * 5)
+    fit = fit_served([run], _TERMS, _features)
+    assert fit.speed == 1.0 and fit.step_overhead_s >= 0 and fit.admission_s >= 0
+
+
 def test_admitted_between_counts_the_arrivals_before_each_next_step():
     assert admitted_between([0.0, 1.0, 2.0], [0.5, 0.7, 1.5, 3.0]) == [2, 1, 0]
     assert admitted_between([], [1.0]) == []

@@ -162,14 +162,15 @@ def serve_sim(config: EngineConfig, workload: Workload, profile: Accelerator) ->
 
 
 def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any], dict[str, float]]) -> ServedFit:
-    """The ServedFit of the busy steps (the others were followed by a wait for an arrival):
-    least squares, then again without the steps more than STALL_MADS robust deviations
-    above the first fit (stalls would drag speed up), and the residuals of all of them."""
+    """The ServedFit of the busy steps (the others were followed by a wait for an arrival)
+    that did not follow a wait themselves (those pay the wake-up, fitted apart): least
+    squares, then again without the steps more than STALL_MADS robust deviations above the
+    first fit (stalls would drag speed up), and the residuals of all of them."""
     predicted, observed, admitted = [], [], []
     for run in runs:
         counts = run.admitted or [0] * len(run.steps)
-        for index in range(len(run.steps) - 1):
-            if run.busy[index]:
+        for index in range(1, len(run.steps) - 1):
+            if run.busy[index] and run.busy[index - 1]:
                 predicted.append(terms.seconds(features(run.steps[index][0])))
                 observed.append(run.starts[index + 1] - run.starts[index])
                 admitted.append(counts[index])
@@ -203,6 +204,8 @@ def _least_squares(x: np.ndarray, y: np.ndarray, n: np.ndarray) -> tuple[float, 
         return _least_squares(x, y, np.zeros_like(n))
     speed, overhead = float(coefficients[0]), float(coefficients[1])
     admission = float(coefficients[2]) if len(coefficients) == 3 else 0.0
+    if speed <= 0:  # too few steps to tell speed from overhead: the overhead alone
+        return 1.0, max(0.0, float(np.median(y - x - admission * n))), admission
     if overhead < 0:
         rest = y - admission * n
         speed, overhead = float(np.sum(x * rest) / np.sum(x * x)), 0.0
