@@ -161,6 +161,9 @@ def serve_sim(config: EngineConfig, workload: Workload, profile: Accelerator) ->
     return run_workload(engine, recorder, workload, workload.name)
 
 
+STALL_MADS = 5.0  # a busy step this many robust deviations above the first fit is a stall
+
+
 def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any], dict[str, float]]) -> ServedFit:
     """The ServedFit of the busy steps (the others were followed by a wait for an arrival)
     that did not follow a wait themselves (those pay the wake-up, fitted apart): least
@@ -189,9 +192,6 @@ def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any]
     wake = max(0.0, float(np.median([excess for _, excess in woken]))) if woken else 0.0
     return ServedFit(speed, overhead, admission, tuple(float(r) for r in residuals), wake,
                      tuple(sorted((float(w), float(e)) for w, e in woken)))
-
-
-STALL_MADS = 5.0
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray, n: np.ndarray) -> tuple[float, float, float]:
