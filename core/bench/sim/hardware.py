@@ -75,12 +75,10 @@ class Accelerator:
     # request, charged to the step that starts its prompt; the measured residuals of served
     # steps around the fit (the machine's own stalls among them), one drawn per simulated step;
     # and what the first step after the engine waited for an arrival costs beyond the fit
-    # (threads and caches waking): measured (wait, excess) pairs, one drawn from those whose
-    # wait was nearest the simulated one; without them, `wake_s` (their median) every time.
+    # (threads and caches waking: the median of those measured).
     admission_s: float = 0.0
     step_noise_s: tuple[float, ...] = ()
     wake_s: float = 0.0
-    wake_by_wait_s: tuple[tuple[float, float], ...] = ()
 
     @property
     def per_kernel(self) -> bool:

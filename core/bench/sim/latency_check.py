@@ -17,11 +17,11 @@ real, in wall-clock time, and:
    work); what is left over of every busy step, stalls included, is kept as the
    profile's step noise, one residual drawn per simulated step (seeded), so the
    simulated tails carry the machine's stalls as often and as long as the fit saw them;
-   and each step after a wait for an arrival, less its fitted time, is kept with the
-   wait's length (what the first step after idling costs: threads and caches waking, a
-   thread the OS is slow to run again, more often after a long sleep): the simulator adds
-   to every step that follows a wait one of the measured wake-ups whose waits were
-   nearest its own;
+   and the median step after a wait for an arrival, less its fitted time, is the
+   profile's `wake_s` (what the first step after idling costs: threads and caches waking),
+   which the simulator adds to every step that follows a wait (a median, not the spread:
+   how long a wake takes depends on how long the engine slept, which the fit cases'
+   rates do not span);
 2. on the *held-out* cases (other rates, past saturation among them, bursty arrivals,
    the chunked-prefill scheduler, a workload kind the fit never saw), simulates the same
    workload through the same config with the profile so fitted and reports, per case,
@@ -106,7 +106,7 @@ class ServedFit:
     admission_s: float = 0.0
     residuals_s: tuple[float, ...] = ()  # every busy step's observed - fitted (stalls included)
     wake_s: float = 0.0  # the median step after a wait for an arrival, less its fitted time
-    woken_s: tuple[tuple[float, float], ...] = ()  # each such step: (its wait, its time less the fitted)
+    woken_s: tuple[float, ...] = ()  # each such step, less its fitted time
 
 
 def busy_after(starts: list[float], steps: list[tuple[Any, float]], spans: list[tuple[float, float]]) -> list[bool]:
@@ -186,12 +186,11 @@ def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any]
         residuals = y - (speed * x + overhead + admission * n)
         deviation = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
         keep = residuals <= np.median(residuals) + STALL_MADS * max(deviation, 1e-6)
-    woken = [(run.starts[i] - run.starts[i - 1] - run.steps[i - 1][1],
-              run.steps[i][1] - speed * terms.seconds(features(run.steps[i][0])))
+    woken = [run.steps[i][1] - speed * terms.seconds(features(run.steps[i][0]))
              for run in runs for i in range(1, len(run.steps)) if not run.busy[i - 1]]
-    wake = max(0.0, float(np.median([excess for _, excess in woken]))) if woken else 0.0
+    wake = max(0.0, float(np.median(woken))) if woken else 0.0
     return ServedFit(speed, overhead, admission, tuple(float(r) for r in residuals), wake,
-                     tuple(sorted((float(w), float(e)) for w, e in woken)))
+                     tuple(float(w) for w in woken))
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray, n: np.ndarray) -> tuple[float, float, float]:
@@ -241,7 +240,7 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
                                        build_workload(case.workload, vocab_size), threads)
     fit = fit_served([served[c.name] for c in cases if c.role == FIT], terms, features)
     profile = latency_profile(terms, fit.speed, fit.step_overhead_s, threads, fit.admission_s, fit.residuals_s,
-                              fit.wake_s, fit.woken_s)
+                              fit.wake_s)
     rows = {}
     for case in cases:
         if case.role != HELD_OUT:
@@ -257,17 +256,15 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
         median_error[name] = statistics.median(errors) if errors else None
     return {"threads": threads, "speed": fit.speed, "step_overhead_s": fit.step_overhead_s,
             "admission_s": fit.admission_s, "wake_s": fit.wake_s,
-            "step_noise_ms": _spread_ms(fit.residuals_s), "wake_ms": _spread_ms(tuple(e for _, e in fit.woken_s)),
+            "step_noise_ms": _spread_ms(fit.residuals_s), "wake_ms": _spread_ms(fit.woken_s),
             "fit_cases": [c.name for c in cases if c.role == FIT], "slo": attrs.asdict(slo),
             "held_out": rows, "median_error": median_error}
 
 
 def latency_profile(terms: StepTerms, speed: float, overhead: float, threads: int, admission_s: float = 0.0,
-                    step_noise_s: tuple[float, ...] = (), wake_s: float = 0.0,
-                    wake_by_wait_s: tuple[tuple[float, float], ...] = ()) -> Accelerator:
+                    step_noise_s: tuple[float, ...] = (), wake_s: float = 0.0) -> Accelerator:
     return Accelerator("cpu-here (fitted, served)", 1.0, 1.0, 24e9, overhead, terms=scaled(terms, speed),
-                       threads=threads, admission_s=admission_s, step_noise_s=step_noise_s, wake_s=wake_s,
-                       wake_by_wait_s=wake_by_wait_s)
+                       threads=threads, admission_s=admission_s, step_noise_s=step_noise_s, wake_s=wake_s)
 
 
 def _spread_ms(values: tuple[float, ...]) -> dict[str, float]:

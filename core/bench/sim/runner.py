@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any
 
@@ -11,9 +10,6 @@ import torch
 
 from servelab.bench.sim.cost_model import CostModel
 from servelab.interfaces import KVAllocator, Runner, SlotMovingRunner, StepPlan, TieredRunner, sampling_rows
-
-
-WAKE_NEIGHBOURS = 5  # a wake-up is drawn from the measured ones with the nearest waits
 
 
 class VirtualClock:
@@ -75,7 +71,6 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
         self._offload_seconds = 0.0  # this step's offloads, overlapped with its forward
         self.move_seconds = 0.0  # link time the steps waited for, in total
         self._noise = random.Random(0)  # draws of the profile's step residuals: the same every run
-        self._last_end: float | None = None  # when the last step ended (a wait is measured from it)
 
     def attach_host_tier(self, num_host_blocks: int, path: str | None) -> None:
         """The host tier costs link time; its capacity must fit the profile's host memory."""
@@ -110,25 +105,15 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
         hardware = self.cost_model.hardware
         noise = hardware.step_noise_s
         step_seconds = max(0.0, cost.seconds + self._noise.choice(noise)) if noise else cost.seconds
-        if self.clock.idled:  # the first step after a wait pays a wake-up
-            step_seconds = max(0.0, step_seconds + self._wake_up(hardware))
+        if self.clock.idled:  # the first step after a wait pays the profile's wake-up
+            step_seconds += hardware.wake_s
             self.clock.idled = False
         seconds = max(step_seconds, self._offload_seconds)
         self.move_seconds += seconds - step_seconds
         self._offload_seconds = 0.0
         self.clock.advance(seconds)
         self.total_seconds += seconds
-        self._last_end = self.clock()
         return torch.zeros(sum(inputs.num_logits_rows), 1)
-
-    def _wake_up(self, hardware: Any) -> float:
-        """One of the measured wake-ups whose wait was nearest (in ratio) this one's."""
-        pairs = hardware.wake_by_wait_s
-        if not pairs:
-            return hardware.wake_s
-        wait = max(self.clock() - self._last_end, 1e-9) if self._last_end is not None else pairs[-1][0]
-        nearest = sorted(pairs, key=lambda pair: abs(math.log(max(pair[0], 1e-9) / wait)))[:WAKE_NEIGHBOURS]
-        return self._noise.choice(nearest)[1]
 
     def execute_with_hidden(self, inputs: SimInputs) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("the simulator has no hidden states: drafters that read them cannot be simulated")
