@@ -233,7 +233,10 @@ def test_the_planner_picks_the_split_with_most_goodput_per_device_meeting_the_sl
     workload = build_workload("fixed:num_requests=16,prompt_len=300,output_len=6,arrival=poisson,rate=40",
                               model_shape("llama-3-8b").vocab_size)
     plan = plan_pd(EngineConfig.load({}), workload, "h100", "llama-3-8b", "nvlink4", SLO(1000, 100), 3, 0.9)
-    assert [row["topology"] for row in plan["rows"]] == ["colocated x2", "1P1D", "colocated x3", "1P2D", "2P1D"]
+    # every split of 2 and 3 devices, with a tensor-parallel degree per role
+    assert {row["topology"]: row["devices"] for row in plan["rows"]} == {
+        "colocated x2": 2, "colocated x1 TP2": 2, "1P1D": 2,
+        "colocated x3": 3, "1P2D": 3, "1P1D(TP2)": 3, "2P1D": 3, "1P(TP2)1D": 3}
     meeting = [row for row in plan["rows"] if row["slo_attainment"] >= 0.9]
     assert plan["best"] == max(meeting, key=lambda row: row["goodput_per_device"])["topology"]
     assert "goodput/device" in format_comparison(plan)

@@ -91,12 +91,13 @@ def format_comparison(result: dict[str, Any]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     slo = result["slo"]
+    width = max([10, *(len(row["topology"]) for row in result["rows"])])
     lines = [f"SLO: TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms",
-             f"{'topology':<10} {'goodput/s':>9} {'SLO ok':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+             f"{'topology':<{width}} {'goodput/s':>9} {'SLO ok':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
              f"{'TPOT p99':>9} {'KV MB':>8} {'recomp':>6} {'same tokens':>11} {'goodput/device':>14}"]
     for row in result["rows"]:
         same = result["identical"].get(row["topology"])
-        lines.append(f"{row['topology']:<10} {number(row['goodput_rps'], 2):>9} {row['slo_attainment']:>7.0%} "
+        lines.append(f"{row['topology']:<{width}} {number(row['goodput_rps'], 2):>9} {row['slo_attainment']:>7.0%} "
                      f"{number(row['ttft_ms']['p50']):>9} {number(row['ttft_ms']['p99']):>9} "
                      f"{number(row['tpot_ms']['p50']):>9} {number(row['tpot_ms']['p99']):>9} "
                      f"{row['kv_bytes_moved'] / 1e6:>8.2f} {row['recomputes']:>6.0f} "

@@ -157,7 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--json", dest="json_out", help="write the plan as JSON to this file")
     _add_kv_cache_dtype_argument(size)
     size.add_argument("--disaggregate", type=int, metavar="N", help="plan prefill/decode disaggregation instead: "
-                      "every colocated fleet and xPyD split of 2..N devices on the workload (give it arrivals, e.g. "
+                      "every colocated fleet and xPyD split of 2..N devices, a tensor-parallel degree per role, on the "
+                      "workload (give it arrivals, e.g. "
                       "arrival=poisson,rate=R), the best goodput per device meeting --slo-attainment")
     size.add_argument("--handoff-link", default="nvlink4", help="with --disaggregate: the link a KV handoff crosses")
     size.set_defaults(handler=_cmd_size)

@@ -32,6 +32,7 @@ from servelab.disagg.consumer import DecodeWorker
 from servelab.disagg.producer import PrefillWorker
 from servelab.disagg.routing import PDRouter
 from servelab.engine_setup import build_kv_transport
+from servelab.errors import ConfigError
 from servelab.interfaces import KVLayout, KVTransferContext, RouteRequest
 from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
@@ -72,15 +73,19 @@ def pd_config(config: EngineConfig) -> EngineConfig:
 
 
 def run_pd_fleet(config: EngineConfig, workload: Workload, prefill: int, decode: int, accelerator: str,
-                 sim_model: str, link: HandoffLink, lease_s: float = 60.0) -> dict[str, Any]:
-    """Serve `workload` on a simulated xPyD fleet; its outputs (workload order), its
-    simulated seconds and the KV bytes its handoffs moved."""
+                 sim_model: str, link: HandoffLink, lease_s: float = 60.0, prefill_tp: int = 1,
+                 decode_tp: int = 1) -> dict[str, Any]:
+    """Serve `workload` on a simulated xPyD fleet, each prefill replica over `prefill_tp`
+    devices and each decode replica over `decode_tp` (tensor parallelism per role); its
+    outputs (workload order), its simulated seconds and the KV bytes its handoffs moved."""
     config = pd_config(config)
     now = _Now()
     registry = PluginRegistry.from_entry_points()
     transport = build_kv_transport(config, registry, KVTransferContext(role="both", name="simulated", clock=now))
-    prefill_replicas = [SimReplica(i, config, accelerator, sim_model) for i in range(prefill)]
-    decode_replicas = [SimReplica(prefill + i, config, accelerator, sim_model) for i in range(decode)]
+    prefill_config = config.with_overrides({"engine.tensor_parallel_size": prefill_tp})
+    decode_config = config.with_overrides({"engine.tensor_parallel_size": decode_tp})
+    prefill_replicas = [SimReplica(i, prefill_config, accelerator, sim_model) for i in range(prefill)]
+    decode_replicas = [SimReplica(prefill + i, decode_config, accelerator, sim_model) for i in range(decode)]
     first = prefill_replicas[0].engine
     model = first.model_config
     # the simulated model's own KV row (the simulator prices weights and KV in bf16)
@@ -182,24 +187,62 @@ def run_pd_comparison(config: EngineConfig, workload: Workload, topologies: Seq[
 
 def plan_pd(config: EngineConfig, workload: Workload, accelerator: str, sim_model: str, link_name: str, slo: SLO,
             max_devices: int, attainment: float) -> dict[str, Any]:
-    """`servelab size --disaggregate N`: every colocated fleet and every xPyD split of 2..N
-    devices on `workload`; the best is the most goodput per device among those meeting
-    `attainment` of the SLO (DistServe's placement search, over P:D ratios)."""
+    """`servelab size --disaggregate N`: on 2..N devices, every colocated fleet (replicas x
+    tensor-parallel degree) and every xPyD split with a tensor-parallel degree per role
+    (x prefill replicas of TPp devices and y decode replicas of TPd, x TPp + y TPd devices),
+    run on `workload`; the best is the most goodput per device among those meeting
+    `attainment` of the SLO (DistServe's placement search, over P:D ratios and per-role
+    parallelism). Degrees the model's heads do not divide are skipped."""
     link = handoff_link(link_name)
     rows = []
     for devices in range(2, max_devices + 1):
-        fleet = SimFleet(f"colocated x{devices}", pd_config(config), devices, accelerator, sim_model)
-        record = run_fleet(fleet, workload)
-        rows.append({**summarize_outputs(fleet.name, record.run.outputs, record.run.end_time - record.run.start_time,
-                                         slo), "devices": devices})
-        for prefill in range(1, devices):
-            result = run_pd_fleet(config, workload, prefill, devices - prefill, accelerator, sim_model, link)
-            rows.append({**summarize_outputs(f"{prefill}P{devices - prefill}D", result["outputs"], result["seconds"],
-                                             slo, result["kv_bytes_moved"], result["recomputes"]),
-                         "devices": devices})
+        for replicas, tp in _splits(devices):
+            tp_config = pd_config(config).with_overrides({"engine.tensor_parallel_size": tp})
+            name = f"colocated x{replicas}" + (f" TP{tp}" if tp > 1 else "")
+            fleet = _fleet_or_none(name, tp_config, replicas, accelerator, sim_model)
+            if fleet is None:
+                continue
+            record = run_fleet(fleet, workload)
+            rows.append({**summarize_outputs(fleet.name, record.run.outputs,
+                                             record.run.end_time - record.run.start_time, slo), "devices": devices})
+        for prefill, prefill_tp, decode, decode_tp in _role_splits(devices):
+            try:
+                result = run_pd_fleet(config, workload, prefill, decode, accelerator, sim_model, link,
+                                      prefill_tp=prefill_tp, decode_tp=decode_tp)
+            except ConfigError:  # a degree the model's heads do not divide
+                continue
+            name = f"{prefill}P{_tp(prefill_tp)}{decode}D{_tp(decode_tp)}"
+            rows.append({**summarize_outputs(name, result["outputs"], result["seconds"], slo,
+                                             result["kv_bytes_moved"], result["recomputes"]), "devices": devices})
     for row in rows:
         row["goodput_per_device"] = row["goodput_rps"] / row["devices"]
     meeting = [row for row in rows if row["slo_attainment"] >= attainment]
     best = max(meeting, key=lambda row: (row["goodput_per_device"], -row["devices"]), default=None)
     return {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "attainment": attainment, "link": link_name,
             "rows": rows, "identical": {}, "best": best["topology"] if best is not None else None}
+
+
+def _tp(degree: int) -> str:
+    return f"(TP{degree})" if degree > 1 else ""
+
+
+def _splits(devices: int) -> list[tuple[int, int]]:
+    """(replicas, tensor-parallel degree) filling `devices` exactly, degrees powers of two."""
+    return [(devices // tp, tp) for tp in (1, 2, 4, 8) if tp <= devices and devices % tp == 0]
+
+
+def _role_splits(devices: int) -> list[tuple[int, int, int, int]]:
+    """(prefill replicas, their degree, decode replicas, their degree) filling `devices`."""
+    found = []
+    for prefill_devices in range(1, devices):
+        for prefill, prefill_tp in _splits(prefill_devices):
+            for decode, decode_tp in _splits(devices - prefill_devices):
+                found.append((prefill, prefill_tp, decode, decode_tp))
+    return found
+
+
+def _fleet_or_none(name: str, config: EngineConfig, replicas: int, accelerator: str, sim_model: str) -> SimFleet | None:
+    try:
+        return SimFleet(name, config, replicas, accelerator, sim_model)
+    except ConfigError:  # a degree the model's heads do not divide
+        return None
