@@ -249,10 +249,10 @@ class _FakeReplica:
         self.sent.append(command)
 
     def stop(self, timeout: float) -> None:
-        pass
+        self.stopped = True
 
 
-def _front_end(failure_policy: str):
+def _front_end(failure_policy: str, liveness_timeout: float | None = None):
     from servelab.disagg.routing import PDRouter
     from servelab.registry import PluginRegistry
     from servelab.server.disaggregated import DisaggregatedEngine
@@ -260,7 +260,7 @@ def _front_end(failure_policy: str):
 
     prefill, decode = _FakeReplica(PRODUCER, "prefill-0"), _FakeReplica(CONSUMER, "decode-0")
     router = PDRouter(PluginRegistry.from_entry_points(), 1, 1, 16, 0)
-    engine = DisaggregatedEngine([prefill], [decode], router, 16, failure_policy)
+    engine = DisaggregatedEngine([prefill], [decode], router, 16, failure_policy, liveness_timeout=liveness_timeout)
     failures: list[str] = []
     engine.on_failure = failures.append
     return engine, prefill, decode, failures
@@ -370,6 +370,39 @@ def test_front_end_aborts_on_both_replicas_and_fails_requests_of_a_dead_decode_r
             ended = await _last_event(events)
             assert ended.output.finish_reason == "error" and "decode replica decode-0 died" in ended.output.error
             assert failures and "every decode replica has failed" in failures[0]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_silent_prefill_replica_is_killed_and_its_requests_recomputed_not_left_waiting():
+    """A replica not heard from past the liveness timeout (a stopped or hung process: a live
+    one answers its poll every second) is killed and handled as a dead one: under
+    `recompute` its request goes whole to the decode replica, which streams it; a replica
+    that keeps answering is left alone."""
+    import asyncio
+
+    from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from servelab.server.engine_core import EMPTY_SNAPSHOT
+
+    async def run():
+        engine, prefill, decode, failures = _front_end("recompute", liveness_timeout=0.3)
+        engine.start()
+        try:
+            events, transfer_id = await _added(engine, prefill, "r0")
+            for _ in range(8):  # the decode replica keeps answering its polls; the prefill replica is silent
+                await asyncio.sleep(0.1)
+                engine._handle(decode, [], (EMPTY_SNAPSHOT, {}, None))
+            assert prefill.dead and getattr(prefill, "stopped", False) and not decode.dead
+            assert decode.sent[-1][0] == "recompute" and decode.sent[-1][1] == transfer_id
+            now = engine.clock()
+            final = RequestOutput(transfer_id, None, list(range(5, 25)), [CompletionOutput(0, [7, 8], "", "length")],
+                                  RequestMetrics(now, None, None, now))
+            engine._handle(decode, [("step", {transfer_id: [7, 8]}, [final])], (EMPTY_SNAPSHOT, {}, None))
+            done = await _last_event(events)
+            assert done.output.token_ids == [7, 8] and done.output.finish_reason == "length"
+            assert failures == [] and engine.stalled_seconds() < 1.0  # /health stays 200
         finally:
             await engine.shutdown()
 

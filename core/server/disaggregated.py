@@ -74,7 +74,8 @@ class DisaggregatedEngine:
     """Prefill replicas then decode replicas, with the interface of one AsyncEngine."""
 
     def __init__(self, prefill: Seq[RoleReplica], decode: Seq[RoleReplica], router: PDRouter, block_size: int,
-                 failure_policy: str, tokenizer: Any = None, metrics: Any = None) -> None:
+                 failure_policy: str, tokenizer: Any = None, metrics: Any = None,
+                 liveness_timeout: float | None = None) -> None:
         if not prefill or not decode:
             raise ServelabError("a disaggregated server needs at least one prefill and one decode replica")
         self.prefill, self.decode = list(prefill), list(decode)
@@ -93,6 +94,10 @@ class DisaggregatedEngine:
         self._queues: dict[str, StreamBuffer] = {}  # engine request id -> its reader's queue, until its last event
         self._loop: asyncio.AbstractEventLoop | None = None
         self._detokenizer: Detokenizer | None = None
+        # a replica not heard from this long (its process stopped or hung) is killed and handled
+        # as a dead one; None: no watchdog
+        self.liveness_timeout = liveness_timeout
+        self._watchdog: asyncio.Task | None = None
         self.info = EngineInfo(min(r.info.max_model_len for r in self.replicas), self.replicas[0].info.vocab_size,
                                min(r.info.max_logprobs for r in self.replicas))
         if metrics is not None:
@@ -110,6 +115,28 @@ class DisaggregatedEngine:
                                         RequestEvent, threaded=True)
         for replica in self.replicas:
             replica.start(self._on_poll, self._on_exit)
+        if self.liveness_timeout is not None:
+            self._watchdog = self._loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Every fraction of the liveness timeout: a replica silent past it is killed. A live
+        replica answers its poll at least every second, busy or idle, so silence is a stopped
+        or hung process, whose requests would otherwise wait for it without end."""
+        interval = min(1.0, self.liveness_timeout / 4)
+        while not self.stopping:
+            await asyncio.sleep(interval)
+            self.check_liveness()
+
+    def check_liveness(self) -> None:
+        now = time.monotonic()
+        for replica in self.replicas:
+            silent = now - replica.last_heard
+            if replica.dead or silent <= self.liveness_timeout:
+                continue
+            logger.error("disagg.replica_silent", replica=replica.name, silent_seconds=round(silent, 1))
+            self._replica_died(replica, f"not heard from for {silent:.1f} s, liveness timeout "
+                                        f"{self.liveness_timeout:g} s; killed")
+            self._loop.run_in_executor(None, replica.stop, 1.0)  # its holds and blocks go with its process
 
     async def add(self, requests: Seq[NewRequest], decode: Decode | None = None,
                   events: StreamBuffer | None = None) -> StreamBuffer:
@@ -214,6 +241,8 @@ class DisaggregatedEngine:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         self.stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._loop is None:
             return
         await asyncio.gather(*(asyncio.to_thread(r.stop, timeout) for r in self.replicas))
@@ -452,7 +481,8 @@ def disaggregated_config(config: Any) -> Any:
 def launch_disaggregated(config: Any, num_prefill: int, num_decode: int, failure_policy: str = "recompute",
                          lease_s: float = DEFAULT_LEASE_S, ray_address: str | None = None,
                          threads: int | None = None, tokenizer: Any = None, metrics: Any = None,
-                         num_cpus_per_replica: float = 1.0) -> tuple[DisaggregatedEngine, bool]:
+                         num_cpus_per_replica: float = 1.0,
+                         liveness_timeout: float | None = None) -> tuple[DisaggregatedEngine, bool]:
     """Start `num_prefill` prefill and `num_decode` decode RoleActors (on the cluster at
     `ray_address`, else on a local Ray started here), wait until every model is loaded,
     and put them behind a DisaggregatedEngine. Returns it, and whether Ray was started here."""
@@ -491,7 +521,7 @@ def launch_disaggregated(config: Any, num_prefill: int, num_decode: int, failure
         replicas.append(RoleReplica(actor, role, name, index, info, pid))
     engine = DisaggregatedEngine([r for r in replicas if r.role == PRODUCER],
                                  [r for r in replicas if r.role == CONSUMER], router, config.engine.block_size,
-                                 failure_policy, tokenizer, metrics)
+                                 failure_policy, tokenizer, metrics, liveness_timeout)
     logger.info("disagg.started", prefill=num_prefill, decode=num_decode, failure_policy=failure_policy,
                 lease_s=lease_s, transport=config.kv_transfer.name)
     return engine, started_here

@@ -182,7 +182,8 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
             threads = max(1, default_engine_threads() // (options.prefill_replicas + options.decode_replicas))
         engine, stop_ray = launch_disaggregated(config, options.prefill_replicas, options.decode_replicas,
                                                 options.kv_failure_policy, options.kv_lease_s, options.ray_address,
-                                                threads=threads, tokenizer=checkpoint.tokenizer, metrics=metrics)
+                                                threads=threads, tokenizer=checkpoint.tokenizer, metrics=metrics,
+                                                liveness_timeout=options.liveness_timeout)
     elif options.replicas is not None:
         from servelab.server.replicas import launch_replicas, replica_configs
 
