@@ -227,6 +227,39 @@ def test_a_killed_prefill_replica_ends_each_request_within_the_bound_and_leaks_n
         assert client.get("/health").status_code == 200
 
 
+def test_a_stopped_prefill_replica_is_killed_by_the_watchdog_and_its_request_answered(tmp_path, expected):
+    """SIGSTOP of the prefill replica's process (silent, not dead) on a server with a short
+    liveness timeout: a request waiting on it is recomputed on the decode replica and
+    answered as one engine answers it, within the timeout and a margin; the stopped replica
+    is killed (up 0), /health stays 200, and the decode replica holds no block."""
+    _, _, longer = expected
+    server = ServerProcess(MODEL, "--prefill-replicas", "1", "--decode-replicas", "1", "--liveness-timeout", "2",
+                           "--set", 'kv_transfer.name="shared-files"', "--set", f'kv_transfer.path="{tmp_path / "kv"}"',
+                           *SETTINGS, log_path=tmp_path / "log")
+    found = re.findall(r"replica\.started\s.*?pid=(\d+) replica=prefill-0", server.log())
+    pid = int(found[0]) if found else None
+    try:
+        assert pid is not None, server.log()
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            reply = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 40, **GREEDY})
+            assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == longer[1][0]
+            assert time.monotonic() - started < 20
+            assert client.get("/health").status_code == 200
+        metrics = server.wait_metrics(lambda m: m['servelab_replica_up{replica="prefill-0"}'] == 0, timeout=10)
+        assert metrics['servelab_kv_transfer_recomputes_total{replica="decode-0",role="decode"}'] == 1
+        server.wait_metrics(lambda m: _used(m, "decode-0") == 0, timeout=10)
+        assert "disagg.replica_silent" in server.log()
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)  # if the watchdog had not
+            except ProcessLookupError:
+                pass
+        assert server.terminate(60) == 0, server.log_path.read_text()
+
+
 # ---------------------------------------------------------------- the front end alone, its replicas faked
 
 

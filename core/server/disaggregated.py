@@ -405,9 +405,9 @@ class DisaggregatedEngine:
         affected = [s for s in self._requests.values() if s.prefill is replica or s.decode is replica]
         logger.error("disagg.replica_died", replica=replica.name, role=replica.role, requests=len(affected),
                      failure_policy=self.failure_policy, error=reason)
-        if self.metrics is not None:
+        if self.metrics is not None:  # its blocks went with it (observed first: a first observation marks it up)
+            self.metrics.observe_replica(replica.name, {}, EMPTY_SNAPSHOT)
             self.metrics.replica_down(replica.name)
-            self.metrics.observe_replica(replica.name, {}, EMPTY_SNAPSHOT)  # its blocks went with it
         lost: list[RequestOutput] = []
         now = self.clock()
         for state in affected:
