@@ -3,7 +3,8 @@
 streamed or not, token-identical to one colocated engine; what P/D cannot serve refused
 with a 400; a client abort mid-stream leaves no KV block held on either replica; and the
 prefill replica's process killed mid-stream: every request ends within a bound with its
-recomputed completion, and no replica left holds a block."""
+recomputed completion, and no replica left holds a block; and stopped (SIGSTOP): the
+watchdog kills it and the request waiting on it is recomputed."""
 
 from __future__ import annotations
 
