@@ -507,14 +507,7 @@ def launch_disaggregated(config: Any, num_prefill: int, num_decode: int, failure
             [(CONSUMER, f"decode-{i}", i) for i in range(num_decode)]
     actors = [remote.remote(config, role, name, lease_s, failure_policy, threads, verbosity)
               for role, name, _ in roles]
-    try:
-        infos = wait_started(ray, actors, noun="prefill/decode replica")
-    except BaseException:
-        for actor in actors:
-            ray.kill(actor)
-        if started_here:
-            ray.shutdown()
-        raise
+    infos = wait_started(ray, actors, started_here, noun="prefill/decode replica")
     replicas = []
     for actor, (role, name, index), (info, pid) in zip(actors, roles, infos):
         logger.info("replica.started", replica=name, role=role, pid=pid, max_model_len=info.max_model_len)

@@ -206,14 +206,7 @@ def launch_replicas(configs: Seq[Any], ray_address: str | None = None, threads: 
     remote = ray.remote(num_cpus=num_cpus_per_replica, max_concurrency=4)(EngineActor)
     verbosity = configured_verbosity()
     actors = [remote.remote(config, index, threads, verbosity) for index, config in enumerate(configs)]
-    try:
-        infos = wait_started(ray, actors)
-    except BaseException:
-        for actor in actors:
-            ray.kill(actor)
-        if started_here:
-            ray.shutdown()
-        raise
+    infos = wait_started(ray, actors, started_here)
     engines = []
     for index, (actor, (info, pid)) in enumerate(zip(actors, infos)):
         logger.info("replica.started", replica=index, pid=pid, max_model_len=info.max_model_len)
@@ -237,7 +230,20 @@ def start_ray(ray: Any, ray_address: str | None, num_actors: int, num_cpus_per_a
     return started_here
 
 
-def wait_started(ray: Any, actors: list[Any], noun: str = "replica") -> list[Any]:
+def wait_started(ray: Any, actors: list[Any], started_here: bool, noun: str = "replica") -> list[Any]:
+    """Each actor's `info()` once its model is loaded; on any failure the actors are killed
+    (and Ray stopped, if `started_here`) before the error goes on."""
+    try:
+        return _infos(ray, actors, noun)
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        if started_here:
+            ray.shutdown()
+        raise
+
+
+def _infos(ray: Any, actors: list[Any], noun: str) -> list[Any]:
     pending = {actor.info.remote(): index for index, actor in enumerate(actors)}
     results: dict[int, Any] = {}
     ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=_START_TIMEOUT)

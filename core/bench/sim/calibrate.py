@@ -206,8 +206,8 @@ def profile_of(terms: StepTerms, threads: int = 1) -> Accelerator:
     return Accelerator("cpu-here (fitted)", 1.0, 1.0, 24e9, 0.0, terms=terms, threads=threads)
 
 
-def simulate(config: EngineConfig, workload: Workload, profile: Accelerator) -> dict[str, float]:
-    """The same workload through the same policies, timed by the fitted cost model."""
+def simulated_run(config: EngineConfig, workload: Workload, profile: Accelerator, name: str = "sim") -> Any:
+    """The workload through the config's policies, timed by `profile`: its RunRecord."""
     from servelab.engine import LLMEngine
     from servelab.model_source import CheckpointSource
 
@@ -218,7 +218,12 @@ def simulate(config: EngineConfig, workload: Workload, profile: Accelerator) -> 
     recorder = StepRecorder(clock)
     registry.register(recorder)
     engine = LLMEngine(config, registry, clock=clock, source=source)
-    record = run_workload(engine, recorder, workload, "sim")
+    return run_workload(engine, recorder, workload, name)
+
+
+def simulate(config: EngineConfig, workload: Workload, profile: Accelerator) -> dict[str, float]:
+    """The same workload through the same policies, timed by the fitted cost model."""
+    record = simulated_run(config, workload, profile)
     num_output = sum(len(o.token_ids) for o in record.outputs)
     return {"seconds": record.end_time - record.start_time,
             "output_tokens_per_s": num_output / (record.end_time - record.start_time)}

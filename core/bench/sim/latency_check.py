@@ -40,12 +40,9 @@ import numpy as np
 from servelab.bench.driver import RunRecord, StepRecorder, run_workload
 from servelab.bench.metrics import SLO, summarize
 from servelab.bench.repetitions import offline
-from servelab.bench.sim.calibrate import StepTimer, threads_of
+from servelab.bench.sim.calibrate import StepTimer, simulated_run, threads_of
 from servelab.bench.sim.hardware import Accelerator, StepTerms
-from servelab.bench.sim.runner import VirtualClock
-from servelab.bench.sim.source import SimSource
 from servelab.config import EngineConfig
-from servelab.kv_sizing import DTYPE_BYTES
 from servelab.registry import PluginRegistry
 from servelab.workload import Workload, build_workload
 
@@ -148,17 +145,7 @@ def admitted_between(starts: list[float], arrivals: list[float]) -> list[int]:
 
 def serve_sim(config: EngineConfig, workload: Workload, profile: Accelerator) -> RunRecord:
     """The workload through the same config, timed by `profile`."""
-    from servelab.engine import LLMEngine
-    from servelab.model_source import CheckpointSource
-
-    shape = CheckpointSource(config.engine.model).model_config
-    clock = VirtualClock()
-    source = SimSource(shape, profile, clock, dtype_bytes=DTYPE_BYTES[config.engine.dtype])
-    registry = PluginRegistry.from_entry_points()
-    recorder = StepRecorder(clock)
-    registry.register(recorder)
-    engine = LLMEngine(config, registry, clock=clock, source=source)
-    return run_workload(engine, recorder, workload, workload.name)
+    return simulated_run(config, workload, profile, workload.name)
 
 
 STALL_MADS = 5.0  # a busy step this many robust deviations above the first fit is a stall
