@@ -166,8 +166,11 @@ class SharedFilesTransport:
             return
         folder = self._folder(transfer_id)
         self._write_state(folder, state, status.lease_deadline, reason)
-        for block in folder.glob("block-*.bin"):  # the bytes are no longer anyone's
-            block.unlink(missing_ok=True)
+        try:
+            for block in folder.glob("block-*.bin"):  # the bytes are no longer anyone's
+                block.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass  # the producer forgot the transfer meanwhile (its folder is gone, blocks and all)
 
     @staticmethod
     def _write_state(folder: Path, state: TransferState, deadline: float, reason: str) -> None:
