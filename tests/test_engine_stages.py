@@ -12,7 +12,8 @@ import pytest
 import servelab
 from servelab import LLM, RequestError, SamplingParams
 from servelab.detokenize import IncrementalText
-from servelab.request import RequestSpec
+from servelab.request import Drafting, RequestSpec
+from servelab.sampling_recipe import SamplingRecipe
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -146,3 +147,55 @@ def test_observers_see_every_stage_of_every_step():
     steps = [observer.events[i:i + 4] for i in range(0, len(observer.events), 4)]
     assert steps[0] == ["started", "planned:3", "executed:1", "finished"]
     assert steps[1:] == [["started", "planned:1", "executed:1", "finished"]] * 2
+
+
+@pytest.mark.parametrize("params, expected", [
+    (SamplingParams(), SamplingRecipe()),
+    (SamplingParams(n=2), SamplingRecipe(forks=True)),
+    (SamplingParams(seed=3), SamplingRecipe(seeded=True)),
+    (SamplingParams(logprobs=1), SamplingRecipe(logits_work=True)),
+    (SamplingParams(presence_penalty=0.5), SamplingRecipe(logits_work=True)),
+    (SamplingParams(prompt_logprobs=1), SamplingRecipe(logits_work=True, scores_prompt=True)),
+])
+def test_the_recipe_is_decided_at_intake_and_the_table_follows_it(tiny_llm, params, expected):
+    engine = tiny_llm.engine
+    request_id = engine.add_request([5, 6, 7], params)
+    request = engine.requests.get(request_id)
+    assert request.recipe == expected
+    assert engine.requests.all_plain is expected.plain
+    while engine.has_unfinished():
+        engine.step()
+    assert request.recipe == expected  # a frozen record: nothing on the way changed it
+    assert engine.requests.all_plain and len(engine.requests) == 0
+
+
+def test_a_plain_batch_samples_as_the_mixed_path_does(tiny_llm):
+    """The one-call path of a plain batch and the mixed path give the same greedy tokens:
+    a request with logprobs beside it sends the whole batch down the mixed path."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [3]]
+    alone = [o.token_ids for o in tiny_llm.generate(prompts, greedy)]
+    mixed = tiny_llm.generate(prompts + [[4, 4]], [greedy] * 3 + [SamplingParams(max_tokens=8, temperature=0,
+                                                                                  ignore_eos=True, logprobs=1)])
+    assert [o.token_ids for o in mixed[:3]] == alone
+    assert len(mixed[3].outputs[0].logprobs) == 8
+
+
+def test_drafts_and_their_state_live_one_step_on_the_request():
+    llm = LLM("builtin:tiny", max_model_len=256, config={"drafter": {"name": "ngram"}})
+    engine = llm.engine
+    request_id = engine.add_request([11, 12, 13, 14, 15] * 6, SamplingParams(max_tokens=12, temperature=0))
+    request = engine.requests.get(request_id)
+    drafted = 0
+    while engine.has_unfinished():
+        engine.proposing.propose()
+        seq = request.first
+        drafted += bool(seq.draft_token_ids)
+        assert engine.speculator.drafted == ([(seq, request.drafts[0])] if seq.draft_token_ids else [])
+        engine.speculator.end_step()  # what the step does with unverified drafts
+        assert seq.draft_token_ids == [] and request.drafts[0].probs is None and engine.speculator.drafted == []
+        engine.step()
+    assert drafted and engine.speculation_stats().num_draft_tokens > 0
+    assert request.released and request.drafts == [Drafting()]
+    with pytest.raises(KeyError):
+        engine.requests.of(request.first)

@@ -1,12 +1,13 @@
 """The engine: one policy of each kind, a table of requests, and the step.
 
-A step is seven stages that hand each other records (docs/design.md draws them):
+A step is eight stages that hand each other records (docs/design.md draws them):
 
     intake    requests whose preparation finished are queued   (servelab.intake)
-    propose   the drafter drafts for the decoding sequences    (servelab.speculation)
+    propose   the drafter drafts for the decoding sequences    (servelab.propose_stage)
     schedule  the scheduler plans the step: a StepPlan
-    run       the runner executes the plan: logits (and hidden states)
-    sample    logits become tokens                             (servelab.sampling_stage)
+    run       the runner executes the plan: a StepRun          (servelab.run_stage)
+    sample    logits become tokens: Sampled                    (servelab.sampling_stage)
+    verify    drafts are verified against the target's rows    (servelab.verify_stage)
     update    tokens are appended, stops found, requests finished (servelab.update_stage)
     report    observers see the step; the caller gets a StepResult
 """
@@ -32,12 +33,15 @@ from servelab.logging_setup import get_logger
 from servelab.model_source import ModelSource
 from servelab.outputs import RequestOutput, StageTimer, StepReport, StepResult, request_output
 from servelab.plan_check import PlanCheck
+from servelab.propose_stage import ProposeStage
 from servelab.registry import PluginRegistry
 from servelab.request import Request, RequestSpec, RequestTable
+from servelab.run_stage import RunStage, StepRun
 from servelab.sampling_params import SamplingParams
 from servelab.sampling_stage import SamplingStage
 from servelab.speculation import SpeculationStats
 from servelab.update_stage import UpdateStage
+from servelab.verify_stage import VerifyStage
 
 logger = get_logger(__name__)
 
@@ -65,10 +69,16 @@ class LLMEngine:
         if parts.lora is not None:
             parts.lora.demand = self._adapter_demand
         generator = torch.Generator(device=torch.device(config.engine.device)).manual_seed(config.engine.seed)
-        self.sampling = SamplingStage(self.requests, self.logits_pipeline, self.speculator, generator,
-                                      config.engine.logprobs_mode == "raw")
-        self.updating = UpdateStage(self.requests, self.scheduler, self.allocator, self.speculator,
-                                    self.eos_token_ids, self.limits.max_model_len)
+        raw_logprobs = config.engine.logprobs_mode == "raw"
+        spec = self.speculator
+        self.proposing = ProposeStage(self.requests, spec) if spec is not None else None
+        self.running = RunStage(self.runner, self.allocator, spec is not None and spec.needs_hidden_states,
+                                spec.feature_layers if spec is not None else ())
+        self.sampling = SamplingStage(self.requests, self.logits_pipeline, generator, raw_logprobs)
+        self.verifying = VerifyStage(self.requests, spec, self.logits_pipeline, generator, raw_logprobs) \
+            if spec is not None else None
+        self.updating = UpdateStage(self.requests, self.scheduler, self.allocator, self.eos_token_ids,
+                                    self.limits.max_model_len, self.verifying.settle if spec is not None else None)
         self._plan_check = PlanCheck(self.requests, self.scheduler, config.scheduler.name)
         self._request_counter = itertools.count()
         self._step_index = 0
@@ -189,17 +199,17 @@ class LLMEngine:
         self._notify("servelab_step_started")
         timer = StageTimer(self._timer)
         failed = self._admit_prepared() if self.requests.has_preparing() else []
-        if self.speculator is not None:
-            running = [s for s in self.requests.sequences() if s.status is SequenceStatus.RUNNING]
-            chain_only = ({s.request_id for s in running if self.requests.of(s).logits_work}
-                          if self.speculator.proposes_trees and not self.requests.all_plain else frozenset())
-            self.speculator.propose(running, chain_only)
+        if self.proposing is not None:
+            self.proposing.propose()
         plan = timer.mark(self._schedule())
         if plan.is_empty:
             return self._idle(plan, failed)
         inputs = timer.mark(self._prepare(plan))
-        logits, hidden = timer.mark(self._execute(plan, inputs))
-        sampled = timer.mark(self.sampling.sample(plan, inputs, logits, hidden))
+        run = timer.mark(self._execute(plan, inputs))
+        sampled = self.sampling.sample(run)
+        if self.verifying is not None:
+            self.verifying.verify(run, sampled)
+        timer.mark(sampled)
         updated = self.updating.update(plan, sampled, self.clock())
         outputs = timer.mark(self._retire_finished(updated.finished))
         self._report(plan, len(updated.finished), timer.seconds, sampled)
@@ -212,10 +222,8 @@ class LLMEngine:
             moves = self.host_tier.take_moves()
             if moves:
                 plan = attrs.evolve(plan, kv_moves=tuple(moves))
-        if self.speculator is not None and self.speculator.proposes_trees:  # the plan carries the token trees
-            trees = self.speculator.draft_trees(plan)
-            if trees:
-                plan = attrs.evolve(plan, draft_trees=trees)
+        if self.proposing is not None:  # the plan carries the token trees
+            plan = self.proposing.with_trees(plan)
         copies = self._forking.take_block_copies() if self._forking is not None else ()
         if copies:  # copy-on-write: shared blocks are copied before anything writes this step
             plan = attrs.evolve(plan, block_copies=tuple(copies))
@@ -223,30 +231,14 @@ class LLMEngine:
 
     def _prepare(self, plan: StepPlan) -> Any:
         self._notify("servelab_step_planned", plan=plan)
-        now = self.clock()
-        for seq, _ in plan.scheduled:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-                seq.num_cached_tokens = seq.num_computed_tokens  # what the prefix cache held
-        if plan.kv_moves:
-            self.runner.move_blocks(plan.kv_moves)
-        if plan.block_copies:
-            self.runner.copy_blocks(plan.block_copies)
-        if not self.requests.all_plain and any(seq.prompt_logprobs is not None for seq, _ in plan.scheduled):
-            return self.runner.prepare(plan, self.allocator, prompt_logprobs=True)
-        return self.runner.prepare(plan, self.allocator)
+        scores_prompts = not self.requests.all_plain and any(seq.prompt_logprobs is not None
+                                                              for seq, _ in plan.scheduled)
+        return self.running.prepare(plan, self.clock(), scores_prompts)
 
-    def _execute(self, plan: StepPlan, inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.speculator is not None and self.speculator.needs_hidden_states:
-            logits, hidden = self.runner.execute_with_hidden(inputs)
-        elif self.speculator is not None and self.speculator.feature_layers:
-            logits, features = self.runner.execute_with_features(inputs, self.speculator.feature_layers)
-            self.speculator.keep_features(plan, features)
-            hidden = None
-        else:
-            logits, hidden = self.runner.execute(inputs), None
+    def _execute(self, plan: StepPlan, inputs: Any) -> StepRun:
+        run = self.running.execute(plan, inputs)
         self._notify("servelab_runner_executed", plan=plan, inputs=inputs)
-        return logits, hidden
+        return run
 
     def _retire_finished(self, finished: list[Sequence]) -> list[RequestOutput]:
         """The outputs of the requests whose last sequence finished this step."""
@@ -254,10 +246,7 @@ class LLMEngine:
         return [self._retire(request) for request in done.values()]
 
     def _idle(self, plan: StepPlan, failed: list[RequestOutput]) -> StepResult:
-        if plan.kv_moves:
-            self.runner.move_blocks(plan.kv_moves)
-        if plan.block_copies:
-            self.runner.copy_blocks(plan.block_copies)
+        self.running.move_blocks(plan)
         if self.speculator is not None:
             self.speculator.end_step()
         if self.requests.has_preparing() and not failed:  # block briefly instead of spinning

@@ -21,6 +21,7 @@ from servelab.interfaces import Runner
 from servelab.logits_pipeline import LogitsPipeline, ProcessorFailed
 from servelab.request import Request, RequestSpec
 from servelab.sampling_params import SamplingParams
+from servelab.sampling_recipe import recipe_of
 from servelab.sequence import Sequence, sequence_id
 
 
@@ -120,15 +121,15 @@ class Intake:
         if params.seed is not None:  # a seed torch refuses raises here, before anything exists
             generators = [torch.Generator(device=self.device).manual_seed(params.seed + i) for i in range(n)]
         texts = [IncrementalText(self.tokenizer, params.stop) if params.stop else None for _ in seqs]
-        request = Request(request_id, spec.prompt if isinstance(spec.prompt, str) else None, params, seqs,
-                          generators, texts, [{} for _ in seqs], unforked=n > 1)
-        if params.has_logits_work or self.pipeline.defaults:
+        recipe = recipe_of(params, bool(self.pipeline.defaults))
+        request = Request(request_id, spec.prompt if isinstance(spec.prompt, str) else None, params, recipe, seqs,
+                          generators, texts, [{} for _ in seqs])
+        if recipe.logits_work:
             self._start_logits_work(request, {} if shared is None else shared)
         return request
 
     def _start_logits_work(self, request: Request, shared: dict[int, dict]) -> None:
         params = request.params
-        request.logits_work = True
         if id(params) not in shared:
             shared[id(params)] = self.pipeline.prepare(params)
         request.preparing = dict(shared[id(params)])
@@ -139,7 +140,6 @@ class Intake:
                 seq.logprobs = []
         if params.prompt_logprobs is not None:
             request.first.prompt_logprobs = [None]  # the first token: nothing predicts it
-            request.scoring_prompt = True
 
     def finish_preparation(self, request: Request) -> None:
         """Once every preparation is done: the processors' states (RequestError when one failed)."""

@@ -15,6 +15,13 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def row_logprobs(logits: torch.Tensor, rows: Seq[int]) -> torch.Tensor | None:
+    """`log_softmax` of the logits rows `rows`; None when there are none."""
+    if not rows:
+        return None
+    return log_softmax(logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)])
+
+
 def position_logprobs(logprobs: torch.Tensor, token_ids: Seq[int], num_top: Seq[int]) -> list[PositionLogprobs]:
     """Per row i: {token_ids[i]: its Logprob} plus the num_top[i] most likely tokens
     (as vLLM: the chosen token first, then the top-k, so k or k + 1 entries).

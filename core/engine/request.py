@@ -1,10 +1,11 @@
 """One request in the engine: everything it owns from intake to release, on one record.
 
 A request is n sequences (SamplingParams.n; completion 0 is the request's own, the
-others are forked from it once its prompt is computed), and per sequence its random
-generator (seeded requests), its text (stop strings) and its logits processors' states;
-plus what the request waits for before it is queued (processor preparation, such as
-grammar compilation) and its prompt logprobs so far. `release()` lets go of all of it.
+others are forked from it once its prompt is computed), its sampling recipe (decided at
+intake: which of the sampling stage's paths its rows take), and per sequence its random
+generator (seeded requests), its text (stop strings), its logits processors' states and
+its speculation state (`Drafting`); plus what the request waits for before it is queued
+(processor preparation, such as grammar compilation). `release()` lets go of all of it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from servelab.detokenize import IncrementalText
 from servelab.errors import RequestError
 from servelab.interfaces import Sequence, SequenceStatus
 from servelab.sampling_params import SamplingParams
+from servelab.sampling_recipe import SamplingRecipe
 from servelab.sequence import owner_of, sequence_id
 
 
@@ -33,20 +35,33 @@ class RequestSpec:
     lora_request: Any = None  # servelab.LoRARequest: the LoRA adapter it runs with; None: the base model
 
 
+@attrs.define
+class Drafting:
+    """One sequence's speculation state, written by the propose and verify stages."""
+
+    probs: Any = None  # this step's draft distributions [k, vocab] (a drafter that gives them), or None
+    parents: list[int] | None = None  # this step's draft tree, when it branches (servelab.token_tree)
+    hidden: Any = None  # the target's hidden state behind its last token (HiddenStateDrafter)
+    path: list[int] | None = None  # the tree path accepted this step (FeatureDrafter)
+
+
 @attrs.define(eq=False)
 class Request:
     request_id: str
     prompt: str | None  # the prompt's text, when it came as text
     params: SamplingParams
+    recipe: SamplingRecipe
     sequences: list[Sequence]  # by completion index
     generators: list[Any]  # per sequence: its torch.Generator, or None (the engine's default)
     texts: list[IncrementalText | None]  # per sequence, when it has stop strings
     processor_states: list[dict[str, Any]]  # per sequence: processor name -> state
+    drafts: list[Drafting] = attrs.field()  # per sequence
     preparing: dict[str, Future] = attrs.field(factory=dict)  # processor name -> its preparation
-    unforked: bool = False  # n > 1 and its first tokens not sampled yet
-    logits_work: bool = False  # processors or logprobs: leaves the plain sampling path
-    scoring_prompt: bool = False  # prompt logprobs still being collected
     released: bool = False
+
+    @drafts.default
+    def _no_drafts(self) -> list[Drafting]:
+        return [Drafting() for _ in self.sequences]
 
     @property
     def first(self) -> Sequence:
@@ -74,6 +89,7 @@ class Request:
         self.generators = [None] * len(self.sequences)
         self.texts = [None] * len(self.sequences)
         self.processor_states = [{} for _ in self.sequences]
+        self.drafts = [Drafting() for _ in self.sequences]
 
 
 def request_id_of(seq: Sequence) -> str:
@@ -86,8 +102,11 @@ class RequestTable:
 
     def __init__(self) -> None:
         self._requests: dict[str, Request] = {}
+        self._by_sequence: dict[str, Request] = {}  # every sequence id of every request
         self._preparing: dict[str, Request] = {}  # those waiting for a processor's preparation
-        self._special: set[str] = set()  # those sampled beyond the plain path: n > 1, seeded, logits work
+        self._special: set[str] = set()  # those whose recipe is not plain
+        # No request in flight needs more than the plain sampling path (SamplingRecipe.plain).
+        self.all_plain = True
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -102,25 +121,25 @@ class RequestTable:
         return self._requests.get(request_id)
 
     def of(self, seq: Sequence) -> Request:
-        return self._requests[request_id_of(seq)]
+        return self._by_sequence[seq.request_id]
 
     def add(self, request: Request) -> None:
         self._requests[request.request_id] = request
+        for seq in request.sequences:
+            self._by_sequence[seq.request_id] = request
         if request.preparing:
             self._preparing[request.request_id] = request
-        if len(request.sequences) > 1 or request.params.seed is not None or request.logits_work:
+        if not request.recipe.plain:
             self._special.add(request.request_id)
+            self.all_plain = False
 
     def remove(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
+        if self._requests.pop(request.request_id, None) is not None:
+            for seq in request.sequences:
+                self._by_sequence.pop(seq.request_id, None)
         self._preparing.pop(request.request_id, None)
         self._special.discard(request.request_id)
-
-    @property
-    def all_plain(self) -> bool:
-        """No request in flight needs more than the plain sampling path (its own generator,
-        forks, processors, logprobs)."""
-        return not self._special
+        self.all_plain = not self._special
 
     def prepared_now(self) -> list[Request]:
         """The requests whose preparations have all finished; they stop counting as preparing."""

@@ -3,14 +3,14 @@
 In order: every scheduled sequence's computed tokens advance; a sequence a logits
 processor failed ends with finish_reason "error"; each sequence's new tokens are
 appended up to its first stop (EOS or a stop token, a stop string, max_tokens,
-max_model_len) and its verified drafts settled (rejected slots rolled back); the prefix
-cache records the blocks now full of verified tokens; n > 1 children are forked from
-their parent; the scheduler retires the finished ones.
+max_model_len); the verify stage settles the verified drafts (rejected slots rolled
+back); the prefix cache records the blocks now full of verified tokens; n > 1 children
+are forked from their parent; the scheduler retires the finished ones.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -18,7 +18,6 @@ from servelab.interfaces import PrefixCachingAllocator, Sequence, StepPlan
 from servelab.outputs import PositionLogprobs
 from servelab.request import RequestTable
 from servelab.sampling_stage import Sampled
-from servelab.speculation import Speculator
 
 
 @attrs.define
@@ -29,12 +28,12 @@ class Updated:
 
 
 class UpdateStage:
-    def __init__(self, requests: RequestTable, scheduler: Any, allocator: Any, speculator: Speculator | None,
-                 eos_token_ids: frozenset[int], max_model_len: int) -> None:
+    def __init__(self, requests: RequestTable, scheduler: Any, allocator: Any, eos_token_ids: frozenset[int],
+                 max_model_len: int, settle: Callable[[Sampled, dict[str, list[int]]], None] | None = None) -> None:
         self.requests = requests
         self.scheduler = scheduler
         self.prefix_cache = allocator if isinstance(allocator, PrefixCachingAllocator) else None
-        self.speculator = speculator
+        self.settle = settle  # the verify stage's, under speculative decoding
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
@@ -45,11 +44,8 @@ class UpdateStage:
         finished, emitted = self._append(sampled, now)
         finished.extend(failed)
         new_logprobs = {} if self.requests.all_plain else self._new_logprobs(sampled, emitted)
-        if self.speculator is not None:
-            self.speculator.observe_features()
-            self.speculator.end_step()
-            self.speculator.record(sum(sampled.num_drafts.values()), sum(sampled.num_accepted.values()),
-                                   len(sampled.num_drafts), len(emitted), sum(map(len, emitted.values())))
+        if self.settle is not None:
+            self.settle(sampled, emitted)
         if self.prefix_cache is not None:  # only verified tokens count as computed by now
             for seq, _ in plan.scheduled:
                 self.prefix_cache.cache_blocks(seq)
@@ -73,11 +69,10 @@ class UpdateStage:
         return failed
 
     def _append(self, sampled: Sampled, now: float) -> tuple[list[Sequence], dict[str, list[int]]]:
-        """Append each sequence's new tokens up to its first stop; settle its verified drafts."""
+        """Append each sequence's new tokens up to its first stop."""
         finished: list[Sequence] = []
         emitted: dict[str, list[int]] = {}
         append_token = self._append_token
-        num_drafts = sampled.num_drafts
         for seq, tokens in sampled.new_tokens.items():
             if len(tokens) == 1:
                 if append_token(seq, tokens[0], now):
@@ -91,10 +86,6 @@ class UpdateStage:
                         break
                 emitted[seq.request_id] = seq.output_token_ids[before - seq.num_tokens:]  # always >= 1 token
             seq.num_sampling_steps += 1
-            if seq.request_id in num_drafts:
-                self.speculator.settle(seq, num_drafts[seq.request_id], sampled.num_accepted[seq.request_id],
-                                       seq.num_tokens - len(emitted[seq.request_id]),
-                                       sampled.paths.get(seq.request_id))
         return finished, emitted
 
     def _append_token(self, seq: Sequence, token_id: int, now: float) -> bool:
