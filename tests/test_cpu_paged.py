@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from servelab import LLM, SamplingParams
+from servelab.errors import ConfigError
 from servelab.interfaces import AttentionContext
 from servelab.plugins.kernels.cpu_build import kernel_build
 from servelab.plugins.kernels.cpu_paged import CpuPagedAttention
@@ -298,6 +299,43 @@ def test_the_linears_move_to_the_library_once_it_is_ready(llama_checkpoint, dtyp
             assert m.packed_weight is None and hasattr(m, "weight") is (name == "lm_head"), name
         else:
             assert (m.packed_weight is not None) is onednn and hasattr(m, "weight") is (name == "lm_head" or not onednn)
+
+
+@needs_compiler
+@pytest.mark.parametrize("amx", [None, True, False], ids=["this-cpu", "amx", "no-amx"])
+def test_by_default_bf16_linears_stay_on_onednn_where_it_has_amx(llama_checkpoint, monkeypatch, amx):
+    """`panel_linears = "auto"` (the default) moves float32 layers always and bfloat16 ones
+    only where oneDNN does not compute bfloat16 on AMX tiles (there it is several times the
+    library's matmul on batches). "this-cpu" asks this CPU; the others stand in for the CPU
+    this one is not. Either way the greedy tokens are the ones `panel_linears = true` makes
+    in float32, and a bfloat16 engine still generates."""
+    from servelab.model.packed_linear import PackedLinear
+    from servelab.plugins.kernels import cpu_paged
+
+    _panel_kernels(torch.bfloat16)
+    if amx is not None:
+        monkeypatch.setattr(cpu_paged, "onednn_bf16_on_amx", lambda: amx)
+    on_amx = cpu_paged.onednn_bf16_on_amx()
+    prompt, greedy = [[5, 9, 13]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    tokens = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(llama_checkpoint, max_model_len=64, dtype=dtype,
+                  **{"attention.name": "cpu-paged", "attention.build": "wait"})
+        tokens[dtype] = llm.generate(prompt, greedy)[0].token_ids
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
+        moved = dtype == "float32" or not on_amx
+        assert layers and all((m.panels is not None) is moved for m in layers), (dtype, on_amx)
+    every = LLM(llama_checkpoint, max_model_len=64, **{"attention.name": "cpu-paged", "attention.build": "wait",
+                                                        "attention.panel_linears": True})
+    assert tokens["float32"] == every.generate(prompt, greedy)[0].token_ids
+    assert len(tokens["bfloat16"]) == 4
+
+
+def test_panel_linears_takes_true_false_or_auto():
+    assert CpuPagedOptions().panel_linears == "auto"
+    assert CpuPagedOptions(panel_linears=False).panel_linears is False
+    with pytest.raises(ConfigError, match='panel_linears must be true, false or "auto"'):
+        CpuPagedOptions(panel_linears="sometimes")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -49,3 +49,29 @@ def test_the_model_may_be_given_as_vllm_does():
     assert _config("builtin:tiny", "--model", "builtin:tiny").engine.model == "builtin:tiny"
     with pytest.raises(ConfigError, match="two models"):
         _config("builtin:tiny", "--model", "builtin:tiny-random")
+
+
+@pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_the_server_runs_bfloat16_where_the_cpu_computes_it(native_bf16, expected):
+    config = with_serving_defaults(EngineConfig(), explicit=(), native_bf16=native_bf16)
+    assert config.engine.dtype == expected
+    assert EngineConfig().engine.dtype == "float32"  # the library's default stays float32
+
+
+def test_a_dtype_the_user_chose_is_kept():
+    assert _config("builtin:tiny", "--dtype", "float32").engine.dtype == "float32"
+    assert _config("builtin:tiny", "--set", "engine.dtype=float32").engine.dtype == "float32"
+    kept = with_serving_defaults(EngineConfig(), explicit={"engine.dtype"}, native_bf16=True)
+    assert kept.engine.dtype == "float32"
+
+
+def test_a_gpu_server_keeps_its_dtype():
+    config = EngineConfig().with_overrides({"engine.device": "cuda"})
+    assert with_serving_defaults(config, explicit=(), native_bf16=True).engine.dtype == "float32"
+
+
+def test_this_cpu_is_asked_when_nothing_says():
+    import torch
+
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert _config("builtin:tiny").engine.dtype == ("bfloat16" if native else "float32")

@@ -420,7 +420,11 @@ def serving_config(args: argparse.Namespace) -> EngineConfig:
         if args.model is not None and args.model != args.model_path:
             raise ConfigError(f"two models given: {args.model_path!r} and --model {args.model!r}; give one")
         args.model = args.model_path
-    return with_serving_defaults(load_config(args), explicit_keys(args.config, args.assignments))
+    config, explicit = load_config(args), explicit_keys(args.config, args.assignments)
+    if args.dtype is not None:
+        config = config.with_overrides({"engine.dtype": args.dtype})
+        explicit.add("engine.dtype")
+    return with_serving_defaults(config, explicit)
 
 
 def serving_config_for(model: str, serve_arguments: Seq[str]) -> EngineConfig:

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Mapping
 
+from servelab.config import DTYPES
 from servelab.errors import ServelabError
 from servelab.server.caps import RequestCaps
 from servelab.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
@@ -56,6 +57,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--engine-threads", type=int, default=None,
                        help="torch threads of the engine process (default: every CPU core, as vLLM's; "
                             "fewer where other work shares the machine)")
+    serve.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="the model's dtype (engine.dtype; default: bfloat16 on a CPU that computes it "
+                            "natively, AVX-512 BF16 or AMX, else float32)")
     serve.add_argument("--chat-template", default=None,
                        help="the chat template (a jinja file, or its text) for a checkpoint without one, or "
                             "instead of its own; 'plain' for `role: content` lines (default: the checkpoint's; "

@@ -18,7 +18,7 @@ Python dispatch (`layer_ops = false` keeps torch's), and, for steps whose every 
 kernel attends, the whole decoder in one native call (`decoder_forward`, see cpu_decoder;
 `native_decoder = false` keeps the Python loop over layers), and a matmul the model's
 linear layers move to (`panel_kernels`, see cpu_linear.cpp; `panel_linears = false` keeps
-oneDNN's), and a matmul on quantized weight blocks for quantized linear layers
+oneDNN's; by default bfloat16 layers stay on oneDNN where it computes them on AMX tiles), and a matmul on quantized weight blocks for quantized linear layers
 (`quant_kernels`, see cpu_quant.cpp).
 
 The kernels compile on first use (see cpu_build) and are cached for later starts; an engine
@@ -51,6 +51,32 @@ logger = servelab.get_logger(__name__)  # silent below WARNING until the applica
 ROW_BY_ROW_LIMIT = 16
 
 
+@functools.cache
+def onednn_bf16_on_amx() -> bool:
+    """Whether torch's oneDNN computes bfloat16 matmuls on AMX tiles on this CPU (they
+    then beat the library's AVX-512 matmul several times over at batch sizes, and level at
+    one row: docs/performance.md). False where torch cannot say."""
+    cpu = torch.cpu
+    try:
+        return bool(torch.backends.mkldnn.is_available() and cpu._is_amx_tile_supported() and cpu._init_amx())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PanelsFor:
+    """The library's matmul, offered for some of the weight dtypes it takes (a
+    servelab.model.packed_linear.PanelKernels)."""
+
+    def __init__(self, kernels, dtypes: tuple[str, ...]) -> None:
+        self.kernels = kernels
+        self.dtypes = dtypes
+        self.pack_panels = kernels.pack_panels
+        self.panel_linear = kernels.panel_linear
+
+    def panel_dtypes(self) -> list[str]:
+        return [dtype for dtype in self.kernels.panel_dtypes() if dtype in self.dtypes]
+
+
 @attrs.frozen
 class _KernelPrepared:
     metadata: AttentionMetadata  # the step's slot mapping, block tables, query starts, context lengths
@@ -69,6 +95,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self._decoders: dict[int, tuple[weakref.ref, object]] = {}  # id(model) -> (model, its native decoder or None)
         # "cached" never switches mid-run; "background" switches once its build lands.
         self._switch_when_built = self.cpu_options.build == "background"
+        self._float32_panels: PanelsFor | None = None
         if context.device.type != "cpu":
             # The default backend everywhere: on another device it is torch-paged.
             logger.info("cpu_paged.not_cpu", device=str(context.device), fallback="torch-paged attention")
@@ -113,8 +140,16 @@ class CpuPagedAttention(TorchPagedAttention):
     @property
     def panel_kernels(self):
         """The library's matmul for the model's packed linear layers, once the kernels are
-        ready (see servelab.model.packed_linear.use_panel_linears)."""
-        return self._kernels if self.cpu_options.panel_linears else None
+        ready (see servelab.model.packed_linear.use_panel_linears), offered for the dtypes
+        `panel_linears` moves (see CpuPagedOptions)."""
+        choice = self.cpu_options.panel_linears
+        if self._kernels is None or choice is False:
+            return None
+        if choice is True or not onednn_bf16_on_amx():
+            return self._kernels
+        if self._float32_panels is None or self._float32_panels.kernels is not self._kernels:
+            self._float32_panels = PanelsFor(self._kernels, ("float32",))
+        return self._float32_panels
 
     @property
     def quant_kernels(self):

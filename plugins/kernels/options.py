@@ -2,9 +2,15 @@
 
 import attrs
 
+from servelab.errors import ConfigError
 from servelab.options import boolean, non_negative_int, number_at_least, one_of, positive_int
 
 _positive = positive_int("attention")
+
+
+def _true_false_or_auto(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ConfigError(f"[attention] {attribute.name} must be true, false or \"auto\", got {value!r}")
 
 
 @attrs.frozen
@@ -50,7 +56,10 @@ class CpuPagedOptions:
     the model's Python loop over layers; the results are identical). panel_linears: once
     the library is ready, the model's linear layers (float32 and bfloat16, packed for
     oneDNN or, where it packs no bfloat16, plain) move to its own matmul, weights repacked
-    and the other copy freed (false: they stay on oneDNN or torch's linear). The prefill_* options are
+    and the other copy freed; "auto" (the default) moves float32 layers always and
+    bfloat16 ones unless oneDNN computes bfloat16 on AMX tiles here (then they stay on
+    oneDNN, several times faster for batches); true moves every dtype the library takes,
+    false none (they stay on oneDNN or torch's linear). The prefill_* options are
     torch-paged's, for the rows longer than max_kernel_query_len (0, the default: the kernel
     attends every row, prompts on its tiled path; a positive limit sends longer rows to
     torch-paged's scaled_dot_product_attention, and such steps to the Python loop).
@@ -61,7 +70,7 @@ class CpuPagedOptions:
                              validator=one_of("attention", ("cached", "background", "wait", "never")))
     layer_ops: bool = attrs.field(default=True, validator=boolean("attention"))
     native_decoder: bool = attrs.field(default=True, validator=boolean("attention"))
-    panel_linears: bool = attrs.field(default=True, validator=boolean("attention"))
+    panel_linears: bool | str = attrs.field(default="auto", validator=_true_false_or_auto)
     prefill_group_size: int = attrs.field(default=16, validator=_positive)
     prefill_padding: float = attrs.field(default=1.25, validator=number_at_least("attention", 1.0))
     prefill_group_area: int = attrs.field(default=1 << 20, validator=_positive)
