@@ -50,8 +50,12 @@ class ServerProcess:
     def __init__(self, model: str, *args: str, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")
+        # float32, as the offline engines these tests compare the server with; the server's own
+        # default (bfloat16 on a CPU that computes it natively) is test_serving_defaults'.
+        pinned = () if any(arg == "--dtype" or arg.startswith("engine.dtype=") for arg in args) else ("--dtype",
+                                                                                                       "float32")
         command = [sys.executable, "-m", "servelab.cli", "-v", "serve", "--model", model, "--host", "127.0.0.1",
-                   "--port", "0", *args]
+                   "--port", "0", *pinned, *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self.url = self._wait_ready()
 
