@@ -384,3 +384,20 @@ def test_greedy_tokens_agree_with_torch_argmax_including_ties():
     assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist()
     assert greedy_tokens(logits[::2]) == logits[::2].argmax(dim=-1).tolist()  # strided rows
     assert greedy_tokens(logits.bfloat16()) == logits.bfloat16().argmax(dim=-1).tolist()
+
+
+def test_draw_finds_only_tokens_with_mass_in_a_real_vocabulary():
+    """Inverse transform over a 49,152-token row whose mass sits on four tokens (none at
+    either end): every draw lands on one of them, at their rates (chi-square, 3 dof)."""
+    from servelab.sampler import draw as draw_rows
+
+    vocab, n = 49_152, 40_000
+    kept = {17: 0.5, 20_000: 0.3, 20_001: 0.15, vocab - 2: 0.05}
+    probs = torch.zeros(1, vocab)
+    for token, p in kept.items():
+        probs[0, token] = p
+    generator = torch.Generator().manual_seed(5)
+    counts = Counter(int(draw_rows(probs, [generator])[0]) for _ in range(n))
+    assert set(counts) <= set(kept)
+    statistic = sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in kept.items())
+    assert chi2_sf_even_df(statistic, 4) > 1e-4

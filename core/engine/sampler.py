@@ -1,8 +1,10 @@
 """Turning next-token logits into tokens: greedy, temperature, top-k, top-p, min-p.
 
-Sampling uses the exponential-race form of categorical sampling (argmax of p / E with
-E ~ Exp(1)), so a seeded request draws its noise from its own generator, one draw per
-step, and reproduces exactly whatever else shares its batch.
+A row's token is drawn by inverse transform (`draw`): one uniform number from the row's
+own generator, found in the row's cumulative probabilities. A seeded request draws once a
+step from its own generator and reproduces exactly whatever else shares its batch. (An
+exponential race, argmax of p / E, needs a random number per vocabulary entry: 83 ms a
+step for 96 rows of a 49,152-token vocabulary on two cores, against 2 ms for this.)
 """
 
 from __future__ import annotations
@@ -27,11 +29,24 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     random_rows = torch.tensor(rows, device=logits.device)
     probs = filtered_probs(logits[random_rows], [params[i] for i in rows])
-    noise = torch.empty_like(probs)
-    for out_row, row in enumerate(rows):
-        noise[out_row].exponential_(generator=generators[row] or default_generator)
-    tokens[random_rows] = (probs / noise).argmax(dim=-1)
+    tokens[random_rows] = draw(probs, [generators[row] for row in rows], default_generator)
     return tokens.tolist()
+
+
+def draw(probs: torch.Tensor, generators: Seq[torch.Generator | None],
+         default_generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs` [R, vocab] (each row a distribution, up to rounding):
+    a uniform u from the row's generator (None: `default_generator`), then the first token
+    whose cumulative probability exceeds u times the row's total, so a token of probability
+    zero is never drawn. [R] int64."""
+    uniform = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    for row, generator in enumerate(generators):
+        uniform[row].uniform_(generator=generator or default_generator)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so that the position found has mass of its own
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

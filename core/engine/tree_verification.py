@@ -42,7 +42,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from servelab.sampler import filtered_probs, greedy_tokens
+from servelab.sampler import draw, filtered_probs, greedy_tokens
 from servelab.sampling_params import SamplingParams
 from servelab.token_tree import children
 
@@ -118,6 +118,5 @@ def verify_tree_sampled(p_rows: torch.Tensor, tokens: Seq[int], parents: Seq[int
             if bool(mass > 0):  # zero only where p == q, which rejects with probability zero
                 p = residual / mass
         else:
-            noise = torch.empty_like(p).exponential_(generator=generator)
-            final = int((p / noise).argmax())
+            final = int(draw(p[None], [generator])[0])
             return [tokens[c] for c in path] + [final], tuple(path)

@@ -26,7 +26,7 @@ from typing import Sequence as Seq
 import attrs
 import torch
 
-from servelab.sampler import filtered_probs, greedy_tokens
+from servelab.sampler import draw, filtered_probs, greedy_tokens
 from servelab.sampling_params import SamplingParams
 from servelab.tree_verification import verify_trees
 
@@ -140,9 +140,6 @@ def _verify_sampled(logits: torch.Tensor, draft_token_ids: list[Seq[int]], draft
         # p == q at a rejected position has probability zero; keep p if rounding gets there.
         use_residual = rejected[:, None] & (mass > 0)
         target = torch.where(use_residual, residual / mass.clamp(min=torch.finfo(p.dtype).tiny), target)
-    noise = torch.empty_like(target)
-    for r, generator in enumerate(generators):
-        noise[r].exponential_(generator=generator)
-    final = (target / noise).argmax(dim=1).tolist()
+    final = draw(target, generators).tolist()
     counts = accepted.tolist()
     return [Verified(list(draft_token_ids[r][: counts[r]]) + [final[r]], counts[r]) for r in range(num_seqs)]

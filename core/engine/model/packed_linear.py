@@ -13,7 +13,8 @@ Once an attention backend's native library is loaded, the layers can move to its
 (`use_panel_linears`, see plugins/kernels/cpu_linear.cpp; float32 and bfloat16 wherever it
 builds): each weight is repacked into the library's panels and the oneDNN copy is freed, so
 the weights are held once. The library's kernel is level with oneDNN at prompt sizes and
-faster at decode sizes (docs/performance.md). Where this torch cannot pack a dtype for
+faster at decode sizes (docs/performance.md), except for bfloat16 on a CPU with AMX, where
+oneDNN's tiles win and the backend offers only float32 (`panel_linears = "auto"`). Where this torch cannot pack a dtype for
 oneDNN on this CPU (bfloat16 without AVX-512), `prepack_linears(..., onednn=False)` wraps
 the layers all the same, holding their plain weights for torch's linear until the panels
 take them over.
