@@ -275,3 +275,26 @@ def test_the_roles_state_the_scheduler_side_of_the_contract(servelab_tiny_checkp
             outputs += llm.step()
         assert consumer.remote_tokens(handoff) == 0  # now its own cache holds every block
         assert outputs[0].token_ids == colocated(config(servelab_tiny_checkpoint), GREEDY)[0]
+
+
+def test_a_prefill_worker_shutting_down_ends_its_transfers_and_frees_its_blocks(servelab_tiny_checkpoint):
+    """A server's prefill replica stopping with handoffs still held (a lease not yet over,
+    a consumer yet to load) ends those transfers, so their consumers hear of it, frees their
+    blocks and aborts the prefills in flight: nothing is held when it reports last."""
+    from servelab.config import EngineConfig
+    from servelab.disagg.producer import PrefillWorker
+    from servelab.engine import LLMEngine
+    from servelab.interfaces import TransferState
+
+    engine = LLMEngine(EngineConfig.from_dict(config(servelab_tiny_checkpoint)))
+    transport = InProcessTransport()
+    worker = PrefillWorker(engine, transport, "prefill-0", lease_s=60.0)
+    worker.add("held", PROMPTS[0], GREEDY[0])
+    while not worker.num_holds:
+        worker.step()
+    worker.add("in-flight", PROMPTS[3], GREEDY[0])
+    assert engine.allocator.stats().num_used_blocks > 0 and engine.has_unfinished()
+    worker.shutdown()
+    assert worker.num_holds == 0 and not engine.has_unfinished()
+    assert engine.allocator.stats().num_used_blocks == 0
+    assert transport.poll("held").state is TransferState.ABORTED

@@ -119,6 +119,9 @@ class RoleActor:
             commands = self._take(wait)
             for command in commands:
                 if command[0] == "stop":
+                    if self.role == PRODUCER:
+                        worker.shutdown()
+                    self._refresh_report()  # the front end's last word on this replica's blocks
                     return
                 self._command(command)
             changed = bool(commands)
@@ -165,11 +168,15 @@ class RoleActor:
                 worker.abort(transfer_id)
 
     def _step(self) -> bool:
+        """One step of the worker; whether anything the report shows changed."""
         stepping = self.engine.has_unfinished()
+        released = False
         if self.role == PRODUCER:
+            holds = self.worker.num_holds
             done = self.worker.step()
             for answer in done:
                 self._emit(("prefilled", answer.transfer_id, answer.output, answer.handoff))
+            released = self.worker.num_holds < holds  # a hold let go: its blocks are free
         else:
             finished = self.worker.step()
             tokens = self.worker.new_token_ids
@@ -177,7 +184,7 @@ class RoleActor:
                 self._emit(("step", dict(tokens), finished))
         if stepping:
             self._num_steps += 1
-        return stepping
+        return stepping or released
 
     def _refresh_report(self) -> None:
         from servelab.routing import reported_prefix_summary

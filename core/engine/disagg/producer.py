@@ -179,6 +179,17 @@ class PrefillWorker:
             self.engine.allocator.free(hold.seq_id)
             self.metrics.held_blocks -= hold.num_blocks
 
+    def shutdown(self) -> None:
+        """The replica stops: holds whose transfer ended are freed, the others' transfers
+        are ended (their consumers told) and freed too, and prefills in flight aborted."""
+        self.release_ended()
+        for transfer_id in list(self._holds):
+            self.transport.abort(transfer_id, "the producer is shutting down")
+            self._free(transfer_id)
+        for transfer_id in list(self._requests):
+            self._requests.pop(transfer_id)
+            self.engine.abort(transfer_id)
+
     def crash(self) -> None:
         """Drop every hold without telling the transport (a producer process that died:
         its memory goes with it). For fault injection."""
