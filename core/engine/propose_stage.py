@@ -32,12 +32,13 @@ class ProposeStage:
         budgets, a drafter's shared state), and its seed promises the same tokens whatever
         shares the batch. Its one token a step comes from the sampler and its own generator."""
         spec = self.speculator
-        room = {seq.request_id: self._room(seq) for seq in self.requests.sequences()
-                if seq.status is SequenceStatus.RUNNING and seq.is_decoding
-                and (seq.params.seed is None or seq.params.is_greedy)}
+        decoding = [seq for seq in self.requests.sequences()
+                    if seq.status is SequenceStatus.RUNNING and seq.is_decoding
+                    and (seq.params.seed is None or seq.params.is_greedy)]
+        room = {seq.request_id: self._room(seq) for seq in decoding}
         if spec.dynamic is not None:
             room = spec.dynamic.budgets({seq_id: r for seq_id, r in room.items() if r > 0})
-        seqs = [seq for seq in self.requests.sequences() if room.get(seq.request_id, 0) > 0]
+        seqs = [seq for seq in decoding if room.get(seq.request_id, 0) > 0]
         if not seqs:
             return
         owners = [self.requests.of(seq) for seq in seqs]

@@ -45,7 +45,7 @@ from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from servelab.server.detokenizer import Decode, Detokenizer
 from servelab.server.engine_core import EMPTY_SNAPSHOT, EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
 from servelab.server.engine_loop import Events, RequestEvent
-from servelab.server.replica_set import sum_snapshots
+from servelab.server.replica_set import sum_snapshots, watch_liveness
 from servelab.server.replicas import import_ray, start_ray, wait_started
 from servelab.server.role_replicas import CONSUMER, PRODUCER, RoleActor, RoleReplica
 from servelab.server.stream_buffer import StreamBuffer
@@ -116,18 +116,12 @@ class DisaggregatedEngine:
         for replica in self.replicas:
             replica.start(self._on_poll, self._on_exit)
         if self.liveness_timeout is not None:
-            self._watchdog = self._loop.create_task(self._watch())
-
-    async def _watch(self) -> None:
-        """Every fraction of the liveness timeout: a replica silent past it is killed. A live
-        replica answers its poll at least every second, busy or idle, so silence is a stopped
-        or hung process, whose requests would otherwise wait for it without end."""
-        interval = min(1.0, self.liveness_timeout / 4)
-        while not self.stopping:
-            await asyncio.sleep(interval)
-            self.check_liveness()
+            self._watchdog = self._loop.create_task(watch_liveness(self, self.liveness_timeout))
 
     def check_liveness(self) -> None:
+        """A replica silent past the liveness timeout is killed (`watch_liveness` calls it).
+        A live replica answers its poll at least every second, busy or idle, so silence is a
+        stopped or hung process, whose requests would otherwise wait for it without end."""
         now = time.monotonic()
         for replica in self.replicas:
             silent = now - replica.last_heard

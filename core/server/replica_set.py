@@ -84,16 +84,10 @@ class ReplicaSet:
         for replica in self.replicas:
             replica.start()
         if self.liveness_timeout is not None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        """Every fraction of the liveness timeout: silent replicas out, recovered ones back."""
-        interval = min(1.0, self.liveness_timeout / 4)
-        while not self.stopping:
-            await asyncio.sleep(interval)
-            self.check_liveness()
+            self._watchdog = asyncio.get_running_loop().create_task(watch_liveness(self, self.liveness_timeout))
 
     def check_liveness(self) -> None:
+        """Silent replicas out, recovered ones back (`watch_liveness` calls it)."""
         now = time.monotonic()
         for index, since in list(self.silent.items()):
             if index in self.dead:
@@ -283,6 +277,15 @@ class ReplicaSet:
             self.error = f"every engine replica has failed; the last: {message}"
             if self.on_failure is not None:
                 self.on_failure(self.error)
+
+
+async def watch_liveness(front_end: Any, timeout: float) -> None:
+    """Every fraction of the liveness timeout, until the front end stops: its
+    `check_liveness()` (a replica set's or the disaggregated front end's)."""
+    interval = min(1.0, timeout / 4)
+    while not front_end.stopping:
+        await asyncio.sleep(interval)
+        front_end.check_liveness()
 
 
 def sum_snapshots(snapshots: Seq[EngineSnapshot]) -> EngineSnapshot:

@@ -147,7 +147,7 @@ class CpuPagedAttention(TorchPagedAttention):
             return None
         if choice is True or not onednn_bf16_on_amx():
             return self._kernels
-        if self._float32_panels is None or self._float32_panels.kernels is not self._kernels:
+        if self._float32_panels is None:  # the library, once loaded, never changes
             self._float32_panels = PanelsFor(self._kernels, ("float32",))
         return self._float32_panels
 
