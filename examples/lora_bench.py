@@ -8,7 +8,8 @@ download) next to the model, then measures, on one engine per configuration:
 
 - throughput: output tokens per second of a batch of B requests (B = 1, 8, 32), each
   request on one of N adapters (N = 1, 4, 16, round robin; max_loras = N), against the
-  base model alone on the same batch; the ratio is the cost of the adapters;
+  base model alone on the same batch and engine; the ratio is the cost of the adapters;
+  and the base model on an engine without LoRA (what enabling LoRA costs base requests);
 - the eviction cliff: 16 adapters on 4 fast-pool slots (max_loras = 4, max_cpu_loras = 8),
   batches of 8 requests whose adapters follow a Zipf-like popularity, for each residency
   policy (`[adapter_residency]`): tokens per second and fast-pool loads per step.
@@ -76,16 +77,20 @@ def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
 def throughput(model: str, adapters: list[LoRARequest], repeats: int) -> list[dict]:
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     rows = []
+    plain = LLM(model, max_num_seqs=32)
+    vocab = plain.engine.model_config.vocab_size
+    without_lora = {batch: tokens_per_second(plain, prompts_for(batch, vocab), params, None, repeats)
+                    for batch in (1, 8, 32)}
+    del plain
     for count in (1, 4, 16):
         llm = LLM(model, enable_lora=True, max_loras=count, max_num_seqs=32)
-        vocab = llm.engine.model_config.vocab_size
         for batch in (1, 8, 32):
             prompts = prompts_for(batch, vocab)
             base = tokens_per_second(llm, prompts, params, None, repeats)
             lora = [adapters[i % count] for i in range(batch)]
             with_adapters = tokens_per_second(llm, prompts, params, lora, repeats)
-            rows.append({"adapters": count, "batch": batch, "base_tok_s": base, "lora_tok_s": with_adapters,
-                         "step_cost_vs_base": base / with_adapters})
+            rows.append({"adapters": count, "batch": batch, "no_lora_engine_tok_s": without_lora[batch],
+                         "base_tok_s": base, "lora_tok_s": with_adapters, "step_cost_vs_base": base / with_adapters})
             print(rows[-1], flush=True)
     return rows
 

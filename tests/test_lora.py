@@ -77,6 +77,39 @@ def test_a_mixed_batch_equals_each_request_alone(llm, adapters):
     assert together == alone
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_native_decoder_adds_the_same_updates(base, adapters, dtype):
+    """Decode steps with adapters run the whole decoder in one native call, with tokens and
+    logprobs bit-identical to the Python layers' path, pool swaps included (max_loras=2
+    over three adapters)."""
+    from servelab.plugins.kernels.cpu_build import kernel_build
+
+    if kernel_build().wait() is None:
+        pytest.skip("the cpu-paged library is not built here")
+    requests = requests_for(adapters)
+    mix = [requests["attn"], None, requests["all"], requests["mlp"], requests["all"]]
+    prompts = [PROMPTS[i % 3] for i in range(len(mix))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    results, native_steps = {}, []
+    for native in (False, True):
+        llm = LLM(base, enable_lora=True, max_loras=2, dtype=dtype,
+                  config={"attention": {"name": "cpu-paged", "build": "wait", "native_decoder": native}})
+        backend = llm.engine.runner.backend
+        forward = backend.decoder_forward
+
+        def counted(*args, forward=forward):
+            selected = forward(*args)
+            native_steps.append(selected is not None)
+            return selected
+
+        backend.decoder_forward = counted
+        outputs = [llm.generate(prompts[i:i + 2], params, lora_request=mix[i:i + 2])[0] for i in range(0, 5, 2)]
+        results[native] = [(o.outputs[0].token_ids, [{t: p.logprob for t, p in position.items()}
+                                                     for position in o.outputs[0].logprobs]) for o in outputs]
+    assert results[True] == results[False]
+    assert any(native_steps) and not any(native_steps[: len(native_steps) // 2])
+
+
 def test_one_slot_forces_swaps_and_changes_no_output(base, adapters, llm):
     requests = requests_for(adapters)
     mix = [requests["attn"], requests["all"], None, requests["mlp"], requests["all"]]

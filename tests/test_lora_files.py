@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import attrs
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from lora_adapters import build_adapter, edit_config  # noqa: E402
 
 from servelab import LLM, LoRARequest, RequestError, SamplingParams  # noqa: E402
 from servelab.model.lora_adapter import LoRAAdapterError, LoRAModule, load_adapter  # noqa: E402
-from servelab.model.lora_layers import LoRAState, lora_delta_reference, shrink_expand_reference  # noqa: E402
+from servelab.model.lora_layers import LoRABatch, LoRALinear, LoRAState, lora_delta_reference  # noqa: E402
 from servelab.model.model_config import ModelConfig  # noqa: E402
 from servelab.testing.tiny_model import tiny_checkpoint  # noqa: E402
 
@@ -128,9 +130,7 @@ def test_adapter_config_json_is_what_peft_writes(saved):
     assert settings["peft_type"] == "LORA" and settings["use_rslora"] is True
 
 
-def test_the_native_shrink_expand_equals_the_reference():
-    """The C++ kernel (cpu_lora.cpp) against the torch reference, at several ranks; skipped
-    where the library could not be built (no compiler: the reference serves)."""
+def built_kernels():
     from servelab.plugins.kernels.cpu_build import kernel_build
 
     build = kernel_build()
@@ -139,20 +139,88 @@ def test_the_native_shrink_expand_equals_the_reference():
     kernels = build.module()
     if kernels is None:
         pytest.skip("the cpu-paged library is not built here")
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(13, 72, generator=generator)
-    for rank, out in ((1, 10), (7, 72), (32, 100)):
-        a, b = torch.randn(rank, 72, generator=generator), torch.randn(out, rank, generator=generator)
-        rows = torch.tensor([12, 0, 5, 5, 3])
-        got = kernels.lora_shrink_expand(x, rows, a, b, 0.75)
-        torch.testing.assert_close(got, shrink_expand_reference(x, rows, a, b, 0.75), rtol=1e-5, atol=1e-4)
-    with pytest.raises(RuntimeError, match="outside x"):
-        kernels.lora_shrink_expand(x, torch.tensor([13]), a, b, 1.0)
+    return kernels
+
+
+def fused_layer(dtype: torch.dtype) -> LoRALinear:
+    """A qkv-like layer (parts q 0:24, k 24:32, v 32:40 over 20 inputs) under a state of 4
+    slots: mixed ranks, slot 1 without a k update, slot 3 empty."""
+    generator = torch.Generator().manual_seed(3)
+    state = LoRAState(4)
+    parts = [("q_proj", 0, 24), ("k_proj", 24, 32), ("v_proj", 32, 40)]
+    for slot, ranks in ((0, (4, 1, 8)), (1, (32, None, 2)), (2, (7, 7, 7))):
+        state.set_slot(slot, {(0, name): LoRAModule(torch.randn(rank, 20, generator=generator),
+                                                    torch.randn(end - start, rank, generator=generator),
+                                                    0.25 * (slot + 1))
+                              for (name, start, end), rank in zip(parts, ranks) if rank is not None})
+    base = torch.nn.Linear(20, 40, bias=False).to(dtype)
+    return LoRALinear(base, 0, parts, state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_layer_update_equals_the_reference(dtype):
+    """The C++ kernel (cpu_lora.cpp: every slot and part in one call) against the torch
+    reference, rows of every slot and of the base model mixed; skipped where the library
+    could not be built (no compiler: the reference serves)."""
+    kernels = built_kernels()
+    layer = fused_layer(dtype)
+    x = torch.randn(11, 20, generator=torch.Generator().manual_seed(4)).to(dtype)
+    layer.state.batch = LoRABatch(torch.tensor([2, -1, 0, 1, 2, 3, 1, -1, 0, 0, 2]))
+    with torch.no_grad():
+        want = layer(x)
+        layer.state.use_kernels(kernels)
+        got = layer(x)
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 2e-2}
+    torch.testing.assert_close(got, want, **tolerance)
+    with torch.no_grad():
+        assert torch.equal(got[[1, 5, 7]], layer.base(x)[[1, 5, 7]])  # base rows and the empty slot untouched
+
+
+def test_the_native_layer_update_of_a_row_does_not_depend_on_its_batch():
+    """A row's update is bit for bit the same alone and among other adapters' rows (the
+    base layer zeroed: torch's matmul may round a lone row differently)."""
+    layer = fused_layer(torch.float32)
+    layer.state.use_kernels(built_kernels())
+    torch.nn.init.zeros_(layer.base.weight)
+    x = torch.randn(6, 20, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        layer.state.batch = LoRABatch(torch.tensor([1, 0, 2, -1, 1, 0]))
+        together = layer(x)
+        for row, slot in enumerate([1, 0, 2, -1, 1, 0]):
+            layer.state.batch = LoRABatch(torch.tensor([slot]))
+            assert torch.equal(layer(x[row:row + 1])[0], together[row])
+
+
+def test_the_packed_updates_follow_the_slots():
+    """Evicting and loading an adapter rewrites its slot's region: the kernel never adds a
+    gone adapter's update, nor rows of a larger one the slot held before; a slot outside
+    the pool is refused by name."""
+    kernels = built_kernels()
+    layer = fused_layer(torch.float32)
+    layer.state.use_kernels(kernels)
+    x = torch.randn(2, 20)
+    layer.state.batch = LoRABatch(torch.tensor([0, 2]))
+    with torch.no_grad():
+        before = layer(x)
+        layer.state.set_slot(0, None)
+        after = layer(x)
+        assert torch.equal(after[0], layer.base(x)[0]) and torch.equal(after[1], before[1])
+        # a lower-rank adapter into slot 2's region: its own rank only, none of the old rows
+        smaller = {(0, name): LoRAModule(torch.randn(2, 20), torch.randn(end - start, 2), 0.5)
+                   for name, start, end in layer.parts}
+        layer.state.set_slot(2, smaller)
+        got = layer(x)
+        layer.state.use_kernels(None)
+        torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-4)
+        layer.state.use_kernels(kernels)
+        with pytest.raises(RuntimeError, match="names slot 7 of 4"):
+            kernels.lora_add_(layer.base(x), x, torch.tensor([7, 0]), *attrs.astuple(layer.packed_updates(),
+                                                                                     recurse=False))
 
 
 def test_the_state_falls_back_to_the_reference_without_the_kernel():
     state = LoRAState(2)
     state.use_kernels(None)
-    assert state.shrink_expand is shrink_expand_reference
+    assert state.kernels is None
     state.use_kernels(object())  # a library built without the kernel
-    assert state.shrink_expand is shrink_expand_reference
+    assert state.kernels is None

@@ -11,9 +11,11 @@ from typing import Any, Callable
 import attrs
 
 from servelab.arrivals import Arrival, serve_arrivals
+from servelab.errors import ConfigError
 from servelab.expert_load import expert_load_of, pipeline_stats_of, pipeline_summary
 from servelab.hookspecs import hookimpl
 from servelab.outputs import RequestOutput, StepReport
+from servelab.request import RequestSpec
 from servelab.sampling_params import SamplingParams
 from servelab.workload import Workload
 
@@ -94,6 +96,7 @@ class RunRecord:
     expert_load_after: dict = attrs.field(factory=dict)
     pipeline_before: dict = attrs.field(factory=dict)  # a pipeline's stage-0 times (expert_load.pipeline_summary)
     pipeline_after: dict = attrs.field(factory=dict)
+    adapters: dict = attrs.field(factory=dict)  # LoRA adapter traffic over the run (adapter_traffic); empty without
 
 
 def run_workload(engine: Any, recorder: StepRecorder, workload: Workload, config_name: str,
@@ -118,11 +121,16 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
     scheduler_before = engine.scheduler.stats()
     load_before = expert_load_of(engine.runner)
     pipeline_before = pipeline_summary(pipeline_stats_of(engine.runner))
+    lora = lora_manager_of(engine, workload)
+    adapters_before = adapter_counts(lora)
     start = clock()
 
     def admit(arrival: Arrival) -> tuple[int, str]:
         request = workload.requests[arrival.item]
-        return 0, engine.add_request(request.prompt_token_ids, request_params(request), arrival_time=arrival.time)
+        adapter = None if request.adapter is None else workload.lora_requests[request.adapter]
+        spec = RequestSpec(request.prompt_token_ids, request_params(request), arrival_time=arrival.time,
+                           lora_request=adapter)
+        return 0, engine.add_requests([spec])[0]
 
     def finished(arrival: Arrival, _engine: int, output: RequestOutput) -> None:
         outputs[arrival.item] = output
@@ -141,7 +149,36 @@ def _run(engine: Any, recorder: StepRecorder, workload: Workload, config_name: s
         requests=tuple(workload.requests), step_traces=(tuple(recorder.traces),),
         expert_load_before=load_before, expert_load_after=expert_load_of(engine.runner),
         pipeline_before=pipeline_before, pipeline_after=pipeline_summary(pipeline_stats_of(engine.runner)),
+        adapters=adapter_traffic(adapters_before, adapter_counts(lora), len(recorder.reports)),
     )
+
+
+def lora_manager_of(engine: Any, workload: Workload) -> Any:
+    """The engine's LoRA manager where the workload names adapters (None where it names
+    none); ConfigError where it names adapters the engine cannot serve."""
+    if not workload.num_adapters:
+        return None
+    if len(workload.lora_requests) < workload.num_adapters:
+        raise ConfigError(f"workload {workload.name!r} names {workload.num_adapters} LoRA adapters; "
+                          f"{len(workload.lora_requests)} were written for it")
+    lora = getattr(engine.runner, "lora", None)
+    if lora is None:
+        raise ConfigError(f"workload {workload.name!r} runs LoRA adapters: set [engine] enable_lora = true "
+                          f"(--set engine.enable_lora=true) and max_loras")
+    return lora
+
+
+def adapter_counts(lora: Any) -> tuple[int, int]:
+    return (0, 0) if lora is None else (lora.num_pool_loads, lora.num_disk_reads)
+
+
+def adapter_traffic(before: tuple[int, int], after: tuple[int, int], steps: int) -> dict:
+    """Adapters put into the fast pool (and a step's share of them) and read from disk."""
+    if before == after == (0, 0):
+        return {}
+    loads, reads = after[0] - before[0], after[1] - before[1]
+    return {"adapter_pool_loads": loads, "adapter_loads_per_step": loads / steps if steps else None,
+            "adapter_disk_reads": reads}
 
 
 def workload_arrivals(workload: Workload, start: float) -> list[Arrival[int]]:

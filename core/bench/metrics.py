@@ -105,6 +105,7 @@ def summarize(record: RunRecord, slo: SLO) -> dict[str, Any]:
         "stage_profile": stage_profile(reports),
         **_expert_load(record),
         **_pipeline(record),
+        **record.adapters,
     }
 
 

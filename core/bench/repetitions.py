@@ -30,7 +30,7 @@ DEFAULT_REPEATS = 5  # the median of five ignores two runs hit by a burst of loa
 
 def offline(workload: Workload) -> Workload:
     """The same requests, all arriving at once."""
-    return Workload(workload.name, tuple(attrs.evolve(r, arrival_time=0.0) for r in workload.requests))
+    return attrs.evolve(workload, requests=tuple(attrs.evolve(r, arrival_time=0.0) for r in workload.requests))
 
 
 def reset_prefix_cache(engine: Any) -> None:

@@ -41,6 +41,8 @@ ROWS = [
     ("host KV blocks used, peak", lambda m: _fmt(m.get("host_blocks_used_peak"))),
     ("KV moves / step", lambda m: _fmt(m.get("kv_moves_per_step"), 2)),
     ("KV MB moved", lambda m: _fmt(None if m.get("kv_bytes_moved") is None else m["kv_bytes_moved"] / 1e6, 1)),
+    ("LoRA pool loads / step", lambda m: _fmt(m.get("adapter_loads_per_step"), 3)),
+    ("LoRA disk reads", lambda m: _fmt(m.get("adapter_disk_reads"))),
 ]
 
 

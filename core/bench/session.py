@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import attrs
 
 from servelab.bench import plots
 from servelab.bench.comparison import DEFAULT_IMBALANCE_FACTOR, annotate
-from servelab.bench.driver import RunRecord, StepRecorder, run_workload
+from servelab.bench.driver import RunRecord, StepRecorder, lora_manager_of, run_workload
 from servelab.bench.metrics import SLO, summarize
 from servelab.bench.repetitions import DEFAULT_REPEATS, run_repetitions, warm_up
 from servelab.config import EngineConfig
@@ -76,8 +77,31 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
 
         return run_fleet_bench(configs, options)
     engines = [_Engine(name, config, options) for name, config in configs]
+    with tempfile.TemporaryDirectory(prefix="servelab-bench-adapters-") as adapter_root:
+        adapters = _Adapters(Path(adapter_root), engines[0].engine.model_config, options.sim_accelerator is None)
+        return _run_bench(configs, engines, options, adapters)
+
+
+class _Adapters:
+    """The LoRA adapters the session's workloads name, written once into `root` (their
+    weights only for a real run: a simulated one reads their shapes)."""
+
+    def __init__(self, root: Path, model_config: Any, weights: bool) -> None:
+        self.root, self.model_config, self.weights = root, model_config, weights
+        self.requests: list[Any] = []
+
+    def attach(self, workload: Workload) -> Workload:
+        if workload.num_adapters > len(self.requests):
+            from servelab.bench.bench_adapters import write_bench_adapters
+
+            self.requests = write_bench_adapters(workload.num_adapters, self.model_config, self.root, self.weights)
+        return attrs.evolve(workload, lora_requests=tuple(self.requests)) if workload.num_adapters else workload
+
+
+def _run_bench(configs: list[tuple[str, EngineConfig]], engines: list["_Engine"], options: BenchOptions,
+               adapters: _Adapters) -> dict[str, Any]:
     vocab_size = min(e.engine.model_config.vocab_size for e in engines)
-    workload = build_workload(options.workload, vocab_size)
+    workload = adapters.attach(build_workload(options.workload, vocab_size))
     if options.save_workload:
         workload.save(options.save_workload)
     _check_fits(workload, engines)
@@ -106,7 +130,7 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
             chosen.append(per_config[e.name][index])
             runs.append({"config": e.name, "metrics": {**summaries[index], **kv_layout(e.engine, e.dtype_bytes)},
                          "repeats_output_tokens_per_s": [s["output_tokens_per_s"] for s in summaries]})
-        sweep = _rate_sweep(engines, options, vocab_size, bar.update) if options.rates else {}
+        sweep = _rate_sweep(engines, options, vocab_size, bar.update, adapters) if options.rates else {}
     result: dict[str, Any] = {
         "workload": {"spec": workload.name, "num_requests": len(workload.requests),
                      "prompt_tokens": workload.num_prompt_tokens, "output_tokens": workload.num_output_tokens},
@@ -142,6 +166,9 @@ def _load_baseline(first: _Engine, options: BenchOptions, warm_up: tuple) -> Any
         return None
     if options.sim_accelerator:
         raise ConfigError(f"--baseline {options.baseline} runs a real model; it cannot be combined with --sim")
+    if any(r.adapter is not None for r in warm_up):
+        raise ConfigError(f"--baseline {options.baseline} runs the base model alone; the workload's requests name "
+                          f"LoRA adapters")
     engine = first.config.engine
     if options.baseline == "vllm":
         from servelab.bench.vllm_baseline import VllmBaseline
@@ -157,7 +184,8 @@ def _load_baseline(first: _Engine, options: BenchOptions, warm_up: tuple) -> Any
     return HfStaticBaseline(str(first.engine.source.path), engine.dtype, batch_size, list(warm_up[:batch_size]))
 
 
-def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, update) -> dict[str, list]:
+def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, update,
+                adapters: _Adapters) -> dict[str, list]:
     name, spec_options = parse_spec(options.workload)
     if name in ("file", "mooncake", "azure"):
         raise ConfigError(f"--rates re-draws a generator's arrivals; a {name}: workload has its own "
@@ -166,7 +194,7 @@ def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, 
     for rate in options.rates:
         spec_options.update(arrival="poisson", rate=rate)
         spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in spec_options.items())
-        workload = build_workload(spec, vocab_size)
+        workload = adapters.attach(build_workload(spec, vocab_size))
         for e in engines:
             record = run_workload(e.engine, e.recorder, workload, e.name, update)
             sweep[e.name].append((rate, summarize(record, options.slo)))
@@ -196,6 +224,7 @@ def _check_fits(workload: Workload, engines: list[_Engine]) -> None:
         if longest > e.engine.limits.max_model_len:
             raise ConfigError(f"workload has a request of {longest} tokens, over config {e.name!r}'s "
                               f"max_model_len={e.engine.limits.max_model_len}; raise [engine] max_model_len")
+        lora_manager_of(e.engine, workload)  # adapters named, and served
 
 
 class _NoBar:

@@ -96,7 +96,7 @@ class LoRAManager:
             self.host.pop(lora_id, None)
             slot = self.slot_of.pop(lora_id, None)
             if slot is not None:
-                self.state.slots[slot] = None
+                self.state.set_slot(slot, None)
             self.loaded.pop(lora_id, None)
 
     def by_name(self, name: str) -> LoRARequest | None:
@@ -168,7 +168,7 @@ class LoRAManager:
                                       nbytes=self.host[i].nbytes)
                       for i in sorted(self.slot_of) if i not in needed]
         for lora_id in checked_residency_choice(self.residency, candidates, num_needed - free):
-            self.state.slots[self.slot_of.pop(lora_id)] = None
+            self.state.set_slot(self.slot_of.pop(lora_id), None)
             del self.loaded[lora_id]
             logger.debug("lora.evicted", lora_id=lora_id)
 
@@ -182,7 +182,7 @@ class LoRAManager:
                                    f"requests used it: {exc}") from None
         self._keep_in_host(lora_id, adapter)
         slot = self.state.slots.index(None)
-        self.state.slots[slot] = dict(adapter.modules)
+        self.state.set_slot(slot, dict(adapter.modules))
         self.slot_of[lora_id] = slot
         self.loaded[lora_id] = self.tick
         self.num_pool_loads += 1

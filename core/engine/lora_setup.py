@@ -8,9 +8,10 @@ from typing import Any
 from servelab.config import EngineConfig
 from servelab.contracts.adapter_residency import ResidencyContext
 from servelab.errors import ConfigError
-from servelab.interfaces import LoRARunner
+from servelab.interfaces import LoRARunner, SimulatedLoRARunner
 from servelab.lora_manager import LoRAManager
-from servelab.model.lora_layers import install_lora
+from servelab.model.lora_adapter import load_adapter
+from servelab.model.lora_layers import LoRAState, install_lora
 from servelab.registry import build_policy
 
 
@@ -28,12 +29,15 @@ def attach_lora(config: EngineConfig, selected: tuple[Any, Any], runner: Any) ->
     engine = config.engine
     if not engine.enable_lora:
         return None
-    if not isinstance(runner, LoRARunner):
+    if isinstance(runner, SimulatedLoRARunner) and engine.tensor_parallel_size == 1:
+        model_config, state, loader = runner.model_config, LoRAState(engine.max_loras), runner.load_adapter
+    elif isinstance(runner, LoRARunner):
+        state = install_lora(runner.model, engine.max_loras, engine.max_lora_rank)
+        model_config, loader = runner.model.config, load_adapter
+    else:
         raise ConfigError(f"[engine] enable_lora needs the single-process model runner; {type(runner).__name__} "
                           f"does not run LoRA adapters (tensor_parallel_size must be 1)")
     max_cpu_loras = engine.max_cpu_loras or engine.max_loras
     residency = build_policy(*selected, ResidencyContext(max_loras=engine.max_loras, max_cpu_loras=max_cpu_loras))
-    model = runner.model
-    runner.lora = LoRAManager(model.config, install_lora(model, engine.max_loras), residency, max_cpu_loras,
-                              engine.max_lora_rank)
+    runner.lora = LoRAManager(model_config, state, residency, max_cpu_loras, engine.max_lora_rank, loader)
     return runner.lora

@@ -27,6 +27,13 @@ Any generator takes `structured_fraction` (that share of the requests, chosen by
 seed, must output JSON valid against BENCH_SCHEMA and ends when it is complete, at EOS)
 and `logprobs` (every request asks for that many logprobs).
 
+LoRA adapters (docs/lora.md): `adapters=N` gives each request one of N adapters, adapter
+k drawn with weight 1 / (k + 1) ** adapter_zipf (default 1: a few popular adapters and a
+long tail; 0: uniform); `base_fraction` of the requests (chosen by the seed) stay on the
+base model. `servelab bench` writes the adapters themselves (servelab.bench.bench_adapters):
+
+    skewed:num_requests=64,adapters=16,adapter_zipf=1.0,arrival=poisson,rate=4
+
 Deadlines (per-request SLOs: seconds after arrival by which the request should finish,
 handed to the engine as SamplingParams.deadline, which deadline-aware schedulers read):
 
@@ -71,12 +78,16 @@ class BenchRequest:
     logprobs: int | None = None  # SamplingParams.logprobs
     deadline: float | None = None  # seconds after arrival by which it should finish (SamplingParams.deadline)
     request_class: str | None = None  # a label the bench groups attainment and goodput by
+    adapter: int | None = None  # the LoRA adapter it runs with (the bench's adapter-<k>); None: the base model
 
 
 @attrs.frozen
 class Workload:
     name: str  # the spec it was generated from
     requests: tuple[BenchRequest, ...]
+    # the LoRA adapters the requests name, by index (BenchRequest.adapter); set by the bench
+    # once it has written them (servelab.bench.bench_adapters), not saved with the workload
+    lora_requests: tuple[Any, ...] = attrs.field(default=(), eq=False)
 
     def save(self, path: str | Path) -> None:
         with open(path, "w") as handle:
@@ -85,7 +96,8 @@ class Workload:
                 extra = {**({"json_schema": True} if r.json_schema else {}),
                          **({"logprobs": r.logprobs} if r.logprobs is not None else {}),
                          **({"deadline": r.deadline} if r.deadline is not None else {}),
-                         **({"request_class": r.request_class} if r.request_class is not None else {})}
+                         **({"request_class": r.request_class} if r.request_class is not None else {}),
+                         **({"adapter": r.adapter} if r.adapter is not None else {})}
                 handle.write(json.dumps({"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens,
                                          "arrival_time": r.arrival_time, **extra}) + "\n")
 
@@ -110,10 +122,18 @@ class Workload:
                                        bool(record.get("json_schema", False)), record.get("logprobs"))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(f"{path}:{number}: a request needs prompt_token_ids and max_tokens ({exc})") from None
+            adapter = record.get("adapter")
+            if adapter is not None and (isinstance(adapter, bool) or not isinstance(adapter, int) or adapter < 0):
+                raise ConfigError(f"{path}:{number}: adapter must be an adapter index >= 0, got {adapter!r}")
             requests.append(attrs.evolve(request, deadline=checked_deadline(record.get("deadline"), f"{path}:{number}"),
                                          request_class=checked_request_class(record.get("request_class"),
-                                                                      f"{path}:{number}")))
+                                                                      f"{path}:{number}"), adapter=adapter))
         return cls(name, tuple(requests))
+
+    @property
+    def num_adapters(self) -> int:
+        """How many LoRA adapters the requests name (adapter indices 0..n-1)."""
+        return 1 + max((r.adapter for r in self.requests if r.adapter is not None), default=-1)
 
     @property
     def num_output_tokens(self) -> int:
@@ -312,6 +332,7 @@ def build_workload(spec: str, vocab_size: int) -> Workload:
     burst_size = int(options.pop("burst_size", 8))
     structured_fraction = float(options.pop("structured_fraction", 0))
     logprobs = options.pop("logprobs", None)
+    adapters = AdapterOptions.pop_from(options)
     deadlines = DeadlineOptions.pop_from(options)
     if not 0 <= structured_fraction <= 1:
         raise ConfigError(f"workload structured_fraction must be in [0, 1], got {structured_fraction}")
@@ -327,4 +348,39 @@ def build_workload(spec: str, vocab_size: int) -> Workload:
     structured = set(random.Random(seed + 1).sample(range(len(requests)), round(structured_fraction * len(requests))))
     if structured or logprobs is not None:
         requests = [attrs.evolve(r, json_schema=i in structured, logprobs=logprobs) for i, r in enumerate(requests)]
-    return Workload(spec, tuple(deadlines.apply(requests, seed)))
+    return Workload(spec, tuple(deadlines.apply(adapters.apply(requests, seed), seed)))
+
+
+@attrs.frozen
+class AdapterOptions:
+    """Which LoRA adapter each request runs with (`adapters`, `adapter_zipf`, `base_fraction`)."""
+
+    count: int = 0
+    zipf: float = 1.0
+    base_fraction: float = 0.0
+
+    @classmethod
+    def pop_from(cls, options: dict[str, Any]) -> "AdapterOptions":
+        count = options.pop("adapters", 0)
+        zipf = options.pop("adapter_zipf", 1.0)
+        base_fraction = options.pop("base_fraction", 0.0)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ConfigError(f"workload adapters must be an integer >= 0, got {count!r}")
+        if not isinstance(zipf, (int, float)) or zipf < 0:
+            raise ConfigError(f"workload adapter_zipf must be a number >= 0, got {zipf!r}")
+        if not isinstance(base_fraction, (int, float)) or not 0 <= base_fraction <= 1:
+            raise ConfigError(f"workload base_fraction must be in [0, 1], got {base_fraction!r}")
+        if count == 0 and (zipf != 1.0 or base_fraction):
+            raise ConfigError("workload adapter_zipf and base_fraction need adapters=N")
+        return cls(count, float(zipf), float(base_fraction))
+
+    def apply(self, requests: list[BenchRequest], seed: int) -> list[BenchRequest]:
+        """The requests with their adapters, drawn with a generator of their own (the same
+        spec without these options gives the same requests)."""
+        if not self.count:
+            return requests
+        rng = random.Random(seed + 2)
+        base = set(rng.sample(range(len(requests)), round(self.base_fraction * len(requests))))
+        weights = [1.0 / (k + 1) ** self.zipf for k in range(self.count)]
+        chosen = rng.choices(range(self.count), weights=weights, k=len(requests))
+        return [attrs.evolve(r, adapter=None if i in base else chosen[i]) for i, r in enumerate(requests)]

@@ -24,13 +24,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("format"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("scalar") = false);
 
-  m.def("lora_shrink_expand", &lora_shrink_expand,
-        "scale * (x[rows] A^T) B^T: one LoRA adapter's update of its rows (float32)");
+  m.def("lora_add_", &lora_add_,
+        "y[t] += each row's LoRA update (its adapter slot's, every part), packed as lora_layers.PackedUpdates; in place");
 
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<const std::vector<std::vector<std::optional<at::Tensor>>>&,
                           const std::vector<std::vector<int64_t>>&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           double, double, int64_t, int64_t, int64_t, int64_t>())
       // No Python object is touched inside: other Python threads run meanwhile.
-      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &Decoder::forward, pybind11::arg("input_ids"), pybind11::arg("positions"), pybind11::arg("caches"),
+           pybind11::arg("block_tables"), pybind11::arg("query_start"), pybind11::arg("context_lens"),
+           pybind11::arg("slot_mapping"), pybind11::arg("sequences"), pybind11::arg("logits_indices"),
+           pybind11::arg("row_slots") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_lora", &Decoder::set_lora, "LoRA updates for one linear of one layer (all None: none)");
 }

@@ -6,7 +6,8 @@
 // and the same attention kernel, in the same order, so its results are bit-identical to
 // that path. What it removes is the Python between them: module calls, argument parsing
 // and dispatch for ~13 ops a layer, which at small batches cost as much as the layer's
-// arithmetic.
+// arithmetic. With LoRA adapters served, each linear adds its rows' updates with the same
+// kernel the Python path's LoRALinear calls (cpu_lora.cpp), over the same packed updates.
 #include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -31,6 +32,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight, c
   return op.call(x, packed_weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::string_view());
 }
 
+// Every adapter slot's LoRA updates of one linear, as lora_layers.PackedUpdates lays them out.
+struct LoRAUpdates {
+  at::Tensor a, bt, table, scales;
+};
+
 struct Linear {
   // packed for oneDNN (2-D), the panels of cpu_linear.cpp (3-D or 4-D), or quantized blocks
   // (uint8, `format` >= 0; servelab.model.quantized_linear, whose bias is float32)
@@ -38,7 +44,16 @@ struct Linear {
   Optional bias;
   int64_t out_features;
   int64_t format = -1;
-  at::Tensor operator()(const at::Tensor& x) const {
+  std::optional<LoRAUpdates> lora;
+  // row_slots: each row's adapter slot (-1: the base model), or undefined for a step without adapters
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& row_slots) const {
+    at::Tensor y = base(x);
+    if (lora && row_slots.defined()) lora_add_(y, x, row_slots, lora->a, lora->bt, lora->table, lora->scales);
+    return y;
+  }
+
+ private:
+  at::Tensor base(const at::Tensor& x) const {
     if (format >= 0) {  // as QuantizedLinear.forward: float32 in and out, then the input's dtype
       if (x.scalar_type() == at::kFloat) return quant_linear(x, weight, format, bias, false);
       return quant_linear(x.to(at::kFloat), weight, format, bias, false).to(x.scalar_type());
@@ -81,11 +96,22 @@ class Model {
     }
   }
 
+  // Linear `linear` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer` adds these LoRA updates
+  // from now on (none: it adds none).
+  void set_lora(int64_t layer, int64_t linear, std::optional<LoRAUpdates> updates) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && linear >= 0 && linear < 4,
+                "no linear ", linear, " in layer ", layer);
+    Layer& l = layers_[layer];
+    Linear* linears[] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    linears[linear]->lora = std::move(updates);
+  }
+
   // The final-normed hidden states of the rows in logits_indices. caches: per layer, key then value.
+  // row_slots: each row's LoRA adapter slot, or undefined for a step of the base model alone.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const std::vector<at::Tensor>& caches,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
-                     const at::Tensor& slot_mapping, const at::Tensor& sequences,
-                     const at::Tensor& logits_indices) const {
+                     const at::Tensor& slot_mapping, const at::Tensor& sequences, const at::Tensor& logits_indices,
+                     at::Tensor row_slots) const {
     TORCH_CHECK(caches.size() == 2 * layers_.size(), "one key and one value cache per layer");
     const int64_t tokens = input_ids.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -99,7 +125,7 @@ class Model {
         hidden = rms_norm(residual, layer.input_norm, eps_);
       else
         add_rms_norm_(hidden, residual, layer.input_norm, eps_);
-      at::Tensor qkv = layer.qkv(hidden);
+      at::Tensor qkv = layer.qkv(hidden, row_slots);
       rotary_(qkv, positions, cos_, sin_, num_heads_ + num_kv_heads_, head_dim_);
       at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
@@ -112,10 +138,11 @@ class Model {
       if (keep_some && i + 1 == layers_.size()) {
         rows = rows.index_select(0, logits_indices);
         residual = residual.index_select(0, logits_indices);
+        if (row_slots.defined()) row_slots = row_slots.index_select(0, logits_indices);
       }
-      hidden = layer.o(rows);
+      hidden = layer.o(rows, row_slots);
       add_rms_norm_(hidden, residual, layer.post_attention_norm, eps_);
-      hidden = mlp(layer, hidden);
+      hidden = mlp(layer, hidden, row_slots);
     }
     at::Tensor selected = keep_some ? hidden + residual
                                     : hidden.index_select(0, logits_indices) + residual.index_select(0, logits_indices);
@@ -123,13 +150,14 @@ class Model {
   }
 
  private:
-  at::Tensor mlp(const Layer& layer, const at::Tensor& x) const {
+  at::Tensor mlp(const Layer& layer, const at::Tensor& x, const at::Tensor& row_slots) const {
     const int64_t rows = x.size(0);
-    if (rows <= mlp_rows_at_once_) return layer.down(silu_and_mul(layer.gate_up(x)));
+    if (rows <= mlp_rows_at_once_) return layer.down(silu_and_mul(layer.gate_up(x, row_slots)), row_slots);
     at::Tensor out = at::empty({rows, embedding_.size(1)}, x.options());
     for (int64_t start = 0; start < rows; start += mlp_rows_at_once_) {
       const int64_t count = std::min(mlp_rows_at_once_, rows - start);
-      out.narrow(0, start, count).copy_(layer.down(silu_and_mul(layer.gate_up(x.narrow(0, start, count)))));
+      const at::Tensor slots = row_slots.defined() ? row_slots.narrow(0, start, count) : row_slots;
+      out.narrow(0, start, count).copy_(layer.down(silu_and_mul(layer.gate_up(x.narrow(0, start, count), slots)), slots));
     }
     return out;
   }
@@ -155,11 +183,21 @@ Decoder::Decoder(const std::vector<std::vector<std::optional<at::Tensor>>>& laye
 
 Decoder::~Decoder() = default;
 
+void Decoder::set_lora(int64_t layer, int64_t linear, const std::optional<at::Tensor>& a,
+                       const std::optional<at::Tensor>& bt, const std::optional<at::Tensor>& table,
+                       const std::optional<at::Tensor>& scales) {
+  TORCH_CHECK(a.has_value() == bt.has_value() && a.has_value() == table.has_value() &&
+                  a.has_value() == scales.has_value(),
+              "a LoRA update is all four tensors or none");
+  state_->model.set_lora(layer, linear, a ? std::optional<LoRAUpdates>(LoRAUpdates{*a, *bt, *table, *scales})
+                                          : std::nullopt);
+}
+
 at::Tensor Decoder::forward(const at::Tensor& input_ids, const at::Tensor& positions,
                             const std::vector<at::Tensor>& caches, const at::Tensor& block_tables,
                             const at::Tensor& query_start, const at::Tensor& context_lens,
                             const at::Tensor& slot_mapping, const at::Tensor& sequences,
-                            const at::Tensor& logits_indices) const {
+                            const at::Tensor& logits_indices, const std::optional<at::Tensor>& row_slots) const {
   return state_->model.forward(input_ids, positions, caches, block_tables, query_start, context_lens, slot_mapping,
-                               sequences, logits_indices);
+                               sequences, logits_indices, row_slots ? *row_slots : at::Tensor());
 }

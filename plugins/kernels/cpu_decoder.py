@@ -10,22 +10,58 @@ final norm, the rotary tables and how many rows the MLP takes at once. It answer
 a model it cannot run (linears neither packed for oneDNN nor quantized with this library's
 kernel, norms with different epsilons, weights and rotary tables of different dtypes),
 which then keeps the Python path.
+
+A model serving LoRA adapters (its linears wrapped in servelab.model.lora_layers.LoRALinear)
+runs here too: the decoder holds each linear's base weights, and `NativeDecoder.forward`
+hands it the layers' packed updates again whenever the adapter pool changed, then each
+step's row slots.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 from servelab.interfaces import QuantizedLinearLayer
+from servelab.model.lora_layers import LoRALinear
 
 
-def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
+class NativeDecoder:
+    """The library's Decoder for one model, and the adapter pool it last handed over."""
+
+    def __init__(self, decoder: Any, model: torch.nn.Module) -> None:
+        self.decoder = decoder
+        self._lora_generation = -1
+        self._linears = [_linears(layer) for layer in model.layers]
+
+    def forward(self, model: torch.nn.Module, *args: Any) -> torch.Tensor:
+        lora = getattr(model, "lora", None)
+        if lora is None or lora.batch is None:
+            return self.decoder.forward(*args)
+        if self._lora_generation != lora.generation:
+            for index, group in enumerate(self._linears):
+                for position, linear in enumerate(group):
+                    packed = linear.packed_updates() if isinstance(linear, LoRALinear) else None
+                    self.decoder.set_lora(index, position,
+                                          *(attrs.astuple(packed, recurse=False) if packed else (None,) * 4))
+            self._lora_generation = lora.generation
+        return self.decoder.forward(*args, row_slots=lora.batch.token_slots)
+
+
+def _linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _unwrapped(linear: torch.nn.Module) -> torch.nn.Module:
+    return linear.base if isinstance(linear, LoRALinear) else linear
+
+
+def native_decoder(kernels: Any, model: torch.nn.Module) -> NativeDecoder | None:
     config = model.config
     norms = [model.norm] + [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-               for layer in model.layers]
+    linears = [tuple(_unwrapped(linear) for linear in _linears(layer)) for layer in model.layers]
     dtype = model.embed_tokens.weight.dtype
     if (model.embed_tokens.weight.device.type != "cpu"
             or any(not _runnable(linear, kernels) for group in linears for linear in group)
@@ -40,10 +76,11 @@ def native_decoder(kernels: Any, model: torch.nn.Module) -> Any | None:
     # each layer: its 4 output widths, then each linear's block format (-1: a float weight)
     out_features = [[linear.out_features for linear in group] + [_format_id(linear) for linear in group]
                     for group in linears]
-    return kernels.Decoder(layers, out_features, model.embed_tokens.weight.detach(), model.norm.weight.detach(),
-                           model.rotary.cos, model.rotary.sin, config.rms_norm_eps, attention.scale,
-                           attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                           model.layers[0].mlp.rows_at_once)
+    return NativeDecoder(kernels.Decoder(layers, out_features, model.embed_tokens.weight.detach(),
+                                         model.norm.weight.detach(), model.rotary.cos, model.rotary.sin,
+                                         config.rms_norm_eps, attention.scale, attention.num_heads,
+                                         attention.num_kv_heads, attention.head_dim, model.layers[0].mlp.rows_at_once),
+                         model)
 
 
 def _runnable(linear: torch.nn.Module, kernels: Any) -> bool:

@@ -45,8 +45,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
                         const std::optional<at::Tensor>& bias, bool scalar);
 
 // cpu_lora.cpp
-at::Tensor lora_shrink_expand(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& lora_a,
-                              const at::Tensor& lora_b, double scale);
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& row_slots, const at::Tensor& a_t,
+               const at::Tensor& bt, const at::Tensor& table, const at::Tensor& scales);
 
 // cpu_decoder.cpp: a Llama decoder's whole forward in one call (see there).
 class Decoder {
@@ -58,8 +58,12 @@ class Decoder {
   ~Decoder();
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const std::vector<at::Tensor>& caches,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
-                     const at::Tensor& slot_mapping, const at::Tensor& sequences,
-                     const at::Tensor& logits_indices) const;
+                     const at::Tensor& slot_mapping, const at::Tensor& sequences, const at::Tensor& logits_indices,
+                     const std::optional<at::Tensor>& row_slots) const;
+  // LoRA updates packed as lora_layers.PackedUpdates for linear `linear` (0 qkv, 1 o, 2 gate_up,
+  // 3 down) of layer `layer`; all four None: none.
+  void set_lora(int64_t layer, int64_t linear, const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& bt,
+                const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& scales);
 
  private:
   struct State;

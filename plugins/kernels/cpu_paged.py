@@ -172,7 +172,7 @@ class CpuPagedAttention(TorchPagedAttention):
             return None
         metadata = prepared.metadata
         with record_function("cpu_paged::decoder"):
-            return decoder.forward(input_ids, positions, [cache for pair in kv_caches for cache in pair],
+            return decoder.forward(model, input_ids, positions, [cache for pair in kv_caches for cache in pair],
                                    metadata.block_tables, metadata.query_start_loc, metadata.context_lens,
                                    metadata.slot_mapping, prepared.kernel_seqs, logits_indices)
 

@@ -203,7 +203,7 @@ def fit(samples: list[StepSample]) -> StepTerms:
 
 
 def profile_of(terms: StepTerms, threads: int = 1) -> Accelerator:
-    return Accelerator("cpu-here (fitted)", 1.0, 1.0, 24e9, 0.0, terms=terms, threads=threads)
+    return Accelerator("cpu-here (fitted)", 1.0, 1.0, 24e9, 0.0, terms=terms, threads=threads, host_link="host-dram")
 
 
 def simulated_run(config: EngineConfig, workload: Workload, profile: Accelerator, name: str = "sim") -> Any:

@@ -8,7 +8,8 @@ Kernels run one after another, so their times add; each kernel class is its own
 roofline, max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth), where GEMMs lose
 efficiency at small row counts (tile and wave quantisation). A prefill mixed into a
 decode step therefore lengthens the step every decode in it waits for: that is the
-interference of mixed batches. On top, the host pays a fixed overhead every step and,
+interference of mixed batches. LoRA adapters add their shrink and expand (every adapter's
+weights read once a step, a multiply-add per weight and row). On top, the host pays a fixed overhead every step and,
 unless a decode-only step replays a CUDA graph, the launch of every kernel, which the
 device's work hides once it is longer.
 
@@ -25,6 +26,8 @@ step, and nothing overlaps."""
 
 from __future__ import annotations
 
+from typing import Sequence as Seq
+
 import attrs
 
 from servelab.bench.sim.hardware import GIB, Accelerator, Interconnect, interconnect
@@ -38,6 +41,19 @@ KV_MEMORY_FRACTION = 0.9  # of the memory left after weights and runtime: Tensor
 KERNELS_PER_LAYER = 12  # norms, QKV, rotary, cache write, attention, O, add+norm, gate/up, SiLU, down, ...
 KERNELS_PER_STEP = 8  # embedding, final norm, LM head, sampling
 LOGIT_PASSES = 3  # fp32 logits written by the LM head, read by the softmax/argmax and by the sampler
+# LoRA: a shrink and an expand over every adapter's rows (Punica's SGMV) for each of a
+# layer's four wrapped linears (qkv, o, gate_up, down); adapters held in float32
+LORA_KERNELS_PER_LAYER = 8
+ADAPTER_BYTES_PER_PARAMETER = 4
+
+
+def lora_work(adapters: Seq[tuple[int, int, int]]) -> tuple[float, float, float]:
+    """Prompt-row FLOPs, decode-row FLOPs and bytes of a step's LoRA updates, adapters given
+    as (prompt rows, decode rows, parameters): each adapter's weights read once, and a
+    multiply-add per weight for each of its rows (shrink x A^T and expand B)."""
+    return (2.0 * sum(prompt * parameters for prompt, _, parameters in adapters),
+            2.0 * sum(decode * parameters for _, decode, parameters in adapters),
+            float(ADAPTER_BYTES_PER_PARAMETER * sum(parameters for _, _, parameters in adapters)))
 
 
 @attrs.frozen
@@ -84,25 +100,39 @@ class CostModel:
         collectives = 2 * shape.num_layers + 2 if tensor_parallel > 1 else 0
         self.num_kernels = shape.num_layers * KERNELS_PER_LAYER + KERNELS_PER_STEP + collectives
 
-    def step(self, query_lens: list[int], context_lens: list[int], num_sampled: int) -> StepCost:
+    def step(self, query_lens: list[int], context_lens: list[int], num_sampled: int,
+             adapters: Seq[tuple[int, int, int]] = ()) -> StepCost:
         """The cost of one step: `query_lens[i]` new tokens of a sequence whose context
-        (those tokens included) is `context_lens[i]`; `num_sampled` rows are sampled."""
+        (those tokens included) is `context_lens[i]`; `num_sampled` rows are sampled;
+        `adapters`: (prompt rows, decode rows, parameters) of each LoRA adapter the step runs."""
         num_tokens = sum(query_lens)
         flops, nbytes = self._work(query_lens, context_lens, num_tokens, num_sampled)
-        total_flops, total_bytes = sum(flops.values()), sum(nbytes.values())
+        prompt_flops, decode_flops, lora_bytes = lora_work(adapters)
+        lora_flops = prompt_flops + decode_flops
+        total_flops, total_bytes = sum(flops.values()) + lora_flops, sum(nbytes.values()) + lora_bytes
         hw = self.hardware
         if hw.terms is not None:  # one process on one device: no collectives (_check_tensor_parallel)
             features = self.features(query_lens, context_lens, num_sampled, (flops, nbytes))
             # step_overhead_s: the work between steps a served run adds; admission_s: admitting each
             # request whose prompt starts in this step (latency_check fits both)
             new_prompts = sum(1 for q, c in zip(query_lens, context_lens) if c == q)
+            # LoRA's shrink and expand at the rates the fit gives prompt and decode GEMMs,
+            # streaming the adapters' weights at the rate it gives decode attention's KV
+            lora = (prompt_flops * hw.terms.prefill_gemm_flop_s + decode_flops * hw.terms.decode_gemm_flop_s
+                    + lora_bytes * hw.terms.decode_kv_byte_s)
             return StepCost(total_flops, total_bytes,
-                            hw.terms.seconds(features) + hw.step_overhead_s + hw.admission_s * new_prompts)
+                            hw.terms.seconds(features) + hw.step_overhead_s + hw.admission_s * new_prompts + lora)
         kernels = self._kernel_seconds(flops, nbytes, num_tokens, num_sampled)
+        num_kernels = self.num_kernels
+        if adapters:
+            rows = sum(prompt + decode for prompt, decode, _ in adapters)
+            kernels["lora"] = max(lora_flops / self._gemm_flops_per_s(rows),
+                                  lora_bytes / (hw.memory_bandwidth * hw.bandwidth_efficiency))
+            num_kernels += LORA_KERNELS_PER_LAYER * self.shape.num_layers
         if self.tensor_parallel > 1:
             kernels["communication"] = self._communication_seconds(num_tokens, num_sampled)
         decode_only = num_tokens == len(query_lens)
-        launches = 0.0 if hw.cuda_graphs and decode_only else self.num_kernels * hw.kernel_launch_s
+        launches = 0.0 if hw.cuda_graphs and decode_only else num_kernels * hw.kernel_launch_s
         seconds = hw.step_overhead_s + max(sum(kernels.values()), launches)  # device work hides async launches
         return StepCost(total_flops, total_bytes, seconds, kernels)
 

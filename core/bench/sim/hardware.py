@@ -79,6 +79,13 @@ class Accelerator:
     admission_s: float = 0.0
     step_noise_s: tuple[float, ...] = ()
     wake_s: float = 0.0
+    # Reading one LoRA adapter from disk on the host (servelab.model.lora_adapter.load_adapter:
+    # the safetensors file loaded, each tensor checked and converted), which stalls the loop
+    # that admits requests: seconds a tensor plus bytes at a read bandwidth. Measured on the
+    # 2-core CPU (tiny-random's bench adapters, 2.4-19 MB: 5-16 ms); taken to be the same
+    # host work in front of a GPU.
+    adapter_read_tensor_s: float = 40e-6
+    adapter_read_bandwidth: float = 1.75e9
 
     @property
     def per_kernel(self) -> bool:

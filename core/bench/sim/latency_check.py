@@ -251,7 +251,8 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
 def latency_profile(terms: StepTerms, speed: float, overhead: float, threads: int, admission_s: float = 0.0,
                     step_noise_s: tuple[float, ...] = (), wake_s: float = 0.0) -> Accelerator:
     return Accelerator("cpu-here (fitted, served)", 1.0, 1.0, 24e9, overhead, terms=scaled(terms, speed),
-                       threads=threads, admission_s=admission_s, step_noise_s=step_noise_s, wake_s=wake_s)
+                       threads=threads, admission_s=admission_s, step_noise_s=step_noise_s, wake_s=wake_s,
+                       host_link="host-dram")
 
 
 def _spread_ms(values: tuple[float, ...]) -> dict[str, float]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 from typing import Any
 
 import attrs
 import torch
 
-from servelab.bench.sim.cost_model import CostModel
+from servelab.bench.sim.cost_model import ADAPTER_BYTES_PER_PARAMETER, CostModel
 from servelab.interfaces import KVAllocator, Runner, SlotMovingRunner, StepPlan, TieredRunner, sampling_rows
 
 
@@ -38,6 +39,8 @@ class SimInputs:
     sampled_seq_rows: list[int]
     num_logits_rows: list[int]  # per sampled sequence: 1 + its scheduled drafts
     prompt_logits: tuple = ()  # the simulator scores no prompts
+    adapters: tuple[tuple[int, int, int], ...] = ()  # (prompt rows, decode rows, parameters) of each adapter run
+    adapter_parameters_loaded: int = 0  # parameters of the adapters put into the fast pool for this step
 
 
 def plan_shape(plan: StepPlan) -> SimInputs:
@@ -54,11 +57,18 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
     vocabulary, so greedy sampling yields token 0 and every policy runs unchanged. Token
     trees run too: the tree's nodes are scheduled tokens the cost model charges, and
     moving the accepted path's K/V slots (`move_slots`) is a few rows within the device's
-    memory, not modelled."""
+    memory, not modelled.
+
+    LoRA adapters (`[engine] enable_lora`) run through the engine's own adapter manager and
+    residency policy over adapters read as shapes (lora_adapter.adapter_shapes): a step
+    pays its adapters' shrink and expand, and first the loads of those its residency
+    policy had to put into the fast pool, over the host link; reading an adapter from disk
+    moves the clock when the manager reads it (Accelerator.adapter_read_*)."""
 
     device = torch.device("cpu")
     supports_prompt_logprobs = False
     vocab_size = 1
+    lora: Any = None  # the engine's LoRAManager, set by servelab.lora_setup.attach_lora
 
     def __init__(self, cost_model: CostModel, clock: VirtualClock, block_bytes: float = 0.0,
                  host_link: Any = None, host_memory_bytes: float = 0.0) -> None:
@@ -97,11 +107,51 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
         if offloads:
             self._offload_seconds += link.latency_s + offloads * self.block_bytes / link.bus_bandwidth
 
+    @property
+    def model_config(self) -> Any:
+        return self.cost_model.shape
+
+    def load_adapter(self, name: str, path: str, config: Any, max_rank: int) -> Any:
+        """An adapter's shapes, read from its config alone; the clock moves by what reading
+        its weights would take (the manager reads on the thread that admits requests)."""
+        from servelab.model.lora_adapter import adapter_shapes
+
+        adapter = adapter_shapes(name, path, config, max_rank)
+        hardware = self.cost_model.hardware
+        seconds = (2 * len(adapter.modules) * hardware.adapter_read_tensor_s
+                   + adapter.nbytes / hardware.adapter_read_bandwidth)
+        self.clock.advance(seconds)
+        self.total_seconds += seconds
+        return adapter
+
     def prepare(self, plan: StepPlan, allocator: KVAllocator, prompt_logprobs: bool = False) -> SimInputs:
-        return plan_shape(plan)
+        shape = plan_shape(plan)
+        lora_ids = [seq.lora_id for seq, _ in plan.scheduled]
+        if self.lora is None or not any(lora_ids):
+            return shape
+        slots = self.lora.slots_for(lora_ids)  # the residency policy places the step's adapters
+        prompt_rows: Counter[int] = Counter()
+        decode_rows: Counter[int] = Counter()
+        for slot, num_new in zip(slots, shape.query_lens):
+            if slot >= 0:
+                (decode_rows if num_new == 1 else prompt_rows)[slot] += num_new
+        used = sorted(set(prompt_rows) | set(decode_rows))
+        parameters = {slot: _parameters(self.lora.state.slots[slot]) for slot in used}
+        loaded = sum(parameters[self.lora.slot_of[i]] for i in set(lora_ids) - {None, 0}
+                     if self.lora.loaded[i] == self.lora.tick)
+        return attrs.evolve(shape, adapters=tuple((prompt_rows[slot], decode_rows[slot], parameters[slot])
+                                                  for slot in used),
+                            adapter_parameters_loaded=loaded)
 
     def execute(self, inputs: SimInputs) -> torch.Tensor:
-        cost = self.cost_model.step(inputs.query_lens, inputs.context_lens, len(inputs.sampled_seq_rows))
+        if inputs.adapter_parameters_loaded:  # the adapters must be in the pool before the step reads them
+            link = self.host_link
+            seconds = link.latency_s + ADAPTER_BYTES_PER_PARAMETER * inputs.adapter_parameters_loaded / link.bus_bandwidth
+            self.clock.advance(seconds)
+            self.total_seconds += seconds
+            self.move_seconds += seconds
+        cost = self.cost_model.step(inputs.query_lens, inputs.context_lens, len(inputs.sampled_seq_rows),
+                                    inputs.adapters)
         hardware = self.cost_model.hardware
         noise = hardware.step_noise_s
         step_seconds = max(0.0, cost.seconds + self._noise.choice(noise)) if noise else cost.seconds
@@ -126,3 +176,8 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _parameters(modules: Any) -> int:
+    """Parameters of one adapter in the fast pool (its modules' A and B)."""
+    return sum(module.lora_a.numel() + module.lora_b.numel() for module in modules.values())

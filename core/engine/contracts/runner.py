@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # torch stays out of imports that plugin discovery triggers
 
 __all__ = [
     "LoRARunner",
+    "SimulatedLoRARunner",
     "KVMove",
     "sampling_rows",
     "StepInputs",
@@ -158,3 +159,16 @@ class LoRARunner(Protocol):
 
     model: Any
     lora: Any
+
+
+@runtime_checkable
+class SimulatedLoRARunner(Protocol):
+    """A runner that prices LoRA adapters instead of running them (the simulator): no
+    model; the adapter manager keeps its pool as it would, over adapters `load_adapter`
+    reads as shapes."""
+
+    model_config: Any
+    lora: Any
+
+    def load_adapter(self, name: str, path: str, config: Any, max_rank: int) -> Any:
+        """The adapter at `path` (servelab.model.lora_adapter.LoRAAdapter), as the manager's loader."""

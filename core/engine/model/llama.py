@@ -223,8 +223,8 @@ class LlamaForCausalLM(nn.Module):
         ops = backend.layer_ops if has_ops else None
         if ops is not None and self._fusable(input_ids):
             selected = None
-            # the native decoder keeps no layer's output, and runs no LoRA update
-            if has_decoder and features is None and self.lora is None:
+            # the native decoder keeps no layer's output
+            if has_decoder and features is None:
                 selected = backend.decoder_forward(self, input_ids, positions, kv_caches, prepared, logits_indices)
             if selected is None:
                 selected = self._forward_fused(input_ids, positions, kv_caches, backend, prepared, logits_indices, ops,

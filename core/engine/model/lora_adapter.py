@@ -99,6 +99,30 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     return LoRAAdapter(name, path, _modules(path, settings, tensors, config, max_rank))
 
 
+def adapter_shapes(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """The adapter in directory `path` as its adapter_config.json describes it, checked as
+    `load_adapter` checks it, its weights on the meta device (shapes, no data; the weights
+    file is not read): what the simulator prices."""
+    path = Path(path)
+    settings = read_adapter_config(path)
+    modules: dict[tuple[int, str], LoRAModule] = {}
+    for module_name in sorted(_targets(path, settings, config)):
+        rank, scale = _rank_and_scale(path / CONFIG_FILE, settings, module_name, max_rank)
+        out_features, in_features = module_shape(config, module_name.rsplit(".", 1)[1])
+        modules[(int(module_name.split(".")[2]), module_name.rsplit(".", 1)[1])] = LoRAModule(
+            torch.empty(rank, in_features, device="meta"), torch.empty(out_features, rank, device="meta"), scale)
+    return LoRAAdapter(name, path, modules)
+
+
+def _rank_and_scale(config_file: Path, settings: dict[str, Any], name: str, max_rank: int) -> tuple[int, float]:
+    """Module `name`'s rank and update scale, as peft derives them from the config."""
+    rank = int(_pattern_value(settings.get("rank_pattern") or {}, name, settings.get("r", 8)))
+    alpha = float(_pattern_value(settings.get("alpha_pattern") or {}, name, settings.get("lora_alpha", 8)))
+    if rank > max_rank:
+        raise LoRAAdapterError(f"{config_file}: r = {rank} for {name} exceeds max_lora_rank = {max_rank}")
+    return rank, alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
+
+
 def read_adapter_config(path: Path) -> dict[str, Any]:
     """adapter_config.json, with every setting this engine cannot serve refused by name."""
     file = path / CONFIG_FILE
@@ -207,18 +231,14 @@ def _modules(path: Path, settings: dict[str, Any], tensors: dict[str, torch.Tens
                                    f"layers_to_transform do not target (or this model has no such layer)")
         pairs.setdefault(name, {})[which] = tensor
     config_file = path / CONFIG_FILE
-    use_rslora = bool(settings.get("use_rslora"))
     modules: dict[tuple[int, str], LoRAModule] = {}
     for name, pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:
             missing = "lora_B" if "A" in pair else "lora_A"
             raise LoRAAdapterError(f"{file}: {name} has no {missing}.weight")
-        rank = int(_pattern_value(settings.get("rank_pattern") or {}, name, settings.get("r", 8)))
-        alpha = float(_pattern_value(settings.get("alpha_pattern") or {}, name, settings.get("lora_alpha", 8)))
+        rank, scale = _rank_and_scale(config_file, settings, name, max_rank)
         a, b = pair["A"], pair["B"]
         out_features, in_features = module_shape(config, name.rsplit(".", 1)[1])
-        if rank > max_rank:
-            raise LoRAAdapterError(f"{config_file}: r = {rank} for {name} exceeds max_lora_rank = {max_rank}")
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
             raise LoRAAdapterError(
                 f"{file}: {name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit the base model's "
@@ -229,7 +249,6 @@ def _modules(path: Path, settings: dict[str, Any], tensors: dict[str, torch.Tens
         for which, tensor in (("lora_A", a), ("lora_B", b)):
             if not bool(torch.isfinite(tensor).all()):
                 raise LoRAAdapterError(f"{file}: {name}.{which}.weight holds non-finite values (NaN or inf)")
-        scale = alpha / (math.sqrt(rank) if use_rslora else rank)
         layer = int(name.split(".")[2])
         modules[(layer, name.rsplit(".", 1)[1])] = LoRAModule(a.float().contiguous(), b.float().contiguous(), scale)
     if not modules:

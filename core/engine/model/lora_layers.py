@@ -6,7 +6,10 @@ adapter present in the step adds its update to its own rows only. The update of 
 adapter over its rows is a shrink (x [n, in] @ A^T -> [n, r]) and an expand ([n, r] @
 B^T -> [n, out]); rows are gathered per adapter (Punica's SGMV: one segment per adapter,
 each at its own rank, none padded to the largest), computed in float32 and added in the
-base output's dtype, as peft adds its update.
+base output's dtype, as peft adds its update. The native library does a whole layer (every
+adapter, every part) in one call over the slots' updates packed in place, each slot in a
+region of its own (`PackedUpdates`: loading an adapter rewrites its slot alone); the torch
+reference below is its oracle and the fallback.
 
 The fused projections hold several Hugging Face modules side by side (qkv_proj: q, k, v;
 gate_up_proj: gate, up): each module's update lands on its slice of the output columns.
@@ -19,17 +22,13 @@ batch carries both row maps, told apart by row count.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence as Seq, runtime_checkable
+from typing import Any, Protocol, Sequence as Seq, runtime_checkable
 
 import attrs
 import torch
 from torch import nn
 
 from servelab.model.lora_adapter import LoRAModule
-
-# (x [T, in], rows [n] int64, lora_a [r, in], lora_b [out, r], scale) -> [n, out] float32
-ShrinkExpand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-
 
 def shrink_expand_reference(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                             scale: float) -> torch.Tensor:
@@ -40,23 +39,60 @@ def shrink_expand_reference(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.T
 
 @runtime_checkable
 class LoRAKernels(Protocol):
-    """A native library's shrink/expand (plugins/kernels/cpu_lora.cpp), the reference's equal
-    to float rounding, for float32 rows."""
+    """A native library's in-place update of a whole layer (plugins/kernels/cpu_lora.cpp):
+    every row's adapter, every part, in one call; the reference's equal to float rounding,
+    for float32 and bfloat16 layers on the CPU."""
 
-    def lora_shrink_expand(self, x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                           scale: float) -> torch.Tensor: ...
+    def lora_add_(self, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, a_t: torch.Tensor,
+                  bt: torch.Tensor, table: torch.Tensor, scales: torch.Tensor) -> None: ...
 
 
-def native_shrink_expand(kernels: LoRAKernels) -> ShrinkExpand:
-    """The library's shrink/expand where it applies (float32 rows on the CPU), else the reference's."""
+LANES = 16  # the kernel's vector width in floats: a slot's A columns are padded to a multiple of it
 
-    def shrink_expand(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            return shrink_expand_reference(x, rows, lora_a, lora_b, scale)
-        return kernels.lora_shrink_expand(x.contiguous(), rows, lora_a, lora_b, scale)
 
-    return shrink_expand
+@attrs.frozen
+class PackedUpdates:
+    """Every slot's updates of one wrapped layer, laid out for LoRAKernels.lora_add_. Each
+    slot owns a fixed region sized for `max_rank`, so loading an adapter into a slot
+    rewrites that slot's region alone, in place; ranks are the adapters' own (the table),
+    so nothing is padded in the arithmetic but a slot's last vector of A columns."""
+
+    a_t: torch.Tensor  # [slots, in, width] float32: each slot's lora_a transposed, part after part, then zeros
+    bt: torch.Tensor  # [slots * max_rank * out] float32: lora_b transposed, [rank, columns], part p of slot s
+    #                   from (s * out + start_p) * max_rank
+    table: torch.Tensor  # [slots, parts, 5] int64: first column of a_t, rank (0: none), offset in bt, columns
+    scales: torch.Tensor  # [slots, parts] float32
+
+    @classmethod
+    def empty(cls, num_slots: int, columns: Seq[tuple[int, int]], in_features: int, out_features: int,
+              max_rank: int) -> "PackedUpdates":
+        width = -(-len(columns) * max_rank // LANES) * LANES
+        # torch.empty: a region's pages are touched (resident) only once an adapter fills them
+        return cls(a_t=torch.empty(num_slots, in_features, width),
+                   bt=torch.empty(num_slots * max_rank * out_features),
+                   table=torch.zeros(num_slots, len(columns), 5, dtype=torch.int64),
+                   scales=torch.zeros(num_slots, len(columns)))
+
+    def fill(self, slot: int, modules: Seq[LoRAModule | None], columns: Seq[tuple[int, int]], max_rank: int) -> None:
+        """Slot `slot`'s updates (modules[p] for part p; None: none)."""
+        out_features = self.bt.shape[0] // (self.table.shape[0] * max_rank)
+        used = 0
+        for part, (module, (start, end)) in enumerate(zip(modules, columns)):
+            if module is None:
+                self.table[slot, part] = 0
+                self.scales[slot, part] = 0.0
+                continue
+            rank, bt_offset = module.rank, (slot * out_features + start) * max_rank
+            self.a_t[slot, :, used:used + rank].copy_(module.lora_a.t())
+            self.bt[bt_offset:bt_offset + rank * (end - start)].view(rank, end - start).copy_(module.lora_b.t())
+            self.table[slot, part] = torch.tensor([used, rank, bt_offset, start, end])
+            self.scales[slot, part] = module.scale
+            used += rank
+        self.a_t[slot, :, used:-(-used // LANES) * LANES].zero_()  # the kernel reads whole vectors
+
+    @property
+    def any(self) -> bool:
+        return bool(self.table[:, :, 1].any())
 
 
 def segments_of(row_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -66,7 +102,6 @@ def segments_of(row_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 
 
 def lora_delta_reference(x: torch.Tensor, row_slots: torch.Tensor, slot_modules: Seq[LoRAModule | None],
-                         shrink_expand: ShrinkExpand = shrink_expand_reference,
                          segments: Seq[tuple[int, torch.Tensor]] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The per-adapter segments of a mixed batch's update: for each slot s with a module
     and rows in the batch, (row indices [n_s], delta [n_s, out] float32). x [T, in];
@@ -76,7 +111,7 @@ def lora_delta_reference(x: torch.Tensor, row_slots: torch.Tensor, slot_modules:
     for slot, rows in segments if segments is not None else segments_of(row_slots):
         module = slot_modules[slot]
         if module is not None:
-            deltas.append((rows, shrink_expand(x, rows, module.lora_a, module.lora_b, module.scale)))
+            deltas.append((rows, shrink_expand_reference(x, rows, module.lora_a, module.lora_b, module.scale)))
     return deltas
 
 
@@ -109,24 +144,32 @@ class LoRAState:
     """The adapters loaded in the fast pool (by slot) and the current step's rows; one per
     model, shared by its wrapped layers."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, max_rank: int = 64) -> None:
         # slot -> {(layer, module name) -> LoRAModule}; None: an empty slot
-        self.slots: list[dict[tuple[int, str], LoRAModule] | None] = [None] * num_slots
+        self._slots: list[dict[tuple[int, str], LoRAModule] | None] = [None] * num_slots
+        self.max_rank = max_rank  # the largest rank a slot holds (`[engine] max_lora_rank`): its region's size
+        self.generation = 0  # moves on with every change of a slot (the layers' packed updates follow it)
+        self.slot_generations = [0] * num_slots  # the generation at which each slot last changed
         self.batch: LoRABatch | None = None  # None: every row is the base model's
-        self.shrink_expand: ShrinkExpand = shrink_expand_reference
-        self._kernels: Any = None  # the library whose shrink/expand serves, once handed over
+        self.kernels: LoRAKernels | None = None  # the library that adds the updates; None: the torch reference
+
+    @property
+    def slots(self) -> tuple[dict[tuple[int, str], LoRAModule] | None, ...]:
+        return tuple(self._slots)
+
+    def set_slot(self, slot: int, modules: dict[tuple[int, str], LoRAModule] | None) -> None:
+        """Load an adapter's modules into `slot` (None: empty it)."""
+        self._slots[slot] = modules
+        self.generation += 1
+        self.slot_generations[slot] = self.generation
 
     def use_kernels(self, kernels: Any) -> None:
-        """Run the updates on a native library's kernel (LoRAKernels), when it has one; the
+        """Add the updates with a native library's kernel (LoRAKernels), when it has one; the
         torch reference otherwise (no library, or one built without the kernel)."""
-        if kernels is self._kernels:
-            return
-        self._kernels = kernels
-        self.shrink_expand = (native_shrink_expand(kernels) if isinstance(kernels, LoRAKernels)
-                              else shrink_expand_reference)
+        self.kernels = kernels if isinstance(kernels, LoRAKernels) else None
 
     def modules_of(self, layer: int, module: str) -> list[LoRAModule | None]:
-        return [None if slot is None else slot.get((layer, module)) for slot in self.slots]
+        return [None if slot is None else slot.get((layer, module)) for slot in self._slots]
 
 
 class LoRALinear(nn.Module):
@@ -139,33 +182,66 @@ class LoRALinear(nn.Module):
         self.parts = tuple(parts)  # (Hugging Face module name, first output column, end column)
         self.state = state
         self.in_features, self.out_features = base.in_features, base.out_features
+        self._packed: PackedUpdates | None = None  # allocated when an adapter first targets this layer
+        self._packed_generation = -1
+        self._has_updates = False  # some slot's adapter targets this layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         batch = self.state.batch
         if batch is None:
             return y
+        kernels = self.state.kernels
+        if (kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and y.dtype == x.dtype and y.is_contiguous()):
+            packed = self.packed_updates()
+            if packed is not None:
+                kernels.lora_add_(y, x.contiguous(), batch.slots_for(x.shape[0]), packed.a_t, packed.bt, packed.table,
+                                  packed.scales)
+            return y
         row_slots, segments = batch.segments_for(x.shape[0])
         for module, start, end in self.parts:
             modules = self.state.modules_of(self.layer, module)
             if not any(modules):
                 continue
-            for rows, delta in lora_delta_reference(x, row_slots, modules, self.state.shrink_expand, segments):
+            for rows, delta in lora_delta_reference(x, row_slots, modules, segments):
                 y[:, start:end].index_add_(0, rows, delta.to(y.dtype))
         return y
+
+    def packed_updates(self) -> PackedUpdates | None:
+        """This layer's updates in every slot, the slots that changed since the last call
+        rewritten in place; None where no slot's adapter targets this layer."""
+        state = self.state
+        if self._packed_generation == state.generation:
+            return self._packed if self._has_updates else None
+        columns = [(start, end) for _, start, end in self.parts]
+        changed = [slot for slot, generation in enumerate(state.slot_generations) if generation > self._packed_generation]
+        with torch.inference_mode():  # the buffers are made and rewritten in one mode, whoever asks
+            for slot in changed:
+                modules = [None if state.slots[slot] is None else state.slots[slot].get((self.layer, name))
+                           for name, _, _ in self.parts]
+                if self._packed is None:
+                    if not any(modules):
+                        continue
+                    self._packed = PackedUpdates.empty(len(state.slots), columns, self.in_features, self.out_features,
+                                                       state.max_rank)
+                self._packed.fill(slot, modules, columns, state.max_rank)
+        self._packed_generation = state.generation
+        self._has_updates = self._packed is not None and self._packed.any
+        return self._packed if self._has_updates else None
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, parts={[name for name, _, _ in self.parts]}"
 
 
-def install_lora(model: nn.Module, num_slots: int) -> LoRAState:
+def install_lora(model: nn.Module, num_slots: int, max_rank: int = 64) -> LoRAState:
     """Wrap every target linear layer of a loaded model (after packing or quantizing it) in
     a LoRALinear sharing one LoRAState of `num_slots` slots; the model's `lora` is that state.
 
     The MLP then runs on all its rows at once (its row chunks would not be told apart from
-    the step's row maps); the model's native decoder, which runs no Python layer, is skipped
-    by a model with LoRA (servelab.model.llama)."""
-    state = LoRAState(num_slots)
+    the step's row maps). The model's native decoder unwraps the layers and adds the same
+    packed updates itself (servelab.plugins.kernels.cpu_decoder)."""
+    state = LoRAState(num_slots, max_rank)
     config = model.config
     q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
     for index, layer in enumerate(model.layers):
