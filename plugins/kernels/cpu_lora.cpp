@@ -5,8 +5,9 @@
 // A layer's output columns are split into parts (a fused qkv projection: q, k, v), and each
 // adapter slot may carry an update for each part: y[t, part] += scale * B (A x[t]), with
 // A [r, K] and B [cols, r]. The updates of every slot and part come packed (lora_layers.py,
-// PackedUpdates): `at` [S, K, W] holds each slot's A matrices transposed side by side (part
-// after part, its columns past the last part zero up to a multiple of 16), `bt` each one's
+// PackedUpdates): `a_t` [S, W / 16, K, 16] holds each slot's A matrices transposed side by
+// side (part after part, its columns past the last part zero up to a multiple of 16), in
+// tiles of 16 columns stored one after another (a tile streams contiguously), `bt` each one's
 // B transposed ([r, cols]), `table` [S, P, 5] says where: (first column of the slot's `at`,
 // rank, offset in bt, first column of y, end column), rank 0 for none. Both products are
 // then sweeps over contiguous columns: the shrink x[t] A^T broadcasts each x[t, k] against
@@ -51,18 +52,16 @@ inline Lanes load(const float* p) {
   return v;
 }
 
-// out[r][c] = sum over k < K of x[r][k] * at[k * w + c], for the tile's vectors of 16
-// columns (c < 16 vectors), R rows at once, each row of `at` read once for all of them (the
-// same per-row order whatever R is).
+// out[r][16 q + c] = sum over k < K of x[r][k] * tiles[q][k][c], for `vectors` tiles of 16
+// columns ([K, 16] each, one after another), R rows at once, each row of a tile read once
+// for all of them (the same per-row order whatever R is).
 template <int R>
-inline void shrink_rows(const float* const* x, const float* at, int64_t k_size, int64_t w, int vectors,
-                        float* const* out) {
+inline void shrink_rows(const float* const* x, const float* tiles, int64_t k_size, int vectors, float* const* out) {
   Lanes sums[R][kTileVectors] = {};
   for (int64_t k = 0; k < k_size; ++k) {
-    const float* at_row = at + k * w;
     Lanes va[kTileVectors];
     for (int q = 0; q < kTileVectors; ++q)
-      if (q < vectors) va[q] = load(at_row + q * kLanes);
+      if (q < vectors) va[q] = load(tiles + (q * k_size + k) * kLanes);
     for (int r = 0; r < R; ++r) {
       const float v = x[r][k];
       for (int q = 0; q < kTileVectors; ++q)
@@ -163,6 +162,9 @@ void add_updates(at::Tensor& y, const at::Tensor& x, const std::vector<int64_t>&
   }
   std::vector<ShrinkItem> shrink;
   std::vector<ExpandItem> expand;
+  // A few blocks (a decode step) split their shrink one vector of columns an item, so the
+  // threads share even one row's; a column's sum is the same whatever its tile.
+  const int64_t tile = static_cast<int64_t>(blocks.size()) >= 4 * at::get_num_threads() ? kTileVectors : 1;
   for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
     int64_t used = 0;  // the slot's columns of `at` its parts use
     for (int64_t part = 0; part < num_parts; ++part) {
@@ -173,8 +175,8 @@ void add_updates(at::Tensor& y, const at::Tensor& x, const std::vector<int64_t>&
       used = std::max(used, e[0] + e[1]);
     }
     const int64_t vectors = (used + kLanes - 1) / kLanes;
-    for (int64_t v = 0; v < vectors; v += kTileVectors)
-      shrink.push_back({b, v * kLanes, static_cast<int>(std::min<int64_t>(kTileVectors, vectors - v))});
+    for (int64_t v = 0; v < vectors; v += tile)
+      shrink.push_back({b, v * kLanes, static_cast<int>(std::min<int64_t>(tile, vectors - v))});
   }
 
   std::vector<float> shrunk(n * w);
@@ -188,9 +190,9 @@ void add_updates(at::Tensor& y, const at::Tensor& x, const std::vector<int64_t>&
         rows[r] = x_row(block.rows[r]);
         out[r] = shrunk.data() + block.rows[r] * w + item.column;
       }
-      const float* slot_at = a_t + block.slot * k * w + item.column;
+      const float* tiles = a_t + (block.slot * w + item.column) * k;  // the item's first tile
       with_rows(block.count, [&](auto count) {
-        shrink_rows<decltype(count)::value>(rows, slot_at, k, w, item.vectors, out);
+        shrink_rows<decltype(count)::value>(rows, tiles, k, item.vectors, out);
       });
     }
   });
@@ -235,11 +237,11 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& row_slots, 
               "table must be int64 [slots, parts, 5]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == table.size(0) * table.size(1),
               "scales must be float32 [slots, parts]");
-  TORCH_CHECK(a_t.dim() == 3 && a_t.scalar_type() == at::kFloat && a_t.is_contiguous() &&
-                  a_t.size(0) == table.size(0) && a_t.size(1) == x.size(1) && a_t.size(2) % kLanes == 0,
-              "at must be contiguous float32 [slots, K, W] with x's K and W a multiple of ", kLanes);
+  TORCH_CHECK(a_t.dim() == 4 && a_t.scalar_type() == at::kFloat && a_t.is_contiguous() &&
+                  a_t.size(0) == table.size(0) && a_t.size(2) == x.size(1) && a_t.size(3) == kLanes,
+              "a_t must be contiguous float32 [slots, W / ", kLanes, ", K, ", kLanes, "] with x's K");
   TORCH_CHECK(bt.scalar_type() == at::kFloat && bt.is_contiguous(), "bt must be contiguous float32");
-  const int64_t num_slots = table.size(0), num_parts = table.size(1), w = a_t.size(2);
+  const int64_t num_slots = table.size(0), num_parts = table.size(1), w = a_t.size(1) * kLanes;
   const int64_t* t = table.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_slots * num_parts; ++i) {
     const int64_t* e = t + i * kTableWidth;

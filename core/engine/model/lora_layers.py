@@ -57,7 +57,9 @@ class PackedUpdates:
     rewrites that slot's region alone, in place; ranks are the adapters' own (the table),
     so nothing is padded in the arithmetic but a slot's last vector of A columns."""
 
-    a_t: torch.Tensor  # [slots, in, width] float32: each slot's lora_a transposed, part after part, then zeros
+    # [slots, width / LANES, in, LANES] float32: each slot's lora_a transposed, part after
+    # part, then zeros, in tiles of LANES columns stored one after another
+    a_t: torch.Tensor
     bt: torch.Tensor  # [slots * max_rank * out] float32: lora_b transposed, [rank, columns], part p of slot s
     #                   from (s * out + start_p) * max_rank
     table: torch.Tensor  # [slots, parts, 5] int64: first column of a_t, rank (0: none), offset in bt, columns
@@ -67,8 +69,8 @@ class PackedUpdates:
     def empty(cls, num_slots: int, columns: Seq[tuple[int, int]], in_features: int, out_features: int,
               max_rank: int) -> "PackedUpdates":
         width = -(-len(columns) * max_rank // LANES) * LANES
-        # torch.empty: a region's pages are touched (resident) only once an adapter fills them
-        return cls(a_t=torch.empty(num_slots, in_features, width),
+        # torch.empty: a slot's region becomes resident memory once an adapter first fills the slot
+        return cls(a_t=torch.empty(num_slots, width // LANES, in_features, LANES),
                    bt=torch.empty(num_slots * max_rank * out_features),
                    table=torch.zeros(num_slots, len(columns), 5, dtype=torch.int64),
                    scales=torch.zeros(num_slots, len(columns)))
@@ -76,19 +78,23 @@ class PackedUpdates:
     def fill(self, slot: int, modules: Seq[LoRAModule | None], columns: Seq[tuple[int, int]], max_rank: int) -> None:
         """Slot `slot`'s updates (modules[p] for part p; None: none)."""
         out_features = self.bt.shape[0] // (self.table.shape[0] * max_rank)
-        used = 0
+        used, a_rows = 0, []
         for part, (module, (start, end)) in enumerate(zip(modules, columns)):
             if module is None:
                 self.table[slot, part] = 0
                 self.scales[slot, part] = 0.0
                 continue
             rank, bt_offset = module.rank, (slot * out_features + start) * max_rank
-            self.a_t[slot, :, used:used + rank].copy_(module.lora_a.t())
+            a_rows.append(module.lora_a)
             self.bt[bt_offset:bt_offset + rank * (end - start)].view(rank, end - start).copy_(module.lora_b.t())
             self.table[slot, part] = torch.tensor([used, rank, bt_offset, start, end])
             self.scales[slot, part] = module.scale
             used += rank
-        self.a_t[slot, :, used:-(-used // LANES) * LANES].zero_()  # the kernel reads whole vectors
+        if a_rows:
+            tiles = -(-used // LANES)
+            a = torch.zeros(tiles * LANES, self.a_t.shape[2])  # the kernel reads whole tiles: zeros past `used`
+            torch.cat(a_rows, out=a[:used])
+            self.a_t[slot, :tiles].copy_(a.view(tiles, LANES, -1).transpose(1, 2))
 
     @property
     def any(self) -> bool:
