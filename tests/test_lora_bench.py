@@ -128,3 +128,21 @@ def test_a_real_run_serves_the_written_adapters():
     assert metrics["num_requests"] == 12 and metrics["output_tokens"] == 48
     assert metrics["adapter_pool_loads"] >= 4 and metrics["adapter_disk_reads"] > 0
     assert "LoRA pool loads / step" in format_table(result)
+
+
+def test_a_simulated_fleet_routes_by_resident_adapter():
+    """Two replicas of 2 slots each, 4 adapters: the adapter-affinity router sends requests
+    where their adapter already is, so the fleet swaps far fewer adapters than round robin
+    (each replica reports its resident adapters through the same snapshot as live ones)."""
+    workload = "fixed:num_requests=96,prompt_len=64,output_len=16,arrival=poisson,rate=2,adapters=4,adapter_zipf=0"
+    loads, ttft = {}, {}
+    for router in ("round-robin", "adapter-affinity"):
+        config = EngineConfig().with_overrides({**LORA, "engine.max_loras": 2, "router.name": router})
+        result = run_bench([(router, config)], BenchOptions(workload=workload, sim_accelerator="h100",
+                                                            sim_model="llama-3-8b", repeats=1, replicas=2))
+        metrics = result["runs"][0]["metrics"]
+        assert metrics["num_requests"] == 96
+        loads[router], ttft[router] = metrics["adapter_pool_loads"], metrics["ttft_ms"]["p50"]
+        assert sum(metrics["fleet"]["adapter_pool_loads_per_replica"]) == loads[router]
+    assert loads["adapter-affinity"] * 3 < loads["round-robin"]
+    assert ttft["adapter-affinity"] < ttft["round-robin"]  # a request no longer waits for its adapter's load

@@ -16,9 +16,12 @@ from pathlib import Path
 
 import torch
 
+import attrs
+
 from servelab.lora_request import LoRARequest
 from servelab.model.lora_adapter import ATTENTION_MODULES, CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, module_shape
 from servelab.model.model_config import ModelConfig
+from servelab.workload import Workload
 
 RANKS = (8, 16, 32, 64)
 B_STD = 0.02
@@ -46,6 +49,21 @@ def write_bench_adapters(count: int, config: ModelConfig, root: Path, weights: b
             _write_weights(path / WEIGHTS_FILE, config, rank, seed=index)
         requests.append(LoRARequest(adapter_name(index), index + 1, str(path)))
     return requests
+
+
+class BenchAdapters:
+    """The adapters a session's workloads name, written once into `root` (their weights
+    only for a real run: a simulated one reads their shapes)."""
+
+    def __init__(self, root: Path, model_config: ModelConfig, weights: bool) -> None:
+        self.root, self.model_config, self.weights = root, model_config, weights
+        self.requests: list[LoRARequest] = []
+
+    def attach(self, workload: Workload) -> Workload:
+        """The workload with the LoRARequests its requests name (written on first need)."""
+        if workload.num_adapters > len(self.requests):
+            self.requests = write_bench_adapters(workload.num_adapters, self.model_config, self.root, self.weights)
+        return attrs.evolve(workload, lora_requests=tuple(self.requests)) if workload.num_adapters else workload
 
 
 def _write_weights(file: Path, config: ModelConfig, rank: int, seed: int) -> None:

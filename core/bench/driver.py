@@ -14,6 +14,7 @@ from servelab.arrivals import Arrival, serve_arrivals
 from servelab.errors import ConfigError
 from servelab.expert_load import expert_load_of, pipeline_stats_of, pipeline_summary
 from servelab.hookspecs import hookimpl
+from servelab.interfaces import LoRARunner, SimulatedLoRARunner
 from servelab.outputs import RequestOutput, StepReport
 from servelab.request import RequestSpec
 from servelab.sampling_params import SamplingParams
@@ -161,7 +162,7 @@ def lora_manager_of(engine: Any, workload: Workload) -> Any:
     if len(workload.lora_requests) < workload.num_adapters:
         raise ConfigError(f"workload {workload.name!r} names {workload.num_adapters} LoRA adapters; "
                           f"{len(workload.lora_requests)} were written for it")
-    lora = getattr(engine.runner, "lora", None)
+    lora = engine.runner.lora if isinstance(engine.runner, (LoRARunner, SimulatedLoRARunner)) else None
     if lora is None:
         raise ConfigError(f"workload {workload.name!r} runs LoRA adapters: set [engine] enable_lora = true "
                           f"(--set engine.enable_lora=true) and max_loras")

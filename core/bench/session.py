@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from servelab.bench import plots
+from servelab.bench.bench_adapters import BenchAdapters
 from servelab.bench.comparison import DEFAULT_IMBALANCE_FACTOR, annotate
 from servelab.bench.driver import RunRecord, StepRecorder, lora_manager_of, run_workload
 from servelab.bench.metrics import SLO, summarize
@@ -78,28 +79,12 @@ def run_bench(configs: list[tuple[str, EngineConfig]], options: BenchOptions) ->
         return run_fleet_bench(configs, options)
     engines = [_Engine(name, config, options) for name, config in configs]
     with tempfile.TemporaryDirectory(prefix="servelab-bench-adapters-") as adapter_root:
-        adapters = _Adapters(Path(adapter_root), engines[0].engine.model_config, options.sim_accelerator is None)
+        adapters = BenchAdapters(Path(adapter_root), engines[0].engine.model_config, options.sim_accelerator is None)
         return _run_bench(configs, engines, options, adapters)
 
 
-class _Adapters:
-    """The LoRA adapters the session's workloads name, written once into `root` (their
-    weights only for a real run: a simulated one reads their shapes)."""
-
-    def __init__(self, root: Path, model_config: Any, weights: bool) -> None:
-        self.root, self.model_config, self.weights = root, model_config, weights
-        self.requests: list[Any] = []
-
-    def attach(self, workload: Workload) -> Workload:
-        if workload.num_adapters > len(self.requests):
-            from servelab.bench.bench_adapters import write_bench_adapters
-
-            self.requests = write_bench_adapters(workload.num_adapters, self.model_config, self.root, self.weights)
-        return attrs.evolve(workload, lora_requests=tuple(self.requests)) if workload.num_adapters else workload
-
-
 def _run_bench(configs: list[tuple[str, EngineConfig]], engines: list["_Engine"], options: BenchOptions,
-               adapters: _Adapters) -> dict[str, Any]:
+               adapters: BenchAdapters) -> dict[str, Any]:
     vocab_size = min(e.engine.model_config.vocab_size for e in engines)
     workload = adapters.attach(build_workload(options.workload, vocab_size))
     if options.save_workload:
@@ -185,7 +170,7 @@ def _load_baseline(first: _Engine, options: BenchOptions, warm_up: tuple) -> Any
 
 
 def _rate_sweep(engines: list[_Engine], options: BenchOptions, vocab_size: int, update,
-                adapters: _Adapters) -> dict[str, list]:
+                adapters: BenchAdapters) -> dict[str, list]:
     name, spec_options = parse_spec(options.workload)
     if name in ("file", "mooncake", "azure"):
         raise ConfigError(f"--rates re-draws a generator's arrivals; a {name}: workload has its own "

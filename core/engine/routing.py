@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 from servelab.config import DEFAULT_ROUTER, EngineConfig, PolicySection, build_options
 from servelab.errors import ConfigError, PluginError
-from servelab.interfaces import LoRARunner, PrefixReportingAllocator, PrefixSummary, ReplicaSnapshot, RouteRequest, Router, RouterContext, SequenceStatus
+from servelab.interfaces import (LoRARunner, PrefixReportingAllocator, PrefixSummary, ReplicaSnapshot, RouteRequest, Router,
+                                 RouterContext, SequenceStatus, SimulatedLoRARunner)
 from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, build_policy
 
@@ -75,5 +76,5 @@ def replica_snapshot(engine: Any, replica_id: int, prefix_summary: PrefixSummary
         replica_id=replica_id, num_waiting=num_waiting, num_running=num_running, num_queued_tokens=queued,
         num_running_tokens=running, num_kv_blocks=stats.num_blocks, num_used_kv_blocks=stats.num_used_blocks,
         block_size=engine.config.engine.block_size, prefix_summary=prefix_summary,
-        resident_adapters=engine.runner.lora.resident() if isinstance(engine.runner, LoRARunner) and
-        engine.runner.lora is not None else ())
+        resident_adapters=engine.runner.lora.resident()
+        if isinstance(engine.runner, (LoRARunner, SimulatedLoRARunner)) and engine.runner.lora is not None else ())

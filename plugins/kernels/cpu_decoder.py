@@ -11,7 +11,7 @@ a model it cannot run (linears neither packed for oneDNN nor quantized with this
 kernel, norms with different epsilons, weights and rotary tables of different dtypes),
 which then keeps the Python path.
 
-A model serving LoRA adapters (its linears wrapped in servelab.model.lora_layers.LoRALinear)
+A model serving LoRA adapters (its linears wrapped, servelab.interfaces.LoRALinearLayer)
 runs here too: the decoder holds each linear's base weights, and `NativeDecoder.forward`
 hands it the layers' packed updates again whenever the adapter pool changed, then each
 step's row slots.
@@ -24,8 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from servelab.interfaces import QuantizedLinearLayer
-from servelab.model.lora_layers import LoRALinear
+from servelab.interfaces import LoRALinearLayer, LoRAServingModel, QuantizedLinearLayer
 
 
 class NativeDecoder:
@@ -37,13 +36,13 @@ class NativeDecoder:
         self._linears = [_linears(layer) for layer in model.layers]
 
     def forward(self, model: torch.nn.Module, *args: Any) -> torch.Tensor:
-        lora = getattr(model, "lora", None)
+        lora = model.lora if isinstance(model, LoRAServingModel) else None
         if lora is None or lora.batch is None:
             return self.decoder.forward(*args)
         if self._lora_generation != lora.generation:
             for index, group in enumerate(self._linears):
                 for position, linear in enumerate(group):
-                    packed = linear.packed_updates() if isinstance(linear, LoRALinear) else None
+                    packed = linear.packed_updates() if isinstance(linear, LoRALinearLayer) else None
                     self.decoder.set_lora(index, position,
                                           *(attrs.astuple(packed, recurse=False) if packed else (None,) * 4))
             self._lora_generation = lora.generation
@@ -55,7 +54,7 @@ def _linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 
 
 def _unwrapped(linear: torch.nn.Module) -> torch.nn.Module:
-    return linear.base if isinstance(linear, LoRALinear) else linear
+    return linear.base if isinstance(linear, LoRALinearLayer) else linear
 
 
 def native_decoder(kernels: Any, model: torch.nn.Module) -> NativeDecoder | None:

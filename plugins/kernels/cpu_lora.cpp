@@ -8,13 +8,13 @@
 // PackedUpdates): `a_t` [S, W / 16, K, 16] holds each slot's A matrices transposed side by
 // side (part after part, its columns past the last part zero up to a multiple of 16), in
 // tiles of 16 columns stored one after another (a tile streams contiguously), `bt` each one's
-// B transposed ([r, cols]), `table` [S, P, 5] says where: (first column of the slot's `at`,
+// B transposed ([r, cols]), `table` [S, P, 5] says where: (first column of the slot's `a_t`,
 // rank, offset in bt, first column of y, end column), rank 0 for none. Both products are
 // then sweeps over contiguous columns: the shrink x[t] A^T broadcasts each x[t, k] against
-// a row of `at`, the expand broadcasts each shrunk value against a row of B^T, with no
+// a row of `a_t`, the expand broadcasts each shrunk value against a row of B^T, with no
 // horizontal sums.
 //
-// Rows of one slot go in blocks of up to 4 that read each row of `at` and of B^T once (a
+// Rows of one slot go in blocks of up to 4 that read each row of `a_t` and of B^T once (a
 // prompt's rows share their adapter). Each row's result depends on that row alone (its
 // adapter, its x), never on which other rows share the step, its block or how the threads
 // split the work: batches stay invariant. The shrink is split across threads by column
@@ -40,7 +40,7 @@ constexpr int64_t kColumnChunk = 64;  // columns of one expand item: 4 rows' sum
 constexpr int kBlock = 4;             // rows of one slot that share each weight load
 constexpr int kLanes = 16;
 constexpr int kTileVectors = 4;       // vectors of shrunk columns one shrink item computes
-constexpr int64_t kTableWidth = 5;  // a_row, rank, bt_offset, col_start, col_end
+constexpr int64_t kTableWidth = 5;  // a_t column, rank, bt_offset, col_start, col_end
 
 // Sums live in vectors of kLanes floats (GCC's generic vectors: one zmm register on
 // AVX-512, two ymm on AVX2), so a block's sums stay in registers across the whole loop.
@@ -115,14 +115,14 @@ struct Block {  // up to kBlock active rows of one slot
 
 struct ShrinkItem {
   int64_t block;
-  int64_t column;  // the tile's first column of the slot's `at` (and of each row's shrunk vector)
+  int64_t column;  // the tile's first column of the slot's `a_t` (and of each row's shrunk vector)
   int vectors;     // its width, in vectors of kLanes columns
 };
 
 struct ExpandItem {
   int64_t block;
   int64_t part;
-  int64_t shrunk;  // where the part's r values start in each row's shrunk vector (its `at` column)
+  int64_t shrunk;  // where the part's r values start in each row's shrunk vector (its `a_t` column)
   int64_t col_begin, col_end;
 };
 
@@ -150,7 +150,7 @@ void add_updates(at::Tensor& y, const at::Tensor& x, const std::vector<int64_t>&
   };
 
   // the rows by slot, in blocks of up to kBlock; each row's shrunk vector is its slot's
-  // columns of `at`
+  // columns of `a_t`
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t l, int64_t r) { return slot_of[l] < slot_of[r]; });
@@ -166,7 +166,7 @@ void add_updates(at::Tensor& y, const at::Tensor& x, const std::vector<int64_t>&
   // threads share even one row's; a column's sum is the same whatever its tile.
   const int64_t tile = static_cast<int64_t>(blocks.size()) >= 4 * at::get_num_threads() ? kTileVectors : 1;
   for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
-    int64_t used = 0;  // the slot's columns of `at` its parts use
+    int64_t used = 0;  // the slot's columns of `a_t` its parts use
     for (int64_t part = 0; part < num_parts; ++part) {
       const int64_t* e = entry(blocks[b].slot, part);
       if (e[1] == 0) continue;

@@ -23,7 +23,7 @@ under load"."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence as Seq
 
 import attrs
 
@@ -83,8 +83,9 @@ class EngineCostModel(CostModel):
         self.host = host
         self.steps_per_schedule = steps_per_schedule
 
-    def step(self, query_lens: list[int], context_lens: list[int], num_sampled: int) -> StepCost:
-        cost = super().step(query_lens, context_lens, num_sampled)
+    def step(self, query_lens: list[int], context_lens: list[int], num_sampled: int,
+             adapters: Seq[tuple[int, int, int]] = ()) -> StepCost:
+        cost = super().step(query_lens, context_lens, num_sampled, adapters)
         decode_only = sum(query_lens) == len(query_lens)
         host = self.host.seconds(len(query_lens), decode_only, self.steps_per_schedule)
         seconds = cost.seconds - self.hardware.step_overhead_s + host

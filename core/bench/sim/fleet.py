@@ -9,13 +9,17 @@ steps on different replicas overlap in simulated time as they would on separate 
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any, Callable
 
 import attrs
 
 from servelab.arrivals import Arrival, serve_arrivals
 from servelab.bench.comparison import annotate
-from servelab.bench.driver import RunRecord, StepRecorder, workload_arrivals
+from servelab.bench.bench_adapters import BenchAdapters
+from servelab.bench.driver import (RunRecord, StepRecorder, adapter_counts, adapter_traffic, lora_manager_of,
+                                   workload_arrivals)
 from servelab.bench.metrics import SLO, summarize
 from servelab.bench.sim.runner import VirtualClock
 from servelab.bench.sim.source import SimSource
@@ -25,8 +29,9 @@ from servelab.interfaces import AllocatorStats, FinishAwareRouter, RouteRequest,
 from servelab.registry import PluginRegistry
 from servelab.routing import (build_router, checked_route, replica_snapshot, reported_prefix_summary,
                               router_section)
+from servelab.request import RequestSpec
 from servelab.sampling_params import SamplingParams
-from servelab.workload import Workload
+from servelab.workload import Workload, build_workload
 
 
 class SimReplica:
@@ -86,6 +91,8 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
         r.recorder.clear()
     before = [r.engine.allocator.stats() for r in replicas]
     schedulers_before = [r.engine.scheduler.stats() for r in replicas]
+    loras = [lora_manager_of(r.engine, workload) for r in replicas]
+    adapters_before = [adapter_counts(lora) for lora in loras]
     num_requests = len(workload.requests)
     replica_of: dict[int, int] = {}
     outputs: dict[int, Any] = {}
@@ -96,14 +103,16 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
         """Route the request on every replica's load at its arrival (idle clocks are there)
         and, where its allocator reports one, its prefix cache's summary."""
         request, request_id = workload.requests[arrival.item], f"req-{arrival.item}"
+        adapter = None if request.adapter is None else workload.lora_requests[request.adapter]
         snapshots = [replica_snapshot(r.engine, r.replica_id, reported_prefix_summary(r.engine.allocator))
                      for r in replicas]
-        route = RouteRequest(request_id, request.prompt_token_ids, request.max_tokens, arrival.time)
+        route = RouteRequest(request_id, request.prompt_token_ids, request.max_tokens, arrival.time,
+                             adapter=None if adapter is None else adapter.lora_name)
         choice = checked_route(fleet.router, fleet.router_name, route, snapshots)
-        replicas[choice].engine.add_request(
-            request.prompt_token_ids, SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True,
-                                                     deadline=request.deadline),
-            request_id=request_id, arrival_time=arrival.time)
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True,
+                                deadline=request.deadline)
+        replicas[choice].engine.add_requests([RequestSpec(request.prompt_token_ids, params, request_id,
+                                                          arrival_time=arrival.time, lora_request=adapter)])
         replica_of[arrival.item] = choice
         return choice, request_id
 
@@ -126,7 +135,9 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
                   - schedulers_before[r.replica_id].num_preemptions,
                   block_size=r.config.engine.block_size,
                   discarded_tokens=r.engine.scheduler.stats().num_discarded_tokens
-                  - schedulers_before[r.replica_id].num_discarded_tokens)
+                  - schedulers_before[r.replica_id].num_discarded_tokens,
+                  adapters=adapter_traffic(adapters_before[r.replica_id], adapter_counts(loras[r.replica_id]),
+                                           len(r.recorder.reports)))
         for r in replicas]
     steps = sorted((step for record in per_replica for step in record.steps), key=lambda item: item[0])
     run = RunRecord(config_name=fleet.name, start_time=start, end_time=end,
@@ -136,7 +147,10 @@ def run_fleet(fleet: SimFleet, workload: Workload, progress: Callable[[int], Non
                     block_size=fleet.config.engine.block_size,
                     discarded_tokens=sum(record.discarded_tokens for record in per_replica),
                     requests=tuple(workload.requests), replica_of=tuple(replica_of[i] for i in range(num_requests)),
-                    step_traces=tuple(tuple(r.recorder.traces) for r in replicas))
+                    step_traces=tuple(tuple(r.recorder.traces) for r in replicas),
+                    adapters=adapter_traffic(tuple(map(sum, zip(*adapters_before))),
+                                             tuple(map(sum, zip(*(adapter_counts(lora) for lora in loras)))),
+                                             len(steps)))
     return FleetRecord(run, [replica_of[i] for i in range(num_requests)], per_replica)
 
 
@@ -151,6 +165,9 @@ def fleet_metrics(record: FleetRecord, slo: SLO, num_replicas: int, router: str)
         hit_rates.append((after.prefix_hit_tokens - before.prefix_hit_tokens) / lookups if lookups else None)
     metrics["fleet"] = {"router": router, "replicas": num_replicas, "requests_per_replica": counts,
                         "prefix_hit_rate_per_replica": hit_rates}
+    if record.run.adapters:
+        metrics["fleet"]["adapter_pool_loads_per_replica"] = [replica.adapters.get("adapter_pool_loads", 0)
+                                                              for replica in record.per_replica]
     return metrics
 
 
@@ -164,8 +181,6 @@ def _total(stats: list[AllocatorStats]) -> AllocatorStats:
 def run_fleet_bench(configs: list[tuple[str, EngineConfig]], options: Any) -> dict[str, Any]:
     """`servelab bench --sim ACC --replicas N`: each config as a fleet of N replicas, one
     simulated run each (the clock is simulated, so one run is the figure)."""
-    from servelab.workload import build_workload
-
     if not options.sim_accelerator:
         raise ConfigError(f"--replicas {options.replicas} simulates a fleet: add --sim ACCELERATOR "
                           "(live replicas are served by `servelab serve --replicas`)")
@@ -173,7 +188,14 @@ def run_fleet_bench(configs: list[tuple[str, EngineConfig]], options: Any) -> di
         raise ConfigError("--replicas compares routers on one workload: drop --baseline and --rates")
     fleets = [SimFleet(name, config, options.replicas, options.sim_accelerator, options.sim_model,
                        options.sim_interconnect) for name, config in configs]
-    workload = build_workload(options.workload, fleets[0].engine.model_config.vocab_size)
+    with tempfile.TemporaryDirectory(prefix="servelab-fleet-adapters-") as root:
+        adapters = BenchAdapters(Path(root), fleets[0].engine.model_config, weights=False)
+        workload = adapters.attach(build_workload(options.workload, fleets[0].engine.model_config.vocab_size))
+        return _run_fleets(configs, fleets, workload, options)
+
+
+def _run_fleets(configs: list[tuple[str, EngineConfig]], fleets: list[SimFleet], workload: Workload,
+                options: Any) -> dict[str, Any]:
     if options.save_workload:
         workload.save(options.save_workload)
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)

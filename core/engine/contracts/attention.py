@@ -34,6 +34,8 @@ __all__ = [
     "PanelKernelsBackend",
     "QuantKernelsBackend",
     "QuantizedLinearLayer",
+    "LoRALinearLayer",
+    "LoRAServingModel",
 ]
 
 
@@ -190,3 +192,24 @@ class QuantizedLinearLayer(Protocol):
     format_id: int  # the block format, as the library's quant_linear takes it
     out_features: int
     kernels: Any  # the library whose kernel it was handed, or None (the torch path)
+
+
+@runtime_checkable
+class LoRALinearLayer(Protocol):
+    """A linear layer wrapped to add LoRA updates (servelab.model.lora_layers.LoRALinear), as
+    a native decoder reads it: the layer it wraps, and every pool slot's updates packed for
+    the library's `lora_add_` (servelab.model.lora_layers.PackedUpdates; None where no
+    adapter in the pool targets the layer)."""
+
+    base: Any
+
+    def packed_updates(self) -> Any: ...
+
+
+@runtime_checkable
+class LoRAServingModel(Protocol):
+    """A model that serves LoRA adapters: `lora` is its adapters' state
+    (servelab.model.lora_layers.LoRAState: `generation`, and `batch`, the step's row slots;
+    None when the model serves none)."""
+
+    lora: Any
