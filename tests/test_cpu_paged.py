@@ -23,6 +23,7 @@ from servelab.testing import AttentionBackendContract
 from servelab.testing.attention_batch import dense_reference, metadata_for
 
 from kernel_cache import seed_objects
+from native_steps import tokens_and_logprobs, watch_native_steps
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: cpu-paged serves on the torch path")
@@ -158,21 +159,11 @@ def test_native_decoder_is_bit_identical_to_the_python_path(checkpoint_factory, 
         if drafter:
             config["drafter"] = {"name": drafter, "num_speculative_tokens": 3, "max_ngram": 3}
         llm = LLM(path, config=config, dtype=dtype, max_model_len=128)
-        backend = llm.engine.runner.backend
-        forward = backend.decoder_forward
-
-        def counted(*args, forward=forward):
-            selected = forward(*args)
-            native_steps.append(selected is not None)
-            return selected
-
-        backend.decoder_forward = counted
-        outputs = llm.generate(prompts, params)
-        results[native] = [(o.token_ids, [{t: p.logprob for t, p in position.items()} for position in o.outputs[0].logprobs])
-                           for o in outputs]
+        watch_native_steps(llm, native_steps, native)
+        results[native] = tokens_and_logprobs(llm.generate(prompts, params))
     assert results[True] == results[False]
-    python_steps, native_run = native_steps[: len(native_steps) // 2], native_steps[len(native_steps) // 2:]
-    assert not any(python_steps) and all(native_run)
+    assert not any(ran for native, ran in native_steps if not native)
+    assert all(ran for native, ran in native_steps if native)
 
 
 @needs_compiler

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("peft")
 
 from lora_adapters import build_adapter, peft_greedy  # noqa: E402
+from native_steps import tokens_and_logprobs, watch_native_steps  # noqa: E402
 
 from servelab import LLM, LoRARequest, RequestError, SamplingParams  # noqa: E402
 from servelab.testing.tiny_model import tiny_checkpoint  # noqa: E402
@@ -90,24 +91,15 @@ def test_the_native_decoder_adds_the_same_updates(base, adapters, dtype):
     mix = [requests["attn"], None, requests["all"], requests["mlp"], requests["all"]]
     prompts = [PROMPTS[i % 3] for i in range(len(mix))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-    results, native_steps = {}, []
+    results, steps = {}, []
     for native in (False, True):
         llm = LLM(base, enable_lora=True, max_loras=2, dtype=dtype,
                   config={"attention": {"name": "cpu-paged", "build": "wait", "native_decoder": native}})
-        backend = llm.engine.runner.backend
-        forward = backend.decoder_forward
-
-        def counted(*args, forward=forward):
-            selected = forward(*args)
-            native_steps.append(selected is not None)
-            return selected
-
-        backend.decoder_forward = counted
+        watch_native_steps(llm, steps, native)
         outputs = [llm.generate(prompts[i:i + 2], params, lora_request=mix[i:i + 2])[0] for i in range(0, 5, 2)]
-        results[native] = [(o.outputs[0].token_ids, [{t: p.logprob for t, p in position.items()}
-                                                     for position in o.outputs[0].logprobs]) for o in outputs]
+        results[native] = tokens_and_logprobs(outputs)
     assert results[True] == results[False]
-    assert any(native_steps) and not any(native_steps[: len(native_steps) // 2])
+    assert any(ran for native, ran in steps if native) and not any(ran for native, ran in steps if not native)
 
 
 def test_one_slot_forces_swaps_and_changes_no_output(base, adapters, llm):

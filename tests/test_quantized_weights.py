@@ -27,6 +27,7 @@ from servelab.plugins.kernels.cpu_build import kernel_build
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
+from native_steps import tokens_and_logprobs, watch_native_steps  # noqa: E402
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: quantized layers take the torch path")
@@ -282,18 +283,8 @@ def test_the_native_decoder_runs_quantized_layers_bit_identically(checkpoint_fac
     for native in (False, True):
         llm = LLM(path, config={"attention": {"name": "cpu-paged", "build": "wait", "native_decoder": native}},
                   dtype=dtype, max_model_len=128, weights=weights)
-        backend = llm.engine.runner.backend
-        forward = backend.decoder_forward
-
-        def counted(*args, forward=forward):
-            selected = forward(*args)
-            native_steps.append((native, selected is not None))
-            return selected
-
-        backend.decoder_forward = counted
-        outputs = llm.generate(prompts, params)
-        results[native] = [(o.token_ids, [{t: p.logprob for t, p in position.items()}
-                                          for position in o.outputs[0].logprobs]) for o in outputs]
+        watch_native_steps(llm, native_steps, native)
+        results[native] = tokens_and_logprobs(llm.generate(prompts, params))
     assert results[True] == results[False]
     assert [ran for native, ran in native_steps if native] and all(ran for native, ran in native_steps if native)
     assert not any(ran for native, ran in native_steps if not native)
