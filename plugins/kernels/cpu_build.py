@@ -126,7 +126,11 @@ class KernelBuild:
             pass
 
     def wait(self) -> ModuleType | None:
-        """Start the build if needed and block until it ends; the module, or None on failure."""
+        """Start the build if needed and block until it ends; the module, or None on failure.
+        A library the cache holds is loaded here, without the build's subprocess (a second
+        torch import, seconds on a busy machine)."""
+        if self.load_cached() is not None:
+            return self._module
         self.start()
         self._done.wait()
         return self._module
