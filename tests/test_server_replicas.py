@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import re
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,9 +30,24 @@ def _replica_pids(server: ServerProcess) -> dict[int, int]:
     return {int(replica): int(pid) for pid, replica in found}
 
 
+def file_backed_tier(path: Path) -> tuple[str, ...]:
+    """16 blocks a replica (three ~10-block prompts cannot all stay on the device), a radix
+    prefix cache and a host tier in the file `path`."""
+    return ("--set", "engine.num_kv_blocks=16", "--set", "engine.block_size=16", "--set", 'allocator.name="radix"',
+            "--set", "kv_offload.host_blocks=64", "--set", f'kv_offload.path="{path}"')
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, log_path=tmp_path_factory.mktemp("replicas") / "log")
+def tier_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tier") / "kv.bin"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tier_path):
+    """Two replicas, each with a file-backed host tier (the tests below answer as one plain
+    engine does through it)."""
+    process = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, *file_backed_tier(tier_path),
+                            log_path=tmp_path_factory.mktemp("replicas") / "log")
     yield process
     assert process.terminate(60) == 0, process.log_path.read_text()
     assert "kv_blocks_used=0" in process.log_path.read_text()
@@ -151,31 +167,23 @@ def test_a_stopped_replica_leaves_the_rotation_and_its_requests_do_not_hang(tmp_
         assert server.terminate(60) == 0, server.log_path.read_text()
 
 
-def test_replicas_with_a_file_backed_host_tier_each_map_their_own_file(tmp_path):
+def test_replicas_with_a_file_backed_host_tier_each_map_their_own_file(server, tier_path):
     """[kv_offload] path with --replicas 2: each replica maps <path>.replica<i> (one shared
     file handed the same host blocks to both, and repeated greedy answers changed), and
     repeated answers through the tier equal one engine's."""
     from servelab import LLM, SamplingParams
 
-    path = tmp_path / "kv.bin"
-    # 16 blocks a replica: its three ~10-block prompts cannot all stay on the device
-    tier = ("--set", "engine.num_kv_blocks=16", "--set", "engine.block_size=16", "--set", 'allocator.name="radix"',
-            "--set", "kv_offload.host_blocks=64", "--set", f'kv_offload.path="{path}"')
     prompts = [" ".join([p] * 30) for p in PROMPTS]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(MODEL, max_model_len=256).generate(prompts, params)]
-    server = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, *tier, log_path=tmp_path / "log")
-    try:
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            for _ in range(2):  # the second round finds the prompts on the device or in the tier
-                for prompt, tokens in zip(prompts, expected):
-                    reply = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-                                                                 "ignore_eos": True, "return_token_ids": True})
-                    assert reply.status_code == 200, reply.text
-                    assert reply.json()["choices"][0]["token_ids"] == list(tokens)
-        assert sorted(p.name for p in tmp_path.glob("kv.bin*")) == ["kv.bin.replica0", "kv.bin.replica1"]
-    finally:
-        assert server.terminate(60) == 0, server.log_path.read_text()
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(2):  # the second round finds the prompts on the device or in the tier
+            for prompt, tokens in zip(prompts, expected):
+                reply = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+                                                             "ignore_eos": True, "return_token_ids": True})
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["token_ids"] == list(tokens)
+    assert sorted(p.name for p in tier_path.parent.glob("kv.bin*")) == ["kv.bin.replica0", "kv.bin.replica1"]
 
 
 @pytest.fixture(scope="module")

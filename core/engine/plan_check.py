@@ -8,12 +8,14 @@ from typing import Any
 
 from servelab.errors import PolicyViolation
 from servelab.interfaces import StepPlan
-from servelab.request import RequestTable, request_id_of
+from servelab.request import RequestTable
+from servelab.sequence import SequenceStatus
 
 SCHEDULED_ONCE = "a sequence is scheduled at most once per step"
 KNOWN_SEQUENCES = "only queued, unfinished sequences are scheduled"
 TOKEN_COUNT = "each scheduled sequence processes between 1 and its uncomputed tokens"
 PROGRESS = "no progress: an empty plan while requests are unfinished"
+FINISHED = SequenceStatus.FINISHED
 MAX_EMPTY_PLANS = 10_000  # a scheduler may wait a while (for its clock), not forever
 
 
@@ -30,14 +32,15 @@ class PlanCheck:
         uncomputed, or when it stalls (empty plans while requests wait), before anything runs."""
         name = self.scheduler_name
         seen: set[int] = set()
-        for seq, num_new in plan.scheduled:
-            if id(seq) in seen:
+        holds = self.requests.holds
+        for seq, num_new in plan.scheduled:  # every scheduled sequence, every step: kept lean
+            key = id(seq)
+            if key in seen:
                 raise PolicyViolation(SCHEDULED_ONCE, f"scheduler {name!r} planned {seq.request_id} twice")
-            seen.add(id(seq))
-            request = self.requests.get(request_id_of(seq))
-            if request is None or not any(s is seq for s in request.sequences):
+            seen.add(key)
+            if not holds(seq):
                 raise PolicyViolation(KNOWN_SEQUENCES, f"scheduler {name!r} planned {seq.request_id}, not in flight")
-            if seq.is_finished or seq.finish_reason is not None:
+            if seq.status is FINISHED or seq.finish_reason is not None:
                 raise PolicyViolation(KNOWN_SEQUENCES, f"scheduler {name!r} planned {seq.request_id}, which finished "
                                                        f"({seq.finish_reason or seq.status.value})")
             if not 1 <= num_new <= seq.num_uncomputed_tokens:

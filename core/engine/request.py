@@ -123,6 +123,14 @@ class RequestTable:
     def of(self, seq: Sequence) -> Request:
         return self._by_sequence[seq.request_id]
 
+    def holds(self, seq: Sequence) -> bool:
+        """Whether this very sequence object belongs to a request in flight."""
+        request = self._by_sequence.get(seq.request_id)
+        if request is None:
+            return False
+        sequences = request.sequences
+        return sequences[0] is seq or any(s is seq for s in sequences)
+
     def add(self, request: Request) -> None:
         self._requests[request.request_id] = request
         for seq in request.sequences:
