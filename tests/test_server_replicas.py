@@ -184,6 +184,10 @@ def test_replicas_with_a_file_backed_host_tier_each_map_their_own_file(server, t
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["choices"][0]["token_ids"] == list(tokens)
     assert sorted(p.name for p in tier_path.parent.glob("kv.bin*")) == ["kv.bin.replica0", "kv.bin.replica1"]
+    metrics = server.metrics()  # the replicas' tiers, summed
+    assert metrics['servelab_kv_tier_moves{kind="offload"}'] > 0 and metrics['servelab_kv_tier_moves{kind="load"}'] > 0
+    assert metrics['servelab_kv_tier_blocks{state="free",tier="host"}'] + \
+        metrics['servelab_kv_tier_blocks{state="cached",tier="host"}'] == 2 * 64
 
 
 @pytest.fixture(scope="module")

@@ -32,10 +32,12 @@ import functools
 import time
 from typing import Any, Callable, Iterable, Sequence as Seq
 
+import attrs
 import structlog
 
 from servelab.errors import ServelabError
-from servelab.interfaces import AllocatorStats, FinishAwareRouter, ReplicaSnapshot, RouteRequest, SchedulerStats
+from servelab.interfaces import (AllocatorStats, FinishAwareRouter, ReplicaSnapshot, RouteRequest, SchedulerStats,
+                                 TierStats)
 from servelab.server.detokenizer import Decode
 from servelab.server.engine_core import EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
 from servelab.server.engine_loop import AsyncEngine, Events, RequestEvent
@@ -299,6 +301,18 @@ def sum_snapshots(snapshots: Seq[EngineSnapshot]) -> EngineSnapshot:
                                num_cached_blocks=sum(a.num_cached_blocks for a in kv),
                                prefix_lookup_tokens=sum(a.prefix_lookup_tokens for a in kv),
                                prefix_hit_tokens=sum(a.prefix_hit_tokens for a in kv))
+    adapters = sorted({name for s in snapshots for name in s.resident_adapters})
     return EngineSnapshot(scheduler, allocator, sum(s.num_steps for s in snapshots),
                           sum(s.num_draft_tokens for s in snapshots), sum(s.num_accepted_tokens for s in snapshots),
-                          sum(s.num_running_tokens for s in snapshots), sum(s.num_preparing for s in snapshots))
+                          sum(s.num_running_tokens for s in snapshots), sum(s.num_preparing for s in snapshots),
+                          tier=sum_tiers([s.tier for s in snapshots if s.tier is not None]),
+                          resident_adapters=tuple(adapters))
+
+
+def sum_tiers(tiers: Seq[TierStats]) -> TierStats | None:
+    """The replicas' host tiers as one: blocks and moves summed (a block's size is the model's)."""
+    if not tiers:
+        return None
+    counts = {field.name: sum(getattr(t, field.name) for t in tiers) for field in attrs.fields(TierStats)
+              if field.name != "block_bytes"}
+    return TierStats(block_bytes=tiers[0].block_bytes, **counts)
