@@ -161,9 +161,34 @@ def test_a_request_its_first_token_ends_is_answered_by_the_prefill_replica(serve
     assert metrics['servelab_kv_transfers_total{replica="prefill-0",role="prefill"}'] == before  # nothing moved
 
 
+def test_stop_strings_across_the_handoff_end_as_on_one_engine(server, expected):
+    """A stop string that begins in the prefill replica's first token and ends in the decode
+    replica's tokens: the answer, streamed or not, is one colocated engine's."""
+    from servelab import SamplingParams
+
+    llm, _, longer = expected
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for prompt, (tokens, text) in zip(PROMPTS[:4], longer[:4]):
+            k = len(llm.engine.tokenizer.decode(tokens[:1]))
+            stop = text[max(k - 1, 0): k + 2]
+            [want] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                           stop=[stop]))
+            body = {"prompt": prompt, "max_tokens": 12, "stop": [stop], **GREEDY}
+            whole = client.post("/v1/completions", json=body)
+            assert whole.status_code == 200, whole.text
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                events = list(sse_events(response))
+            choice = whole.json()["choices"][0]
+            assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == \
+                (want.outputs[0].text, "stop", want.outputs[0].stop_reason), stop
+            assert choice["token_ids"] == list(want.outputs[0].token_ids)
+            assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == choice["text"]
+    server.wait_metrics(_idle, timeout=10)
+
+
 def test_what_prefill_decode_cannot_serve_is_refused_with_a_400(server):
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        for extra in ({"n": 2}, {"stop": ["cat"]}, {"logprobs": 2}):
+        for extra in ({"n": 2}, {"logprobs": 2}):
             reply = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, **extra})
             assert reply.status_code == 400, (extra, reply.text)
             assert "disaggregated deployment cannot serve" in reply.json()["error"]["message"]

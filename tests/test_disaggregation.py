@@ -131,8 +131,7 @@ def test_a_reject_frees_the_producers_blocks_at_once(servelab_tiny_checkpoint):
 
 def test_what_cannot_be_split_is_refused_by_name(servelab_tiny_checkpoint):
     with DisaggregatedLLM(config=config(servelab_tiny_checkpoint)) as llm:
-        for params, word in ((SamplingParams(n=2), "n=2"), (SamplingParams(stop=["x"]), "stop strings"),
-                             (SamplingParams(logprobs=2), "logprobs")):
+        for params, word in ((SamplingParams(n=2), "n=2"), (SamplingParams(logprobs=2), "logprobs")):
             with pytest.raises(RequestError, match=word):
                 llm.add_request(PROMPTS[0], params)
         assert not llm.has_unfinished()
@@ -140,6 +139,60 @@ def test_what_cannot_be_split_is_refused_by_name(servelab_tiny_checkpoint):
         DisaggregatedLLM(config=config(servelab_tiny_checkpoint), failure_policy="retry")
     with pytest.raises(ConfigError, match="at least one prefill"):
         DisaggregatedLLM(config=config(servelab_tiny_checkpoint), prefill_engines=0)
+
+
+STORY = ["Once upon a time", "The cat sat on the", "def add(a, b):", "In the beginning there"]
+
+
+def stop_cases(first_texts: list[str], texts: list[str]) -> list[list[str]]:
+    """Per prompt, stop strings from its greedy text: one across the first token's text and
+    the second's (the prefill replica generated the first), one inside the decode replica's
+    tokens, one that never comes."""
+    cases = []
+    for first, text in zip(first_texts, texts):
+        k = len(first)
+        cases.append([text[max(k - 1, 0): k + 2]])  # spans the first token's end
+        cases.append([text[k + 6: k + 9]])  # later, in decode's tokens
+        cases.append(["\u2603 never"])
+    return cases
+
+
+def test_stop_strings_end_a_disaggregated_request_as_they_end_a_colocated_one():
+    """Stop strings are matched over the whole output on the decode replica, the prefill
+    replica's first token included (RequestSpec.continues): text, tokens, finish and stop
+    reasons equal one colocated engine's, for a stop string across the two engines' tokens,
+    one inside the decode replica's, and none."""
+    cfg = config("builtin:tiny")
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    llm = LLM(config=cfg)
+    try:
+        plain = llm.generate(STORY, greedy)
+        first_texts = [llm.engine.tokenizer.decode(o.token_ids[:1]) for o in plain]
+        cases = stop_cases(first_texts, [o.text for o in plain])
+        params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=stop) for stop in cases]
+        prompts = [prompt for prompt in STORY for _ in range(3)]
+        expected = llm.generate(prompts, params)
+    finally:
+        llm.close()
+    assert sum(o.finish_reason == "stop" for o in expected) >= 6  # the cases do stop where they were taken
+    spanning = [o for o, first in zip(expected[::3], first_texts) if o.finish_reason == "stop"]
+    assert any(len(o.token_ids) <= 3 for o in spanning)  # at least one stop string crosses the handoff
+    with DisaggregatedLLM(config=cfg) as disaggregated:
+        outputs = disaggregated.generate(prompts, params)
+        assert disaggregated.metrics()["prefill"]["transfers"] > 0
+        disaggregated.step()  # the prefill engine frees the holds of transfers completed in the last step
+        assert set(disaggregated.leaked_blocks().values()) == {0}
+    assert [(o.token_ids, o.text, o.finish_reason, o.outputs[0].stop_reason) for o in outputs] == \
+        [(o.token_ids, o.text, o.finish_reason, o.outputs[0].stop_reason) for o in expected]
+
+
+def test_a_request_that_ends_in_its_first_decode_step_frees_the_blocks_it_loaded(servelab_tiny_checkpoint):
+    """max_tokens=2: the decode engine loads the handoff and finishes in the same step; the
+    blocks it loaded are freed with the request, not left pinned."""
+    with DisaggregatedLLM(config=config(servelab_tiny_checkpoint)) as llm:
+        outputs = llm.generate(PROMPTS, [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)] * 4)
+        assert [len(o.token_ids) for o in outputs] == [2] * 4 and llm.metrics()["prefill"]["transfers"] == 3
+        assert [w.engine.allocator.stats().num_used_blocks for w in llm.decode] == [0]
 
 
 def test_a_request_whose_first_token_ends_it_never_reaches_decode(servelab_tiny_checkpoint):

@@ -121,6 +121,9 @@ class Intake:
         if params.seed is not None:  # a seed torch refuses raises here, before anything exists
             generators = [torch.Generator(device=self.device).manual_seed(params.seed + i) for i in range(n)]
         texts = [IncrementalText(self.tokenizer, params.stop) if params.stop else None for _ in seqs]
+        if spec.continues:
+            for text in filter(None, texts):
+                text.append(list(spec.continues))
         recipe = recipe_of(params, bool(self.pipeline.defaults))
         request = Request(request_id, spec.prompt if isinstance(spec.prompt, str) else None, params, recipe, seqs,
                           generators, texts, [{} for _ in seqs])

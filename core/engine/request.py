@@ -33,6 +33,10 @@ class RequestSpec:
     priority: int = 0
     arrival_time: float | None = None  # on the engine's clock; None: now
     lora_request: Any = None  # servelab.LoRARequest: the LoRA adapter it runs with; None: the base model
+    # The last tokens of `prompt` that another engine generated for this request (a prefill
+    # replica's first token, servelab.disagg): stop strings are matched over their text and
+    # the new tokens', as if this engine had generated them.
+    continues: tuple[int, ...] = ()
 
 
 @attrs.define

@@ -143,6 +143,8 @@ class DecodeWorker:
             for output in result.finished:
                 entry = self._admitted.pop(output.request_id, None)
                 if entry is not None:
+                    if entry.pinned:  # it finished in its first step (a stop, or max_tokens 2)
+                        self.engine.allocator.free(load_id(output.request_id))
                     finished.append(self._final(entry, output))
                 elif output.request_id in self._whole:
                     self._whole.discard(output.request_id)
@@ -230,7 +232,7 @@ class DecodeWorker:
         try:
             [record] = self.engine.prepare_requests([RequestSpec(
                 [*handoff.prompt_token_ids, handoff.first_token_id], decode_params(entry.params),
-                handoff.transfer_id, arrival_time=entry.arrival_time)])
+                handoff.transfer_id, arrival_time=entry.arrival_time, continues=(handoff.first_token_id,))])
             if handoff.sampler_state is not None and record.generators[0] is not None:
                 record.generators[0].set_state(torch.frombuffer(bytearray(handoff.sampler_state), dtype=torch.uint8))
             self.engine.admit([record])
@@ -265,7 +267,8 @@ class DecodeWorker:
         first = entry.handoff.first_token_id
         completion = output.outputs[0]
         token_ids = [first, *completion.token_ids]
-        text = self._decode(token_ids)
+        # a stop string cut the text this engine decoded from the first token on (RequestSpec.continues)
+        text = completion.text if isinstance(completion.stop_reason, str) else self._decode(token_ids)
         return RequestOutput(output.request_id, None, list(entry.handoff.prompt_token_ids),
                              [attrs.evolve(completion, token_ids=token_ids, text=text)],
                              attrs.evolve(output.metrics, arrival_time=entry.arrival_time), error=output.error)

@@ -91,8 +91,7 @@ class DisaggregatedLLM:
         choice = self.router.choose_prefill(RouteRequest(transfer_id, token_ids, params.max_tokens),
                                             [w.engine for w in self.prefill])
         arrival = self.clock()
-        self.prefill[choice].add(transfer_id, list(prompt) if isinstance(prompt, list) else prompt, params,
-                                 arrival_time=None)
+        self.prefill[choice].add(transfer_id, list(token_ids), params, arrival_time=None)  # a text prompt encoded
         self._params[transfer_id] = (params, arrival)
         return transfer_id
 

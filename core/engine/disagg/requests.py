@@ -13,8 +13,6 @@ def check_disaggregable(params: SamplingParams) -> None:
     problems = []
     if params.n != 1:
         problems.append(f"n={params.n} (one completion per request)")
-    if params.stop:
-        problems.append("stop strings (stop_token_ids work)")
     if params.has_logits_work:
         problems.append("logprobs, penalties, logit bias, min_tokens, bad words, structured output or logits "
                         "processors")
