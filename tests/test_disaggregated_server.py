@@ -29,6 +29,15 @@ PROMPTS = [" ".join([p] * 6) for p in ("Once upon a time", "The cat sat", "In th
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
 
 
+def _prefilled(transfer_id: str, handoff):
+    """A prefill replica's output for a request it handed on: the first token, no logprobs."""
+    from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    return RequestOutput(transfer_id, None, list(handoff.prompt_token_ids),
+                         [CompletionOutput(0, [handoff.first_token_id], "", "length")],
+                         RequestMetrics(0.0, None, None, 0.0))
+
+
 def _used(metrics: dict[str, float], replica: str) -> float:
     return metrics[f'servelab_replica_kv_blocks_used{{replica="{replica}"}}']
 
@@ -186,9 +195,33 @@ def test_stop_strings_across_the_handoff_end_as_on_one_engine(server, expected):
     server.wait_metrics(_idle, timeout=10)
 
 
+def test_logprobs_streamed_or_not_are_one_engine_s(server, expected):
+    """logprobs=2: the first position scored on the prefill replica, the rest on the decode
+    replica; streamed or not, one colocated engine's."""
+    from servelab import SamplingParams
+
+    llm = expected[0]
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for prompt in PROMPTS[:2]:
+            [want] = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2))
+            body = {"prompt": prompt, "max_tokens": 8, "logprobs": 2, **GREEDY}
+            whole = client.post("/v1/completions", json=body)
+            assert whole.status_code == 200, whole.text
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                events = list(sse_events(response))
+            scores = whole.json()["choices"][0]["logprobs"]
+            served = [position[token].logprob for position, token in zip(want.outputs[0].logprobs, want.token_ids)]
+            assert scores["token_logprobs"] == pytest.approx(served, abs=1e-4)
+            assert all(len(top) == 2 or len(top) == 3 for top in scores["top_logprobs"])
+            streamed = [value for e in events[:-1] if e["choices"] and e["choices"][0]["logprobs"]
+                        for value in e["choices"][0]["logprobs"]["token_logprobs"]]
+            assert streamed == pytest.approx(scores["token_logprobs"], abs=1e-6)
+    server.wait_metrics(_idle, timeout=10)
+
+
 def test_what_prefill_decode_cannot_serve_is_refused_with_a_400(server):
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        for extra in ({"n": 2}, {"logprobs": 2}):
+        for extra in ({"n": 2}, {"presence_penalty": 0.5}):
             reply = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, **extra})
             assert reply.status_code == 400, (extra, reply.text)
             assert "disaggregated deployment cannot serve" in reply.json()["error"]["message"]
@@ -368,7 +401,8 @@ def test_front_end_hands_the_first_token_on_and_fails_requests_by_the_fail_polic
             handed, handed_id = await _added(engine, prefill, "r0")
             lost, _ = await _added(engine, prefill, "r1")
             handoff = types.SimpleNamespace(first_token_id=42, prompt_token_ids=tuple(range(5, 25)))
-            engine._handle(prefill, [("prefilled", handed_id, None, handoff)], (EMPTY_SNAPSHOT, {}, None))
+            engine._handle(prefill, [("prefilled", handed_id, _prefilled(handed_id, handoff), handoff)],
+                           (EMPTY_SNAPSHOT, {}, None))
             _, first = await asyncio.wait_for(handed.get(), 5)
             assert first.new_token_ids == (42,)  # streamed before the decode replica's tokens
             assert decode.sent[-1][0] == "accept" and decode.sent[-1][1] is handoff
@@ -381,7 +415,7 @@ def test_front_end_hands_the_first_token_on_and_fails_requests_by_the_fail_polic
             now = engine.clock()
             final = RequestOutput(handed_id, None, list(range(5, 25)), [CompletionOutput(0, [42, 43], "", "length")],
                                   RequestMetrics(now, None, None, now))
-            engine._handle(decode, [("step", {handed_id: [43]}, [final])], (EMPTY_SNAPSHOT, {}, None))
+            engine._handle(decode, [("step", {handed_id: [43]}, [final], {})], (EMPTY_SNAPSHOT, {}, None))
             done = await _last_event(handed)
             assert done.output.token_ids == [42, 43] and done.output.request_id == "r0"
             await asyncio.sleep(0.1)
@@ -405,7 +439,8 @@ def test_front_end_aborts_on_both_replicas_and_fails_requests_of_a_dead_decode_r
         try:
             events, transfer_id = await _added(engine, prefill, "r0")
             handoff = types.SimpleNamespace(first_token_id=42, prompt_token_ids=tuple(range(5, 25)))
-            engine._handle(prefill, [("prefilled", transfer_id, None, handoff)], (EMPTY_SNAPSHOT, {}, None))
+            engine._handle(prefill, [("prefilled", transfer_id, _prefilled(transfer_id, handoff), handoff)],
+                           (EMPTY_SNAPSHOT, {}, None))
             engine.abort(["r0"])
             ended = await _last_event(events)
             assert ended.output.finish_reason == "abort" and ended.output.token_ids == [42]
@@ -424,7 +459,8 @@ def test_front_end_aborts_on_both_replicas_and_fails_requests_of_a_dead_decode_r
             assert engine.num_in_flight == 0
             # the decode replica dies with a request on it: an error naming it, and the deployment has failed
             events, transfer_id = await _added(engine, prefill, "r2")
-            engine._handle(prefill, [("prefilled", transfer_id, None, handoff)], (EMPTY_SNAPSHOT, {}, None))
+            engine._handle(prefill, [("prefilled", transfer_id, _prefilled(transfer_id, handoff), handoff)],
+                           (EMPTY_SNAPSHOT, {}, None))
             engine._replica_died(decode, "killed")
             ended = await _last_event(events)
             assert ended.output.finish_reason == "error" and "decode replica decode-0 died" in ended.output.error
@@ -458,7 +494,7 @@ def test_a_silent_prefill_replica_is_killed_and_its_requests_recomputed_not_left
             now = engine.clock()
             final = RequestOutput(transfer_id, None, list(range(5, 25)), [CompletionOutput(0, [7, 8], "", "length")],
                                   RequestMetrics(now, None, None, now))
-            engine._handle(decode, [("step", {transfer_id: [7, 8]}, [final])], (EMPTY_SNAPSHOT, {}, None))
+            engine._handle(decode, [("step", {transfer_id: [7, 8]}, [final], {})], (EMPTY_SNAPSHOT, {}, None))
             done = await _last_event(events)
             assert done.output.token_ids == [7, 8] and done.output.finish_reason == "length"
             assert failures == [] and engine.stalled_seconds() < 1.0  # /health stays 200

@@ -4,6 +4,7 @@ router, the failure policies and the per-role metrics."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -131,7 +132,8 @@ def test_a_reject_frees_the_producers_blocks_at_once(servelab_tiny_checkpoint):
 
 def test_what_cannot_be_split_is_refused_by_name(servelab_tiny_checkpoint):
     with DisaggregatedLLM(config=config(servelab_tiny_checkpoint)) as llm:
-        for params, word in ((SamplingParams(n=2), "n=2"), (SamplingParams(logprobs=2), "logprobs")):
+        for params, word in ((SamplingParams(n=2), "n=2"), (SamplingParams(prompt_logprobs=2), "prompt_logprobs"),
+                             (SamplingParams(presence_penalty=0.5), "penalties")):
             with pytest.raises(RequestError, match=word):
                 llm.add_request(PROMPTS[0], params)
         assert not llm.has_unfinished()
@@ -184,6 +186,35 @@ def test_stop_strings_end_a_disaggregated_request_as_they_end_a_colocated_one():
         assert set(disaggregated.leaked_blocks().values()) == {0}
     assert [(o.token_ids, o.text, o.finish_reason, o.outputs[0].stop_reason) for o in outputs] == \
         [(o.token_ids, o.text, o.finish_reason, o.outputs[0].stop_reason) for o in expected]
+
+
+def _ranks(output) -> list[dict[int, tuple[int, str | None]]]:
+    return [{token: (lp.rank, lp.decoded_token) for token, lp in position.items()}
+            for position in output.outputs[0].logprobs]
+
+
+def _values(output) -> list[float]:
+    return [lp.logprob for position in output.outputs[0].logprobs for _, lp in sorted(position.items())]
+
+
+def test_logprobs_come_from_both_engines_as_from_one(servelab_tiny_checkpoint):
+    """logprobs=k: the first position from the prefill engine, the rest from the decode
+    engine, together one colocated engine's (greedy and seeded)."""
+    cfg = config(servelab_tiny_checkpoint)
+    params = [attrs.evolve(p, logprobs=2) for p in GREEDY + SEEDED]
+    llm = LLM(config=cfg)
+    try:
+        expected = llm.generate(PROMPTS * 2, params)
+    finally:
+        llm.close()
+    with DisaggregatedLLM(config=cfg) as disaggregated:
+        outputs = disaggregated.generate(PROMPTS * 2, params)
+        assert disaggregated.metrics()["prefill"]["transfers"] > 0
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert all(len(o.outputs[0].logprobs) == len(o.token_ids) for o in outputs)
+    assert [_ranks(o) for o in outputs] == [_ranks(o) for o in expected]
+    for got, want in zip(outputs, expected):  # each engine's batch differs from the colocated one's
+        assert _values(got) == pytest.approx(_values(want), abs=1e-4)
 
 
 def test_a_request_that_ends_in_its_first_decode_step_frees_the_blocks_it_loaded(servelab_tiny_checkpoint):

@@ -12,7 +12,7 @@ from servelab.disagg.processes import ProcessDeployment
 from servelab.llm import LLM
 
 PROMPTS = [list(range(5, 31)), list(range(5, 17)) + list(range(60, 75)), list(range(40, 63))]
-GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)  # first position from P
 
 
 @pytest.mark.parametrize("failure_policy", ["recompute", "fail"])
@@ -23,7 +23,8 @@ def test_two_processes_match_one_engine_and_survive_a_killed_prefill(servelab_ti
               "kv_transfer": {"name": "shared-files", "path": str(tmp_path / "kv")}}
     llm = LLM(config={k: v for k, v in config.items() if k != "kv_transfer"})
     try:
-        expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        reference = llm.generate(PROMPTS, GREEDY)
+        expected = [o.token_ids for o in reference]
         longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         expected_longer = [o.token_ids for o in llm.generate(PROMPTS, longer)]
     finally:
@@ -31,6 +32,10 @@ def test_two_processes_match_one_engine_and_survive_a_killed_prefill(servelab_ti
     with ProcessDeployment(config, failure_policy=failure_policy, lease_s=2.0) as deployment:
         outputs = deployment.generate(PROMPTS, [GREEDY] * len(PROMPTS), timeout_s=120)
         assert [o.token_ids for o in outputs] == expected
+        for got, want in zip(outputs, reference):
+            assert [sorted(p) for p in got.outputs[0].logprobs] == [sorted(p) for p in want.outputs[0].logprobs]
+            assert [p[t].logprob for p in got.outputs[0].logprobs for t in sorted(p)] == pytest.approx(
+                [p[t].logprob for p in want.outputs[0].logprobs for t in sorted(p)], abs=1e-4)
         # kill the prefill process with requests on it: each ends within the bound
         ids = [deployment.add_request(p, longer) for p in PROMPTS]
         deployment.kill("prefill-0")

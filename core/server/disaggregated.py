@@ -289,6 +289,7 @@ class DisaggregatedEngine:
         replica.last_heard = time.monotonic()
         replica.snapshot, replica.transfer_metrics, replica.prefix_summary = report
         tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[Any]] = {}  # of those tokens, for the requests that asked
         finished: list[RequestOutput] = []
         for message in messages:
             kind = message[0]
@@ -297,26 +298,33 @@ class DisaggregatedEngine:
                 if state is not None and state.added is not None and not state.added.done():
                     state.added.set_result(message[2])
             elif kind == "prefilled":
-                self._prefilled(*message[1:], tokens, finished)
+                self._prefilled(*message[1:], tokens, finished, logprobs)
             elif kind == "step":
                 for transfer_id, token_ids in message[1].items():
                     tokens.setdefault(transfer_id, []).extend(token_ids)
+                for transfer_id, scores in message[3].items():
+                    logprobs.setdefault(transfer_id, []).extend(scores)
                 finished.extend(message[2])
             elif kind == "failed":
                 logger.error("disagg.replica_engine_failed", replica=replica.name, error=message[1])
-        self._put(replica, tokens, finished)
+        self._put(replica, tokens, finished, logprobs)
 
     def _prefilled(self, transfer_id: str, output: RequestOutput, handoff: Any, tokens: dict[str, list[int]],
-                   finished: list[RequestOutput]) -> None:
+                   finished: list[RequestOutput], logprobs: dict[str, list[Any]]) -> None:
         state = self._by_transfer.get(transfer_id)
         if state is None:
             return  # aborted meanwhile: the prefill replica freed its hold on the abort
         state.first_token_time = self.clock()
         if handoff is None:  # the first token ended it, or it failed: the answer comes from P
             tokens.setdefault(transfer_id, []).extend(output.outputs[0].token_ids)
+            if output.outputs[0].logprobs:
+                logprobs.setdefault(transfer_id, []).extend(output.outputs[0].logprobs)
             finished.append(output)
             return
         tokens.setdefault(transfer_id, []).append(handoff.first_token_id)
+        first_logprobs = output.outputs[0].logprobs
+        if first_logprobs:
+            logprobs.setdefault(transfer_id, []).extend(first_logprobs)
         live = [r for r in self.decode if not r.dead]
         if not live:
             if state.prefill is not None:
@@ -332,13 +340,15 @@ class DisaggregatedEngine:
         state.decode = next(r for r in live if r.index == choice)
         if self.metrics is not None:
             self.metrics.routed(state.decode.name)
-        state.decode.send(("accept", handoff, state.request.params))
+        state.decode.send(("accept", handoff, state.request.params, None, first_logprobs))
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
-    def _put(self, replica: RoleReplica | None, tokens: dict[str, list[int]], finished: list[RequestOutput]) -> None:
-        """Turn transfer-keyed tokens and outputs into the requests' events, through the detokenizer."""
+    def _put(self, replica: RoleReplica | None, tokens: dict[str, list[int]], finished: list[RequestOutput],
+             logprobs: dict[str, list[Any]] | None = None) -> None:
+        """Turn transfer-keyed tokens (and their logprobs) and outputs into the requests' events,
+        through the detokenizer."""
         events: Events = {}
         now = self.clock()
         for transfer_id, token_ids in tokens.items():
@@ -348,7 +358,8 @@ class DisaggregatedEngine:
             state.token_ids.extend(token_ids)
             if state.first_token_time is None:
                 state.first_token_time = now
-            events[state.request.request_id] = RequestEvent(tuple(token_ids))
+            scores = logprobs.get(transfer_id, ()) if logprobs else ()
+            events[state.request.request_id] = RequestEvent(tuple(token_ids), tuple(scores))
         for output in finished:
             state = self._by_transfer.get(output.request_id)
             if state is None:

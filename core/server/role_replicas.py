@@ -154,7 +154,7 @@ class RoleActor:
                 self._emit(("added", args[0], str(exc)))
             else:
                 self._emit(("added", args[0], None))
-        elif kind == "accept":  # consumer: (handoff, params)
+        elif kind == "accept":  # consumer: (handoff, params, arrival time, the first token's logprobs)
             output = worker.accept(*args)
             if output is not None:
                 self._emit(("step", {}, [output]))
@@ -181,7 +181,7 @@ class RoleActor:
             finished = self.worker.step()
             tokens = self.worker.new_token_ids
             if tokens or finished:
-                self._emit(("step", dict(tokens), finished))
+                self._emit(("step", dict(tokens), finished, dict(self.worker.new_logprobs)))
         if stepping:
             self._num_steps += 1
         return stepping or released

@@ -46,6 +46,7 @@ class _Accepted:
     params: SamplingParams  # the client's, whole
     arrival_time: float
     pinned: bool = False  # its load sequence holds the loaded blocks until its first step
+    first_logprobs: list | None = None  # SamplingParams.logprobs: the producer's, of the first token
 
 
 class DecodeWorker:
@@ -69,16 +70,20 @@ class DecodeWorker:
         self._whole: set[str] = set()  # requests computed here from the prompt (their prefill engine was lost)
         # the last step's new token ids by sequence id (a server streams them; the producer's first token is not here)
         self.new_token_ids: dict[str, list[int]] = {}
+        self.new_logprobs: dict[str, list] = {}  # and their logprobs, for the requests that asked
         # Asked before a handoff is admitted: a reason to reject it, or None to take it.
         self.admission: Callable[[Handoff], str | None] = self.room_for
 
     # ------------------------------------------------------------ handoffs
 
-    def accept(self, handoff: Handoff, params: SamplingParams, arrival_time: float | None = None
-               ) -> RequestOutput | None:
-        """Take `handoff` for the request of `params`; the request's final output when it
-        ends here (the failure policy "fail"), else None (admitted, or waiting for its payload)."""
-        entry = _Accepted(handoff, params, arrival_time if arrival_time is not None else self.clock())
+    def accept(self, handoff: Handoff, params: SamplingParams, arrival_time: float | None = None,
+               first_logprobs: list | None = None) -> RequestOutput | None:
+        """Take `handoff` for the request of `params` (`first_logprobs`: the producer's
+        logprobs of the first token, when params ask for logprobs); the request's final
+        output when it ends here (the failure policy "fail"), else None (admitted, or
+        waiting for its payload)."""
+        entry = _Accepted(handoff, params, arrival_time if arrival_time is not None else self.clock(),
+                          first_logprobs=first_logprobs)
         reason = self.admission(handoff)
         if reason is not None:
             self.transport.reject(handoff.transfer_id, reason)  # the producer frees at once
@@ -136,10 +141,10 @@ class DecodeWorker:
     def step(self) -> list[RequestOutput]:
         """Retry the waiting handoffs, then one engine step; the requests that finished."""
         finished = [out for entry in list(self._waiting.values()) if (out := self._try_load(entry)) is not None]
-        self.new_token_ids = {}
+        self.new_token_ids, self.new_logprobs = {}, {}
         if self.engine.has_unfinished():
             result = self.engine.step()
-            self.new_token_ids = result.new_token_ids
+            self.new_token_ids, self.new_logprobs = result.new_token_ids, result.new_logprobs
             for output in result.finished:
                 entry = self._admitted.pop(output.request_id, None)
                 if entry is not None:
@@ -269,8 +274,11 @@ class DecodeWorker:
         token_ids = [first, *completion.token_ids]
         # a stop string cut the text this engine decoded from the first token on (RequestSpec.continues)
         text = completion.text if isinstance(completion.stop_reason, str) else self._decode(token_ids)
+        logprobs = completion.logprobs
+        if logprobs is not None:
+            logprobs = [*(entry.first_logprobs or [None]), *logprobs]
         return RequestOutput(output.request_id, None, list(entry.handoff.prompt_token_ids),
-                             [attrs.evolve(completion, token_ids=token_ids, text=text)],
+                             [attrs.evolve(completion, token_ids=token_ids, text=text, logprobs=logprobs)],
                              attrs.evolve(output.metrics, arrival_time=entry.arrival_time), error=output.error)
 
     def _decode(self, token_ids: list[int]) -> str:

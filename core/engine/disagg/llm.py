@@ -126,7 +126,7 @@ class DisaggregatedLLM:
                 request = RouteRequest(done.transfer_id, [*done.handoff.prompt_token_ids, done.handoff.first_token_id],
                                        params.max_tokens - 1)
                 consumer = self.decode[self.router.choose_decode(request, [w.engine for w in self.decode])]
-                output = consumer.accept(done.handoff, params, arrival)
+                output = consumer.accept(done.handoff, params, arrival, done.output.outputs[0].logprobs)
                 if output is not None:
                     finished.append(output)
         for worker in self.decode:

@@ -209,7 +209,8 @@ class ProcessDeployment:
                 self._finish(output)
                 return
             decode = next(self._next_decode)
-            self.engines[decode][1].put(("accept", handoff, entry[1], output.metrics.arrival_time))
+            self.engines[decode][1].put(("accept", handoff, entry[1], output.metrics.arrival_time,
+                                         output.outputs[0].logprobs))
         elif kind == "output":
             self._finish(message[1])
 

@@ -13,9 +13,9 @@ def check_disaggregable(params: SamplingParams) -> None:
     problems = []
     if params.n != 1:
         problems.append(f"n={params.n} (one completion per request)")
-    if params.has_logits_work:
-        problems.append("logprobs, penalties, logit bias, min_tokens, bad words, structured output or logits "
-                        "processors")
+    if attrs.evolve(params, logprobs=None).has_logits_work:  # logprobs are split: each engine's tokens
+        problems.append("prompt_logprobs, penalties, logit bias, min_tokens, bad words, structured output or "
+                        "logits processors")
     if problems:
         raise RequestError(f"a disaggregated deployment cannot serve a request with {', '.join(problems)} yet; "
                            f"send it to a colocated engine")
