@@ -157,12 +157,12 @@ class RoleActor:
         elif kind == "accept":  # consumer: (handoff, params, arrival time, the first token's logprobs)
             output = worker.accept(*args)
             if output is not None:
-                self._emit(("step", {}, [output]))
+                self._emit(("step", {}, [output], {}))
         elif kind == "recompute":  # consumer: (transfer id, prompt, params)
             output = worker.recompute(*args)
             self._emit(("added", args[0], None))
             if output is not None:
-                self._emit(("step", {}, [output]))
+                self._emit(("step", {}, [output], {}))
         elif kind == "abort":
             for transfer_id in args[0]:
                 worker.abort(transfer_id)
