@@ -203,3 +203,29 @@ def test_a_handoff_crosses_to_another_process(kind, tmp_path):
     assert producer.poll("t-cross").state is TransferState.LOADED
     producer.forget("t-cross")
     assert producer.poll("t-cross").state is TransferState.UNKNOWN
+
+
+def test_shared_files_sweeps_the_folders_of_transfers_a_dead_producer_left(tmp_path):
+    """A producer that died never forgets its transfers: once one has ended and its lease
+    is long past, the next offer or end by any endpoint removes its folder; an ended
+    transfer still inside the grace (a live producer forgets it at its next step) stays."""
+    from servelab.contracts.kv_transfer import KVTransferContext
+    from servelab.plugins.transports import shared_files
+    from servelab.testing.kv_transfer import ManualClock, sample_handoff
+
+    clock = ManualClock()
+    where = shared_files.SharedFilesOptions(path=str(tmp_path / "kv"))
+    dead = SharedFilesTransport(where, KVTransferContext("producer", "p0", clock))
+    consumer = SharedFilesTransport(where, KVTransferContext("consumer", "d", clock))
+    orphan, payloads = sample_handoff("t-orphan", deadline=clock() + 5)
+    dead.offer(orphan, payloads)
+    consumer.complete("t-orphan")  # loaded; its producer is gone before it forgets the transfer
+    clock.advance(5 + shared_files.ORPHAN_GRACE_S / 2)
+    live = SharedFilesTransport(where, KVTransferContext("producer", "p1", clock))
+    fresh, payloads = sample_handoff("t-fresh", deadline=clock() + 5)
+    live.offer(fresh, payloads)
+    assert consumer.poll("t-orphan").state is TransferState.LOADED  # inside the grace: kept
+    clock.advance(shared_files.ORPHAN_GRACE_S)
+    consumer.abort("t-fresh", "the client left")  # any endpoint's next end sweeps
+    assert consumer.poll("t-orphan").state is TransferState.UNKNOWN
+    assert [f.name for f in (tmp_path / "kv").iterdir()] == [live._folder("t-fresh").name]  # ended, not yet swept

@@ -26,6 +26,13 @@ from servelab.interfaces import (TERMINAL_STATES, BlockPayload, Handoff, KVLayou
                                  TransferState, TransferStatus)
 
 
+# A transfer that ended this long past its lease deadline and is still in the directory
+# lost its producer (a live one forgets each ended transfer at its next step): its folder
+# is removed by whichever endpoint sweeps next.
+ORPHAN_GRACE_S = 60.0
+SWEEP_INTERVAL_S = 10.0
+
+
 @attrs.frozen
 class SharedFilesOptions:
     # The meeting directory; empty: a folder under /dev/shm (else the temp dir) named "servelab-kv".
@@ -70,10 +77,12 @@ class SharedFilesTransport:
         self.root.mkdir(parents=True, exist_ok=True)
         clock = context.clock if context is not None else None
         self.clock = clock if callable(clock) else time.time
+        self._next_sweep = self.clock()
 
     # ------------------------------------------------------------ producer
 
     def offer(self, handoff: Handoff, payloads: Seq[BlockPayload]) -> None:
+        self._sweep_orphans()
         folder = self._folder(handoff.transfer_id)
         try:
             folder.mkdir()
@@ -160,7 +169,20 @@ class SharedFilesTransport:
     def _folder(self, transfer_id: str) -> Path:
         return self.root / hashlib.sha256(transfer_id.encode()).hexdigest()[:32]
 
+    def _sweep_orphans(self) -> None:
+        """Remove the folders of transfers that ended more than ORPHAN_GRACE_S past their
+        lease (their producer died before forgetting them); at most every SWEEP_INTERVAL_S."""
+        now = self.clock()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        for folder in list(self.root.iterdir()) if self.root.is_dir() else ():
+            status = self._read_state(folder)
+            if status.state in TERMINAL_STATES and now > status.lease_deadline + ORPHAN_GRACE_S:
+                shutil.rmtree(folder, ignore_errors=True)
+
     def _end(self, transfer_id: str, state: TransferState, reason: str) -> None:
+        self._sweep_orphans()
         status = self.poll(transfer_id)
         if status.state in TERMINAL_STATES or status.state is TransferState.UNKNOWN:
             return
