@@ -315,16 +315,14 @@ class DisaggregatedEngine:
         if state is None:
             return  # aborted meanwhile: the prefill replica freed its hold on the abort
         state.first_token_time = self.clock()
-        if handoff is None:  # the first token ended it, or it failed: the answer comes from P
-            tokens.setdefault(transfer_id, []).extend(output.outputs[0].token_ids)
-            if output.outputs[0].logprobs:
-                logprobs.setdefault(transfer_id, []).extend(output.outputs[0].logprobs)
-            finished.append(output)
-            return
-        tokens.setdefault(transfer_id, []).append(handoff.first_token_id)
         first_logprobs = output.outputs[0].logprobs
         if first_logprobs:
             logprobs.setdefault(transfer_id, []).extend(first_logprobs)
+        if handoff is None:  # the first token ended it, or it failed: the answer comes from P
+            tokens.setdefault(transfer_id, []).extend(output.outputs[0].token_ids)
+            finished.append(output)
+            return
+        tokens.setdefault(transfer_id, []).append(handoff.first_token_id)
         live = [r for r in self.decode if not r.dead]
         if not live:
             if state.prefill is not None:
