@@ -154,12 +154,52 @@ def test_top_k_ties_keep_exactly_k_tokens():
     assert set(torch.nonzero(probs).flatten().tolist()) <= {1, 2, 3}
 
 
+def _kept_by_sorting(row: torch.Tensor, params: SamplingParams) -> tuple[set[int], set[int]]:
+    """The kept set by definition, in float64 with numpy: sort by probability, keep the
+    top_k, renormalise, keep each token while the mass before it is under top_p. Also the
+    tokens whose mass before lies within float32 rounding of top_p (a float32 sum over
+    thousands of tokens may put them on either side)."""
+    import numpy as np
+
+    logits = row.double().numpy() / params.temperature
+    order = np.argsort(-logits, kind="stable")
+    k = params.top_k if 0 < params.top_k < len(order) else len(order)
+    order = order[:k]
+    probs = np.exp(logits[order] - logits[order].max())
+    probs /= probs.sum()
+    mass_before = np.cumsum(probs) - probs
+    cut = mass_before >= params.top_p if params.top_p < 1 else np.zeros(len(order), dtype=bool)
+    cut[0] = False
+    ambiguous = set(order[np.abs(mass_before - params.top_p) < 1e-4].tolist()) if params.top_p < 1 else set()
+    return set(order[~cut].tolist()), ambiguous
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(top_p=0.9), SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(top_k=50),
+    SamplingParams(top_k=2000), SamplingParams(top_k=40, top_p=0.8), SamplingParams(top_k=300, top_p=0.9),
+], ids=["top_p", "temperature_top_p", "top_k", "large_top_k", "top_k_top_p", "top_k_beyond_candidates_top_p"])
+def test_filters_keep_the_defined_set_on_a_real_vocabulary(params):
+    """Rows of a 49,152-token vocabulary whose nucleus lies inside the sampler's first
+    candidates (peaked rows, as a trained model's) and far beyond them (flat rows, cut by
+    a full sort): the kept set is the one defined by sorting the whole row."""
+    vocab = 49_152
+    generator = torch.Generator().manual_seed(11)
+    logits = 2.0 * torch.randn(6, vocab, generator=generator)
+    logits[:3, :30] += 9.0  # peaked: a few dozen tokens hold nearly all the mass
+    probs = filtered_probs(logits, [params] * 6)
+    for row in range(6):
+        kept = set(torch.nonzero(probs[row]).flatten().tolist())
+        expected, ambiguous = _kept_by_sorting(logits[row], params)
+        assert len(expected) > 1 and kept ^ expected <= ambiguous, f"row {row}"
+
+
 # ---------------------------------------------------------------- batch invariance
 
 
 def _companions():
     return [SamplingParams(min_p=0.1), SamplingParams(top_k=3), SamplingParams(top_p=0.5),
-            SamplingParams(temperature=0.3, top_k=7, top_p=0.8, min_p=0.02)]
+            SamplingParams(temperature=0.3, top_k=7, top_p=0.8, min_p=0.02),
+            SamplingParams(top_k=150, top_p=0.99), SamplingParams(top_k=1500), SamplingParams(temperature=0)]
 
 
 @pytest.mark.parametrize("own", [

@@ -22,15 +22,39 @@ def sample(
     generators: Seq[torch.Generator | None],  # per row; None draws from `default_generator`
     default_generator: torch.Generator | None = None,
 ) -> list[int]:
-    """One token per row."""
-    if all(p.is_greedy for p in params):
+    """One token per row. Greedy rows take their argmax and random rows their draw, each
+    computed on its own rows only (a full-batch argmax costs as much as the draw)."""
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    if len(greedy) == len(params):
         return greedy_tokens(logits)
-    tokens = logits.argmax(dim=-1)
+    if not greedy:
+        return _draw_rows(logits, params, generators, default_generator)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    random_rows = torch.tensor(rows, device=logits.device)
-    probs = filtered_probs(logits[random_rows], [params[i] for i in rows])
-    tokens[random_rows] = draw(probs, [generators[row] for row in rows], default_generator)
-    return tokens.tolist()
+    tokens = [0] * len(params)
+    drawn = _draw_rows(logits[torch.tensor(rows, device=logits.device)], [params[i] for i in rows],
+                       [generators[row] for row in rows], default_generator)
+    for row, token_id in zip(rows, drawn):
+        tokens[row] = token_id
+    for row, token_id in zip(greedy, greedy_tokens(logits[torch.tensor(greedy, device=logits.device)])):
+        tokens[row] = token_id
+    return tokens
+
+
+DRAW_CHUNK_ROWS = 16
+
+
+def _draw_rows(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
+               default_generator: torch.Generator | None) -> list[int]:
+    """Each row's draw, DRAW_CHUNK_ROWS rows at a time: a chunk's probabilities and their
+    cumulative sums (3 MB for a 49,152-token vocabulary) stay in cache between the
+    passes, where a whole batch's would be fresh pages each step. Rows are independent,
+    and the uniforms are drawn in row order either way, so the tokens are the same."""
+    tokens: list[int] = []
+    for first in range(0, logits.shape[0], DRAW_CHUNK_ROWS):
+        last = first + DRAW_CHUNK_ROWS
+        tokens += draw(filtered_probs(logits[first:last], params[first:last]), generators[first:last],
+                       default_generator).tolist()
+    return tokens
 
 
 def draw(probs: torch.Tensor, generators: Seq[torch.Generator | None],
@@ -40,8 +64,11 @@ def draw(probs: torch.Tensor, generators: Seq[torch.Generator | None],
     whose cumulative probability exceeds u times the row's total, so a token of probability
     zero is never drawn. [R] int64."""
     uniform = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
-    for row, generator in enumerate(generators):
-        uniform[row].uniform_(generator=generator or default_generator)
+    if all(generator is None for generator in generators):  # one call: the same numbers, row by row
+        uniform.uniform_(generator=default_generator)
+    else:
+        for row, generator in enumerate(generators):
+            uniform[row].uniform_(generator=generator or default_generator)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # strictly below the total, so that the position found has mass of its own
@@ -62,8 +89,9 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 def filtered_probs(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p, renormalised. [S, vocab]"""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-    logits = logits / temperature[:, None]
+    if any(p.temperature != 1.0 for p in params):
+        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+        logits = logits / temperature[:, None]
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         logits = _top_k_top_p(logits, params)
     probs = torch.softmax(logits, dim=-1)
@@ -76,7 +104,90 @@ def filtered_probs(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.T
     return probs
 
 
+NUCLEUS_CANDIDATES = 64  # a top-p row looks for its cut among its most likely tokens first
+MAX_TOP_K_CANDIDATES = 1024  # past this, a top-k row is cheaper sorted in full
+
+
 def _top_k_top_p(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+    """The logits with every token top-k and top-p remove set to -inf.
+
+    A full sort of a 49,152-token row costs ~3.4 ms (160 ms for 96 rows on two cores);
+    `topk` of 64 costs a thirtieth of that. So each row first takes its candidates, the
+    most likely tokens in order: its top_k of them, or NUCLEUS_CANDIDATES for a nucleus
+    without top-k. A row whose cut falls inside its candidates (the usual case: the
+    nucleus of a trained model's distribution is small) is done there; the rest are
+    sorted in full. Which path a row takes depends on that row alone, so its kept set
+    never depends on what else is in the batch."""
+    vocab = logits.shape[-1]
+    by_width: dict[int, list[int]] = {}
+    untouched: list[int] = []
+    in_full: list[int] = []
+    for row, p in enumerate(params):
+        top_k = p.top_k if 0 < p.top_k < vocab else vocab
+        width = top_k if top_k < vocab else min(vocab, NUCLEUS_CANDIDATES)
+        if p.top_p >= 1 and top_k == vocab:
+            untouched.append(row)  # nothing to cut (a companion's filter brought it here)
+        elif width <= (MAX_TOP_K_CANDIDATES if p.top_p >= 1 else NUCLEUS_CANDIDATES) or top_k == vocab:
+            by_width.setdefault(width, []).append(row)
+        else:
+            in_full.append(row)
+    if len(by_width) == 1 and not untouched and not in_full:  # the usual batch: one recipe for every row
+        (width,) = by_width
+        kept, unresolved = _cut_among_candidates(logits, params, width, vocab)
+        if not unresolved:
+            return kept
+    filtered = torch.full_like(logits, float("-inf"))
+    if untouched:
+        index = torch.tensor(untouched, device=logits.device)
+        filtered[index] = logits[index]
+    for width, rows in by_width.items():
+        index = torch.tensor(rows, device=logits.device)
+        kept, unresolved = _cut_among_candidates(logits[index], [params[row] for row in rows], width, vocab)
+        resolved = [i for i in range(len(rows)) if i not in set(unresolved)]
+        filtered[index[resolved]] = kept[resolved]
+        in_full += [rows[i] for i in unresolved]
+    if in_full:
+        in_full.sort()
+        index = torch.tensor(in_full, device=logits.device)
+        filtered[index] = _sorted_top_k_top_p(logits[index], [params[row] for row in in_full])
+    return filtered
+
+
+def _cut_among_candidates(logits: torch.Tensor, params: Seq[SamplingParams], width: int,
+                          vocab: int) -> tuple[torch.Tensor, list[int]]:
+    """The rows' logits with what top-k and top-p remove set to -inf, found among each
+    row's `width` most likely tokens; and the rows whose cut lies beyond those (their
+    result is not valid)."""
+    values, order = logits.topk(width, dim=-1)  # descending
+    device, dtype = logits.device, logits.dtype
+    kept = torch.full_like(logits, float("-inf"))
+    nucleus = [p.top_p < 1 for p in params]
+    if not any(nucleus):
+        return kept.scatter_(-1, order, values), []
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=dtype)
+    whole = [not 0 < p.top_k < vocab for p in params]
+    # Top-p renormalises over what top-k kept: the candidates themselves when top-k set
+    # them, the whole vocabulary otherwise (whose largest logit is the first candidate).
+    if any(whole):
+        peak = values[:, :1]
+        total = peak.squeeze(1) + (logits - peak).exp_().sum(dim=-1).log_()
+        if not all(whole):
+            total = torch.where(torch.tensor(whole, device=device), total, torch.logsumexp(values, dim=-1))
+    else:
+        total = torch.logsumexp(values, dim=-1)
+    probs = torch.exp(values - total[:, None])
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove = (mass_before >= top_p[:, None]) & torch.tensor(nucleus, device=device)[:, None]
+    remove[:, 0] = False
+    kept.scatter_(-1, order, values.masked_fill_(remove, float("-inf")))
+    # A nucleus over the whole vocabulary is found only if the candidates reach top_p:
+    # every token past them then has at least that much mass before it.
+    reached = (probs.sum(dim=-1) >= top_p).tolist()
+    unresolved = [row for row in range(len(params)) if nucleus[row] and whole[row] and not reached[row]]
+    return kept, unresolved
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[-1]
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)

@@ -10,7 +10,8 @@ it up, and loads it at every rate with `vllm bench serve --backend openai --data
 random` (the same prompts for every server: the client's seed is fixed), so every server
 sees the same machine load within a round. After each round, the same number of prompts
 of the same lengths go through offline `LLM.generate` with the first servelab config's
-engine settings and the server's default thread count. Printed per server and rate:
+engine settings and the server's default thread count, sampled as the load client's
+requests are (its default: temperature 1, no top-k or top-p). Printed per server and rate:
 output tok/s, TTFT and TPOT p50 / p99 (the median over rounds, with the range), the
 ratio to vLLM's server, and the server's CPU seconds per output token (front-end process
 and engine process apart, for servelab). `--client openai` loads every server with the
@@ -270,7 +271,7 @@ def _offline(args: argparse.Namespace, servelab_args: list[str]) -> dict:
         "generator = torch.Generator().manual_seed(0)\n"
         "vocab = llm.engine.model_config.vocab_size\n"
         "prompts = [torch.randint(0, vocab, (prompt_len,), generator=generator).tolist() for _ in range(n)]\n"
-        "params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)\n"
+        "params = SamplingParams(max_tokens=output_len, ignore_eos=True)\n"
         "llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))\n"
         "started = time.perf_counter()\n"
         "outputs = llm.generate(prompts, params)\n"
