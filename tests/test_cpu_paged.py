@@ -191,16 +191,17 @@ def test_layer_ops_match_the_torch_ops(dtype, rows, hidden):
         assert torch.equal(fused_residual, residual + x)
         torch.testing.assert_close(fused_x, norm(residual + x), **tolerance)
 
-        head_dim, num_heads, num_kv_heads = 16, 3, 2
-        rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, dtype, torch.device("cpu"))
-        positions = torch.randint(0, 64, (rows,), generator=generator)
-        qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(dtype)
-        rotated = (num_heads + num_kv_heads) * head_dim
-        cos, sin = rotary.tables(positions)
-        expected = apply_rotary(qkv[:, :rotated].view(rows, -1, head_dim), cos, sin).reshape(rows, -1)
-        untouched = qkv[:, rotated:].clone()
-        ops.rotary_(qkv, positions, rotary.cos, rotary.sin, num_heads + num_kv_heads, head_dim)
-        assert torch.equal(qkv[:, :rotated], expected) and torch.equal(qkv[:, rotated:], untouched)
+        num_heads, num_kv_heads = 3, 2
+        for head_dim in (16, 64, 80):  # halves shorter than a vector, whole vectors, vectors and a tail
+            rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, dtype, torch.device("cpu"))
+            positions = torch.randint(0, 64, (rows,), generator=generator)
+            qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(dtype)
+            rotated = (num_heads + num_kv_heads) * head_dim
+            cos, sin = rotary.tables(positions)
+            expected = apply_rotary(qkv[:, :rotated].view(rows, -1, head_dim), cos, sin).reshape(rows, -1)
+            untouched = qkv[:, rotated:].clone()
+            ops.rotary_(qkv, positions, rotary.cos, rotary.sin, num_heads + num_kv_heads, head_dim)
+            assert torch.equal(qkv[:, :rotated], expected) and torch.equal(qkv[:, rotated:], untouched), head_dim
 
         gate_up = (3 * torch.randn(rows, 2 * hidden, generator=generator)).to(dtype)
         gate, up = gate_up.split(hidden, dim=-1)

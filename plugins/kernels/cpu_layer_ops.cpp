@@ -38,7 +38,15 @@ inline void normalise_row(const scalar_t* x, const scalar_t* weight, scalar_t* o
   }
   for (int l = 0; l < 16; ++l) sum += lanes[l];
   const float inverse = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-  for (i = 0; i < hidden; ++i) {
+  i = 0;
+#ifdef __AVX2__
+  if constexpr (servelab_simd::kStores<scalar_t>) {
+    using S = servelab_simd::Native;
+    for (; i + S::kWidth <= hidden; i += S::kWidth)
+      S::store(out + i, S::mul(S::load(weight + i), S::rounded(S::mul(S::load(x + i), S::set1(inverse)), x)));
+  }
+#endif
+  for (; i < hidden; ++i) {
     const scalar_t normalised = static_cast<scalar_t>(widen(x[i]) * inverse);
     out[i] = static_cast<scalar_t>(widen(weight[i]) * widen(normalised));
   }
@@ -66,7 +74,14 @@ void add_rms_norm_kernel(at::Tensor& x, at::Tensor& residual, const at::Tensor& 
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* xr = x_data + r * hidden;
       scalar_t* rr = res + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) rr[i] = static_cast<scalar_t>(widen(rr[i]) + widen(xr[i]));
+      int64_t i = 0;
+#ifdef __AVX2__
+      if constexpr (servelab_simd::kStores<scalar_t>) {
+        using S = servelab_simd::Native;
+        for (; i + S::kWidth <= hidden; i += S::kWidth) S::store(rr + i, S::add(S::load(rr + i), S::load(xr + i)));
+      }
+#endif
+      for (; i < hidden; ++i) rr[i] = static_cast<scalar_t>(widen(rr[i]) + widen(xr[i]));
       normalise_row(rr, w, xr, hidden, eps);
     }
   });
@@ -88,7 +103,20 @@ void rotary_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
       const scalar_t* s = sin_data + pos[r] * half;
       for (int64_t h = 0; h < num_heads; ++h) {
         scalar_t* x = data + r * row_stride + h * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#ifdef __AVX2__
+        if constexpr (servelab_simd::kStores<scalar_t>) {
+          using S = servelab_simd::Native;
+          for (; i + S::kWidth <= half; i += S::kWidth) {  // the scalar loop's roundings, lane by lane
+            const S::V x1 = S::load(x + i), x2 = S::load(x + i + half), ci = S::load(c + i), si = S::load(s + i);
+            const S::V a = S::rounded(S::mul(x1, ci), x), b = S::rounded(S::mul(x2, S::mul(si, S::set1(-1.f))), x);
+            const S::V d = S::rounded(S::mul(x2, ci), x), e = S::rounded(S::mul(x1, si), x);
+            S::store(x + i, S::add(a, b));
+            S::store(x + i + half, S::add(d, e));
+          }
+        }
+#endif
+        for (; i < half; ++i) {
           const float x1 = widen(x[i]), x2 = widen(x[i + half]), ci = widen(c[i]), si = widen(s[i]);
           // The reference rounds each product to the dtype, then the sum: keep that order.
           const scalar_t a = static_cast<scalar_t>(x1 * ci), b = static_cast<scalar_t>(x2 * -si);
@@ -116,10 +144,15 @@ void silu_and_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
       using S = servelab_simd::Native;
       for (; i + S::kWidth <= width; i += S::kWidth) {  // silu(g) = g / (1 + e^-g), rounded to the dtype, times up
         const S::V g = S::load(gate + i);
-        float activated[S::kWidth];
-        S::storeu(activated, S::div(g, S::add(S::set1(1.f), servelab_simd::exp<S>(S::sub(S::zero(), g)))));
-        for (int l = 0; l < S::kWidth; ++l)
-          target[i + l] = static_cast<scalar_t>(widen(static_cast<scalar_t>(activated[l])) * widen(up[i + l]));
+        const S::V silu = S::div(g, S::add(S::set1(1.f), servelab_simd::exp<S>(S::sub(S::zero(), g))));
+        if constexpr (servelab_simd::kStores<scalar_t>) {
+          S::store(target + i, S::mul(S::rounded(silu, target), S::load(up + i)));
+        } else {
+          float activated[S::kWidth];
+          S::storeu(activated, silu);
+          for (int l = 0; l < S::kWidth; ++l)
+            target[i + l] = static_cast<scalar_t>(widen(static_cast<scalar_t>(activated[l])) * widen(up[i + l]));
+        }
       }
 #endif
       for (; i < width; ++i) {

@@ -6,6 +6,7 @@
 #include <c10/util/Half.h>
 
 #include <cstring>
+#include <type_traits>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -70,6 +71,24 @@ struct Avx512 {
   // p * 2^n for the exponential below.
   static V scale_by_power_of_two(V p, V n) { return _mm512_scalef_ps(p, n); }
   static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+  // The bfloat16 nearest each lane (ties to even; NaN as 0x7FC0), as c10::BFloat16(float)
+  // rounds, in the low half of each 32-bit lane.
+  static __m512i bfloat16_bits(V x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    const __m512i nearest = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    return _mm512_mask_mov_epi32(nearest, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  }
+  // x rounded as a cast to scalar_t rounds it, widened back (float32: x itself).
+  static V rounded(V x, const float*) { return x; }
+  static V rounded(V x, const c10::BFloat16*) { return _mm512_castsi512_ps(_mm512_slli_epi32(bfloat16_bits(x), 16)); }
+  // Sixteen values stored as scalar_t, rounded as a cast rounds them.
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static void store(c10::BFloat16* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bfloat16_bits(x)));
+  }
 };
 #endif  // __AVX512F__
 
@@ -137,6 +156,22 @@ struct Avx2 {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
   }
   static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+  static __m256i bfloat16_bits(V x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                          _mm256_set1_epi32(0x7FFF));
+    const __m256i nearest = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    return _mm256_blendv_epi8(nearest, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  }
+  static V rounded(V x, const float*) { return x; }
+  static V rounded(V x, const c10::BFloat16*) { return _mm256_castsi256_ps(_mm256_slli_epi32(bfloat16_bits(x), 16)); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static void store(c10::BFloat16* p, V x) {
+    const __m256i bits = bfloat16_bits(x);  // each value < 2^16: the unsigned pack keeps it
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+  }
 };
 #endif  // __AVX2__
 
@@ -153,6 +188,11 @@ inline typename S::V exp(typename S::V x) {
   for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = S::fmadd(p, r, S::set1(c));
   return S::scale_by_power_of_two(p, n);
 }
+
+// Whether the traits above round and store scalar_t (float32 and bfloat16; float16 takes
+// the scalar loops).
+template <typename scalar_t>
+constexpr bool kStores = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
 
 #if defined(__AVX512F__)
 using Native = Avx512;
