@@ -38,7 +38,7 @@ from servelab.registry import PluginRegistry
 from servelab.request import Request, RequestSpec, RequestTable
 from servelab.run_stage import RunStage, StepRun
 from servelab.sampling_params import SamplingParams
-from servelab.sampling_stage import SamplingStage
+from servelab.sampling_stage import SamplingStage, sampling_kernels_of
 from servelab.speculation import SpeculationStats
 from servelab.update_stage import UpdateStage
 from servelab.verify_stage import VerifyStage
@@ -74,7 +74,8 @@ class LLMEngine:
         self.proposing = ProposeStage(self.requests, spec) if spec is not None else None
         self.running = RunStage(self.runner, self.allocator, spec is not None and spec.needs_hidden_states,
                                 spec.feature_layers if spec is not None else ())
-        self.sampling = SamplingStage(self.requests, self.logits_pipeline, generator, raw_logprobs)
+        self.sampling = SamplingStage(self.requests, self.logits_pipeline, generator, raw_logprobs,
+                                      sampling_kernels_of(self.attention))
         self.verifying = VerifyStage(self.requests, spec, self.logits_pipeline, generator, raw_logprobs) \
             if spec is not None else None
         self.updating = UpdateStage(self.requests, self.scheduler, self.allocator, self.eos_token_ids,

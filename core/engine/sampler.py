@@ -9,7 +9,7 @@ step for 96 rows of a 49,152-token vocabulary on two cores, against 2 ms for thi
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import torch
 
@@ -21,6 +21,7 @@ def sample(
     params: Seq[SamplingParams],
     generators: Seq[torch.Generator | None],  # per row; None draws from `default_generator`
     default_generator: torch.Generator | None = None,
+    kernels: Any = None,  # a library with `draw_from_logits` (servelab.interfaces.SamplingKernelsBackend)
 ) -> list[int]:
     """One token per row. Greedy rows take their argmax and random rows their draw, each
     computed on its own rows only (a full-batch argmax costs as much as the draw)."""
@@ -28,11 +29,11 @@ def sample(
     if len(greedy) == len(params):
         return greedy_tokens(logits)
     if not greedy:
-        return _draw_rows(logits, params, generators, default_generator)
+        return _draw_rows(logits, params, generators, default_generator, kernels)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     tokens = [0] * len(params)
     drawn = _draw_rows(logits[torch.tensor(rows, device=logits.device)], [params[i] for i in rows],
-                       [generators[row] for row in rows], default_generator)
+                       [generators[row] for row in rows], default_generator, kernels)
     for row, token_id in zip(rows, drawn):
         tokens[row] = token_id
     for row, token_id in zip(greedy, greedy_tokens(logits[torch.tensor(greedy, device=logits.device)])):
@@ -40,18 +41,27 @@ def sample(
     return tokens
 
 
-DRAW_CHUNK_ROWS = 16
+DRAW_CHUNK_ELEMENTS = 16 * 49_152  # 3 MB of float32: a chunk's passes stay in cache
 
 
 def _draw_rows(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
-               default_generator: torch.Generator | None) -> list[int]:
-    """Each row's draw, DRAW_CHUNK_ROWS rows at a time: a chunk's probabilities and their
-    cumulative sums (3 MB for a 49,152-token vocabulary) stay in cache between the
-    passes, where a whole batch's would be fresh pages each step. Rows are independent,
-    and the uniforms are drawn in row order either way, so the tokens are the same."""
+               default_generator: torch.Generator | None, kernels: Any = None) -> list[int]:
+    """Each row's draw. With `kernels`, rows that only scale by a temperature are drawn
+    by the library straight from their logits (the same uniforms, the same rule; the
+    weights are summed in its own order). Otherwise a chunk of rows at a time: a chunk's
+    probabilities and their cumulative sums (3 MB, 16 rows of a 49,152-token vocabulary)
+    stay in cache between the passes, where a whole batch's would be fresh pages each
+    step. Rows are independent, and the uniforms are drawn in row order either way, so
+    the tokens are the same."""
+    if (kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.stride(-1) == 1 and not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)):
+        inverse_temperature = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+        uniform = _uniforms(logits.shape[0], generators, default_generator, logits.dtype, logits.device)
+        return kernels.draw_from_logits(logits, inverse_temperature, uniform.view(-1)).tolist()
     tokens: list[int] = []
-    for first in range(0, logits.shape[0], DRAW_CHUNK_ROWS):
-        last = first + DRAW_CHUNK_ROWS
+    chunk_rows = max(1, DRAW_CHUNK_ELEMENTS // logits.shape[-1])
+    for first in range(0, logits.shape[0], chunk_rows):
+        last = first + chunk_rows
         tokens += draw(filtered_probs(logits[first:last], params[first:last]), generators[first:last],
                        default_generator).tolist()
     return tokens
@@ -63,17 +73,24 @@ def draw(probs: torch.Tensor, generators: Seq[torch.Generator | None],
     a uniform u from the row's generator (None: `default_generator`), then the first token
     whose cumulative probability exceeds u times the row's total, so a token of probability
     zero is never drawn. [R] int64."""
-    uniform = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
-    if all(generator is None for generator in generators):  # one call: the same numbers, row by row
-        uniform.uniform_(generator=default_generator)
-    else:
-        for row, generator in enumerate(generators):
-            uniform[row].uniform_(generator=generator or default_generator)
+    uniform = _uniforms(probs.shape[0], generators, default_generator, probs.dtype, probs.device)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # strictly below the total, so that the position found has mass of its own
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _uniforms(rows: int, generators: Seq[torch.Generator | None], default_generator: torch.Generator | None,
+              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One uniform number per row [rows, 1], from the row's generator (None: the default)."""
+    uniform = torch.empty(rows, 1, dtype=dtype, device=device)
+    if all(generator is None for generator in generators):  # one call: the same numbers, row by row
+        uniform.uniform_(generator=default_generator)
+    else:
+        for row, generator in enumerate(generators):
+            uniform[row].uniform_(generator=generator or default_generator)
+    return uniform
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
@@ -119,19 +136,22 @@ def _top_k_top_p(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Ten
     sorted in full. Which path a row takes depends on that row alone, so its kept set
     never depends on what else is in the batch."""
     vocab = logits.shape[-1]
+    by_filter: dict[tuple[int, float], list[int]] = {}
+    for row, p in enumerate(params):
+        by_filter.setdefault((p.top_k, p.top_p), []).append(row)
     by_width: dict[int, list[int]] = {}
     untouched: list[int] = []
     in_full: list[int] = []
-    for row, p in enumerate(params):
-        top_k = p.top_k if 0 < p.top_k < vocab else vocab
+    for (top_k, top_p), rows in by_filter.items():
+        top_k = top_k if 0 < top_k < vocab else vocab
         width = top_k if top_k < vocab else min(vocab, NUCLEUS_CANDIDATES)
-        if p.top_p >= 1 and top_k == vocab:
-            untouched.append(row)  # nothing to cut (a companion's filter brought it here)
-        elif width <= (MAX_TOP_K_CANDIDATES if p.top_p >= 1 else NUCLEUS_CANDIDATES) or top_k == vocab:
-            by_width.setdefault(width, []).append(row)
+        if top_p >= 1 and top_k == vocab:
+            untouched += rows  # nothing to cut (a companion's filter brought them here)
+        elif width <= (MAX_TOP_K_CANDIDATES if top_p >= 1 else NUCLEUS_CANDIDATES) or top_k == vocab:
+            by_width.setdefault(width, []).extend(rows)
         else:
-            in_full.append(row)
-    if len(by_width) == 1 and not untouched and not in_full:  # the usual batch: one recipe for every row
+            in_full += rows
+    if len(by_width) == 1 and not untouched and not in_full:  # the usual batch: one filter for every row
         (width,) = by_width
         kept, unresolved = _cut_among_candidates(logits, params, width, vocab)
         if not unresolved:
@@ -141,9 +161,11 @@ def _top_k_top_p(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Ten
         index = torch.tensor(untouched, device=logits.device)
         filtered[index] = logits[index]
     for width, rows in by_width.items():
+        rows.sort()
         index = torch.tensor(rows, device=logits.device)
         kept, unresolved = _cut_among_candidates(logits[index], [params[row] for row in rows], width, vocab)
-        resolved = [i for i in range(len(rows)) if i not in set(unresolved)]
+        unresolved_set = set(unresolved)
+        resolved = [i for i in range(len(rows)) if i not in unresolved_set]
         filtered[index[resolved]] = kept[resolved]
         in_full += [rows[i] for i in unresolved]
     if in_full:

@@ -15,11 +15,13 @@ then the prompt positions scored for prompt logprobs. Each request's recipe
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import attrs
 import numpy as np
 import torch
 
-from servelab.interfaces import Sequence
+from servelab.interfaces import SamplingKernelsBackend, Sequence
 from servelab.logits_pipeline import LogitsPipeline
 from servelab.logprobs import log_softmax, position_logprobs, row_logprobs
 from servelab.request import Request, RequestTable
@@ -54,11 +56,12 @@ class Sampled:
 
 class SamplingStage:
     def __init__(self, requests: RequestTable, pipeline: LogitsPipeline, default_generator: torch.Generator,
-                 raw_logprobs: bool) -> None:
+                 raw_logprobs: bool, kernels: Callable[[], Any] = lambda: None) -> None:
         self.requests = requests
         self.pipeline = pipeline
         self.default_generator = default_generator
         self.raw_logprobs = raw_logprobs  # logprobs of the model's logits, before any processor
+        self.kernels = kernels  # the backend's sampling kernels now (SamplingKernelsBackend), or None
 
     def sample(self, run: StepRun) -> Sampled:
         inputs, logits = run.inputs, run.logits
@@ -66,7 +69,8 @@ class SamplingStage:
         num_rows = inputs.num_logits_rows
         one_row_each = num_rows.count(1) == len(num_rows)
         if self.requests.all_plain and one_row_each:
-            token_ids = sample(logits, [s.params for s in seqs], [None] * len(seqs), self.default_generator)
+            token_ids = sample(logits, [s.params for s in seqs], [None] * len(seqs), self.default_generator,
+                               self.kernels())
             return Sampled(SampledRows(seqs, None, list(range(len(seqs))), num_rows),
                            {seq: [token_id] for seq, token_id in zip(seqs, token_ids)})
         owners = [self.requests.of(seq) for seq in seqs]
@@ -110,7 +114,7 @@ class SamplingStage:
                                 out.failures)
         if not self.raw_logprobs:
             logprobs = row_logprobs(logits, logprob_rows)
-        token_ids = sample(logits, [s.params for s in seqs], generators, self.default_generator)
+        token_ids = sample(logits, [s.params for s in seqs], generators, self.default_generator, self.kernels())
         for i in processed:
             self.pipeline.accept(seqs[i], states[i], token_ids[i:i + 1], out.failures)
         if logprob_rows:
@@ -144,3 +148,11 @@ class SamplingStage:
                 scored.extend([None] * (len(seq.prompt_token_ids) - len(scored)))  # cached positions at the end
                 out.scored_prompts[request.request_id] = scored
         return logits[:num_rows]
+
+
+def sampling_kernels_of(backend: Any) -> Callable[[], Any]:
+    """What the sampler asks each step for the backend's sampling kernels: a backend's
+    library may load after start, and a step never mixes the two paths."""
+    if isinstance(backend, SamplingKernelsBackend):
+        return lambda: backend.sampling_kernels
+    return lambda: None

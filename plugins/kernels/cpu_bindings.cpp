@@ -12,6 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then x = RMSNorm(residual), in place");
   m.def("rotary_", &rotary_, "rotary embedding of the leading heads of each row, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate_up projection");
+  m.def("draw_from_logits", &draw_from_logits, "one token per row by inverse transform of softmax(logits / T)");
 
   m.def("panel_width", &panel_width, "output columns per packed panel (0: no vectorised linear here)");
   m.def("panel_dtypes", &panel_dtypes, "the weight dtypes pack_panels takes on this CPU");

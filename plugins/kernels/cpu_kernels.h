@@ -31,6 +31,10 @@ void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos
              int64_t num_heads, int64_t head_dim);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
+// cpu_sampling.cpp: one token per row of float32 logits, drawn by inverse transform from
+// softmax(logits * inverse_temperature) with the row's uniform number in [0, 1).
+at::Tensor draw_from_logits(const at::Tensor& logits, const at::Tensor& inverse_temperature, const at::Tensor& uniform);
+
 // cpu_linear.cpp
 int64_t panel_width();
 std::vector<std::string> panel_dtypes();

@@ -152,6 +152,13 @@ class CpuPagedAttention(TorchPagedAttention):
         return self._float32_panels
 
     @property
+    def sampling_kernels(self):
+        """The library's draw of random rows straight from their logits (cpu_sampling.cpp),
+        once the kernels are ready: servelab.sampler takes it for rows that only scale by a
+        temperature."""
+        return self._kernels
+
+    @property
     def quant_kernels(self):
         """The library's matmul on quantized weight blocks, for a model loaded with
         `[engine] weights = "int8"` or `"int4"` (see servelab.model.quantized_linear), once

@@ -32,6 +32,7 @@ __all__ = [
     "LayerOpsBackend",
     "NativeDecoderBackend",
     "PanelKernelsBackend",
+    "SamplingKernelsBackend",
     "QuantKernelsBackend",
     "QuantizedLinearLayer",
     "LoRALinearLayer",
@@ -170,6 +171,17 @@ class PanelKernelsBackend(Protocol):
 
     @property
     def panel_kernels(self) -> Any: ...
+
+
+@runtime_checkable
+class SamplingKernelsBackend(Protocol):
+    """An attention backend whose library draws random rows' tokens straight from their
+    logits (`draw_from_logits(logits, inverse_temperature, uniform)`: servelab.sampler's
+    inverse transform of softmax(logits / T), one uniform number per row), or None while it
+    is not ready. The sampler uses it for rows that only scale by a temperature."""
+
+    @property
+    def sampling_kernels(self) -> Any: ...
 
 
 @runtime_checkable
