@@ -59,7 +59,7 @@ int64_t draw_row(const float* row, int64_t vocab, float inverse_temperature, flo
   int64_t i = 0;
 #ifdef __AVX2__
   S::V peaks = S::set1(-INFINITY);
-  for (; i + kBlock <= vocab; i += kBlock) peaks = S::max(peaks, S::loadu(row + i));
+  for (; i + S::kWidth <= vocab; i += S::kWidth) peaks = S::max(peaks, S::loadu(row + i));
   peak = S::reduce_max(peaks);
 #endif
   for (; i < vocab; ++i) peak = std::max(peak, row[i]);
