@@ -1,10 +1,11 @@
 """Fixtures and helpers for the server tests (loaded with `pytest_plugins`): a tiny
-checkpoint with a word-level tokenizer and a chat template, and real `servelab serve`
-processes on 127.0.0.1."""
+checkpoint with a word-level tokenizer and a chat template, real `servelab serve`
+processes on 127.0.0.1, and a throttle that makes any process a slow peer."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -109,3 +110,44 @@ def sse_events(response: httpx.Response):
         if line.startswith("data: "):
             payload = line[len("data: "):]
             yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+class Throttle:
+    """A slow peer: process `pid` stopped (SIGSTOP) for `stopped_s`, then running (SIGCONT)
+    for `running_s`, over and over, from the `with` block's start (stopped before its
+    first statement) to its end (the process then runs on). `stops` counts the pauses."""
+
+    def __init__(self, pid: int, stopped_s: float = 0.05, running_s: float = 0.05) -> None:
+        self.pid, self.stopped_s, self.running_s = pid, stopped_s, running_s
+        self.stops = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"throttle-{pid}", daemon=True)
+
+    def __enter__(self) -> "Throttle":
+        self._pause()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self._thread.join()
+        self._signal(signal.SIGCONT)
+
+    def _run(self) -> None:
+        while not self._done.wait(self.stopped_s):
+            if not self._signal(signal.SIGCONT) or self._done.wait(self.running_s) or not self._pause():
+                return
+
+    def _pause(self) -> bool:
+        if not self._signal(signal.SIGSTOP):
+            return False
+        self.stops += 1
+        return True
+
+    def _signal(self, signum: int) -> bool:
+        """Whether the process was there to take it."""
+        try:
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            return False
+        return True

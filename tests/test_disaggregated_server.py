@@ -1,10 +1,12 @@
 """A disaggregated server on a real local Ray (`servelab serve --prefill-replicas 1
 --decode-replicas 1`, builtin:tiny, the shared-files transport): completions and chat,
 streamed or not, token-identical to one colocated engine; what P/D cannot serve refused
-with a 400; a client abort mid-stream leaves no KV block held on either replica; and the
-prefill replica's process killed mid-stream: every request ends within a bound with its
+with a 400; a client abort mid-stream leaves no KV block held on either replica; both
+replicas throttled (slow, inside their timeouts): the same completions, nothing recomputed;
+the prefill replica's process killed mid-stream: every request ends within a bound with its
 recomputed completion, and no replica left holds a block; and stopped (SIGSTOP): the
-watchdog kills it and the request waiting on it is recomputed."""
+watchdog kills it and the request waiting on it is recomputed; the decode replica's process
+killed or stopped: its stream ends with an error naming it and the server exits 1."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from conftest_server import ServerProcess, sse_events
+from conftest_server import ServerProcess, Throttle, sse_events
 
 ray = pytest.importorskip("ray", reason="the disaggregated server tests need Ray: pip install 'servelab[ray]'")
 
@@ -36,6 +38,18 @@ def _prefilled(transfer_id: str, handoff):
     return RequestOutput(transfer_id, None, list(handoff.prompt_token_ids),
                          [CompletionOutput(0, [handoff.first_token_id], "", "length")],
                          RequestMetrics(0.0, None, None, 0.0))
+
+
+def _role_pids(server: ServerProcess) -> dict[str, int]:
+    """Each replica's process id, by name ("prefill-0", "decode-0")."""
+    return {name: int(pid) for pid, name in re.findall(r"replica\.started\s.*?pid=(\d+) replica=(\S+)", server.log())}
+
+
+def _transfer_faults(metrics: dict[str, float]) -> dict[str, float]:
+    """Every replica's counts of what went wrong with handoffs."""
+    faults = ("recomputes", "rejects", "leases_expired", "failures")
+    return {name: value for name, value in metrics.items()
+            if any(name.startswith(f"servelab_kv_transfer_{fault}_total") for fault in faults)}
 
 
 def _used(metrics: dict[str, float], replica: str) -> float:
@@ -77,8 +91,10 @@ def deployment(tmp_path_factory):
             process = starting.result()
     yield process, answers
     answers[0].close()
-    assert process.terminate(60) == 0, process.log_path.read_text()
-    assert "kv_blocks_used=0" in process.log_path.read_text()
+    code = process.terminate(60)
+    if not getattr(process, "failed_by_test", False):  # the killed decode replica's test ends the deployment
+        assert code == 0, process.log_path.read_text()
+        assert "kv_blocks_used=0" in process.log_path.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +254,34 @@ def test_a_client_abort_mid_stream_frees_both_replicas(server):
                         and _idle(m), timeout=10)
 
 
+def test_slow_prefill_and_decode_replicas_answer_as_one_engine_and_nothing_fails_over(server, expected):
+    """Both replicas throttled at once (each stopped 0.2 s at a time, inside the lease and
+    the liveness timeout): every completion is one colocated engine's, no handoff is
+    recomputed, rejected or lapsed, both stay up, and no block is left held."""
+    _, short, _ = expected
+    pids = _role_pids(server)
+    before = server.wait_metrics(_idle, timeout=10)
+
+    def ask(prompt: str) -> list[int]:
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 12, **GREEDY},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["token_ids"]
+
+    with Throttle(pids["prefill-0"], stopped_s=0.2, running_s=0.03) as prefill, \
+            Throttle(pids["decode-0"], stopped_s=0.2, running_s=0.03) as decode, \
+            concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, PROMPTS))
+    assert answers == short
+    assert prefill.stops >= 2 and decode.stops >= 2, (prefill.stops, decode.stops)
+    metrics = server.wait_metrics(_idle, timeout=10)
+    assert _transfer_faults(metrics) == _transfer_faults(before)
+    assert metrics['servelab_replica_up{replica="prefill-0"}'] == 1
+    assert metrics['servelab_replica_up{replica="decode-0"}'] == 1
+    assert metrics['servelab_kv_transfers_total{replica="decode-0",role="decode"}'] > \
+        before['servelab_kv_transfers_total{replica="decode-0",role="decode"}']  # handed over, not recomputed
+
+
 def test_a_killed_prefill_replica_ends_each_request_within_the_bound_and_leaks_nothing(server, expected):
     """SIGKILL of the prefill replica's process while one stream decodes on the decode
     replica and others wait on the prefill replica: the handed-on stream completes, the others are
@@ -286,37 +330,85 @@ def test_a_killed_prefill_replica_ends_each_request_within_the_bound_and_leaks_n
         assert client.get("/health").status_code == 200
 
 
-def test_a_stopped_prefill_replica_is_killed_by_the_watchdog_and_its_request_answered(tmp_path, expected):
+def test_a_killed_decode_replica_fails_its_stream_by_name_and_the_server_exits_1(server):
+    """SIGKILL of the last decode replica's process while a stream decodes on it (this
+    module's last test on its server): the stream ends with an error naming the replica,
+    then [DONE]; with no decode replica left the deployment has failed, as one engine's
+    death does: exit code 1."""
+    pid = _role_pids(server)["decode-0"]
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "stream": True, **GREEDY}
+    server.failed_by_test = True
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            events = sse_events(response)
+            next(events), next(events)  # it decodes on decode-0
+            os.kill(pid, signal.SIGKILL)
+            rest = list(events)
+    assert rest[-1] == "[DONE]" and "decode replica decode-0 died" in rest[-2]["error"]["message"], rest[-3:]
+    assert server.process.wait(30) == 1, server.log()
+    assert "every decode replica has failed" in server.log()
+
+
+@pytest.fixture(scope="module")
+def watched_server(tmp_path_factory):
+    """A 1P1D server with a short liveness timeout, whose watchdog kills a stopped replica
+    (its tests stop one replica, then the other)."""
+    folder = tmp_path_factory.mktemp("watched")
+    process = ServerProcess(MODEL, "--prefill-replicas", "1", "--decode-replicas", "1", "--liveness-timeout", "2",
+                            "--set", 'kv_transfer.name="shared-files"', "--set", f'kv_transfer.path="{folder / "kv"}"',
+                            *SETTINGS, log_path=folder / "log")
+    pids = _role_pids(process)
+    yield process
+    for pid in pids.values():  # a replica a failed test left stopped
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.terminate(60)
+
+
+def test_a_stopped_prefill_replica_is_killed_by_the_watchdog_and_its_request_answered(watched_server, expected):
     """SIGSTOP of the prefill replica's process (silent, not dead) on a server with a short
     liveness timeout: a request waiting on it is recomputed on the decode replica and
     answered as one engine answers it, within the timeout and a margin; the stopped replica
     is killed (up 0), /health stays 200, and the decode replica holds no block."""
     _, _, longer = expected
-    server = ServerProcess(MODEL, "--prefill-replicas", "1", "--decode-replicas", "1", "--liveness-timeout", "2",
-                           "--set", 'kv_transfer.name="shared-files"', "--set", f'kv_transfer.path="{tmp_path / "kv"}"',
-                           *SETTINGS, log_path=tmp_path / "log")
-    found = re.findall(r"replica\.started\s.*?pid=(\d+) replica=prefill-0", server.log())
-    pid = int(found[0]) if found else None
-    try:
-        assert pid is not None, server.log()
-        os.kill(pid, signal.SIGSTOP)
-        started = time.monotonic()
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            reply = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 40, **GREEDY})
-            assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == longer[1][0]
-            assert time.monotonic() - started < 20
-            assert client.get("/health").status_code == 200
-        metrics = server.wait_metrics(lambda m: m['servelab_replica_up{replica="prefill-0"}'] == 0, timeout=10)
-        assert metrics['servelab_kv_transfer_recomputes_total{replica="decode-0",role="decode"}'] == 1
-        server.wait_metrics(lambda m: _used(m, "decode-0") == 0, timeout=10)
-        assert "disagg.replica_silent" in server.log()
-    finally:
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)  # if the watchdog had not
-            except ProcessLookupError:
-                pass
-        assert server.terminate(60) == 0, server.log_path.read_text()
+    server = watched_server
+    pid = _role_pids(server)["prefill-0"]
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        reply = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 40, **GREEDY})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == longer[1][0]
+        assert time.monotonic() - started < 20
+        assert client.get("/health").status_code == 200
+    metrics = server.wait_metrics(lambda m: m['servelab_replica_up{replica="prefill-0"}'] == 0, timeout=10)
+    assert metrics['servelab_kv_transfer_recomputes_total{replica="decode-0",role="decode"}'] == 1
+    server.wait_metrics(lambda m: _used(m, "decode-0") == 0, timeout=10)
+    assert "disagg.replica_silent" in server.log()
+
+
+def test_a_stopped_decode_replica_is_killed_by_the_watchdog_and_its_stream_ends_by_name(watched_server):
+    """SIGSTOP of the (last) decode replica's process while a stream decodes on it: within
+    the liveness timeout and a margin, not a client's timeout, the watchdog kills it, the
+    stream ends with an error naming it, then [DONE], and with no decode replica left the
+    server exits with code 1, its shutdown not held by the stopped or dead replicas."""
+    server = watched_server
+    pid = _role_pids(server)["decode-0"]
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "stream": True, **GREEDY}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            events = sse_events(response)
+            next(events), next(events)  # it decodes on decode-0
+            os.kill(pid, signal.SIGSTOP)
+            started = time.monotonic()
+            rest = list(events)
+    assert time.monotonic() - started < 20
+    assert rest[-1] == "[DONE]", rest[-3:]
+    message = rest[-2]["error"]["message"]
+    assert "decode replica decode-0 died (not heard from for" in message and "liveness timeout 2 s" in message
+    assert server.process.wait(30) == 1, server.log()
+    assert "disagg.replica_silent" in server.log() and "every decode replica has failed" in server.log()
 
 
 # ---------------------------------------------------------------- the front end alone, its replicas faked

@@ -1,8 +1,9 @@
 """Engine replicas on a real local Ray (`servelab serve --replicas 2`, builtin:tiny):
 answers equal to one engine, streaming and aborts through replicas, routing by the
 configured router (prefix-affinity keeps shared prefixes cache hits where round-robin
-spreads them), a replica killed mid-stream failing only its own requests, and a stopped
-one (SIGSTOP) taken out of rotation instead of hanging requests."""
+spreads them), a slow replica (throttled) answering as an unthrottled one, a replica killed
+mid-stream failing only its own requests, and a stopped one (SIGSTOP) taken out of rotation
+instead of hanging requests."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest_server import ServerProcess, sse_events
+from conftest_server import ServerProcess, Throttle, sse_events
 
 ray = pytest.importorskip("ray", reason="the replica tests need Ray: pip install 'servelab[ray]'")
 
@@ -87,6 +88,37 @@ def test_streams_and_aborts_go_through_the_replicas(server):
             next(stream), next(stream)  # it runs; leaving the block hangs up
     server.wait_metrics(lambda m: m.get('servelab_requests_finished_total{finish_reason="abort"}') == aborted_before + 1
                         and m['servelab_kv_blocks{state="used"}'] == 0, timeout=10)
+
+
+def test_a_slow_replica_answers_as_unthrottled_and_stays_in_rotation(server):
+    """Replica 0 throttled (stopped 0.3 s at a time, inside the liveness timeout) while
+    both serve: every answer is the unthrottled one, nothing fails over or ends with an
+    error, both replicas stay up, and no block is left held."""
+    bodies = [{"prompt": prompt, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+              for prompt in PROMPTS]
+
+    def ask_all() -> list[list[int]]:
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda body: httpx.post(f"{server.url}/v1/completions", json=body, timeout=60),
+                                    bodies))
+        assert all(reply.status_code == 200 for reply in replies), [reply.text for reply in replies]
+        return [reply.json()["choices"][0]["token_ids"] for reply in replies]
+
+    expected = ask_all()
+    before = server.metrics()
+    with Throttle(_replica_pids(server)[0], stopped_s=0.3, running_s=0.03) as slow:
+        answers = ask_all()
+    assert answers == expected
+    assert slow.stops >= 2, slow.stops
+    metrics = server.wait_metrics(lambda m: m['servelab_kv_blocks{state="used"}'] == 0, timeout=10)
+    routed = 'servelab_replica_requests_routed_total{replica="0"}'
+    assert metrics[routed] > before[routed]  # the slow replica took its share
+    for name in ('servelab_replica_up{replica="0"}', 'servelab_replica_up{replica="1"}'):
+        assert metrics[name] == 1, name
+    for name in ('servelab_requests_failed_over_total{replica="0"}',
+                 'servelab_requests_finished_total{finish_reason="error"}'):
+        assert metrics.get(name, 0.0) == before.get(name, 0.0), name
+    assert "replica.silent" not in server.log()
 
 
 def test_a_killed_replica_fails_only_its_requests_and_the_others_keep_serving(tmp_path):

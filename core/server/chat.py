@@ -21,6 +21,8 @@ A request's own template (`--trust-request-chat-template`) runs within a time bu
 worker for good (threads cannot be killed), and with every worker held no text request is
 served and the process cannot exit. Rendering is traced (`sys.settrace` on the worker's
 thread, for that render alone) and stopped with a RequestError once the budget is spent.
+Whatever else such a template raises (a division by zero, a type error) is the request's
+fault too: a RequestError naming it, not a failure of the server's.
 """
 
 from __future__ import annotations
@@ -113,6 +115,12 @@ class ChatTemplate:
             text = template.render(**context) if source is None else _render_within(template, context)
         except jinja2.TemplateError as exc:
             raise RequestError(f"messages: the chat template rejected them: {exc}") from None
+        except RequestError:
+            raise
+        except Exception as exc:
+            if source is None:  # the server's own template: a fault of the server's (a 500 naming it)
+                raise
+            raise RequestError(f"chat_template: rendering it failed: {type(exc).__name__}: {exc}") from None
         return RenderedChat(text, add_special_tokens=False)
 
 

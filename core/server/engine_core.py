@@ -41,9 +41,9 @@ from servelab.outputs import RequestOutput
 from servelab.sampling_params import SamplingParams
 from servelab.server.errors import AdmissionFailed, EngineUnavailable
 from servelab.server.intake import Intake
+from servelab.server.liveness import HEARTBEAT_SECONDS
 
 logger = structlog.get_logger(__name__)
-HEARTBEAT_SECONDS = 0.5  # while work is queued, the loop sends something at least this often
 
 
 @attrs.frozen

@@ -141,7 +141,7 @@ class AsyncEngine:
     def stalled_seconds(self) -> float:
         """Seconds since the core was last heard from while work is queued in it (0 when
         none is): a core that steps, or waits for a grammar, sends at least a heartbeat
-        every engine_core.HEARTBEAT_SECONDS."""
+        every liveness.HEARTBEAT_SECONDS."""
         if not self._queues and not self._pending:
             return 0.0
         return max(0.0, time.monotonic() - self._last_heard)

@@ -51,7 +51,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             f"{', '.join(RequestCaps.names())}")
     serve.add_argument("--liveness-timeout", type=float, default=30.0,
                        help="/health answers 503 once the engine's loop has not turned for this many seconds "
-                            "while requests wait (default 30)")
+                            "while requests wait (default 30; at least 1, and 2 with --prefill-replicas)")
     serve.add_argument("--tokenizer-workers", type=int, default=2,
                        help="threads that tokenize prompts and render chat templates (default 2)")
     serve.add_argument("--engine-threads", type=int, default=None,

@@ -27,10 +27,10 @@ from servelab.interfaces import RouterContext
 from servelab.server.engine_connection import OnExit, OnOutput, take_commands
 from servelab.server.engine_core import Command, EngineCore, EngineInfo
 from servelab.server.engine_loop import AsyncEngine
+from servelab.server.liveness import POLL_SECONDS
 from servelab.server.replica_set import ReplicaSet
 
 logger = structlog.get_logger(__name__)
-_POLL_SECONDS = 1.0  # a poll returns at the latest after this long, outputs or not
 _START_TIMEOUT = 600.0
 
 
@@ -155,7 +155,7 @@ class RayActorConnection:
         ray = import_ray()
         while True:
             try:
-                outputs, done = ray.get(self.actor.poll.remote(_POLL_SECONDS))
+                outputs, done = ray.get(self.actor.poll.remote(POLL_SECONDS))
             except Exception as exc:  # RayActorError and its kin: the actor (or its node) is gone
                 if not self._stopping:
                     on_exit(f"engine replica {self.replica_id} failed: its Ray actor died "

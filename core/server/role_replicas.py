@@ -20,12 +20,12 @@ import structlog
 
 from servelab.errors import RequestError
 from servelab.server.engine_core import EMPTY_SNAPSHOT, EngineInfo, EngineSnapshot
+from servelab.server.liveness import POLL_SECONDS
 from servelab.server.replicas import import_ray
 
 logger = structlog.get_logger(__name__)
 
 PRODUCER, CONSUMER = "producer", "consumer"
-_POLL_SECONDS = 1.0  # a poll returns at the latest after this long, messages or not
 _HOLD_WAIT_S = 0.01  # the loop's wait for a command while only holds or handoffs not ready yet keep it busy
 _IDLE_WAIT_S = 0.5  # and while it has nothing to do (it refreshes its snapshot this often)
 
@@ -212,6 +212,7 @@ class RoleReplica:
         self._reader: threading.Thread | None = None
 
     def start(self, on_poll: Any, on_exit: Any) -> None:
+        self.last_heard = time.monotonic()  # the watchdog counts silence from now, not from the actor's start
         self._reader = threading.Thread(target=self._read, args=(on_poll, on_exit), daemon=True,
                                         name=f"servelab-{self.name}")
         self._reader.start()
@@ -233,7 +234,7 @@ class RoleReplica:
         ray = import_ray()
         while True:
             try:
-                messages, report, done = ray.get(self.actor.poll.remote(_POLL_SECONDS))
+                messages, report, done = ray.get(self.actor.poll.remote(POLL_SECONDS))
             except Exception as exc:  # RayActorError and its kin: the actor (or its node) is gone
                 if not self._stopping:
                     text = str(exc).strip()

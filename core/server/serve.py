@@ -101,10 +101,27 @@ class ServerOptions:
         for flag, value in positive.items():
             if not value > 0:
                 raise ServelabError(f"{flag} must be > 0, got {value}")
+        check_liveness_timeout(self.liveness_timeout, disaggregated)
         if self.shutdown_timeout < 0:
             raise ServelabError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_key is not None and not self.api_key.strip():
             raise ServelabError("the API key must not be empty (from --api-key, --api-key-file or SERVELAB_API_KEY)")
+
+
+def check_liveness_timeout(timeout: float, disaggregated: bool) -> None:
+    """Refuse a liveness timeout that live engines cannot meet (liveness.py): the watchdogs
+    would take healthy engines for stopped ones, and kill prefill and decode replicas."""
+    from servelab.server.liveness import HEARTBEAT_SECONDS, POLL_SECONDS, minimum_liveness_timeout
+
+    shortest = minimum_liveness_timeout(disaggregated)
+    if timeout >= shortest:
+        return
+    if disaggregated:
+        deployment, heard = "prefill and decode replicas", f"each answers its poll every {POLL_SECONDS:g} s"
+    else:
+        deployment, heard = "an engine", f"it sends a heartbeat every {HEARTBEAT_SECONDS:g} s while it has work"
+    raise ServelabError(f"--liveness-timeout must be at least {shortest:g} s for {deployment}, got {timeout:g}: "
+                        f"{heard}, and a shorter timeout takes a healthy one for a stopped one")
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> int:

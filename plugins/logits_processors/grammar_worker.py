@@ -4,13 +4,16 @@ xgrammar cannot interrupt a compilation, so it runs here, in a process of its ow
 the engine kills when a compilation passes its time budget or loses its last waiter.
 Messages are length-prefixed pickles on stdin / stdout: first the tokenizer's
 `TokenizerInfo.serialize_json()`, answered ("ready", None) once the compiler is built
-(the time budgets start then), then `(kind, spec)` per grammar, each answered with
+(the time budgets start then), then `(kind, spec)` per grammar, each acknowledged at once
+with ("compiling", None) (so the engine tells a worker that died while it compiled from
+one that had died before it took the grammar) and answered with
 ("ok", CompiledGrammar.serialize_json()) or ("error", message).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import struct
@@ -25,20 +28,42 @@ def encode_message(value: Any) -> bytes:
     return _HEADER.pack(len(data)) + data
 
 
-def write_message(stream: BinaryIO, value: Any) -> None:
-    stream.write(encode_message(value))
-    stream.flush()
+def write_message(fd: int, value: Any) -> None:
+    """One message, written whole to the pipe `fd` with os.write. (A buffered writer drops
+    bytes when a signal cuts a write to a pipe short, as stopping and continuing the
+    process does: the reader then waits for bytes that never come.)"""
+    view = memoryview(encode_message(value))
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def read_message(stream: BinaryIO) -> Any:
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        raise EOFError("the other side closed the pipe")
-    size = _HEADER.unpack(header)[0]
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError("the other side closed the pipe")
-    return pickle.loads(data)
+    """One message from a blocking stream; EOFError once the other side has closed the pipe."""
+    size = _HEADER.unpack(_read_exactly(stream, _HEADER.size))[0]
+    return pickle.loads(_read_exactly(stream, size))
+
+
+def _read_exactly(stream: BinaryIO, count: int) -> bytes:
+    chunks = []
+    while count:
+        chunk = stream.read(count)
+        if not chunk:
+            raise EOFError("the other side closed the pipe")
+        chunks.append(chunk)
+        count -= len(chunk)
+    return b"".join(chunks)
+
+
+def take_message(received: bytearray) -> tuple | None:
+    """The first whole message in `received` (removed from it), None while it is incomplete."""
+    if len(received) < _HEADER.size:
+        return None
+    end = _HEADER.size + _HEADER.unpack_from(received)[0]
+    if len(received) < end:
+        return None
+    message = pickle.loads(received[_HEADER.size:end])
+    del received[:end]
+    return message
 
 
 def first_line(exc: BaseException) -> str:
@@ -72,7 +97,7 @@ def main() -> None:
     _die_with_parent()
     import xgrammar
 
-    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    requests, replies = sys.stdin.buffer, sys.stdout.fileno()
     info = xgrammar.TokenizerInfo.deserialize_json(read_message(requests))
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     write_message(replies, ("ready", None))
@@ -81,10 +106,12 @@ def main() -> None:
             kind, spec = read_message(requests)
         except EOFError:
             return
+        write_message(replies, ("compiling", None))
         try:
-            write_message(replies, ("ok", compile_grammar(compiler, kind, spec).serialize_json()))
+            reply = ("ok", compile_grammar(compiler, kind, spec).serialize_json())
         except Exception as exc:
-            write_message(replies, ("error", first_line(exc)))
+            reply = ("error", first_line(exc))
+        write_message(replies, reply)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ step loop (`prepare`, awaited by the server's intake; the engine's own call then
 it cached). Compilation runs in a process of its own (grammar_worker.py), one grammar
 at a time, within a time budget (`compile_timeout_s`: past it the request is refused,
 and the compiler killed and restarted), and it is cancelled (killed) when the last
-request waiting for it goes away. At most `max_pending_compiles` distinct grammars wait
+request waiting for it goes away. A compiler that dies (killed, a crash) while it
+compiles fails that grammar's requests as the server's fault (a 500 naming its exit,
+the grammar not remembered as refused); one that died while idle is replaced before the
+next grammar, which never sees it. At most `max_pending_compiles` distinct grammars wait
 or compile at once (beyond: OverloadedError, a 429), so structured requests cannot pile
 up behind one; plain requests never wait for the compiler at all. Compiled grammars are
 cached (at most `cache_size` of them and `cache_bytes` bytes, least recently used
@@ -28,6 +31,7 @@ from __future__ import annotations
 import collections
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -85,6 +89,26 @@ class _StartTimeout(Exception):
     pass
 
 
+class CompilerDied(RuntimeError):
+    """The compiler process ended while it had a grammar (killed, out of memory, a crash)."""
+
+
+def _wait(deadline: float) -> float:
+    """How long one select() may wait for the worker: a twentieth of a second at most, never past `deadline`."""
+    return max(0.0, min(deadline - time.monotonic(), 0.05))
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 # Specs up to this size are parsed at admission, on the caller's thread (fast at this size,
 # so an invalid one is refused before anything is queued); larger ones only by the
 # compiler process, inside the compile budget (xgrammar's parse grows with the cube of a
@@ -103,22 +127,33 @@ class CompilerProcess:
     def __init__(self, tokenizer_info_json: str) -> None:
         self._info = tokenizer_info_json
         self._process: subprocess.Popen | None = None
+        self._received = bytearray()  # the worker's replies as read so far
         self._cpu_at_start: float | None = None  # the worker's CPU time when it got the current spec
         self.stalled = False  # the last timeout: the worker spent under a tenth of the budget on the CPU
 
     def compile(self, kind: str, spec: str, timeout: float, cancelled: threading.Event) -> tuple[str, str]:
         """("ok", serialized grammar) or ("error", message); TimeoutError / _Cancelled kill the
-        process. The budget starts once the process is ready: its start-up (importing
-        xgrammar, reading the vocabulary) is not the grammar's."""
-        process = self._start(cancelled)
-        deadline = time.monotonic() + timeout  # the spec's delivery is inside the budget too
-        self.stalled = True  # until the worker has the spec
-        self._send(grammar_worker.encode_message((kind, spec)), deadline, cancelled)
-        self._cpu_at_start = self._cpu_seconds()
-        try:
-            return self._reply(deadline, cancelled, TimeoutError, timeout)
-        finally:
-            self._cpu_at_start = None
+        process, CompilerDied says it died while it compiled. The budget starts once the
+        process is ready: its start-up (importing xgrammar, reading the vocabulary) is not
+        the grammar's. A worker that died before it took the spec (killed while idle, its
+        death seen only now) is replaced, and the new one gets the spec and a whole budget."""
+        for attempt in range(2):
+            self._start(cancelled)
+            deadline = time.monotonic() + timeout  # the spec's delivery is inside the budget too
+            self.stalled = True  # until the worker has the spec
+            try:
+                self._send(grammar_worker.encode_message((kind, spec)), deadline, cancelled)
+                self._reply(deadline, cancelled, TimeoutError)  # ("compiling", None): it took the spec
+            except CompilerDied:
+                if attempt:
+                    raise
+                continue
+            self._cpu_at_start = self._cpu_seconds()
+            try:
+                return self._reply(deadline, cancelled, TimeoutError, timeout)
+            finally:
+                self._cpu_at_start = None
+        raise AssertionError("unreachable")
 
     def _cpu_seconds(self) -> float | None:
         """The worker's CPU time so far (Linux /proc), None where unknown."""
@@ -129,67 +164,87 @@ class CompilerProcess:
         except (OSError, ValueError, IndexError, AttributeError):
             return None
 
-    def _send(self, data: bytes, deadline: float, cancelled: threading.Event) -> None:
+    def _send(self, data: bytes, deadline: float, cancelled: threading.Event,
+              late: type[Exception] = TimeoutError) -> None:
         """Write `data` to the worker without blocking past `deadline`: a worker that does
         not read (stopped, stuck) cannot hold the dispatcher on a full pipe."""
         fd = self._process.stdin.fileno()
         os.set_blocking(fd, False)
         view = memoryview(data)
         while view:
-            if cancelled.is_set():
-                self.kill()
-                raise _Cancelled()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.kill()
-                raise TimeoutError()
-            _, ready, _ = select.select([], [fd], [], min(left, 0.05))
+            self._check(deadline, cancelled, late)
+            _, ready, _ = select.select([], [fd], [], _wait(deadline))
             if ready:
                 try:
                     view = view[os.write(fd, view):]
                 except BlockingIOError:
                     pass
                 except BrokenPipeError:
-                    self.kill()
-                    raise RuntimeError("the grammar compiler process died") from None
+                    raise self._died() from None
 
     def _reply(self, deadline: float, cancelled: threading.Event, late: type[Exception],
                budget: float | None = None) -> Any:
-        process = self._process
-        while True:
-            if cancelled.is_set():
-                self.kill()
-                raise _Cancelled()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if budget is not None:
-                    # A worker stopped or starved of CPU is the server's fault, not the grammar's.
-                    now, start = self._cpu_seconds(), self._cpu_at_start
-                    self.stalled = now is not None and start is not None and now - start < budget / 10
-                self.kill()
-                raise late()
-            ready, _, _ = select.select([process.stdout], [], [], min(left, 0.05))
+        """The worker's next message, read as it comes without blocking past `deadline`: a
+        worker stopped halfway through a reply (a compiled grammar is megabytes) cannot
+        hold the dispatcher either. Bytes of a message after it wait in `_received`."""
+        fd = self._process.stdout.fileno()
+        os.set_blocking(fd, False)
+        while (message := grammar_worker.take_message(self._received)) is None:
+            self._check(deadline, cancelled, late, budget)
+            ready, _, _ = select.select([fd], [], [], _wait(deadline))
             if ready:
                 try:
-                    return grammar_worker.read_message(process.stdout)
-                except EOFError:
-                    self.kill()
-                    raise RuntimeError("the grammar compiler process died") from None
+                    chunk = os.read(fd, 1 << 20)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    raise self._died()
+                self._received += chunk
+        return message
 
-    def _start(self, cancelled: threading.Event) -> subprocess.Popen:
-        if self._process is None or self._process.poll() is not None:
-            bootstrap = ("import os, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]; "
-                         "from servelab.plugins.logits_processors.grammar_worker import main; main()")
-            self._process = subprocess.Popen([sys.executable, "-c", bootstrap], stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
-                                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-            grammar_worker.write_message(self._process.stdin, self._info)
-            try:
-                self._reply(time.monotonic() + START_TIMEOUT_S, cancelled, _StartTimeout)  # ("ready", None)
-            except _StartTimeout:
-                raise RuntimeError(f"the grammar compiler process did not start within {START_TIMEOUT_S:g} s") \
-                    from None
-        return self._process
+    def _check(self, deadline: float, cancelled: threading.Event, late: type[Exception],
+               budget: float | None = None) -> None:
+        """Kill the worker and raise once the grammar is cancelled or `deadline` has passed."""
+        if cancelled.is_set():
+            self.kill()
+            raise _Cancelled()
+        if time.monotonic() < deadline:
+            return
+        if budget is not None:
+            # A worker stopped or starved of CPU is the server's fault, not the grammar's; so is
+            # one stopped while it sent its answer (part of it here: the grammar compiled).
+            now, start = self._cpu_seconds(), self._cpu_at_start
+            self.stalled = bool(self._received) or (now is not None and start is not None
+                                                    and now - start < budget / 10)
+        self.kill()
+        raise late()
+
+    def _start(self, cancelled: threading.Event) -> None:
+        if self._process is not None and self._process.poll() is None:
+            return
+        bootstrap = ("import os, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]; "
+                     "from servelab.plugins.logits_processors.grammar_worker import main; main()")
+        self._process = subprocess.Popen([sys.executable, "-c", bootstrap], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self._received = bytearray()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            self._send(grammar_worker.encode_message(self._info), deadline, cancelled, _StartTimeout)
+            self._reply(deadline, cancelled, _StartTimeout)  # ("ready", None)
+        except _StartTimeout:
+            raise RuntimeError(f"the grammar compiler process did not start within {START_TIMEOUT_S:g} s") from None
+
+    def _died(self) -> CompilerDied:
+        """The worker closed its pipe (killed, crashed): its exit status; the next grammar starts a new one."""
+        process = self._process
+        try:
+            process.wait(timeout=1.0)  # a closed pipe: it is exiting, or has
+        except subprocess.TimeoutExpired:
+            pass
+        status = _exit_status(process.returncode)
+        self.kill()
+        return CompilerDied(f"the grammar compiler process died ({status})")
 
     def kill(self) -> None:
         process, self._process = self._process, None
@@ -391,6 +446,11 @@ class StructuredOutputProcessor:
                                            f"(compile_timeout_s): simplify it"))
         except RequestError as exc:
             self._finish(job, exc)
+        except CompilerDied as exc:  # ours, not the grammar's: not remembered
+            with self._lock:
+                self._jobs.pop(job.key, None)
+            job.result.set_exception(RuntimeError(f"{exc} while it compiled the {_WHAT[kind]}; the next grammar "
+                                                  f"gets a new compiler: retry"))
         except Exception as exc:  # ours, not the client's: not remembered as the grammar's fault
             with self._lock:
                 self._jobs.pop(job.key, None)
