@@ -46,9 +46,10 @@ DRAW_CHUNK_ELEMENTS = 16 * 49_152  # 3 MB of float32: a chunk's passes stay in c
 
 def _draw_rows(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
                default_generator: torch.Generator | None, kernels: Any = None) -> list[int]:
-    """Each row's draw. With `kernels`, rows that only scale by a temperature are drawn
-    by the library straight from their logits (the same uniforms, the same rule; the
-    weights are summed in its own order). Otherwise a chunk of rows at a time: a chunk's
+    """Each row's draw. With `kernels`, when every row only scales by a temperature (no
+    top-k, top-p or min-p), the library draws them straight from their logits (the same
+    uniforms, the same rule; the weights summed in its own order). Otherwise a chunk of
+    rows at a time: a chunk's
     probabilities and their cumulative sums (3 MB, 16 rows of a 49,152-token vocabulary)
     stay in cache between the passes, where a whole batch's would be fresh pages each
     step. Rows are independent, and the uniforms are drawn in row order either way, so
