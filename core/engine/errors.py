@@ -41,3 +41,18 @@ class PolicyViolation(ServelabError):
     def __init__(self, invariant: str, detail: str = "") -> None:
         self.invariant = invariant
         super().__init__(f"invariant violated: {invariant}" + (f": {detail}" if detail else ""))
+
+
+def exit_status(code: int | None) -> str:
+    """How a child process ended, for the errors that name it: "killed by SIGKILL",
+    "exit code 1", ... from its return code (None: still running)."""
+    import signal
+
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from servelab.errors import ServelabError
+from servelab.errors import ServelabError, exit_status
 from servelab.server.engine_connection import OnExit, OnOutput
 from servelab.server.engine_core import Command, EngineCore, EngineInfo
 
@@ -107,17 +107,6 @@ class ProcessConnection:
     def _kill(self) -> None:
         self.process.kill()
         self.process.join(5)
-
-
-def exit_status(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def _engine_main(config: Any, commands: Any, outputs: Any, verbosity: int | None, threads: int | None) -> None:

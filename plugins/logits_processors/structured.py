@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import os
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -44,7 +43,7 @@ from typing import Any, Sequence as Seq
 import attrs
 import torch
 
-from servelab.errors import OverloadedError, RequestError
+from servelab.errors import OverloadedError, RequestError, exit_status
 from servelab.plugins.logits_processors import grammar_worker
 from servelab.plugins.logits_processors.options import NO_NEXT_TOKEN, StructuredOptions
 
@@ -96,17 +95,6 @@ class CompilerDied(RuntimeError):
 def _wait(deadline: float) -> float:
     """How long one select() may wait for the worker: a twentieth of a second at most, never past `deadline`."""
     return max(0.0, min(deadline - time.monotonic(), 0.05))
-
-
-def _exit_status(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 # Specs up to this size are parsed at admission, on the caller's thread (fast at this size,
@@ -242,7 +230,7 @@ class CompilerProcess:
             process.wait(timeout=1.0)  # a closed pipe: it is exiting, or has
         except subprocess.TimeoutExpired:
             pass
-        status = _exit_status(process.returncode)
+        status = exit_status(process.returncode)
         self.kill()
         return CompilerDied(f"the grammar compiler process died ({status})")
 
