@@ -1,5 +1,7 @@
 """Exceptions servelab raises for bad input. Each message names the offending thing."""
 
+import signal
+
 
 class ServelabError(Exception):
     """Base class of every error servelab raises on purpose."""
@@ -46,8 +48,6 @@ class PolicyViolation(ServelabError):
 def exit_status(code: int | None) -> str:
     """How a child process ended, for the errors that name it: "killed by SIGKILL",
     "exit code 1", ... from its return code (None: still running)."""
-    import signal
-
     if code is None:
         return "still running"
     if code < 0:

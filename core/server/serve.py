@@ -31,6 +31,7 @@ import structlog
 from servelab.config import EngineConfig
 from servelab.errors import ServelabError
 from servelab.server.limits import RequestLimits
+from servelab.server.liveness import HEARTBEAT_SECONDS, POLL_SECONDS, minimum_liveness_timeout
 
 logger = structlog.get_logger(__name__)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -111,8 +112,6 @@ class ServerOptions:
 def check_liveness_timeout(timeout: float, disaggregated: bool) -> None:
     """Refuse a liveness timeout that live engines cannot meet (liveness.py): the watchdogs
     would take healthy engines for stopped ones, and kill prefill and decode replicas."""
-    from servelab.server.liveness import HEARTBEAT_SECONDS, POLL_SECONDS, minimum_liveness_timeout
-
     shortest = minimum_liveness_timeout(disaggregated)
     if timeout >= shortest:
         return
