@@ -9,17 +9,15 @@ import torch
 from servelab.outputs import Logprob, PositionLogprobs
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """float32 log-probabilities [R, vocab]; a new tensor, so later in-place processing
-    of `logits` leaves it alone."""
+def row_logprobs(logits: torch.Tensor, rows: Seq[int] | None = None) -> torch.Tensor | None:
+    """float32 log-probabilities [R, vocab] of the logits rows `rows` (every row when None;
+    None when `rows` is empty). A new tensor, so later in-place processing of `logits`
+    leaves it alone."""
+    if rows is not None:
+        if not rows:
+            return None
+        logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
     return torch.log_softmax(logits.float(), dim=-1)
-
-
-def row_logprobs(logits: torch.Tensor, rows: Seq[int]) -> torch.Tensor | None:
-    """`log_softmax` of the logits rows `rows`; None when there are none."""
-    if not rows:
-        return None
-    return log_softmax(logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)])
 
 
 def position_logprobs(logprobs: torch.Tensor, token_ids: Seq[int], num_top: Seq[int]) -> list[PositionLogprobs]:

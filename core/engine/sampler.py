@@ -24,19 +24,41 @@ def sample(
     kernels: Any = None,  # a library with `draw_from_logits` (servelab.interfaces.SamplingKernelsBackend)
 ) -> list[int]:
     """One token per row. Greedy rows take their argmax and random rows their draw, each
-    computed on its own rows only (a full-batch argmax costs as much as the draw)."""
+    computed on its own rows only (a full-batch argmax costs as much as the draw).
+
+    Random rows draw their uniforms in row order, then either the native library draws
+    them straight from their logits (`kernels`, when every row only scales by a
+    temperature: no top-k, top-p or min-p; the same rule, the weights summed in its own
+    order), or a chunk of rows at a time is filtered and drawn: a chunk's probabilities
+    and their cumulative sums (3 MB, 16 rows of a 49,152-token vocabulary) stay in cache
+    between the passes, where a whole batch's would be fresh pages each step. Rows are
+    independent, so the tokens are the same either way."""
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     if len(greedy) == len(params):
         return greedy_tokens(logits)
+    every_row = logits
+    drawn_rows = [i for i, p in enumerate(params) if not p.is_greedy] if greedy else range(len(params))
+    if greedy:
+        index = torch.tensor(drawn_rows, device=logits.device)
+        logits, params, generators = logits[index], [params[i] for i in drawn_rows], [generators[i] for i in drawn_rows]
+    uniform = _uniforms(logits.shape[0], generators, default_generator, logits.dtype, logits.device)
+    if (kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.stride(-1) == 1 and not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)):
+        inverse_temperature = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+        drawn = kernels.draw_from_logits(logits, inverse_temperature, uniform.view(-1)).tolist()
+    else:
+        drawn = []
+        chunk_rows = max(1, DRAW_CHUNK_ELEMENTS // logits.shape[-1])
+        for first in range(0, logits.shape[0], chunk_rows):
+            last = first + chunk_rows
+            probs = filtered_probs(logits[first:last], params[first:last])
+            drawn += draw(probs, (), uniform=uniform[first:last]).tolist()
     if not greedy:
-        return _draw_rows(logits, params, generators, default_generator, kernels)
-    rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    tokens = [0] * len(params)
-    drawn = _draw_rows(logits[torch.tensor(rows, device=logits.device)], [params[i] for i in rows],
-                       [generators[row] for row in rows], default_generator, kernels)
-    for row, token_id in zip(rows, drawn):
+        return drawn
+    tokens = [0] * (len(drawn) + len(greedy))
+    for row, token_id in zip(drawn_rows, drawn):
         tokens[row] = token_id
-    for row, token_id in zip(greedy, greedy_tokens(logits[torch.tensor(greedy, device=logits.device)])):
+    for row, token_id in zip(greedy, greedy_tokens(every_row[torch.tensor(greedy, device=every_row.device)])):
         tokens[row] = token_id
     return tokens
 
@@ -44,37 +66,14 @@ def sample(
 DRAW_CHUNK_ELEMENTS = 16 * 49_152  # 3 MB of float32: a chunk's passes stay in cache
 
 
-def _draw_rows(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
-               default_generator: torch.Generator | None, kernels: Any = None) -> list[int]:
-    """Each row's draw. With `kernels`, when every row only scales by a temperature (no
-    top-k, top-p or min-p), the library draws them straight from their logits (the same
-    uniforms, the same rule; the weights summed in its own order). Otherwise a chunk of
-    rows at a time: a chunk's
-    probabilities and their cumulative sums (3 MB, 16 rows of a 49,152-token vocabulary)
-    stay in cache between the passes, where a whole batch's would be fresh pages each
-    step. Rows are independent, and the uniforms are drawn in row order either way, so
-    the tokens are the same."""
-    if (kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
-            and logits.stride(-1) == 1 and not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)):
-        inverse_temperature = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
-        uniform = _uniforms(logits.shape[0], generators, default_generator, logits.dtype, logits.device)
-        return kernels.draw_from_logits(logits, inverse_temperature, uniform.view(-1)).tolist()
-    tokens: list[int] = []
-    chunk_rows = max(1, DRAW_CHUNK_ELEMENTS // logits.shape[-1])
-    for first in range(0, logits.shape[0], chunk_rows):
-        last = first + chunk_rows
-        tokens += draw(filtered_probs(logits[first:last], params[first:last]), generators[first:last],
-                       default_generator).tolist()
-    return tokens
-
-
 def draw(probs: torch.Tensor, generators: Seq[torch.Generator | None],
-         default_generator: torch.Generator | None = None) -> torch.Tensor:
+         default_generator: torch.Generator | None = None, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of `probs` [R, vocab] (each row a distribution, up to rounding):
-    a uniform u from the row's generator (None: `default_generator`), then the first token
-    whose cumulative probability exceeds u times the row's total, so a token of probability
-    zero is never drawn. [R] int64."""
-    uniform = _uniforms(probs.shape[0], generators, default_generator, probs.dtype, probs.device)
+    a uniform u from the row's generator (None: `default_generator`; or `uniform` [R, 1]
+    drawn already), then the first token whose cumulative probability exceeds u times the
+    row's total, so a token of probability zero is never drawn. [R] int64."""
+    if uniform is None:
+        uniform = _uniforms(probs.shape[0], generators, default_generator, probs.dtype, probs.device)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # strictly below the total, so that the position found has mass of its own

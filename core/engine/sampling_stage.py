@@ -23,7 +23,7 @@ import torch
 
 from servelab.interfaces import SamplingKernelsBackend, Sequence
 from servelab.logits_pipeline import LogitsPipeline
-from servelab.logprobs import log_softmax, position_logprobs, row_logprobs
+from servelab.logprobs import position_logprobs, row_logprobs
 from servelab.request import Request, RequestTable
 from servelab.run_stage import StepRun
 from servelab.sampler import sample
@@ -132,7 +132,7 @@ class SamplingStage:
         inputs, logits = run.inputs, run.logits
         num_rows = sum(inputs.num_logits_rows)
         if inputs.prompt_logits:
-            logprobs = log_softmax(logits[num_rows:])
+            logprobs = row_logprobs(logits[num_rows:])
             offset = 0
             for row, first, count in inputs.prompt_logits:
                 seq = run.plan.scheduled[row][0]

@@ -90,11 +90,6 @@ def verify(
     return results
 
 
-def _accepted_run(accept: torch.Tensor) -> torch.Tensor:
-    """Length of the leading run of True per row. [R, k] bool -> [R] int64"""
-    return accept.long().cumprod(dim=1).sum(dim=1)
-
-
 def _verify_sampled(logits: torch.Tensor, draft_token_ids: list[Seq[int]], draft_probs: list[torch.Tensor | None],
                     params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[Verified]:
     """The min(1, p/q) rule, vectorised over sequences (padded to the longest draft)."""
@@ -123,7 +118,8 @@ def _verify_sampled(logits: torch.Tensor, draft_token_ids: list[Seq[int]], draft
     for r, generator in enumerate(generators):  # k_i draws each: a request's draws never depend on its batch
         uniform[r, : len(draft_token_ids[r])].uniform_(generator=generator)
     # u < p / q, written without dividing: accept with probability min(1, p / q).
-    accepted = _accepted_run((uniform * q_draft < p_draft) & valid)
+    accept = (uniform * q_draft < p_draft) & valid
+    accepted = accept.long().cumprod(dim=1).sum(dim=1)  # the leading run of accepted drafts
     seq_index = torch.arange(num_seqs, device=logits.device)
     target = p[seq_index, accepted]  # [R, vocab]: p at the first rejection, or the bonus row
     rejected = accepted < valid.sum(dim=1)

@@ -61,8 +61,18 @@ class VerifyStage:
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence], owners: list[Request], first_rows: list[int],
                 num_rows: list[int], out: Sampled) -> None:
         states = [r.processor_states[s.completion_index] for s, r in zip(seqs, owners)]
-        logprobs = self._process(logits, seqs, states, first_rows, num_rows, out) \
-            if any(r.recipe.logits_work for r in owners) else {}
+        logprobs: dict[str, torch.Tensor] = {}
+        if any(r.recipe.logits_work for r in owners):
+            # each sequence's rows processed with the states its drafts lead to (accepted
+            # tentatively); the logprobs of those that want them read off the model's
+            # logits or the processed ones (`[engine] logprobs_mode`)
+            wanted = [(s, first, n) for s, first, n in zip(seqs, first_rows, num_rows) if s.logprobs is not None]
+            wanted_rows = [first + j for _, first, n in wanted for j in range(n)]
+            raw = row_logprobs(logits, wanted_rows) if self.raw_logprobs else None
+            self.pipeline.apply_speculative(logits, seqs, states, first_rows, num_rows, out.failures)
+            rows = raw if self.raw_logprobs else row_logprobs(logits, wanted_rows)
+            starts = np.cumsum([0] + [n for _, _, n in wanted]).tolist()
+            logprobs = {s.request_id: rows[start: start + n] for (s, _, n), start in zip(wanted, starts)}
         drafts = [seq.draft_token_ids[: n - 1] for seq, n in zip(seqs, num_rows)]
         probs, parents = [], []
         for seq, request, draft in zip(seqs, owners, drafts):
@@ -87,19 +97,6 @@ class VerifyStage:
             if rows is not None:  # emitted token i's logprob is read off the row that verified it
                 tokens = result.token_ids
                 seq.logprobs.extend(position_logprobs(rows[: len(tokens)], tokens, [seq.params.logprobs] * len(tokens)))
-
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence], states: list[dict], first_rows: list[int],
-                 num_rows: list[int], out: Sampled) -> dict[str, torch.Tensor]:
-        """Each sequence's rows processed with the states its drafts lead to (accepted
-        tentatively); returns the logprobs of the rows of those that want them (of the
-        model's logits, or of the processed ones: `[engine] logprobs_mode`)."""
-        wanted = [(s, first, n) for s, first, n in zip(seqs, first_rows, num_rows) if s.logprobs is not None]
-        wanted_rows = [first + j for _, first, n in wanted for j in range(n)]
-        raw = row_logprobs(logits, wanted_rows) if self.raw_logprobs else None
-        self.pipeline.apply_speculative(logits, seqs, states, first_rows, num_rows, out.failures)
-        logprobs = raw if self.raw_logprobs else row_logprobs(logits, wanted_rows)
-        starts = np.cumsum([0] + [n for _, _, n in wanted]).tolist()
-        return {s.request_id: logprobs[start: start + n] for (s, _, n), start in zip(wanted, starts)}
 
     def _keep_hidden(self, hidden: torch.Tensor, seqs: Seq[Sequence], owners: Seq[Request], first_rows: Seq[int],
                      out: Sampled) -> None:
