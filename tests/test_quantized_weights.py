@@ -21,8 +21,9 @@ from torch.nn import functional as F
 from servelab import LLM, SamplingParams
 from servelab.config import EngineConfig
 from servelab.errors import ConfigError
-from servelab.model.quantized_linear import (BLOCK_BYTES, FORMAT_IDS, INT8_ACTIVATIONS, QuantizedLinear,
-                                             QuantizedWeight, quantize_activations, quantize_linears)
+from servelab.model.quantized_linear import (BLOCK_BYTES, FORMAT_IDS, INT8_ACTIVATIONS, INTERLEAVED, QuantizedLinear,
+                                             QuantizedWeight, deinterleave_blocks, interleave_blocks,
+                                             quantize_activations, quantize_linears)
 from servelab.plugins.kernels.cpu_build import kernel_build
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -141,29 +142,108 @@ def test_int8_activation_kernel_matches_a_float64_matmul_of_the_same_quantizatio
                                                                                   bias, scalar):
     """Integer dot products (VNNI, AVX2 maddubs, scalar): the gguf-dequantized weight times
     x quantized as quantize_activations does, in float64, to float32 rounding (a wrong sign
-    trick, offset or scale is off by ~1), for every tile (1-4 rows in registers, more over a
-    decoded panel: 5, 6, 7, 13, 64, and 133 in chunks of 64; none; leading dims, a strided
-    input); and within 3% (RMS)
-    of the float activations' result, what int8 activations cost on Gaussian inputs."""
+    trick, offset or scale is off by ~1), for every tile (1-8 rows in registers, 13, 64, and
+    133 in chunks of 64; none; leading dims, a strided input; column counts that leave a
+    group of 16 part empty); and within 3% (RMS) of the float activations' result, what int8
+    activations cost on Gaussian inputs. The vector kernels read the interleaved blocks, the
+    scalar reference either layout."""
     kernels = _kernels()
     generator = torch.Generator().manual_seed(out_features * 5 + in_features)
     weight = torch.randn(out_features, in_features, generator=generator)
     blocks = _gguf_blocks(weight, format)
     dequantized = _gguf_dequantized(blocks, format, in_features).double()
     b = torch.randn(out_features, generator=generator) if bias else None
+    interleaved = interleave_blocks(blocks, format)
+    int8 = FORMAT_IDS[format] + INT8_ACTIVATIONS
 
     def check(x):
         expected = F.linear(quantize_activations(x).double(), dequantized, None if b is None else b.double())
-        got = kernels.quant_linear(x, blocks, FORMAT_IDS[format] + INT8_ACTIVATIONS, b, scalar)
+        got = kernels.quant_linear(x, interleaved, int8 + INTERLEAVED, b, scalar, out_features)
+        if scalar:
+            assert torch.equal(kernels.quant_linear(x, blocks, int8, b, True), got)
         assert got.dtype == torch.float32 and got.shape == (*x.shape[:-1], out_features)
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6 * in_features)
         if x.numel():
             exact = F.linear(x.double(), dequantized, None if b is None else b.double())
             assert (got.double() - exact).norm() <= 0.03 * exact.norm()
 
-    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 13, 64, 133):
+    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 133):
         check(torch.randn(rows, in_features, generator=generator))
     check(torch.randn(2, 3, 2 * in_features, generator=generator)[..., ::2])
+
+
+@needs_compiler
+@pytest.mark.parametrize("format", FORMATS)
+def test_int8_activation_kernels_equal_the_scalar_reference_bit_for_bit_at_any_batch(format):
+    """Every path sums a block's exact integer dot product into a float in block order, so
+    the vector kernels give the scalar reference's floats exactly, and a row's result is the
+    same alone or beside any number of other rows (a request's tokens never depend on its
+    batch)."""
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(37, 200, generator=generator)
+    blocks = QuantizedWeight.quantize(weight, format).blocks
+    interleaved = interleave_blocks(blocks, format)
+    int8 = FORMAT_IDS[format] + INT8_ACTIVATIONS
+    bias = torch.randn(37, generator=generator)
+    x = torch.randn(70, 200, generator=generator)
+    reference = kernels.quant_linear(x, blocks, int8, bias, True)
+    for rows in (1, 2, 3, 5, 8, 9, 16, 17, 64, 65, 70):
+        got = kernels.quant_linear(x[:rows], interleaved, int8 + INTERLEAVED, bias, False, 37)
+        assert torch.equal(got, reference[:rows]), rows
+    for row in (0, 9, 69):
+        assert torch.equal(kernels.quant_linear(x[row:row + 1], interleaved, int8 + INTERLEAVED, bias, False, 37)[0],
+                           reference[row])
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("out_features", [1, 16, 37, 64])
+def test_interleaving_moves_the_blocks_bytes_and_nothing_else(format, out_features):
+    blocks = QuantizedWeight.quantize(torch.randn(out_features, 100), format).blocks
+    interleaved = interleave_blocks(blocks, format)
+    assert interleaved.shape == (-(-out_features // 16) * 16, blocks.shape[1])
+    assert torch.equal(deinterleave_blocks(interleaved, format, out_features), blocks)
+    # the first record: column 0's d, then (q4) column 0's first four nibble bytes right after the scales
+    scales = 64 if format == "q4_1" else 32
+    assert torch.equal(interleaved[0, 0:2], blocks[0, 0:2])
+    if format != "q8_0":
+        assert torch.equal(interleaved[0, scales:scales + 4], blocks[0, scales // 16:scales // 16 + 4])
+    else:
+        assert torch.equal(interleaved[0, 32:36] ^ 0x80, blocks[0, 2:6])
+
+
+@needs_compiler
+def test_a_layer_interleaves_its_blocks_for_the_library_and_reads_them_back():
+    weight = QuantizedWeight.quantize(torch.randn(37, 100), "q4_1")
+    layer = QuantizedLinear(weight, activations="int8")
+    x = torch.randn(3, 100)
+    on_torch = layer(x)
+    layer.use_kernels(_kernels())
+    assert layer.interleaved and layer.blocks.shape == (48, weight.blocks.shape[1])
+    assert torch.equal(layer.quantized_weight.blocks, weight.blocks)
+    torch.testing.assert_close(layer(x), on_torch, rtol=1e-5, atol=1e-5)
+    assert layer(x).shape == (3, 37)
+
+
+def test_a_library_without_interleaved_kernels_keeps_ggml_blocks():
+    """A quantized-linear library of an earlier contract (no `quant_group_columns`) is handed
+    GGML's blocks and called as before."""
+    calls = []
+
+    class EarlierLibrary:
+        def quant_linear(self, x, blocks, format, bias=None, scalar=False):
+            calls.append((blocks.shape, format))
+            return F.linear(quantize_activations(x), QuantizedWeight("q8_0", blocks, 64).dequantize(), bias)
+
+        def quant_path(self):
+            return "scalar"
+
+    weight = QuantizedWeight.quantize(torch.randn(8, 64), "q8_0")
+    layer = QuantizedLinear(weight, activations="int8")
+    layer.use_kernels(EarlierLibrary())
+    assert not layer.interleaved and layer.blocks is weight.blocks
+    assert layer(torch.randn(2, 64)).shape == (2, 8)
+    assert calls == [((8, 68), FORMAT_IDS["q8_0"] + INT8_ACTIVATIONS)]
 
 
 @needs_compiler
@@ -181,10 +261,12 @@ def test_int8_activation_kernel_takes_extreme_blocks():
     x[0] = 1000.0
     x[1, ::2] = -1000.0
     x[2, 32:] = 0
-    for scalar in (False, True):
-        got = kernels.quant_linear(x, blocks, FORMAT_IDS["q8_0"] + INT8_ACTIVATIONS, None, scalar)
-        expected = F.linear(quantize_activations(x).double(), dequantized)
-        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-3)
+    expected = F.linear(quantize_activations(x).double(), dequantized)
+    int8 = FORMAT_IDS["q8_0"] + INT8_ACTIVATIONS
+    reference = kernels.quant_linear(x, blocks, int8, None, True)
+    torch.testing.assert_close(reference.double(), expected, rtol=1e-5, atol=1e-3)
+    got = kernels.quant_linear(x, interleave_blocks(blocks, "q8_0"), int8 + INTERLEAVED, None, False, 8)
+    assert torch.equal(got, reference)
 
 
 @needs_compiler
@@ -197,8 +279,15 @@ def test_kernel_refuses_mismatched_inputs():
     with pytest.raises(RuntimeError, match="x must be a float32 tensor"):
         kernels.quant_linear(torch.randn(2, 64, dtype=torch.bfloat16), blocks, FORMAT_IDS["q4_1"])
     with pytest.raises(RuntimeError, match="format must be 0 \\(q8_0\\), 1 \\(q4_0\\) or 2 \\(q4_1\\), plus 16 "
-                                           "for int8 activations, got 7"):
+                                           "for int8 activations \\(plus 32 more for interleaved blocks\\), got 7"):
         kernels.quant_linear(torch.randn(2, 64), blocks, 7)
+    with pytest.raises(RuntimeError, match="got 34"):  # interleaved blocks are for int8 activations only
+        kernels.quant_linear(torch.randn(2, 64), blocks, FORMAT_IDS["q4_1"] + INTERLEAVED)
+    if kernels.quant_int_path() != "scalar":
+        with pytest.raises(RuntimeError, match="the vector kernels multiply int8 activations by interleaved blocks"):
+            kernels.quant_linear(torch.randn(2, 64), blocks, FORMAT_IDS["q4_1"] + INT8_ACTIVATIONS)
+    with pytest.raises(RuntimeError, match="out_features 8 does not match the 8 rows of interleaved blocks"):
+        kernels.quant_linear(torch.randn(2, 64), blocks, FORMAT_IDS["q4_1"] + INT8_ACTIVATIONS + INTERLEAVED)
     with pytest.raises(RuntimeError, match="bias must be a contiguous float32 tensor of 8 values"):
         kernels.quant_linear(torch.randn(2, 64), blocks, FORMAT_IDS["q4_1"], torch.randn(7))
     with pytest.raises(RuntimeError, match="blocks must be a contiguous 2-D uint8 tensor"):

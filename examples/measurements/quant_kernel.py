@@ -2,7 +2,8 @@
 matmul on the same shapes: one pass over a decoder's four projections in every layer
 (weights cycled through memory, as in a step), min of interleaved repetitions, at 1, 8, 32
 and 64 rows; the bytes each format reads, and the rate it reads them at. Each format runs
-with int8 activations (integer dot products, `q4_1`) and float32 ones (`q4_1:float`).
+with int8 activations (integer dot products on the interleaved blocks, `q4_1`) and float32
+ones (`q4_1:float`, GGML's layout).
 
     python examples/measurements/quant_kernel.py --hidden 576 --intermediate 1536 --qkv 960 --layers 30
 
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from servelab.model.quantized_linear import FORMAT_IDS, INT8_ACTIVATIONS, QuantizedWeight
+from servelab.model.quantized_linear import FORMAT_IDS, INT8_ACTIVATIONS, INTERLEAVED, QuantizedWeight, interleave_blocks
 from servelab.plugins.kernels.cpu_build import kernel_build
 
 
@@ -40,8 +41,8 @@ def main() -> None:
     weights = [[torch.randn(n, k, generator=generator) * 0.05 for n, k in shapes] for _ in range(args.layers)]
     variants = {"float32": [[(kernels.pack_panels(w), w.shape[0]) for w in layer] for layer in weights]}
     for format in ("q8_0", "q4_1", "q4_0"):
-        variants[format] = [[QuantizedWeight.quantize(w, format).blocks for w in layer] for layer in weights]
-        variants[f"{format}:float"] = variants[format]
+        variants[f"{format}:float"] = [[QuantizedWeight.quantize(w, format).blocks for w in layer] for layer in weights]
+        variants[format] = [[interleave_blocks(b, format) for b in layer] for layer in variants[f"{format}:float"]]
     del weights
     nbytes = {"float32": sum(n * k * 4 for n, k in shapes) * args.layers}
     for format in ("q8_0", "q4_1", "q4_0"):
@@ -54,8 +55,8 @@ def main() -> None:
                     kernels.panel_linear(x_by_k[k], item[0], None, item[1])
                 else:
                     format, _, activations = name.partition(":")
-                    kernels.quant_linear(x_by_k[k], item,
-                                         FORMAT_IDS[format] + (0 if activations == "float" else INT8_ACTIVATIONS))
+                    kernels.quant_linear(x_by_k[k], item, FORMAT_IDS[format]
+                                         + (0 if activations == "float" else INT8_ACTIVATIONS + INTERLEAVED))
 
     print(f"{args.layers} layers of {shapes}, {args.threads} threads; int8 activations take the "
           f"{kernels.quant_int_path()} path")

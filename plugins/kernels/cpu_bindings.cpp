@@ -21,9 +21,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("quant_path", &quant_path, "the path quant_linear takes here: avx512, avx2 or scalar");
   m.def("quant_int_path", &quant_int_path, "the integer path int8 activations take here: avx512-vnni, avx2 or scalar");
-  m.def("quant_linear", &quant_linear, "x W^T + b with W as GGML blocks (q8_0, q4_0, q4_1; +16: int8 activations)",
+  m.def("quant_group_columns", []() { return int64_t{16}; },
+        "output columns a group of interleaved blocks holds (servelab.model.quantized_linear.interleave_blocks)");
+  m.def("quant_linear", &quant_linear,
+        "x W^T + b with W as GGML blocks (q8_0, q4_0, q4_1; +16: int8 activations; +32 more: interleaved)",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("format"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("scalar") = false);
+        pybind11::arg("scalar") = false, pybind11::arg("out_features") = -1);
 
   m.def("lora_add_", &lora_add_,
         "y[t] += each row's LoRA update (its adapter slot's, every part), packed as lora_layers.PackedUpdates; in place");

@@ -55,8 +55,8 @@ struct Linear {
  private:
   at::Tensor base(const at::Tensor& x) const {
     if (format >= 0) {  // as QuantizedLinear.forward: float32 in and out, then the input's dtype
-      if (x.scalar_type() == at::kFloat) return quant_linear(x, weight, format, bias, false);
-      return quant_linear(x.to(at::kFloat), weight, format, bias, false).to(x.scalar_type());
+      if (x.scalar_type() == at::kFloat) return quant_linear(x, weight, format, bias, false, out_features);
+      return quant_linear(x.to(at::kFloat), weight, format, bias, false, out_features).to(x.scalar_type());
     }
     return weight.dim() > 2 ? panel_linear(x, weight, bias, out_features) : packed_linear(x, weight, bias);
   }

@@ -46,7 +46,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
 std::string quant_path();
 std::string quant_int_path();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
-                        const std::optional<at::Tensor>& bias, bool scalar);
+                        const std::optional<at::Tensor>& bias, bool scalar, int64_t out_features = -1);
 
 // cpu_lora.cpp
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& row_slots, const at::Tensor& a_t,

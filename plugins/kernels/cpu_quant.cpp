@@ -224,24 +224,35 @@ void run_linear(bool vectorised, const uint8_t* w, int64_t w_stride, const float
 // ---- int8 activations: integer dot products (llama.cpp's q8_0 x q8_0, q4_0 x q8_0, q4_1 x q8_1) ----
 //
 // x's rows are quantized once per call to blocks of 32 int8 (d = amax / 127, q = round-half-even
-// of x / d, as torch.round), with s = d * sum(q) kept for q4_1's minimum. A block's product is
-// then an int32 sum of 32 byte products, scaled once by d_w * d_x:
-//   q8_0, q4_0 (signed weights w, q - 8 for q4_0): d_w d_x sum(w x)
-//   q4_1 (unsigned nibbles u):                    d_w d_x sum(u x) + m_w s_x
-// The byte products: AVX2 `maddubs` (unsigned x signed pairs to int16) then `madd` to int32,
-// with the sign trick (|w| times x carrying w's sign: |w| <= 128, |x| <= 127, so a pair never
-// saturates int16); AVX-512 VNNI `dpbusd` (to int32 directly; 512 bits hold one weight block
-// against two rows of x, and signed weights take x + 128 as the unsigned side, the 128 sum(w)
-// it adds taken off exactly in int32 by starting the sum at -128 sum(w)).
-// Tiles: a task is kTaskRows output rows, run against kIntRows rows of x at a time with its
-// weights read in registers; with more rows of x than that, the task first decodes its rows'
-// blocks into bytes and float scales (a panel that stays in L1) and runs every group of
-// rows of a chunk of kRowChunk rows over it, so the weights come from memory and are
-// unpacked once per chunk (once per call up to 64 rows), while the chunk of x stays in L2.
+// of x / d, as torch.round), keeping sum(q) and s = d * sum(q) for q4_1's minimum. Every path
+// computes each output the one way the scalar reference writes it, so the vector kernels
+// equal it bit for bit and a row's result never depends on the rows beside it:
+//   sum = 0; for each block: sum = fma(float(dot), d_w * d_x, sum)  [q4_1: sum = fma(m_w, s_x, sum)]
+//   y = sum + bias
+// where dot is the block's exact int32 sum of w * q (w: q8_0's int8, q4_0's q - 8, q4_1's q).
+//
+// The vector kernels read the weights interleaved (`kInterleaved`, made at load by
+// servelab.model.quantized_linear.interleave_blocks, the same bytes moved, never
+// re-quantized): 16 output columns a group, and per group and block of 32 inputs one record
+//   d_w of the 16 columns (16 float16) [q4_1: m_w, 16 float16] then the weights, 4 bytes of
+//   each column in turn: q4: 4 steps x 16 columns x 4 nibble bytes (byte j of a column holds
+//   weights j and j + 16, as GGML's), q8_0: 8 steps x 16 columns x 4 bytes of w ^ 0x80.
+// So a 512-bit register holds 4 weights (8 for q4: low and high nibbles) of 16 columns, and
+// one `dpbusd` against 4 bytes of a row of x broadcast adds 64 products into 16 column
+// sums, no horizontal sums. The weights are unsigned bytes u (q4_1: q; q4_0: q = w + 8;
+// q8_0: w + 128), so a block's int sum starts at -c sum(x) (c = 0, 8, 128): exactly sum(w x).
+// Without VNNI the products are `maddubs` (u x s to int16 pairs) then `madd` to int32; q8_0's
+// u up to 255 would saturate a pair, so there its weights take the sign trick instead.
+// A task is a group of columns against a chunk of up to kRowChunk rows of x (L2), run kIntRows
+// rows at a time with the block's weights unpacked once for all of them.
+
+constexpr int64_t kInterleaved = 32;  // added to `format`: the blocks are interleaved (above)
+constexpr int kGroupCols = 16;
 
 struct Activations {  // x's rows as int8 blocks
   std::vector<int8_t> q;  // [m][k_padded]
   std::vector<float> d, s;  // [m][blocks]: scale, scale * sum of the block's q
+  std::vector<int32_t> sum;  // [m][blocks]: sum of the block's q
   int64_t k_padded = 0, blocks = 0;
 };
 
@@ -251,6 +262,7 @@ void quantize_activations(const float* x, int64_t m, int64_t k_padded, Activatio
   out.q.resize(m * k_padded);
   out.d.resize(m * out.blocks);
   out.s.resize(m * out.blocks);
+  out.sum.resize(m * out.blocks);
   at::parallel_for(0, m * out.blocks, 64, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const float* xb = x + i * kBlock;  // block i of the [m][blocks] grid: rows are k_padded long
@@ -265,43 +277,73 @@ void quantize_activations(const float* x, int64_t m, int64_t k_padded, Activatio
       }
       out.d[i] = d;
       out.s[i] = d * static_cast<float>(sum);
+      out.sum[i] = sum;
     }
   });
 }
 
-// One weight block as 32 bytes: w (q8_0), q - 8 (q4_0) or q (q4_1), in weight order.
+constexpr int64_t record_bytes(int F) { return kGroupCols * kBlockBytes[F]; }
+constexpr int64_t weights_offset(int F) { return F == kQ4_1 ? 64 : 32; }  // past the scales
+
+// Column j's block b as 32 signed weights w and its d_w, m_w, from either layout.
 template <int F>
-inline void block_bytes_scalar(const uint8_t* block, int8_t* out) {
-  if constexpr (F == kQ8_0) {
-    std::memcpy(out, block + 2, kBlock);
-  } else {
-    const uint8_t* q = block + (F == kQ4_1 ? 4 : 2);
-    const int offset = F == kQ4_0 ? 8 : 0;
-    for (int j = 0; j < kBlock / 2; ++j) {
-      out[j] = static_cast<int8_t>((q[j] & 15) - offset);
-      out[j + kBlock / 2] = static_cast<int8_t>((q[j] >> 4) - offset);
+inline void column_block(const uint8_t* w, int64_t w_stride, bool interleaved, int64_t j, int64_t b,
+                         int8_t* out, float& d, float& m) {
+  if (!interleaved) {
+    const uint8_t* block = w + j * w_stride + b * kBlockBytes[F];
+    d = half_to_float(block);
+    m = F == kQ4_1 ? half_to_float(block + 2) : 0.f;
+    if constexpr (F == kQ8_0) {
+      std::memcpy(out, block + 2, kBlock);
+    } else {
+      const uint8_t* q = block + (F == kQ4_1 ? 4 : 2);
+      const int offset = F == kQ4_0 ? 8 : 0;
+      for (int i = 0; i < kBlock / 2; ++i) {
+        out[i] = static_cast<int8_t>((q[i] & 15) - offset);
+        out[i + kBlock / 2] = static_cast<int8_t>((q[i] >> 4) - offset);
+      }
     }
+    return;
+  }
+  const int64_t group = j / kGroupCols, c = j % kGroupCols;
+  const uint8_t* record = w + group * kGroupCols * w_stride + b * record_bytes(F);
+  d = half_to_float(record + 2 * c);
+  m = F == kQ4_1 ? half_to_float(record + 32 + 2 * c) : 0.f;
+  const uint8_t* values = record + weights_offset(F);
+  if constexpr (F == kQ8_0) {
+    for (int step = 0; step < 8; ++step)
+      for (int i = 0; i < 4; ++i)
+        out[4 * step + i] = static_cast<int8_t>(values[(step * kGroupCols + c) * 4 + i] ^ 0x80);
+  } else {
+    const int offset = F == kQ4_0 ? 8 : 0;
+    for (int step = 0; step < 4; ++step)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = values[(step * kGroupCols + c) * 4 + i];
+        out[4 * step + i] = static_cast<int8_t>((byte & 15) - offset);
+        out[16 + 4 * step + i] = static_cast<int8_t>((byte >> 4) - offset);
+      }
   }
 }
 
-// The integer path without a vector unit (and the reference the vector ones are tested
-// against): int32 sums per block, float32 across blocks.
+// The reference every vector path equals bit for bit (and the path without a vector unit).
 template <int F>
-void scalar_int_linear(const uint8_t* w, int64_t w_stride, const Activations& a, int64_t m, const float* bias,
-                       float* y, int64_t n) {
+void scalar_int_linear(const uint8_t* w, int64_t w_stride, bool interleaved, const Activations& a, int64_t m,
+                       const float* bias, float* y, int64_t n) {
   at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
-    int8_t values[kBlock];
+    std::vector<int8_t> values(a.blocks * kBlock);
+    std::vector<float> d(a.blocks), mins(a.blocks);
     for (int64_t j = first; j < last; ++j) {
+      for (int64_t b = 0; b < a.blocks; ++b)
+        column_block<F>(w, w_stride, interleaved, j, b, values.data() + b * kBlock, d[b], mins[b]);
       for (int64_t r = 0; r < m; ++r) {
         float sum = 0.f;
         for (int64_t b = 0; b < a.blocks; ++b) {
-          const uint8_t* block = w + j * w_stride + b * kBlockBytes[F];
-          block_bytes_scalar<F>(block, values);
           const int8_t* xq = a.q.data() + r * a.k_padded + b * kBlock;
+          const int8_t* wq = values.data() + b * kBlock;
           int32_t dot = 0;
-          for (int i = 0; i < kBlock; ++i) dot += static_cast<int32_t>(values[i]) * xq[i];
-          sum += half_to_float(block) * a.d[r * a.blocks + b] * static_cast<float>(dot);
-          if constexpr (F == kQ4_1) sum += half_to_float(block + 2) * a.s[r * a.blocks + b];
+          for (int i = 0; i < kBlock; ++i) dot += static_cast<int32_t>(wq[i]) * xq[i];
+          sum = std::fma(static_cast<float>(dot), d[b] * a.d[r * a.blocks + b], sum);
+          if constexpr (F == kQ4_1) sum = std::fma(mins[b], a.s[r * a.blocks + b], sum);
         }
         y[r * n + j] = sum + (bias == nullptr ? 0.f : bias[j]);
       }
@@ -314,222 +356,215 @@ void scalar_int_linear(const uint8_t* w, int64_t w_stride, const Activations& a,
 #define SERVELAB_VNNI 1
 #endif
 
-// A block's 32 weight bytes (block_bytes_scalar's values) in a 256-bit register.
-template <int F>
-inline __m256i block_bytes(const uint8_t* block) {
-  if constexpr (F == kQ8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(15);
-    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-    return F == kQ4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
-  }
-}
-
-// Where a tile reads its weights: straight from the blocks, or from a decoded panel.
-struct BlockSource {
-  const uint8_t* w;
-  int64_t w_stride;
-  const uint8_t* rows[kTaskRows];
-  template <int F>
-  void get(int t, int64_t b, __m256i& values, float& d, float& min) const {
-    const uint8_t* block = rows[t] + b * kBlockBytes[F];
-    values = block_bytes<F>(block);
-    d = half_to_float(block);
-    if constexpr (F == kQ4_1) min = half_to_float(block + 2);
-  }
-};
-
-struct PanelSource {
-  const int8_t* values;  // [kTaskRows][k_padded]
-  const float* d;  // [kTaskRows][blocks]
-  const float* min;
-  int64_t k_padded, blocks;
-  template <int F>
-  void get(int t, int64_t b, __m256i& v, float& scale, float& m) const {
-    v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + t * k_padded + b * kBlock));
-    scale = d[t * blocks + b];
-    if constexpr (F == kQ4_1) m = min[t * blocks + b];
-  }
-};
-
-inline __m256i dot256(__m256i u, __m256i s) {  // sum of 4 byte products u (unsigned) x s (signed) per int32 lane
 #if defined(SERVELAB_VNNI)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+constexpr bool kVnni = true;
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+constexpr bool kVnni = false;
 #endif
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-// y[r0 + r][t] for R rows of x (256-bit: one row of x a register).
-template <int F, int R, typename Source>
-void int_tile256(const Source& source, int rows, const Activations& a, int64_t r0, const float* bias, float* y,
-                 int64_t y_stride) {
-  __m256 sums[kTaskRows][R];
-  float mins[kTaskRows][R] = {};
-  for (int t = 0; t < kTaskRows; ++t)
-    for (int r = 0; r < R; ++r) sums[t][r] = _mm256_setzero_ps();
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 columns in one register.
+struct IntLanes {
+  static constexpr int kRegs = 1;
+  using I = __m512i;
+  using Fv = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+  static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I add_int(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I dot(I acc, I u, I s) {  // acc + per lane the sum of 4 byte products u (unsigned) x s (signed)
+#if defined(SERVELAB_VNNI)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+  }
+  static I signed_dot(I acc, I flipped, I s) {  // the same for signed weights stored as w ^ 0x80
+    const I w = _mm512_xor_si512(flipped, _mm512_set1_epi8(static_cast<char>(0x80)));
+    const __mmask64 negative = _mm512_movepi8_mask(w);
+    const I sx = _mm512_mask_sub_epi8(s, negative, _mm512_setzero_si512(), s);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx),
+                                                   _mm512_set1_epi16(1)));
+  }
+  static Fv halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static Fv zero() { return _mm512_setzero_ps(); }
+  static Fv set1f(float v) { return _mm512_set1_ps(v); }
+  static Fv cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static Fv mul(Fv a, Fv b) { return _mm512_mul_ps(a, b); }
+  static Fv fmadd(Fv a, Fv b, Fv c) { return _mm512_fmadd_ps(a, b, c); }
+  static Fv add(Fv a, Fv b) { return _mm512_add_ps(a, b); }
+  static Fv load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+  static void store_first(float* p, Fv v, int n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v); }
+};
+#else
+// 16 columns in two registers of 8.
+struct IntLanes {
+  static constexpr int kRegs = 2;
+  using I = __m256i;
+  using Fv = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+  static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I add_int(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I dot(I acc, I u, I s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static I signed_dot(I acc, I flipped, I s) {
+    const I w = _mm256_xor_si256(flipped, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w)),
+                                                   _mm256_set1_epi16(1)));
+  }
+  static Fv halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static Fv zero() { return _mm256_setzero_ps(); }
+  static Fv set1f(float v) { return _mm256_set1_ps(v); }
+  static Fv cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static Fv mul(Fv a, Fv b) { return _mm256_mul_ps(a, b); }
+  static Fv fmadd(Fv a, Fv b, Fv c) { return _mm256_fmadd_ps(a, b, c); }
+  static Fv add(Fv a, Fv b) { return _mm256_add_ps(a, b); }
+  static Fv load_first(const float* p, int n) {
+    alignas(32) float buffer[8] = {};
+    for (int i = 0; i < n; ++i) buffer[i] = p[i];
+    return _mm256_load_ps(buffer);
+  }
+  static void store_first(float* p, Fv v, int n) {
+    alignas(32) float buffer[8];
+    _mm256_store_ps(buffer, v);
+    for (int i = 0; i < n; ++i) p[i] = buffer[i];
+  }
+};
+#endif
+
+constexpr int kLaneCols = kGroupCols / IntLanes::kRegs;  // columns a register holds
+// Rows of x a tile runs: their int and float sums stay in registers (AVX-512's 32, AVX2's 16).
+constexpr int kIntRows = IntLanes::kRegs == 1 ? 8 : 2;
+
+// y[r0 + r][the group's columns] for R rows of x; `cols` of the group's 16 are stored.
+template <int F, int R>
+void group_tile(const uint8_t* group, const Activations& a, int64_t r0, const float* bias, float* y,
+                int64_t y_stride, int cols) {
+  using L = IntLanes;
+  constexpr int kRegs = L::kRegs;
+  constexpr int32_t kOffset = F == kQ4_0 ? 8 : 0;  // q4_0's u = w + 8 (q8_0 on VNNI: 128, below)
+  // q8_0's stored u = w + 128 taken as they are (VNNI's int32 sums), or un-flipped (`maddubs`)
+  constexpr bool kFlippedQ8 = F == kQ8_0 && kVnni;
+  constexpr int kChains = R == 1 ? 4 : R <= 3 ? 2 : 1;
+  typename L::Fv sums[R][kRegs];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < kRegs; ++g) sums[r][g] = L::zero();
+  const int8_t* xrow[R];
+  for (int r = 0; r < R; ++r) xrow[r] = a.q.data() + (r0 + r) * a.k_padded;
   for (int64_t b = 0; b < a.blocks; ++b) {
-    __m256i xs[R];
-    float xd[R];
+    const uint8_t* record = group + b * record_bytes(F);
+    const uint8_t* values = record + weights_offset(F);
+    // A few rows leave the cores waiting on each dot product's latency: their sums run in
+    // kChains independent chains, added at the block's end (exact integers either way).
+    typename L::I dots[R][kRegs][kChains];
     for (int r = 0; r < R; ++r) {
-      xs[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * a.k_padded + b * kBlock));
-      xd[r] = a.d[(r0 + r) * a.blocks + b];
+      const int32_t start = F == kQ4_0 ? -kOffset * a.sum[(r0 + r) * a.blocks + b]
+                                       : kFlippedQ8 ? -128 * a.sum[(r0 + r) * a.blocks + b] : 0;
+      for (int g = 0; g < kRegs; ++g)
+        for (int c = 0; c < kChains; ++c) dots[r][g][c] = L::set1(c == 0 ? start : 0);
     }
-    for (int t = 0; t < kTaskRows; ++t) {
-      __m256i w;
-      float wd, wm = 0.f;
-      source.template get<F>(t, b, w, wd, wm);
-      const __m256i magnitude = F == kQ4_1 ? w : _mm256_abs_epi8(w);  // -128 becomes 128, unsigned
-      for (int r = 0; r < R; ++r) {
-        const __m256i dot = dot256(magnitude, F == kQ4_1 ? xs[r] : _mm256_sign_epi8(xs[r], w));
-        sums[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(wd * xd[r]), sums[t][r]);
-        if constexpr (F == kQ4_1) mins[t][r] += wm * a.s[(r0 + r) * a.blocks + b];
-      }
-    }
-  }
-  for (int t = 0; t < rows; ++t)
-    for (int r = 0; r < R; ++r)
-      y[r * y_stride + t] = servelab_simd::Avx2::reduce_add(sums[t][r]) + mins[t][r] + (bias == nullptr ? 0.f : bias[t]);
-}
-
-#if defined(SERVELAB_VNNI)
-// The same for 2P rows of x, two a 512-bit register (one in each half) against a weight block
-// broadcast to both halves.
-template <int F, int P, typename Source>
-void int_tile512(const Source& source, int rows, const Activations& a, int64_t r0, const float* bias, float* y,
-                 int64_t y_stride) {
-  __m512 sums[kTaskRows][P];
-  float mins[kTaskRows][2 * P] = {};
-  for (int t = 0; t < kTaskRows; ++t)
-    for (int p = 0; p < P; ++p) sums[t][p] = _mm512_setzero_ps();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), ones = _mm512_set1_epi8(1);
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    __m512i xs[P];
-    __m512 xd[P];
-    for (int p = 0; p < P; ++p) {
-      const int8_t* row = a.q.data() + (r0 + 2 * p) * a.k_padded + b * kBlock;
-      const __m512i pair = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + a.k_padded)), 1);
-      xs[p] = F == kQ4_1 ? pair : _mm512_xor_si512(pair, flip);  // signed weights: x + 128, unsigned
-      xd[p] = _mm512_insertf32x8(_mm512_set1_ps(a.d[(r0 + 2 * p) * a.blocks + b]),
-                                 _mm256_set1_ps(a.d[(r0 + 2 * p + 1) * a.blocks + b]), 1);
-    }
-    for (int t = 0; t < kTaskRows; ++t) {
-      __m256i w256;
-      float wd, wm = 0.f;
-      source.template get<F>(t, b, w256, wd, wm);
-      const __m512i w = _mm512_broadcast_i64x4(w256);
-      // signed weights: (x + 128) w summed from -128 sum(w) is exactly x w
-      const __m512i start = F == kQ4_1 ? _mm512_setzero_si512()
-                                       : _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(),
-                                                                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w)), 7);
-      const __m512 wd_v = _mm512_set1_ps(wd);
-      for (int p = 0; p < P; ++p) {
-        const __m512i dot = F == kQ4_1 ? _mm512_dpbusd_epi32(start, w, xs[p]) : _mm512_dpbusd_epi32(start, xs[p], w);
-        sums[t][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wd_v, xd[p]), sums[t][p]);
-        if constexpr (F == kQ4_1) {
-          mins[t][2 * p] += wm * a.s[(r0 + 2 * p) * a.blocks + b];
-          mins[t][2 * p + 1] += wm * a.s[(r0 + 2 * p + 1) * a.blocks + b];
+    const int8_t* xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = xrow[r] + b * kBlock;
+    if constexpr (F == kQ8_0) {
+      for (int step = 0; step < 8; ++step)
+        for (int g = 0; g < kRegs; ++g) {
+          const typename L::I w = L::load(values + (step * kGroupCols + g * kLaneCols) * 4);
+          for (int r = 0; r < R; ++r) {
+            const typename L::I x = L::set1(load_i32(xb[r] + 4 * step));
+            typename L::I& dot = dots[r][g][step % kChains];
+            dot = kFlippedQ8 ? L::dot(dot, w, x) : L::signed_dot(dot, w, x);
+          }
         }
-      }
-    }
-  }
-  for (int t = 0; t < rows; ++t)
-    for (int p = 0; p < P; ++p)
-      for (int half = 0; half < 2; ++half) {
-        const __m256 part = half == 0 ? _mm512_castps512_ps256(sums[t][p]) : _mm512_extractf32x8_ps(sums[t][p], 1);
-        const int r = 2 * p + half;
-        y[r * y_stride + t] = servelab_simd::Avx2::reduce_add(part) + mins[t][r] + (bias == nullptr ? 0.f : bias[t]);
-      }
-}
-constexpr int kIntRows = 4;  // rows of x a tile runs: two pairs
-#else
-constexpr int kIntRows = 2;
-#endif
-constexpr int64_t kRowChunk = 64;  // rows of x a work item runs over one task's weights (64 x K bytes: L2)
-
-// Rows r0 .. r0 + count of x against a task's weights, in tiles of at most kIntRows.
-template <int F, typename Source>
-void int_rows(const Source& source, int rows, const Activations& a, int64_t r0, int64_t count, const float* bias,
-              float* y, int64_t n) {
-  for (int64_t r = r0; r < r0 + count;) {
-    const int64_t left = r0 + count - r;
-#if defined(SERVELAB_VNNI)
-    if (left >= 4) {
-      int_tile512<F, 2>(source, rows, a, r, bias, y + r * n, n);
-      r += 4;
-      continue;
-    }
-    if (left >= 2) {
-      int_tile512<F, 1>(source, rows, a, r, bias, y + r * n, n);
-      r += 2;
-      continue;
-    }
-    int_tile256<F, 1>(source, rows, a, r, bias, y + r * n, n);
-    r += 1;
-#else
-    if (left >= 2) {
-      int_tile256<F, 2>(source, rows, a, r, bias, y + r * n, n);
-      r += 2;
     } else {
-      int_tile256<F, 1>(source, rows, a, r, bias, y + r * n, n);
-      r += 1;
+      for (int step = 0; step < 4; ++step)
+        for (int g = 0; g < kRegs; ++g) {
+          const typename L::I raw = L::load(values + (step * kGroupCols + g * kLaneCols) * 4);
+          const typename L::I low = L::low_nibbles(raw), high = L::high_nibbles(raw);
+          for (int r = 0; r < R; ++r) {
+            typename L::I& first = dots[r][g][(2 * step) % kChains];
+            first = L::dot(first, low, L::set1(load_i32(xb[r] + 4 * step)));
+            typename L::I& second = dots[r][g][(2 * step + 1) % kChains];
+            second = L::dot(second, high, L::set1(load_i32(xb[r] + 16 + 4 * step)));
+          }
+        }
     }
-#endif
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < kRegs; ++g)
+        for (int c = 1; c < kChains; ++c) dots[r][g][0] = L::add_int(dots[r][g][0], dots[r][g][c]);
+    for (int g = 0; g < kRegs; ++g) {
+      const typename L::Fv dw = L::halves(record + 2 * g * kLaneCols);
+      typename L::Fv mw = L::zero();
+      if constexpr (F == kQ4_1) mw = L::halves(record + 32 + 2 * g * kLaneCols);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * a.blocks + b;
+        sums[r][g] = L::fmadd(L::cvt(dots[r][g][0]), L::mul(dw, L::set1f(a.d[at])), sums[r][g]);
+        if constexpr (F == kQ4_1) sums[r][g] = L::fmadd(mw, L::set1f(a.s[at]), sums[r][g]);
+      }
+    }
+  }
+  for (int g = 0; g < kRegs; ++g) {
+    const int first = g * kLaneCols, count = std::max(0, std::min(kLaneCols, cols - first));
+    if (count == 0) continue;
+    const typename L::Fv bv = bias == nullptr ? L::zero() : L::load_first(bias + first, count);
+    for (int r = 0; r < R; ++r) L::store_first(y + r * y_stride + first, L::add(sums[r][g], bv), count);
   }
 }
+
+template <int kMax, typename G>
+void with_rows(int count, const G& g) {
+  if constexpr (kMax > 1) {
+    if (count < kMax) return with_rows<kMax - 1>(count, g);
+  }
+  g(std::integral_constant<int, kMax>{});
+}
+
+constexpr int64_t kRowChunk = 64;  // rows of x a work item runs over one group's weights (64 x K bytes: L2)
 
 template <int F>
 void vector_int_linear(const uint8_t* w, int64_t w_stride, const Activations& a, int64_t m, const float* bias,
                        float* y, int64_t n) {
-  const int64_t tasks = (n + kTaskRows - 1) / kTaskRows, k_padded = a.k_padded, blocks = a.blocks;
-  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
-  const bool panel = m > kIntRows;
-  // Work items chunk-major: a thread's run of items shares one chunk of x (kept in L2) and
-  // moves across the weights; a task's panel is decoded again for each chunk (1/kRowChunk of
-  // its dot products' work).
-  at::parallel_for(0, chunks * tasks, std::max<int64_t>(1, 64 / kTaskRows), [&](int64_t first, int64_t last) {
-    std::vector<int8_t> values(panel ? kTaskRows * k_padded : 0);
-    std::vector<float> scales(panel ? 2 * kTaskRows * blocks : 0);
+  const int64_t groups = (n + kGroupCols - 1) / kGroupCols, chunks = (m + kRowChunk - 1) / kRowChunk;
+  // Work items chunk-major: a thread's run of items shares one chunk of x and moves across the weights.
+  at::parallel_for(0, chunks * groups, 4, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
-      const int64_t task = item % tasks, r0 = item / tasks * kRowChunk, count = std::min(kRowChunk, m - r0);
-      const int64_t n0 = task * kTaskRows;
-      const int rows = static_cast<int>(std::min<int64_t>(kTaskRows, n - n0));
-      const float* bt = bias == nullptr ? nullptr : bias + n0;
-      BlockSource direct{w, w_stride, {}};
-      for (int t = 0; t < kTaskRows; ++t) direct.rows[t] = w + (n0 + (t < rows ? t : 0)) * w_stride;
-      if (!panel) {
-        int_rows<F>(direct, rows, a, r0, count, bt, y + n0, n);
-        continue;
+      const int64_t group = item % groups, r0 = item / groups * kRowChunk, end = std::min(m, r0 + kRowChunk);
+      const int64_t n0 = group * kGroupCols;
+      const int cols = static_cast<int>(std::min<int64_t>(kGroupCols, n - n0));
+      const uint8_t* weights = w + n0 * w_stride;
+      const float* bg = bias == nullptr ? nullptr : bias + n0;
+      for (int64_t r = r0; r < end; r += kIntRows) {
+        with_rows<kIntRows>(static_cast<int>(std::min<int64_t>(kIntRows, end - r)), [&](auto rows) {
+          group_tile<F, decltype(rows)::value>(weights, a, r, bg, y + r * n + n0, n, cols);
+        });
       }
-      PanelSource decoded{values.data(), scales.data(), scales.data() + kTaskRows * blocks, k_padded, blocks};
-      for (int t = 0; t < kTaskRows; ++t)
-        for (int64_t b = 0; b < blocks; ++b) {
-          __m256i v;
-          float d, min = 0.f;
-          direct.get<F>(t, b, v, d, min);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(values.data() + t * k_padded + b * kBlock), v);
-          scales[t * blocks + b] = d;
-          scales[(kTaskRows + t) * blocks + b] = min;
-        }
-      int_rows<F>(decoded, rows, a, r0, count, bt, y + n0, n);
     }
   });
 }
 #endif  // __AVX2__
 
 template <int F>
-void run_int_linear(bool vectorised, const uint8_t* w, int64_t w_stride, const float* x, int64_t m, int64_t k_padded,
-                    const float* bias, float* y, int64_t n) {
+void run_int_linear(bool vectorised, bool interleaved, const uint8_t* w, int64_t w_stride, const float* x, int64_t m,
+                    int64_t k_padded, const float* bias, float* y, int64_t n) {
   Activations a;
   quantize_activations(x, m, k_padded, a);
 #if defined(__AVX2__)
-  if (vectorised) return vector_int_linear<F>(w, w_stride, a, m, bias, y, n);
+  if (vectorised) {
+    TORCH_CHECK(interleaved, "the vector kernels multiply int8 activations by interleaved blocks "
+                "(servelab.model.quantized_linear.interleave_blocks, format + 32)");
+    return vector_int_linear<F>(w, w_stride, a, m, bias, y, n);
+  }
 #endif
-  scalar_int_linear<F>(w, w_stride, a, m, bias, y, n);
+  scalar_int_linear<F>(w, w_stride, interleaved, a, m, bias, y, n);
 }
 
 }  // namespace
@@ -559,19 +594,26 @@ std::string quant_path() {
 
 // x [..., K] float32 -> x W^T + b [..., out_features] float32, W as blocks of `format`
 // (0 q8_0, 1 q4_0, 2 q4_1; plus 16: x quantized per block of 32 to int8 and integer dot
-// products, see above): uint8 [out_features, ceil(K / 32) * block bytes]. `scalar`
-// forces the scalar loops (the reference the vector paths are tested against).
+// products, see above; plus 32 more: the blocks interleaved for them): uint8
+// [out_features, ceil(K / 32) * block bytes], interleaved ones [out_features rounded up to
+// 16, the same] (`out_features` then says how many columns are real; -1: every row).
+// `scalar` forces the scalar loops (the reference the vector paths are tested against).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
-                        const std::optional<at::Tensor>& bias, bool scalar) {
-  const bool int8_activations = (format & kInt8Activations) != 0;
+                        const std::optional<at::Tensor>& bias, bool scalar, int64_t out_features) {
+  const bool int8_activations = (format & kInt8Activations) != 0, interleaved = (format & kInterleaved) != 0;
   const int64_t given_format = format;
-  format &= ~kInt8Activations;
-  TORCH_CHECK(format >= kQ8_0 && format <= kQ4_1,
-              "format must be 0 (q8_0), 1 (q4_0) or 2 (q4_1), plus 16 for int8 activations, got ", given_format);
+  format &= ~(kInt8Activations | kInterleaved);
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ4_1 && (int8_activations || !interleaved),
+              "format must be 0 (q8_0), 1 (q4_0) or 2 (q4_1), plus 16 for int8 activations (plus 32 more for "
+              "interleaved blocks), got ", given_format);
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blocks must be a contiguous 2-D uint8 tensor [out_features, blocks * bytes]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "x must be a float32 tensor, got ", x.scalar_type());
-  const int64_t n = blocks.size(0), k = x.size(-1), num_blocks = (k + kBlock - 1) / kBlock;
+  const int64_t n = out_features >= 0 ? out_features : blocks.size(0), k = x.size(-1);
+  const int64_t num_blocks = (k + kBlock - 1) / kBlock;
+  TORCH_CHECK(interleaved ? blocks.size(0) == (n + kGroupCols - 1) / kGroupCols * kGroupCols : blocks.size(0) == n,
+              "out_features ", n, " does not match the ", blocks.size(0), " rows of ",
+              interleaved ? "interleaved blocks (a multiple of 16 columns)" : "blocks");
   TORCH_CHECK(blocks.size(1) == num_blocks * kBlockBytes[format], "x has ", k, " features, which take ", num_blocks,
               " blocks of ", kBlockBytes[format], " bytes a row; the weight has ", blocks.size(1), " bytes a row");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
@@ -594,9 +636,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
   const float* xs = rows.data_ptr<float>();
   if (int8_activations) {
     switch (format) {
-      case kQ8_0: run_int_linear<kQ8_0>(!scalar, w, w_stride, xs, m, k_padded, b, y, n); break;
-      case kQ4_0: run_int_linear<kQ4_0>(!scalar, w, w_stride, xs, m, k_padded, b, y, n); break;
-      default: run_int_linear<kQ4_1>(!scalar, w, w_stride, xs, m, k_padded, b, y, n); break;
+      case kQ8_0: run_int_linear<kQ8_0>(!scalar, interleaved, w, w_stride, xs, m, k_padded, b, y, n); break;
+      case kQ4_0: run_int_linear<kQ4_0>(!scalar, interleaved, w, w_stride, xs, m, k_padded, b, y, n); break;
+      default: run_int_linear<kQ4_1>(!scalar, interleaved, w, w_stride, xs, m, k_padded, b, y, n); break;
     }
     return out;
   }

@@ -199,7 +199,9 @@ class QuantizedLinearLayer(Protocol):
     """A linear layer holding its weight as quantized blocks
     (servelab.model.quantized_linear.QuantizedLinear), as a native decoder reads it."""
 
-    blocks: "torch.Tensor"  # uint8 [out_features, bytes a row] of GGML blocks
+    # uint8 [out_features, bytes a row] of GGML blocks; once handed a library that reads them
+    # so (InterleavingQuantKernels), interleaved: format_id + 32, rows rounded up to 16
+    blocks: "torch.Tensor"
     bias32: "torch.Tensor | None"
     format_id: int  # the block format, as the library's quant_linear takes it
     out_features: int

@@ -41,6 +41,8 @@ logger = get_logger(__name__)
 BLOCK = 32
 FORMAT_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # cpu_quant.cpp's `format` argument
 INT8_ACTIVATIONS = 16  # added to a format id: x quantized to int8 blocks, integer dot products
+INTERLEAVED = 32  # added as well: the blocks interleaved for them (interleave_blocks)
+GROUP_COLUMNS = 16  # output columns an interleaved group holds
 ACTIVATIONS = ("int8", "float")
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 # `[engine] weights` -> (decoder linears' format, LM head's format)
@@ -107,6 +109,50 @@ class QuantizedWeight:
         return QuantizedWeight(self.format, torch.cat([self.blocks, other.blocks]), self.in_features)
 
 
+def interleave_blocks(blocks: torch.Tensor, format: str) -> torch.Tensor:
+    """GGML blocks [N, bytes a row] as the integer kernels read them (cpu_quant.cpp, "int8
+    activations"): the same bytes moved, never re-quantized. Output columns in groups of 16
+    (the last padded with zero rows), and per group and block of 32 inputs one record: the
+    16 columns' d (float16) [q4_1: their m], then 4 bytes of each column in turn (q4: 4 steps
+    of nibble bytes; q8_0: 8 steps of w ^ 0x80, the unsigned bytes a VNNI dot product takes).
+    uint8 [N rounded up to 16, bytes a row]."""
+    size = BLOCK_BYTES[format]
+    n, row_bytes = blocks.shape
+    per_row = row_bytes // size
+    padded = F.pad(blocks, (0, 0, 0, -n % GROUP_COLUMNS))
+    groups = padded.view(-1, GROUP_COLUMNS, per_row, size).transpose(1, 2)  # [group, block, column, bytes]
+    scales = 4 if format == "q4_1" else 2
+    parts = [groups[..., 0:2].flatten(-2)]
+    if format == "q4_1":
+        parts.append(groups[..., 2:4].flatten(-2))
+    values = groups[..., scales:]
+    if format == "q8_0":
+        values = values ^ 0x80
+    steps = values.shape[-1] // 4
+    parts.append(values.unflatten(-1, (steps, 4)).transpose(2, 3).flatten(-3))  # [group, block, step, column, 4]
+    return torch.cat(parts, dim=-1).reshape(padded.shape).contiguous()
+
+
+def deinterleave_blocks(interleaved: torch.Tensor, format: str, out_features: int) -> torch.Tensor:
+    """interleave_blocks undone: GGML blocks [out_features, bytes a row]."""
+    size = BLOCK_BYTES[format]
+    rows, row_bytes = interleaved.shape
+    per_row = row_bytes // size
+    records = interleaved.view(-1, per_row, GROUP_COLUMNS * size)  # [group, block, record]
+    scales = 4 if format == "q4_1" else 2
+    parts = [records[..., 0:32].unflatten(-1, (GROUP_COLUMNS, 2))]
+    if format == "q4_1":
+        parts.append(records[..., 32:64].unflatten(-1, (GROUP_COLUMNS, 2)))
+    values = records[..., GROUP_COLUMNS * scales:]
+    steps = (size - scales) // 4
+    values = values.unflatten(-1, (steps, GROUP_COLUMNS, 4)).transpose(2, 3).flatten(-2)  # [group, block, column, bytes]
+    if format == "q8_0":
+        values = values ^ 0x80
+    parts.append(values)
+    blocks = torch.cat(parts, dim=-1).transpose(1, 2).reshape(rows, row_bytes)
+    return blocks[:out_features].contiguous()
+
+
 def _halves(raw: torch.Tensor) -> torch.Tensor:
     """float16 values stored as pairs of bytes, as float32 [..., 1]."""
     return raw.contiguous().view(torch.float16).float()
@@ -163,6 +209,15 @@ class QuantKernels(Protocol):
     def quant_path(self) -> str: ...
 
 
+@runtime_checkable
+class InterleavingQuantKernels(QuantKernels, Protocol):
+    """A library whose int8-activation kernel reads the blocks interleaved (format id +
+    INTERLEAVED, `interleave_blocks`) and takes `out_features=`; a layer handed one
+    interleaves its blocks for it."""
+
+    def quant_group_columns(self) -> int: ...
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held as a QuantizedWeight; float32 products and sums, the
     output in the input's dtype."""
@@ -177,7 +232,7 @@ class QuantizedLinear(nn.Module):
         self.format = weight.format
         self.activations = activations
         self.format_id = FORMAT_IDS[weight.format] + (INT8_ACTIVATIONS if activations == "int8" else 0)
-        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.register_buffer("blocks", weight.blocks, persistent=False)  # interleaved once handed kernels (int8)
         self.bias32 = None if bias is None else bias.detach().float().contiguous()
         if plain_weight is not None:  # the same Parameter: a tied embedding stays tied
             self.weight = plain_weight
@@ -185,8 +240,13 @@ class QuantizedLinear(nn.Module):
         self._profile_name = "cpu_paged::quant_linear"
 
     @property
+    def interleaved(self) -> bool:
+        return bool(self.format_id & INTERLEAVED)
+
+    @property
     def quantized_weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.format, self.blocks, self.in_features)
+        blocks = deinterleave_blocks(self.blocks, self.format, self.out_features) if self.interleaved else self.blocks
+        return QuantizedWeight(self.format, blocks, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
@@ -195,12 +255,25 @@ class QuantizedLinear(nn.Module):
             y = F.linear(inputs, self.quantized_weight.dequantize(), self.bias32)
         elif torch.autograd._profiler_enabled():  # a library call is invisible to torch's profiler otherwise
             with record_function(self._profile_name):
-                y = self.kernels.quant_linear(x32, self.blocks, self.format_id, self.bias32)
+                y = self._kernel(x32)
         else:
-            y = self.kernels.quant_linear(x32, self.blocks, self.format_id, self.bias32)
+            y = self._kernel(x32)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def _kernel(self, x32: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            return self.kernels.quant_linear(x32, self.blocks, self.format_id, self.bias32,
+                                             out_features=self.out_features)
+        return self.kernels.quant_linear(x32, self.blocks, self.format_id, self.bias32)
+
     def use_kernels(self, kernels: QuantKernels, profile_name: str = "cpu_paged::quant_linear") -> None:
+        """Multiply with the library's kernel from now on; with int8 activations and a
+        library that reads them so, the blocks are interleaved for it first (the torch path
+        reads them back through `quantized_weight`)."""
+        if self.activations == "int8" and not self.interleaved and isinstance(kernels, InterleavingQuantKernels):
+            self.blocks = interleave_blocks(self.blocks, self.format)
+            self.format_id += INTERLEAVED
+            trim_heap()  # the GGML copy just dropped
         self.kernels, self._profile_name = kernels, profile_name
 
     def extra_repr(self) -> str:
