@@ -1,7 +1,9 @@
 """A disaggregated server on a real local Ray (`servelab serve --prefill-replicas 1
 --decode-replicas 1`, builtin:tiny, the shared-files transport): completions and chat,
-streamed or not, token-identical to one colocated engine; what P/D cannot serve refused
-with a 400; a client abort mid-stream leaves no KV block held on either replica; both
+streamed or not, token-identical to one colocated engine; every request kind (n > 1,
+penalties, logit bias, min_tokens, bad words, structured output, logits processors, prompt
+logprobs, a LoRA adapter) served as one colocated engine serves it; a client abort
+mid-stream leaves no KV block held on either replica; both
 replicas throttled (slow, inside their timeouts): the same completions, nothing recomputed;
 the prefill replica's process killed mid-stream: every request ends within a bound with its
 recomputed completion, and no replica left holds a block; and stopped (SIGSTOP): the
@@ -24,6 +26,7 @@ from conftest_server import ServerProcess, Throttle, sse_events
 ray = pytest.importorskip("ray", reason="the disaggregated server tests need Ray: pip install 'servelab[ray]'")
 
 MODEL = "builtin:tiny"
+ADAPTER = "tiny-lora"  # a LoRA adapter of MODEL the deployment loads at run time
 SETTINGS = ("--set", "engine.max_model_len=256", "--set", "engine.max_num_seqs=8", "--engine-threads", "1")
 # most of them longer than a block (16 tokens), so KV blocks are handed over; the last is shorter than one
 PROMPTS = [" ".join([p] * 6) for p in ("Once upon a time", "The cat sat", "In the beginning", "def add(a, b):")] + \
@@ -64,10 +67,11 @@ def _idle(metrics: dict[str, float]) -> bool:
 
 def _colocated():
     """One colocated engine's greedy tokens for each prompt, 12 of them, and 40 (200 for the
-    first) with their text; and the engine."""
+    first) with their text; and the engine (serving LoRA adapters too: the base model's
+    numbers are the same)."""
     from servelab import LLM, SamplingParams
 
-    llm = LLM(MODEL, max_model_len=256)
+    llm = LLM(MODEL, max_model_len=256, enable_lora=True)
     short = [list(o.outputs[0].token_ids) for o in llm.generate(
         PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
     longer = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in llm.generate(
@@ -77,19 +81,33 @@ def _colocated():
     return llm, short, longer
 
 
+def _adapter(folder) -> str | None:
+    """A LoRA adapter of MODEL, for the deployment to load as ADAPTER (None without peft)."""
+    from lora_adapters import build_adapter
+    from servelab.model.loader import resolve_model
+
+    try:
+        return build_adapter(str(resolve_model(MODEL)), folder / "adapter", r=4, seed=21, scale=0.3)
+    except ImportError:  # peft is not installed
+        return None
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    """The 1P1D server (started while the colocated answers are computed) and those answers."""
+    """The 1P1D server (started while the colocated answers are computed and a LoRA adapter
+    built), those answers and the adapter's path."""
     folder = tmp_path_factory.mktemp("pd")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         starting = pool.submit(ServerProcess, MODEL, "--prefill-replicas", "1", "--decode-replicas", "1",
                                "--kv-lease-s", "5", "--set", 'kv_transfer.name="shared-files"',
-                               "--set", f'kv_transfer.path="{folder / "kv"}"', *SETTINGS, log_path=folder / "log")
+                               "--set", f'kv_transfer.path="{folder / "kv"}"', "--allow-runtime-lora-updating",
+                               *SETTINGS, log_path=folder / "log")
         try:
             answers = _colocated()
+            adapter = _adapter(folder)
         finally:
             process = starting.result()
-    yield process, answers
+    yield process, answers, adapter
     answers[0].close()
     code = process.terminate(60)
     if not getattr(process, "failed_by_test", False):  # the killed decode replica's test ends the deployment
@@ -105,6 +123,12 @@ def server(deployment):
 @pytest.fixture(scope="module")
 def expected(deployment):
     return deployment[1]
+
+
+@pytest.fixture(scope="module")
+def served_adapter(deployment):
+    """The path of the LoRA adapter the deployment serves as ADAPTER (None: none, no peft)."""
+    return deployment[2]
 
 
 def test_completions_streamed_or_not_match_one_colocated_engine(server, expected):
@@ -235,12 +259,104 @@ def test_logprobs_streamed_or_not_are_one_engine_s(server, expected):
     server.wait_metrics(_idle, timeout=10)
 
 
-def test_what_prefill_decode_cannot_serve_is_refused_with_a_400(server):
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
+
+
+def _kind(name: str, short: list[list[int]]) -> tuple[dict, dict, dict]:
+    """A request kind: the fields its body and its SamplingParams share, then the body's
+    own and SamplingParams' own (the same request in the API's words and the engine's)."""
+    from servelab import StructuredOutput
+
+    banned, stop = short[0][1], short[0][2]  # the decode replica's first token; its second
+    return {
+        "n_seeded": ({"n": 2, "temperature": 0.8, "seed": 3}, {}, {}),
+        "penalties_seeded": ({"temperature": 0.8, "seed": 5, "presence_penalty": 0.8, "frequency_penalty": 0.6,
+                              "repetition_penalty": 1.3}, {}, {}),
+        "bias_min_tokens_bad_words": ({"temperature": 0.0, "min_tokens": 2, "stop_token_ids": [stop],
+                                       "bad_words": ["time"]},
+                                      {"logit_bias": {str(banned): -100}}, {"logit_bias": {banned: -100}}),
+        "structured_json": ({"temperature": 0.0, "max_tokens": 24, "ignore_eos": False},
+                            {"response_format": {"type": "json_schema",
+                                                 "json_schema": {"name": "n", "schema": SCHEMA}}},
+                            {"structured": StructuredOutput.json(SCHEMA)}),
+        "logits_processor": ({"temperature": 0.0, "logits_processors": ["no-repeat-ngram"],
+                              "extra_args": {"no_repeat_ngram_size": 2}}, {}, {}),
+        "lora_adapter": ({"temperature": 0.0}, {"model": ADAPTER}, {}),
+    }[name]
+
+
+def _choices(client: httpx.Client, body: dict) -> tuple[list[tuple[list[int], str, str]], dict[int, str]]:
+    """(token ids, text, finish reason) of each choice, answered whole, and each choice's
+    text streamed."""
+    whole = client.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        events = list(sse_events(response))
+    assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), events[-2:]
+    streamed: dict[int, str] = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
+    return [(c["token_ids"], c["text"], c["finish_reason"]) for c in whole.json()["choices"]], streamed
+
+
+@pytest.mark.parametrize("kind", ["n_seeded", "penalties_seeded", "bias_min_tokens_bad_words", "structured_json",
+                                  "logits_processor", "lora_adapter"])
+def test_every_request_kind_is_served_as_one_colocated_engine_serves_it(server, expected, served_adapter, kind):
+    """n > 1 (n handoffs, choice i seeded seed + i), penalties, logit bias, min_tokens, bad
+    words, structured output, a logits processor and a LoRA adapter, streamed or not: one
+    colocated engine's choices, and no block left held."""
+    from servelab import LoRARequest, SamplingParams
+
+    llm, short, _ = expected
+    shared, fields, params = _kind(kind, short)
+    lora = None
+    if kind == "lora_adapter":
+        if served_adapter is None:
+            pytest.skip("LoRA adapters need peft: pip install peft")
+        lora = LoRARequest(ADAPTER, 1, served_adapter)
+    [want] = llm.generate([PROMPTS[0]], SamplingParams(**{"max_tokens": 12, "ignore_eos": True, **shared, **params}),
+                          lora_request=lora)
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "ignore_eos": True, "return_token_ids": True, **shared, **fields}
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        for extra in ({"n": 2}, {"presence_penalty": 0.5}):
-            reply = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, **extra})
-            assert reply.status_code == 400, (extra, reply.text)
-            assert "disaggregated deployment cannot serve" in reply.json()["error"]["message"]
+        if lora is not None:  # both replicas load it by name with the request
+            loaded = client.post("/v1/load_lora_adapter", json={"lora_name": ADAPTER, "lora_path": served_adapter})
+            assert loaded.status_code == 200, loaded.text
+        choices, streamed = _choices(client, body)
+    assert choices == [(c.token_ids, c.text, c.finish_reason) for c in want.outputs]
+    assert streamed == {i: text for i, (_, text, _) in enumerate(choices)}
+    if lora is not None:
+        assert choices[0][0] != short[0]  # the adapter applied
+    server.wait_metrics(_idle, timeout=10)
+
+
+def test_prompt_logprobs_come_from_the_prefill_replica_whole_or_echoed_in_a_stream(server, expected):
+    """prompt_logprobs (answered whole) and echo with logprobs (streamed, the prompt's
+    scores in the first chunk): the prefill replica scores the prompt, as one colocated
+    engine does, to 1e-4."""
+    from servelab import SamplingParams
+
+    llm = expected[0]
+    [want] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                       prompt_logprobs=2))
+    scores = [None] + [position[token].logprob for position, token in
+                       zip(want.prompt_logprobs[1:], want.prompt_token_ids[1:])]
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, **GREEDY}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        whole = client.post("/v1/completions", json={**body, "prompt_logprobs": 2})
+        assert whole.status_code == 200, whole.text
+        choice = whole.json()["choices"][0]
+        with client.stream("POST", "/v1/completions", json={**body, "echo": True, "logprobs": 1,
+                                                            "stream": True}) as response:
+            events = list(sse_events(response))
+    served = [None if p is None else p[str(t)]["logprob"] for p, t in zip(choice["prompt_logprobs"],
+                                                                            want.prompt_token_ids)]
+    assert served[0] is None and served[1:] == pytest.approx(scores[1:], abs=1e-4)
+    assert choice["token_ids"] == list(want.token_ids)
+    echoed = events[0]["choices"][0]
+    assert echoed["text"] == PROMPTS[0] and echoed["logprobs"]["token_logprobs"][0] is None
+    assert echoed["logprobs"]["token_logprobs"][1:] == pytest.approx(scores[1:], abs=1e-4)
+    server.wait_metrics(_idle, timeout=10)
 
 
 def test_a_client_abort_mid_stream_frees_both_replicas(server):
@@ -557,6 +673,81 @@ def test_front_end_aborts_on_both_replicas_and_fails_requests_of_a_dead_decode_r
             ended = await _last_event(events)
             assert ended.output.finish_reason == "error" and "decode replica decode-0 died" in ended.output.error
             assert failures and "every decode replica has failed" in failures[0]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_front_end_splits_n_into_handoffs_and_merges_their_outputs():
+    """n=2: two transfers on one prefill replica (seeds seed and seed + 1, prompt logprobs
+    asked of the first), the prompt logprobs streamed with the first token and handed on,
+    each completion's tokens under its own key, none lost when the request's output comes
+    in the step that brings both completions' last tokens, and one merged output; an abort
+    ends both."""
+    import asyncio
+    import types
+
+    import attrs
+
+    from servelab import SamplingParams
+    from servelab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from servelab.server.engine_core import EMPTY_SNAPSHOT, NewRequest
+
+    report = (EMPTY_SNAPSHOT, {}, None)
+    prompt = list(range(5, 25))
+
+    async def add(engine, prefill, request_id: str):
+        params = SamplingParams(n=2, max_tokens=4, temperature=0.8, seed=7, prompt_logprobs=1)
+        adding = asyncio.ensure_future(engine.add([NewRequest(request_id, prompt, params, engine.clock())]))
+        await asyncio.sleep(0)
+        adds = [command for command in prefill.sent if command[0] == "add" and command[1] not in engine.seen]
+        engine.seen.update(command[1] for command in adds)
+        engine._handle(prefill, [("added", command[1], None) for command in adds], report)
+        return await adding, adds
+
+    async def run():
+        engine, prefill, decode, failures = _front_end("recompute")
+        engine.seen = set()
+        engine.start()
+        try:
+            events, adds = await add(engine, prefill, "r0")
+            assert [(c[3].n, c[3].seed, c[3].prompt_logprobs) for c in adds] == [(1, 7, 1), (1, 8, None)]
+            ids = [c[1] for c in adds]
+            scored = [None] + [{t: Logprob(-1.0, 1)} for t in prompt[1:]]
+            handoffs = [types.SimpleNamespace(first_token_id=40 + i, prompt_token_ids=tuple(prompt)) for i in (0, 1)]
+            engine._handle(prefill, [("prefilled", ids[0], attrs.evolve(_prefilled(ids[0], handoffs[0]),
+                                                                         prompt_logprobs=scored), handoffs[0]),
+                                     ("prefilled", ids[1], _prefilled(ids[1], handoffs[1]), handoffs[1])], report)
+            accepts = [command for command in decode.sent if command[0] == "accept"]
+            assert [c[5] for c in accepts] == [scored, None]  # the prompt's logprobs handed on with completion 0
+
+            def final(i: int, tokens: list[int]) -> RequestOutput:
+                now = engine.clock()
+                return RequestOutput(ids[i], None, prompt, [CompletionOutput(0, tokens, "", "length")],
+                                     RequestMetrics(now, None, None, now))
+
+            engine._handle(decode, [("step", {ids[0]: [50]}, [], {})], report)
+            engine._handle(decode, [("step", {ids[0]: [52], ids[1]: [51]}, [final(0, [40, 50, 52]),
+                                                                              final(1, [41, 51])], {})], report)
+            received = [await asyncio.wait_for(events.get(), 5)]
+            while not any(e.is_last for _, e in received) or not events.empty():  # and those queued with it
+                received.append(await asyncio.wait_for(events.get(), 5))
+            streamed: dict[str, list[int]] = {}
+            for key, event in received:
+                streamed.setdefault(key, []).extend(event.new_token_ids)
+            assert streamed == {"r0": [40, 50, 52], "r0#1": [41, 51]}
+            assert [list(e.prompt_logprobs) for _, e in received if e.prompt_logprobs] == [scored]
+            [output] = [e.output for _, e in received if e.output is not None]
+            assert output.request_id == "r0" and [(c.index, c.token_ids) for c in output.outputs] == \
+                [(0, [40, 50, 52]), (1, [41, 51])]
+            assert engine.num_in_flight == 0
+            events, adds = await add(engine, prefill, "r1")
+            engine.abort(["r1"])
+            ended = await _last_event(events)
+            assert [c.finish_reason for c in ended.output.outputs] == ["abort", "abort"]
+            assert all(("abort", [c[1]]) in prefill.sent for c in adds) and engine.num_in_flight == 0
+            assert failures == []
         finally:
             await engine.shutdown()
 

@@ -130,13 +130,7 @@ def test_a_reject_frees_the_producers_blocks_at_once(servelab_tiny_checkpoint):
         assert llm.metrics()["decode"]["rejects"] == 1 and llm.metrics()["prefill"]["leases_expired"] == 0
 
 
-def test_what_cannot_be_split_is_refused_by_name(servelab_tiny_checkpoint):
-    with DisaggregatedLLM(config=config(servelab_tiny_checkpoint)) as llm:
-        for params, word in ((SamplingParams(n=2), "n=2"), (SamplingParams(prompt_logprobs=2), "prompt_logprobs"),
-                             (SamplingParams(presence_penalty=0.5), "penalties")):
-            with pytest.raises(RequestError, match=word):
-                llm.add_request(PROMPTS[0], params)
-        assert not llm.has_unfinished()
+def test_a_deployment_that_cannot_run_is_refused_by_name(servelab_tiny_checkpoint):
     with pytest.raises(ConfigError, match="failure policy"):
         DisaggregatedLLM(config=config(servelab_tiny_checkpoint), failure_policy="retry")
     with pytest.raises(ConfigError, match="at least one prefill"):
@@ -382,3 +376,177 @@ def test_a_prefill_worker_shutting_down_ends_its_transfers_and_frees_its_blocks(
     assert worker.num_holds == 0 and not engine.has_unfinished()
     assert engine.allocator.stats().num_used_blocks == 0
     assert transport.poll("held").state is TransferState.ABORTED
+
+
+# ---------------------------------------------------------------- every request kind, as one engine serves it
+
+TEXT_GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
+TEXT_SEEDED = dict(max_tokens=12, temperature=0.9, top_p=0.95, ignore_eos=True)
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
+
+
+def _first_text(llm, tokens: list[int]) -> str:
+    return llm.engine.tokenizer.decode(tokens[:1])
+
+
+def _kinds(llm, plain) -> dict[str, tuple[list[SamplingParams], bool]]:
+    """Per request kind: its params for each STORY prompt (some made from that prompt's
+    greedy tokens `plain`), and whether its greedy output must differ from `plain` (the
+    kind does something, on the decode engine's tokens at least)."""
+    from servelab import StructuredOutput
+
+    each = lambda params: [params] * len(STORY)  # noqa: E731
+    return {
+        "repetition_penalty": (each(SamplingParams(**TEXT_GREEDY, repetition_penalty=1.4)), True),
+        "presence_and_frequency_penalties_seeded": ([SamplingParams(
+            **TEXT_SEEDED, seed=s, presence_penalty=0.8, frequency_penalty=0.6) for s in range(4)], False),
+        # the second token, the decode engine's first, banned
+        "logit_bias": ([SamplingParams(**TEXT_GREEDY, logit_bias={o.token_ids[1]: -100}) for o in plain], True),
+        # the first token is a stop token min_tokens holds back: on the prefill engine
+        "min_tokens_on_the_prefill_engine": ([SamplingParams(**TEXT_GREEDY, min_tokens=2, stop_token_ids=[
+            o.token_ids[0]]) for o in plain], True),
+        # the third token is a stop token allowed once two are out: the first counts
+        "min_tokens_count_the_first_token": ([SamplingParams(**TEXT_GREEDY, min_tokens=2, stop_token_ids=[
+            o.token_ids[2]]) for o in plain], True),
+        # a stop string in the first token's text, before min_tokens: neither engine stops there
+        "a_stop_string_within_min_tokens": ([SamplingParams(**TEXT_GREEDY, min_tokens=3, stop=[
+            _first_text(llm, o.token_ids)]) for o in plain], False),
+        "bad_words": ([SamplingParams(**TEXT_GREEDY, bad_words=[o.text.split()[1]]) for o in plain], True),
+        "structured_regex": (each(SamplingParams(max_tokens=12, temperature=0, structured=StructuredOutput.regex(
+            r"(yes|no) \d{1,3}!"))), True),
+        "structured_json_seeded": ([SamplingParams(max_tokens=24, temperature=0.8, seed=s,
+                                                   structured=StructuredOutput.json(SCHEMA)) for s in range(4)], True),
+        "logits_processor": (each(SamplingParams(**TEXT_GREEDY, logits_processors=["no-repeat-ngram"],
+                                                 extra_args={"no_repeat_ngram_size": 2})), True),
+        "prompt_logprobs": (each(SamplingParams(**TEXT_GREEDY, prompt_logprobs=3, logprobs=2)), False),
+        "n_seeded": ([SamplingParams(**TEXT_SEEDED, n=3, seed=s) for s in range(4)], False),
+        "n_with_penalties_and_prompt_logprobs": ([SamplingParams(**TEXT_SEEDED, n=2, seed=s, presence_penalty=1.0,
+                                                                 prompt_logprobs=1, logprobs=1)
+                                                  for s in range(4)], False),
+    }
+
+
+def _scores(positions) -> list:
+    """Logprobs positions as comparable rows: (token, rank, text) and the value apart."""
+    return [None if p is None else sorted((t, lp.rank, lp.decoded_token) for t, lp in p.items())
+            for p in positions or []]
+
+
+def _values_of(positions) -> list[float]:
+    return [lp.logprob for p in positions or [] if p is not None for _, lp in sorted(p.items())]
+
+
+def assert_as_one_engine(got, want) -> None:
+    """Two requests' outputs equal: every completion's tokens, text, finish and stop reason;
+    logprobs and prompt logprobs to 1e-4 (each engine's batch differs)."""
+    assert len(got.outputs) == len(want.outputs)
+    for mine, theirs in zip(got.outputs, want.outputs):
+        assert (mine.index, mine.token_ids, mine.text, mine.finish_reason, mine.stop_reason) == \
+            (theirs.index, theirs.token_ids, theirs.text, theirs.finish_reason, theirs.stop_reason)
+        assert _scores(mine.logprobs) == _scores(theirs.logprobs)
+        assert _values_of(mine.logprobs) == pytest.approx(_values_of(theirs.logprobs), abs=1e-4)
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert _scores(got.prompt_logprobs) == _scores(want.prompt_logprobs)
+    assert _values_of(got.prompt_logprobs) == pytest.approx(_values_of(want.prompt_logprobs), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def engine_pair():
+    """One colocated engine and a 1P1D deployment of builtin:tiny (a tokenizer, for stop
+    strings, bad words and grammars), and the colocated greedy answers to STORY."""
+    cfg = config("builtin:tiny")
+    llm, disaggregated = LLM(config=cfg), DisaggregatedLLM(config=cfg)
+    plain = llm.generate(STORY, SamplingParams(**TEXT_GREEDY))
+    yield llm, disaggregated, plain
+    llm.close()
+    disaggregated.close()
+
+
+KINDS = ["repetition_penalty", "presence_and_frequency_penalties_seeded", "logit_bias",
+         "min_tokens_on_the_prefill_engine", "min_tokens_count_the_first_token", "a_stop_string_within_min_tokens",
+         "bad_words", "structured_regex", "structured_json_seeded", "logits_processor", "prompt_logprobs", "n_seeded",
+         "n_with_penalties_and_prompt_logprobs"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_request_kind_is_served_as_one_colocated_engine_serves_it(engine_pair, kind):
+    """Penalties, logit bias, min_tokens, bad words, structured output and logits
+    processors apply on both engines, the decode engine counting the prefill engine's first
+    token as output (RequestSpec.continues); prompt logprobs come from the prefill engine;
+    n > 1 is n handoffs, completion i seeded seed + i. Every answer is one colocated
+    engine's, and no KV block is left held."""
+    llm, disaggregated, plain = engine_pair
+    params, changes = _kinds(llm, plain)[kind]
+    expected = llm.generate(STORY, params)
+    if changes:
+        assert [o.token_ids for o in expected] != [o.token_ids for o in plain]
+    transfers = disaggregated.metrics()["decode"]["transfers"]
+    outputs = disaggregated.generate(STORY, params)
+    for got, want in zip(outputs, expected):
+        assert_as_one_engine(got, want)
+    metrics = disaggregated.metrics()
+    assert metrics["decode"]["transfers"] > transfers and metrics["decode"]["recomputes"] == 0
+    disaggregated.step()  # the prefill engine frees the holds of transfers completed in the last step
+    assert set(disaggregated.leaked_blocks().values()) == {0}
+
+
+def test_an_engine_refuses_a_continuation_it_cannot_continue():
+    """RequestSpec.continues names the prompt's last tokens, of one completion whose prompt
+    another engine scored, with tokens left to generate; anything else is refused by name."""
+    from servelab.request import RequestSpec
+
+    llm = LLM(config=config("builtin:tiny"))
+    try:
+        engine = llm.engine
+        prompt = engine.tokenizer.encode(STORY[0])
+        for continues, params, message in (
+                ((prompt[-1] + 1,), SamplingParams(), "the prompt's last tokens"),
+                (tuple(prompt), SamplingParams(), "leave at least one prompt token"),
+                ((prompt[-1],), SamplingParams(n=2), "n=2"),
+                ((prompt[-1],), SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+                ((prompt[-1],), SamplingParams(max_tokens=1), "max_tokens=1")):
+            with pytest.raises(RequestError, match=message):
+                engine.prepare_requests([RequestSpec(prompt, params, continues=continues)])
+        assert not engine.has_unfinished()
+    finally:
+        llm.close()
+
+
+def test_a_lora_adapter_applies_on_both_engines_and_its_kv_loads_for_it_alone(tmp_path):
+    """A request with a LoRA adapter is prefilled and decoded with it (both engines load it
+    by name), beside base-model requests: one colocated engine's tokens, which the adapter
+    changes. Its KV is named by the adapter, so a consumer running the request without the
+    adapter refuses the handoff."""
+    pytest.importorskip("peft")
+    from lora_adapters import build_adapter
+
+    from servelab import LoRARequest
+    from servelab.model.loader import resolve_model
+
+    adapter = LoRARequest("tiny", 1, build_adapter(str(resolve_model("builtin:tiny")), tmp_path / "adapter", r=4,
+                                                   seed=21, scale=0.3))
+    cfg = config("builtin:tiny", enable_lora=True)
+    adapters = [adapter, None, adapter, None]
+    greedy = SamplingParams(**TEXT_GREEDY)
+    llm = LLM(config=cfg)
+    try:
+        expected = llm.generate(STORY, greedy, lora_request=adapters)
+        base = llm.generate(STORY, greedy)
+    finally:
+        llm.close()
+    assert expected[0].token_ids != base[0].token_ids and expected[1].token_ids == base[1].token_ids
+    with DisaggregatedLLM(config=cfg, failure_policy="fail") as disaggregated:
+        outputs = disaggregated.generate(STORY, greedy, lora_request=adapters)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        assert disaggregated.metrics()["decode"]["transfers"] == len(STORY)
+        producer, consumer = disaggregated.prefill[0], disaggregated.decode[0]
+        producer.add("under-the-adapter", base[0].prompt_token_ids, greedy, lora_request=adapter)
+        finished = []
+        while not finished:
+            finished = producer.step()
+        [done] = finished
+        assert done.handoff.num_blocks and producer.num_holds == 1
+        failed = consumer.accept(done.handoff, greedy)  # the base model's request: not its KV
+        assert failed.finish_reason == "error" and "another prompt" in failed.error
+        disaggregated.step()
+        assert set(disaggregated.leaked_blocks().values()) == {0}

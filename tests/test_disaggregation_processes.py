@@ -13,6 +13,13 @@ from servelab.llm import LLM
 
 PROMPTS = [list(range(5, 31)), list(range(5, 17)) + list(range(60, 75)), list(range(40, 63))]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)  # first position from P
+# n handoffs seeded seed + i, penalties counting P's first token, prompt logprobs from P
+KINDS = SamplingParams(n=2, max_tokens=6, temperature=0.9, seed=5, presence_penalty=1.0, frequency_penalty=0.5,
+                       min_tokens=3, prompt_logprobs=1, ignore_eos=True)
+
+
+def _prompt_values(output) -> list[float]:
+    return [p[t].logprob for p in output.prompt_logprobs if p is not None for t in sorted(p)]
 
 
 @pytest.mark.parametrize("failure_policy", ["recompute", "fail"])
@@ -25,6 +32,7 @@ def test_two_processes_match_one_engine_and_survive_a_killed_prefill(servelab_ti
     try:
         reference = llm.generate(PROMPTS, GREEDY)
         expected = [o.token_ids for o in reference]
+        kinds = llm.generate(PROMPTS, KINDS)
         longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         expected_longer = [o.token_ids for o in llm.generate(PROMPTS, longer)]
     finally:
@@ -36,6 +44,10 @@ def test_two_processes_match_one_engine_and_survive_a_killed_prefill(servelab_ti
             assert [sorted(p) for p in got.outputs[0].logprobs] == [sorted(p) for p in want.outputs[0].logprobs]
             assert [p[t].logprob for p in got.outputs[0].logprobs for t in sorted(p)] == pytest.approx(
                 [p[t].logprob for p in want.outputs[0].logprobs for t in sorted(p)], abs=1e-4)
+        for got, want in zip(deployment.generate(PROMPTS, [KINDS] * len(PROMPTS), timeout_s=120), kinds):
+            assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+            assert got.prompt_logprobs[0] is None and _prompt_values(got) == pytest.approx(_prompt_values(want),
+                                                                                           abs=1e-4)
         # kill the prefill process with requests on it: each ends within the bound
         ids = [deployment.add_request(p, longer) for p in PROMPTS]
         deployment.kill("prefill-0")

@@ -6,7 +6,9 @@ engine's policies can do (forking for n > 1, prompt logprobs, each selected logi
 processor's own `validate`). Building the record then starts what the request needs
 before it can be queued: its random generators, its stop-string text, and its logits
 processors' preparation (grammar compilation runs on a worker thread; the request waits
-for it while the others run).
+for it while the others run). A request another engine began (RequestSpec.continues: a
+disaggregated deployment's decode engine) starts with that engine's tokens as its output,
+its stop-string text and its processors' states past them.
 """
 
 from __future__ import annotations
@@ -72,7 +74,31 @@ class Intake:
                 self.check_params(spec.params)
                 seen.add(id(spec.params))
             self.lora_id(spec.lora_request)
-        return [self.encode(spec.prompt) for spec in specs]
+        checked = [self.encode(spec.prompt) for spec in specs]
+        for spec, token_ids in zip(specs, checked):
+            if spec.continues:
+                self.check_continues(spec, token_ids)
+        return checked
+
+    @staticmethod
+    def check_continues(spec: RequestSpec, token_ids: list[int]) -> None:
+        """RequestError unless `spec.continues` names the prompt's last tokens (leaving one
+        or more) of a request this engine can continue: one completion, its prompt scored
+        elsewhere, and tokens left to generate."""
+        continued = tuple(spec.continues)
+        params = spec.params or SamplingParams()
+        if len(continued) >= len(token_ids) or tuple(token_ids[-len(continued):]) != continued:
+            raise RequestError(f"continues must name the prompt's last tokens and leave at least one prompt token; "
+                               f"got {len(continued)} tokens for a prompt of {len(token_ids)}")
+        if params.n != 1:
+            raise RequestError(f"a request continued from another engine (continues) has one completion, "
+                               f"got n={params.n}")
+        if params.prompt_logprobs is not None:
+            raise RequestError("a request continued from another engine (continues) cannot score its prompt "
+                               "(prompt_logprobs): the engine that computed the prompt scores it")
+        if len(continued) >= params.max_tokens:
+            raise RequestError(f"continues names {len(continued)} generated tokens, which max_tokens="
+                               f"{params.max_tokens} leaves nothing to generate after")
 
     def lora_id(self, lora_request: Any) -> int:
         """The id of the adapter a request names (read and checked the first time), 0 for
@@ -115,8 +141,10 @@ class Intake:
         params = spec.params or SamplingParams()
         n = params.n
         lora_id = self.lora_id(spec.lora_request)
-        seqs = [Sequence(sequence_id(request_id, i), token_ids, params, arrival_time,
-                         priority=spec.priority, completion_index=i, lora_id=lora_id) for i in range(n)]
+        prompt = token_ids[:len(token_ids) - len(spec.continues)] if spec.continues else token_ids
+        seqs = [Sequence(sequence_id(request_id, i), prompt, params, arrival_time, priority=spec.priority,
+                         output_token_ids=list(spec.continues), completion_index=i, lora_id=lora_id)
+                for i in range(n)]
         generators: list[Any] = [None] * n
         if params.seed is not None:  # a seed torch refuses raises here, before anything exists
             generators = [torch.Generator(device=self.device).manual_seed(params.seed + i) for i in range(n)]
@@ -140,7 +168,7 @@ class Intake:
             self.create_states(request, {})
         if params.logprobs is not None:
             for seq in request.sequences:
-                seq.logprobs = []
+                seq.logprobs = [None] * len(seq.output_token_ids)  # continued tokens: scored elsewhere
         if params.prompt_logprobs is not None:
             request.first.prompt_logprobs = [None]  # the first token: nothing predicts it
 
@@ -160,8 +188,18 @@ class Intake:
             for i, seq in enumerate(request.sequences):
                 request.processor_states[i] = self.pipeline.new_states(seq, prepared)
                 made.append(i)
+                self._accept_continued(seq, request.processor_states[i])
         except ProcessorFailed as exc:
             for i in made:
                 self.pipeline.release(request.sequences[i].request_id, request.processor_states[i])
                 request.processor_states[i] = {}
             raise RequestError(str(exc)) from None
+
+    def _accept_continued(self, seq: Sequence, states: dict[str, Any]) -> None:
+        """The processors accept the output tokens another engine generated (RequestSpec.continues),
+        as they accepted them there: penalties count them, a grammar advances over them."""
+        if seq.output_token_ids and states:
+            failed: dict[str, str] = {}
+            self.pipeline.accept(seq, states, seq.output_token_ids, failed)
+            if failed:
+                raise ProcessorFailed(failed[seq.request_id])

@@ -34,8 +34,12 @@ class RequestSpec:
     arrival_time: float | None = None  # on the engine's clock; None: now
     lora_request: Any = None  # servelab.LoRARequest: the LoRA adapter it runs with; None: the base model
     # The last tokens of `prompt` that another engine generated for this request (a prefill
-    # replica's first token, servelab.disagg): stop strings are matched over their text and
-    # the new tokens', as if this engine had generated them.
+    # replica's first token, servelab.disagg): they start the sequence's output, as if this
+    # engine had generated them. They count in max_tokens and min_tokens, penalties see them,
+    # every logits processor accepts them (a grammar advances over them), stop strings are
+    # matched over their text and the new tokens', and the output's token ids and text
+    # include them (their logprobs positions are None: the other engine scored them). One
+    # completion (n=1) and no prompt_logprobs: the engine that saw the prompt scored it.
     continues: tuple[int, ...] = ()
 
 

@@ -12,7 +12,12 @@ AsyncEngine (as ReplicaSet has): it mints a transfer id per request, sends the r
 a prefill replica (the P/D router's prefill policy over the replicas' load), streams the
 first token when the prefill ends, hands the handoff to a decode replica (the router's
 decode policy over their load and prefix summaries) and streams that replica's tokens
-into the same stream. Request times (TTFT, TPOT) are taken on this process's clock.
+into the same stream. Request times (TTFT, TPOT) are taken on this process's clock. A
+request of n > 1 completions is n transfers, one per completion (seed + i, as one engine
+seeds completion i), all prefilled on one replica; each streams under its completion's
+key ("{request_id}#{i}", as one engine's) and the request's output, merged, comes once all
+have ended. What the prefill replica scored (the first token's logprobs, the prompt's) is
+streamed with the first token and handed on with the handoff.
 
 Failures, per the deployment's failure policy (`--kv-failure-policy`):
 - a prefill replica that dies ends each request it had not handed on: `recompute` sends
@@ -37,11 +42,13 @@ from typing import Any, Iterable, Sequence as Seq
 import attrs
 import structlog
 
-from servelab.disagg.requests import check_disaggregable
+from servelab.disagg.requests import merged_output, split_completions
 from servelab.disagg.routing import PDRouter, mint_transfer_id
 from servelab.errors import RequestError, ServelabError
 from servelab.interfaces import ReplicaSnapshot, RouteRequest
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelab.sampling_params import SamplingParams
+from servelab.sequence import owner_of, sequence_id
 from servelab.server.detokenizer import Decode, Detokenizer
 from servelab.server.engine_core import EMPTY_SNAPSHOT, EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
 from servelab.server.engine_loop import Events, RequestEvent
@@ -58,16 +65,23 @@ DEFAULT_LEASE_S = 30.0
 
 @attrs.define
 class _Request:
-    """One engine request as the front end follows it."""
+    """One completion of an engine request (the only one, unless n > 1) as the front end follows it."""
 
     request: NewRequest
     transfer_id: str
     events: StreamBuffer
+    params: SamplingParams  # the completion's (servelab.disagg.requests.completion_params)
+    index: int = 0  # which completion of its request
     prefill: RoleReplica | None = None  # where its prefill runs (None once handed on, or recomputed)
     decode: RoleReplica | None = None  # where it decodes
     token_ids: list[int] = attrs.field(factory=list)  # streamed so far
     first_token_time: float | None = None
     added: asyncio.Future | None = None  # answered when the replica took it (or refused it)
+
+    @property
+    def key(self) -> str:
+        """Its events' key: its sequence id in one engine."""
+        return sequence_id(self.request.request_id, self.index)
 
 
 class DisaggregatedEngine:
@@ -89,8 +103,9 @@ class DisaggregatedEngine:
         self.error: str | None = None
         self.stopping = False
         self._exit_when_idle: str | None = None  # the deployment cannot serve new requests: stop once idle
-        self._requests: dict[str, _Request] = {}  # engine request id -> its state
-        self._by_transfer: dict[str, _Request] = {}  # transfer id -> the same
+        self._requests: dict[str, list[_Request]] = {}  # engine request id -> its completions
+        self._ended: dict[str, list[RequestOutput | None]] = {}  # engine request id -> its completions' outputs
+        self._by_transfer: dict[str, _Request] = {}  # transfer id -> its completion
         self._queues: dict[str, StreamBuffer] = {}  # engine request id -> its reader's queue, until its last event
         self._loop: asyncio.AbstractEventLoop | None = None
         self._detokenizer: Detokenizer | None = None
@@ -134,61 +149,63 @@ class DisaggregatedEngine:
 
     async def add(self, requests: Seq[NewRequest], decode: Decode | None = None,
                   events: StreamBuffer | None = None) -> StreamBuffer:
-        """Add a group of requests, all or none (RequestError: what P/D cannot serve)."""
+        """Add a group of requests, all or none (RequestError: a replica refused one)."""
         if self.error is not None or self.stopping or self._exit_when_idle is not None:
             raise EngineUnavailable(self.error or self._exit_when_idle or "the server is shutting down")
-        for request in requests:
-            check_disaggregable(request.params)
-            if request.lora_request is not None:
-                raise RequestError("a disaggregated deployment does not serve LoRA adapters yet; send the request "
-                                   "to a colocated server")
         request_ids = [request.request_id for request in requests]
         if decode is not None:
             self._detokenizer.register(request_ids, decode)
         events = events if events is not None else StreamBuffer()
-        states = []
+        states: list[_Request] = []
         try:
             for request in requests:
-                state = _Request(request, mint_transfer_id(), events, added=self._loop.create_future())
-                self._requests[request.request_id] = state
+                completions = [_Request(request, mint_transfer_id(), events, params, index,
+                                        added=self._loop.create_future())
+                               for index, params in enumerate(split_completions(request.params))]
+                self._requests[request.request_id] = completions
+                self._ended[request.request_id] = [None] * len(completions)
                 self._queues[request.request_id] = events
-                self._by_transfer[state.transfer_id] = state
-                states.append(state)
-                self._route_prefill(state)
+                for state in completions:
+                    self._by_transfer[state.transfer_id] = state
+                states.extend(completions)
+                self._route_prefill(completions)
             results = await asyncio.gather(*(state.added for state in states))
         except BaseException:  # a router that broke its contract, the engine failed, or the client left
             self._detokenizer.unregister(request_ids)
-            self._drop(states)
+            self._drop(request_ids)
             raise
         refused = [error for error in results if error is not None]
         if refused:
             self._detokenizer.unregister(request_ids)
-            self._drop(states)
+            self._drop(request_ids)
             raise RequestError(refused[0])
         return events
 
-    def _drop(self, states: Seq[_Request]) -> None:
+    def _drop(self, request_ids: Seq[str]) -> None:
         """Forget requests and abort them wherever they went."""
-        for state in states:
-            self._forget(state)
-            self._queues.pop(state.request.request_id, None)
-            self._abort_on_replicas(state)
+        for request_id in request_ids:
+            for state in self._forget(request_id):
+                self._abort_on_replicas(state)
+            self._queues.pop(request_id, None)
 
-    def _route_prefill(self, state: _Request) -> None:
-        request = state.request
+    def _route_prefill(self, completions: Seq[_Request]) -> None:
+        """Send a request's completions to one prefill replica (whose prefix cache they share)."""
+        request = completions[0].request
         live = [r for r in self.prefill if not r.dead]
         if not live:
-            self._recompute_or_fail(state, "no prefill replica is left")
+            for state in completions:
+                self._recompute_or_fail(state, "no prefill replica is left")
             return
         prompt = request.prompt if isinstance(request.prompt, list) else []
         snapshots = [self._route_snapshot(r) for r in live]
-        choice = self.router.route_prefill(RouteRequest(state.transfer_id, prompt, request.params.max_tokens,
+        choice = self.router.route_prefill(RouteRequest(completions[0].transfer_id, prompt, request.params.max_tokens,
                                                         request.arrival_time), snapshots)
         replica = next(r for r in live if r.index == choice)
-        state.prefill = replica
-        if self.metrics is not None:
-            self.metrics.routed(replica.name)
-        replica.send(("add", state.transfer_id, request.prompt, request.params))
+        for state in completions:
+            state.prefill = replica
+            if self.metrics is not None:
+                self.metrics.routed(replica.name)
+            replica.send(("add", state.transfer_id, request.prompt, state.params, None, request.lora_request))
 
     def _recompute_or_fail(self, state: _Request, reason: str) -> None:
         """Its prefill replica was lost before the handoff: the failure policy."""
@@ -197,7 +214,8 @@ class DisaggregatedEngine:
         if self.failure_policy == "recompute" and live:
             replica = min(live, key=lambda r: r.snapshot.scheduler.num_running + r.snapshot.scheduler.num_waiting)
             state.decode = replica
-            replica.send(("recompute", state.transfer_id, state.request.prompt, state.request.params))
+            replica.send(("recompute", state.transfer_id, state.request.prompt, state.params,
+                          state.request.lora_request))
             return
         message = f"{reason}; the request ended by the failure policy {self.failure_policy!r}: retry"
         if state.added is not None and not state.added.done():
@@ -211,19 +229,24 @@ class DisaggregatedEngine:
         """Abort requests on both sides; each ends with an output whose finish_reason is "abort"."""
         outputs = []
         for request_id in request_ids:
-            state = self._requests.get(request_id)
-            if state is None:
-                continue
-            self._abort_on_replicas(state)
-            if state.added is not None and not state.added.done():
-                state.added.set_result(None)  # its add returns the queue, where the abort output waits
-            text = self.tokenizer.decode(state.token_ids) if self.tokenizer is not None else ""
-            now = self.clock()
-            outputs.append(RequestOutput(state.transfer_id, None, [], [CompletionOutput(0, list(state.token_ids), text,
-                                                                                       "abort")],
-                                         RequestMetrics(now, None, None, now)))
+            for state in self._requests.get(request_id, ()):
+                if self._ended[request_id][state.index] is not None:
+                    continue
+                self._abort_on_replicas(state)
+                if state.added is not None and not state.added.done():
+                    state.added.set_result(None)  # its add returns the queue, where the abort output waits
+                outputs.append(self._ended_early(state, "abort"))
         if outputs:
             self._put(None, {}, outputs)
+
+    def _ended_early(self, state: _Request, finish_reason: str, error: str | None = None) -> RequestOutput:
+        """A completion's output when it ends outside its replicas (aborted, or its replica
+        lost): the tokens streamed so far."""
+        now = self.clock()
+        return RequestOutput(state.transfer_id, None, [], [CompletionOutput(0, list(state.token_ids),
+                                                                            self._decode(state.token_ids),
+                                                                            finish_reason)],
+                             RequestMetrics(now, None, None, now), error=error)
 
     def _abort_on_replicas(self, state: _Request) -> None:
         for replica in (state.prefill, state.decode):
@@ -232,6 +255,11 @@ class DisaggregatedEngine:
 
     def abort_all(self) -> None:
         self.abort(list(self._requests))
+
+    def _completions(self) -> list[_Request]:
+        """Every completion in flight (not yet ended)."""
+        return [state for request_id, completions in self._requests.items() for state in completions
+                if self._ended[request_id][state.index] is None]
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         self.stopping = True
@@ -248,13 +276,14 @@ class DisaggregatedEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests with no token yet."""
-        return sum(1 for state in self._requests.values() if not state.token_ids)
+        """Completions with no token yet."""
+        return sum(1 for state in self._completions() if not state.token_ids)
 
     def stalled_seconds(self) -> float:
         """The longest a live replica with requests on it has not been heard from."""
         now = time.monotonic()
-        busy = {id(s.prefill) for s in self._requests.values()} | {id(s.decode) for s in self._requests.values()}
+        states = self._completions()
+        busy = {id(s.prefill) for s in states} | {id(s.decode) for s in states}
         return max((now - r.last_heard for r in self.replicas if not r.dead and id(r) in busy), default=0.0)
 
     @property
@@ -268,7 +297,7 @@ class DisaggregatedEngine:
 
     def _route_snapshot(self, replica: RoleReplica) -> ReplicaSnapshot:
         snapshot = replica.snapshot
-        queued = sum(1 for s in self._requests.values() if s.prefill is replica and not s.token_ids)
+        queued = sum(1 for s in self._completions() if s.prefill is replica and not s.token_ids)
         return ReplicaSnapshot(
             replica_id=replica.index, num_waiting=snapshot.scheduler.num_waiting + queued,
             num_running=snapshot.scheduler.num_running, num_kv_blocks=snapshot.allocator.num_blocks,
@@ -290,6 +319,7 @@ class DisaggregatedEngine:
         replica.snapshot, replica.transfer_metrics, replica.prefix_summary = report
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[Any]] = {}  # of those tokens, for the requests that asked
+        prompt_logprobs: dict[str, list[Any]] = {}  # of the prompts scored, for the requests that asked
         finished: list[RequestOutput] = []
         for message in messages:
             kind = message[0]
@@ -298,7 +328,7 @@ class DisaggregatedEngine:
                 if state is not None and state.added is not None and not state.added.done():
                     state.added.set_result(message[2])
             elif kind == "prefilled":
-                self._prefilled(*message[1:], tokens, finished, logprobs)
+                self._prefilled(*message[1:], tokens, finished, logprobs, prompt_logprobs)
             elif kind == "step":
                 for transfer_id, token_ids in message[1].items():
                     tokens.setdefault(transfer_id, []).extend(token_ids)
@@ -307,10 +337,11 @@ class DisaggregatedEngine:
                 finished.extend(message[2])
             elif kind == "failed":
                 logger.error("disagg.replica_engine_failed", replica=replica.name, error=message[1])
-        self._put(replica, tokens, finished, logprobs)
+        self._put(replica, tokens, finished, logprobs, prompt_logprobs)
 
     def _prefilled(self, transfer_id: str, output: RequestOutput, handoff: Any, tokens: dict[str, list[int]],
-                   finished: list[RequestOutput], logprobs: dict[str, list[Any]]) -> None:
+                   finished: list[RequestOutput], logprobs: dict[str, list[Any]],
+                   prompt_logprobs: dict[str, list[Any]]) -> None:
         state = self._by_transfer.get(transfer_id)
         if state is None:
             return  # aborted meanwhile: the prefill replica freed its hold on the abort
@@ -318,6 +349,8 @@ class DisaggregatedEngine:
         first_logprobs = output.outputs[0].logprobs
         if first_logprobs:
             logprobs.setdefault(transfer_id, []).extend(first_logprobs)
+        if output.prompt_logprobs is not None:  # streamed with the first token, as one engine does
+            prompt_logprobs[transfer_id] = output.prompt_logprobs
         if handoff is None:  # the first token ended it, or it failed: the answer comes from P
             tokens.setdefault(transfer_id, []).extend(output.outputs[0].token_ids)
             finished.append(output)
@@ -333,20 +366,22 @@ class DisaggregatedEngine:
                 RequestMetrics(now, None, None, now), error="no decode replica is left: retry"))
             return
         request = RouteRequest(transfer_id, [*handoff.prompt_token_ids, handoff.first_token_id],
-                               state.request.params.max_tokens - 1)
+                               state.params.max_tokens - 1)
         choice = self.router.route_decode(request, [self._route_snapshot(r) for r in live])
         state.decode = next(r for r in live if r.index == choice)
         if self.metrics is not None:
             self.metrics.routed(state.decode.name)
-        state.decode.send(("accept", handoff, state.request.params, None, first_logprobs))
+        state.decode.send(("accept", handoff, state.params, None, first_logprobs, output.prompt_logprobs,
+                           state.request.lora_request))
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def _put(self, replica: RoleReplica | None, tokens: dict[str, list[int]], finished: list[RequestOutput],
-             logprobs: dict[str, list[Any]] | None = None) -> None:
-        """Turn transfer-keyed tokens (and their logprobs) and outputs into the requests' events,
-        through the detokenizer."""
+             logprobs: dict[str, list[Any]] | None = None, prompt_logprobs: dict[str, list[Any]] | None = None) -> None:
+        """Turn transfer-keyed tokens (and their logprobs), prompt logprobs and completions'
+        outputs into the requests' events, through the detokenizer: tokens by completion
+        key, the rest by request id."""
         events: Events = {}
         now = self.clock()
         for transfer_id, token_ids in tokens.items():
@@ -357,39 +392,60 @@ class DisaggregatedEngine:
             if state.first_token_time is None:
                 state.first_token_time = now
             scores = logprobs.get(transfer_id, ()) if logprobs else ()
-            events[state.request.request_id] = RequestEvent(tuple(token_ids), tuple(scores))
+            events[state.key] = RequestEvent(tuple(token_ids), tuple(scores))
+        for transfer_id, scored in (prompt_logprobs or {}).items():
+            state = self._by_transfer.get(transfer_id)
+            if state is not None:
+                request_id = state.request.request_id
+                events[request_id] = attrs.evolve(events.get(request_id, RequestEvent()), prompt_logprobs=tuple(scored))
         for output in finished:
             state = self._by_transfer.get(output.request_id)
             if state is None:
                 continue
-            first = state.first_token_time if state.first_token_time is not None else (now if output.token_ids
-                                                                                        else None)
-            metrics = attrs.evolve(output.metrics, arrival_time=state.request.arrival_time, first_scheduled_time=None,
-                                   first_token_time=first, finish_time=now)
-            output = attrs.evolve(output, request_id=state.request.request_id, metrics=metrics,
-                                  prompt_token_ids=list(output.prompt_token_ids) or self._prompt_ids(state))
-            previous = events.get(state.request.request_id)
-            events[state.request.request_id] = (attrs.evolve(previous, output=output) if previous is not None
-                                                else RequestEvent(output=output))
-            self._forget(state)
+            output = self._completion_ended(state, output, now)
+            if output is not None:
+                previous = events.get(output.request_id)
+                events[output.request_id] = (attrs.evolve(previous, output=output) if previous is not None
+                                             else RequestEvent(output=output))
         if events or replica is not None:
             self._detokenizer.put(events, replica)
+
+    def _completion_ended(self, state: _Request, output: RequestOutput, now: float) -> RequestOutput | None:
+        """The request's output, timed on this clock, once `state` was its last completion to end."""
+        request_id = state.request.request_id
+        ended = self._ended[request_id]
+        ended[state.index] = output
+        if any(o is None for o in ended):
+            return None
+        completions = self._forget(request_id)
+        merged = merged_output(request_id, ended)
+        firsts = [s.first_token_time for s in completions if s.first_token_time is not None]
+        first = min(firsts) if firsts else (now if any(o.token_ids for o in merged.outputs) else None)
+        metrics = attrs.evolve(merged.metrics, arrival_time=state.request.arrival_time, first_scheduled_time=None,
+                               first_token_time=first, finish_time=now)
+        return attrs.evolve(merged, metrics=metrics,
+                            prompt_token_ids=list(merged.prompt_token_ids) or self._prompt_ids(state))
 
     @staticmethod
     def _prompt_ids(state: _Request) -> list[int]:
         prompt = state.request.prompt
         return list(prompt) if isinstance(prompt, list) else []
 
-    def _forget(self, state: _Request) -> None:
-        self._requests.pop(state.request.request_id, None)
-        self._by_transfer.pop(state.transfer_id, None)
+    def _forget(self, request_id: str) -> list[_Request]:
+        """Stop following a request; its completions."""
+        completions = self._requests.pop(request_id, [])
+        self._ended.pop(request_id, None)
+        for state in completions:
+            self._by_transfer.pop(state.transfer_id, None)
+        return completions
 
     def _deliver(self, events: Events, replica: RoleReplica | None) -> None:
         """Each event to its request's queue (after the detokenizer's thread made its text)."""
         for key, event in events.items():
-            target = self._queues.get(key)
+            target = self._queues.get(owner_of(key))
             if target is not None:
                 target.put_nowait((key, event))
+        for key, event in events.items():  # after every sibling completion's tokens went out
             if event.is_last:
                 self._detokenizer.unregister([key])
                 self._queues.pop(key, None)
@@ -405,19 +461,16 @@ class DisaggregatedEngine:
             return
         replica.dead = True
         message = f"{'prefill' if replica.role == PRODUCER else 'decode'} replica {replica.name} died ({reason})"
-        affected = [s for s in self._requests.values() if s.prefill is replica or s.decode is replica]
+        affected = [s for s in self._completions() if s.prefill is replica or s.decode is replica]
         logger.error("disagg.replica_died", replica=replica.name, role=replica.role, requests=len(affected),
                      failure_policy=self.failure_policy, error=reason)
         if self.metrics is not None:  # its blocks went with it (observed first: a first observation marks it up)
             self.metrics.observe_replica(replica.name, {}, EMPTY_SNAPSHOT)
             self.metrics.replica_down(replica.name)
         lost: list[RequestOutput] = []
-        now = self.clock()
         for state in affected:
             if state.decode is replica:
-                lost.append(RequestOutput(state.transfer_id, None, [], [CompletionOutput(
-                    0, list(state.token_ids), self._decode(state.token_ids), "error")],
-                    RequestMetrics(now, None, None, now), error=f"{message}: retry"))
+                lost.append(self._ended_early(state, "error", f"{message}: retry"))
             elif state.decode is None and not state.token_ids:  # not handed on: the failure policy
                 logger.warning("kv_transfer.prefill_lost", transfer_id=state.transfer_id, replica=replica.name,
                                failure_policy=self.failure_policy)
@@ -440,11 +493,8 @@ class DisaggregatedEngine:
 
     def _fail_all(self, message: str) -> None:
         outputs = []
-        now = self.clock()
-        for state in list(self._requests.values()):
-            outputs.append(RequestOutput(state.transfer_id, None, [], [CompletionOutput(
-                0, list(state.token_ids), self._decode(state.token_ids), "error")],
-                RequestMetrics(now, None, None, now), error=message))
+        for state in self._completions():
+            outputs.append(self._ended_early(state, "error", message))
             if state.added is not None and not state.added.done():
                 state.added.set_exception(EngineUnavailable(message))
         if outputs:

@@ -147,18 +147,19 @@ class RoleActor:
     def _command(self, command: tuple) -> None:
         kind, *args = command
         worker = self.worker
-        if kind == "add":  # producer: (transfer id, prompt, params)
+        if kind == "add":  # producer: (transfer id, prompt, params, arrival time, LoRA adapter)
             try:
                 worker.add(*args)
             except RequestError as exc:
                 self._emit(("added", args[0], str(exc)))
             else:
                 self._emit(("added", args[0], None))
-        elif kind == "accept":  # consumer: (handoff, params, arrival time, the first token's logprobs)
+        elif kind == "accept":  # consumer: (handoff, params, arrival time, the first token's and the prompt's
+            # logprobs, LoRA adapter)
             output = worker.accept(*args)
             if output is not None:
                 self._emit(("step", {}, [output], {}))
-        elif kind == "recompute":  # consumer: (transfer id, prompt, params)
+        elif kind == "recompute":  # consumer: (transfer id, prompt, params, LoRA adapter)
             output = worker.recompute(*args)
             self._emit(("added", args[0], None))
             if output is not None:

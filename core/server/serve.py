@@ -191,8 +191,6 @@ def _build_state(config: EngineConfig, options: ServerOptions) -> Any:
     if options.prefill_replicas is not None:
         from servelab.server.disaggregated import launch_disaggregated
 
-        if options.lora_modules or options.allow_runtime_lora_updating:
-            raise ServelabError("a disaggregated server does not serve LoRA adapters yet")
         threads = options.engine_threads
         if threads is None and options.ray_address is None:  # a local Ray: the cores shared out
             threads = max(1, default_engine_threads() // (options.prefill_replicas + options.decode_replicas))

@@ -4,10 +4,10 @@ its own prefix cache lacks, and decodes on from the producer's first token.
 The engine itself is unchanged: a load sequence (`load:<transfer id>`) takes the blocks
 the cache already holds (`match_prefix`), is allocated the rest, which the data path
 fills from the payloads, and caches them (`cache_blocks`); the request is then admitted
-as prompt + first token with max_tokens - 1, and its prefix lookup hits every loaded
-block. The load sequence holds them until the request's first step, so nothing evicts
-them in between. The prompt's last partial block (fewer than block_size tokens) is
-computed here, together with the first token.
+as prompt + first token, the first token counted as generated (`RequestSpec.continues`),
+and its prefix lookup hits every loaded block. The load sequence holds them until the
+request's first step, so nothing evicts them in between. The prompt's last partial block
+(fewer than block_size tokens) is computed here, together with the first token.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import torch
 
 from servelab.disagg.data_path import RunnerDataPath
 from servelab.disagg.metrics import TransferMetrics
-from servelab.disagg.requests import decode_params
+from servelab.disagg.requests import decode_params, handoff_block_hashes
 from servelab.errors import ConfigError, RequestError
 from servelab.interfaces import (Handoff, KVDataPath, KVTransport, PrefixCachingAllocator, Sequence, TransferError,
-                                 TransferState, check_handoff, layout_mismatch, lease_state, payload_indices,
-                                 prefix_block_hashes)
+                                 TransferState, check_handoff, layout_mismatch, lease_state, payload_indices)
 from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from servelab.request import RequestSpec
@@ -47,6 +46,9 @@ class _Accepted:
     arrival_time: float
     pinned: bool = False  # its load sequence holds the loaded blocks until its first step
     first_logprobs: list | None = None  # SamplingParams.logprobs: the producer's, of the first token
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: the producer's
+    lora_request: Any = None  # the LoRA adapter it runs with (the producer's), or None
+    lora_id: int = 0  # that adapter's id in this engine
 
 
 class DecodeWorker:
@@ -77,13 +79,23 @@ class DecodeWorker:
     # ------------------------------------------------------------ handoffs
 
     def accept(self, handoff: Handoff, params: SamplingParams, arrival_time: float | None = None,
-               first_logprobs: list | None = None) -> RequestOutput | None:
-        """Take `handoff` for the request of `params` (`first_logprobs`: the producer's
-        logprobs of the first token, when params ask for logprobs); the request's final
-        output when it ends here (the failure policy "fail"), else None (admitted, or
-        waiting for its payload)."""
+               first_logprobs: list | None = None, prompt_logprobs: list | None = None,
+               lora_request: Any = None) -> RequestOutput | None:
+        """Take `handoff` for the request of `params` (one completion); what the producer
+        scored comes with it: `first_logprobs` (the first token's, when params ask for
+        logprobs) and `prompt_logprobs` (when they ask for prompt logprobs); `lora_request`:
+        the adapter the producer ran it with (loaded here too). The request's final output
+        when it ends here (the failure policy "fail", an adapter this engine cannot serve),
+        else None (admitted, or waiting for its payload)."""
         entry = _Accepted(handoff, params, arrival_time if arrival_time is not None else self.clock(),
-                          first_logprobs=first_logprobs)
+                          first_logprobs=first_logprobs, prompt_logprobs=prompt_logprobs,
+                          lora_request=lora_request)
+        try:
+            entry.lora_id = self.engine.intake.lora_id(lora_request)
+        except RequestError as exc:  # computing it again here would fail the same way
+            self.transport.reject(handoff.transfer_id, str(exc))
+            self.metrics.rejects += 1
+            return self._error(entry, f"rejected before admission: {exc}")
         reason = self.admission(handoff)
         if reason is not None:
             self.transport.reject(handoff.transfer_id, reason)  # the producer frees at once
@@ -91,7 +103,8 @@ class DecodeWorker:
             return self._failed(entry, f"rejected before admission: {reason}")
         return self._try_load(entry)
 
-    def recompute(self, transfer_id: str, prompt: list[int] | str, params: SamplingParams) -> RequestOutput | None:
+    def recompute(self, transfer_id: str, prompt: list[int] | str, params: SamplingParams,
+                  lora_request: Any = None) -> RequestOutput | None:
         """Serve a whole request here, prefill included: its prefill engine was lost before
         handing it on. Counted in `recomputes` and logged; its output (or its error) comes
         from `step` (or here, when the engine refuses it)."""
@@ -99,7 +112,8 @@ class DecodeWorker:
         logger.warning("kv_transfer.recompute", transfer_id=transfer_id, consumer=self.name,
                        reason="its prefill engine was lost before the handoff")
         try:
-            [record] = self.engine.prepare_requests([RequestSpec(prompt, params, transfer_id)])
+            [record] = self.engine.prepare_requests([RequestSpec(prompt, params, transfer_id,
+                                                                 lora_request=lora_request)])
             self.engine.admit([record])
         except RequestError as exc:
             self.metrics.failures += 1
@@ -176,7 +190,7 @@ class DecodeWorker:
             problem = layout_mismatch(self.data_path.layout(), handoff.layout)
             if problem is not None:
                 raise TransferError(f"transfer {transfer_id!r}: layout {problem}")
-            own = prefix_block_hashes(handoff.prompt_token_ids, self.block_size)[:handoff.num_blocks]
+            own = handoff_block_hashes(handoff.prompt_token_ids, self.block_size, entry.lora_id)[:handoff.num_blocks]
             check_handoff(handoff, handoff.prompt_token_ids, own)
             state = lease_state(self.transport.poll(transfer_id), self.clock())
             if state is TransferState.OFFERED:
@@ -184,7 +198,7 @@ class DecodeWorker:
                 return None
             if state is not TransferState.READY:
                 raise TransferError(f"transfer {transfer_id!r} is {state.value}, not ready")
-            self._load(handoff)
+            self._load(handoff, entry.lora_id)
         except TransferError as exc:
             self.engine.allocator.free(load_id(transfer_id))
             self.transport.abort(transfer_id, str(exc))
@@ -192,11 +206,11 @@ class DecodeWorker:
         self.transport.complete(transfer_id)
         return self._admit(entry, pinned=True)
 
-    def _load(self, handoff: Handoff) -> None:
+    def _load(self, handoff: Handoff, lora_id: int) -> None:
         started = time.perf_counter()
         transfer_id, block_size = handoff.transfer_id, self.block_size
         loader = Sequence(load_id(transfer_id), [*handoff.prompt_token_ids, handoff.first_token_id],
-                          SamplingParams(max_tokens=1), self.clock())
+                          SamplingParams(max_tokens=1), self.clock(), lora_id=lora_id)
         allocator = self.engine.allocator
         cached = allocator.match_prefix(loader) // block_size
         if not allocator.allocate(loader.request_id, handoff.num_blocks * block_size):
@@ -237,7 +251,8 @@ class DecodeWorker:
         try:
             [record] = self.engine.prepare_requests([RequestSpec(
                 [*handoff.prompt_token_ids, handoff.first_token_id], decode_params(entry.params),
-                handoff.transfer_id, arrival_time=entry.arrival_time, continues=(handoff.first_token_id,))])
+                handoff.transfer_id, arrival_time=entry.arrival_time, lora_request=entry.lora_request,
+                continues=(handoff.first_token_id,))])
             if handoff.sampler_state is not None and record.generators[0] is not None:
                 record.generators[0].set_state(torch.frombuffer(bytearray(handoff.sampler_state), dtype=torch.uint8))
             self.engine.admit([record])
@@ -268,18 +283,16 @@ class DecodeWorker:
                              RequestMetrics(entry.arrival_time, None, None, now), error=reason)
 
     def _final(self, entry: _Accepted, output: RequestOutput) -> RequestOutput:
-        """The request's whole output: the producer's first token, then this engine's."""
-        first = entry.handoff.first_token_id
+        """The request's whole output: this engine's, whose first token is the producer's
+        (RequestSpec.continues), with what the producer scored: the first token's logprobs
+        and the prompt's."""
         completion = output.outputs[0]
-        token_ids = [first, *completion.token_ids]
-        # a stop string cut the text this engine decoded from the first token on (RequestSpec.continues)
-        text = completion.text if isinstance(completion.stop_reason, str) else self._decode(token_ids)
         logprobs = completion.logprobs
-        if logprobs is not None:
-            logprobs = [*(entry.first_logprobs or [None]), *logprobs]
-        return RequestOutput(output.request_id, None, list(entry.handoff.prompt_token_ids),
-                             [attrs.evolve(completion, token_ids=token_ids, text=text, logprobs=logprobs)],
-                             attrs.evolve(output.metrics, arrival_time=entry.arrival_time), error=output.error)
+        if logprobs:  # position 0 is the first token's, scored by the producer
+            logprobs = [(entry.first_logprobs or [None])[0], *logprobs[1:]]
+        return attrs.evolve(output, outputs=[attrs.evolve(completion, logprobs=logprobs)],
+                            metrics=attrs.evolve(output.metrics, arrival_time=entry.arrival_time),
+                            prompt_logprobs=entry.prompt_logprobs)
 
     def _decode(self, token_ids: list[int]) -> str:
         tokenizer = self.engine.tokenizer

@@ -1,6 +1,10 @@
 """`DisaggregatedLLM`: xPyD in one process. x prefill engines and y decode engines, each
 a whole `LLMEngine`, a KV transport between them (`[kv_transfer]`, in-process unless the
-config names another) and the P/D router placing each request."""
+config names another) and the P/D router placing each request.
+
+A request of n > 1 completions is n handoffs: each completion is prefilled as a request of
+its own (seed + i, as one engine seeds completion i) on one prefill engine, and decoded on;
+their outputs are merged into the request's once all have ended."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import attrs
 from servelab.config import EngineConfig
 from servelab.disagg.consumer import DecodeWorker
 from servelab.disagg.producer import PrefillWorker
-from servelab.disagg.requests import check_disaggregable
+from servelab.disagg.requests import merged_output, split_completions
 from servelab.disagg.routing import PDRouter, mint_transfer_id
 from servelab.engine import LLMEngine
 from servelab.engine_setup import build_kv_transport
@@ -24,6 +28,24 @@ from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
 
 DEFAULT_LEASE_S = 30.0
+
+
+@attrs.define
+class _Request:
+    """One request as the router follows it: its completions, each a transfer of its own."""
+
+    transfer_ids: list[str]  # by completion index; completion 0's is the request's id
+    arrival: float  # on the deployment's clock
+    ended: list[RequestOutput | None]  # by completion index, once each has ended
+    first_token: float | None = None  # when its first token came (the deployment's clock)
+
+
+@attrs.define
+class _Completion:
+    request_id: str
+    index: int
+    params: SamplingParams  # this completion's (servelab.disagg.requests.completion_params)
+    lora_request: Any = None
 
 
 class DisaggregatedLLM:
@@ -62,8 +84,8 @@ class DisaggregatedLLM:
         engine = self.prefill[0].engine
         self.router = PDRouter(self.registry, prefill_engines, decode_engines, engine.config.engine.block_size,
                                engine.limits.num_kv_blocks)
-        self._params: dict[str, tuple[SamplingParams, float]] = {}  # transfer id -> params, arrival
-        self._first_token: dict[str, float] = {}  # transfer id -> when its first token came (the deployment's clock)
+        self._requests: dict[str, _Request] = {}  # request id -> the request
+        self._completions: dict[str, _Completion] = {}  # transfer id -> the completion it carries
 
     @property
     def tokenizer(self):
@@ -82,79 +104,115 @@ class DisaggregatedLLM:
 
     # ------------------------------------------------------------ requests
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> str:
-        """Route a request to a prefill engine; returns its transfer id (RequestError: refused)."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    lora_request: Any = None) -> str:
+        """Route a request (with the LoRA adapter `lora_request`, or none) to a prefill
+        engine; returns its id, its first completion's transfer id (RequestError: refused)."""
         params = params or SamplingParams()
-        check_disaggregable(params)
-        transfer_id = mint_transfer_id()
-        token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        choice = self.router.choose_prefill(RouteRequest(transfer_id, token_ids, params.max_tokens),
-                                            [w.engine for w in self.prefill])
-        arrival = self.clock()
-        self.prefill[choice].add(transfer_id, list(token_ids), params, arrival_time=None)  # a text prompt encoded
-        self._params[transfer_id] = (params, arrival)
-        return transfer_id
+        completions = split_completions(params)
+        transfer_ids = [mint_transfer_id() for _ in completions]
+        request_id = transfer_ids[0]
+        token_ids = list(prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt))
+        worker = self.prefill[self.router.choose_prefill(RouteRequest(request_id, token_ids, params.max_tokens),
+                                                         [w.engine for w in self.prefill])]
+        try:
+            for transfer_id, completion in zip(transfer_ids, completions):  # one engine: they share its prefix cache
+                worker.add(transfer_id, token_ids, completion, arrival_time=None, lora_request=lora_request)
+        except RequestError:
+            for transfer_id in transfer_ids:
+                worker.abort(transfer_id)
+            raise
+        self._requests[request_id] = _Request(transfer_ids, self.clock(), [None] * len(completions))
+        for index, (transfer_id, completion) in enumerate(zip(transfer_ids, completions)):
+            self._completions[transfer_id] = _Completion(request_id, index, completion, lora_request)
+        return request_id
 
-    def abort(self, transfer_id: str) -> None:
-        self.forget(transfer_id)
-        for worker in self.prefill:
-            worker.abort(transfer_id)
-        for worker in self.decode:
-            worker.abort(transfer_id)
+    def abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        transfer_ids = request.transfer_ids if request is not None else [request_id]
+        self.forget(request_id)
+        for transfer_id in transfer_ids:
+            for worker in [*self.prefill, *self.decode]:
+                worker.abort(transfer_id)
 
     def forget(self, transfer_id: str) -> None:
-        """The request ended outside a step (its decode engine died): stop tracking it."""
-        self._params.pop(transfer_id, None)
-        self._first_token.pop(transfer_id, None)
+        """The request of a completion ended outside a step (its decode engine died): stop
+        tracking it."""
+        completion = self._completions.get(transfer_id)
+        request = self._requests.pop(completion.request_id if completion is not None else transfer_id, None)
+        for other in request.transfer_ids if request is not None else ():
+            self._completions.pop(other, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self._params) or any(w.num_holds for w in self.prefill)
+        return bool(self._requests) or any(w.num_holds for w in self.prefill)
 
     def step(self) -> list[RequestOutput]:
         """One step of every engine with work; the requests that finished."""
-        finished: list[RequestOutput] = []
+        ended: list[RequestOutput] = []  # completions' outputs
         for worker in self.prefill:
             for done in worker.step():
-                entry = self._params.get(done.transfer_id)
-                if entry is None:
+                completion = self._completions.get(done.transfer_id)
+                if completion is None:
                     continue  # aborted meanwhile
-                self._first_token[done.transfer_id] = self.clock()
+                request = self._requests[completion.request_id]
+                if request.first_token is None:
+                    request.first_token = self.clock()
                 if done.handoff is None:
-                    finished.append(done.output)
+                    ended.append(done.output)
                     continue
-                params, arrival = entry
-                request = RouteRequest(done.transfer_id, [*done.handoff.prompt_token_ids, done.handoff.first_token_id],
-                                       params.max_tokens - 1)
-                consumer = self.decode[self.router.choose_decode(request, [w.engine for w in self.decode])]
-                output = consumer.accept(done.handoff, params, arrival, done.output.outputs[0].logprobs)
+                output = self._hand_to_decode(done, completion, request.arrival)
                 if output is not None:
-                    finished.append(output)
+                    ended.append(output)
         for worker in self.decode:
-            finished.extend(worker.step())
-        return [self._timed(output) for output in finished]
+            ended.extend(worker.step())
+        return [output for output in map(self._completion_ended, ended) if output is not None]
 
-    def _timed(self, output: RequestOutput) -> RequestOutput:
+    def _hand_to_decode(self, done: Any, completion: _Completion, arrival: float) -> RequestOutput | None:
+        """A decode engine takes the handoff (with what the prefill engine scored); the
+        completion's output if it ended there."""
+        handoff = done.handoff
+        request = RouteRequest(handoff.transfer_id, [*handoff.prompt_token_ids, handoff.first_token_id],
+                               completion.params.max_tokens - 1)
+        consumer = self.decode[self.router.choose_decode(request, [w.engine for w in self.decode])]
+        return consumer.accept(handoff, completion.params, arrival, done.output.outputs[0].logprobs,
+                               done.output.prompt_logprobs, completion.lora_request)
+
+    def _completion_ended(self, output: RequestOutput) -> RequestOutput | None:
+        """The request's output once its last completion has ended (`output` is one's), else None."""
+        completion = self._completions.pop(output.request_id, None)
+        if completion is None:
+            return None  # its request was aborted or forgotten
+        request = self._requests[completion.request_id]
+        request.ended[completion.index] = output
+        if any(o is None for o in request.ended):
+            return None
+        del self._requests[completion.request_id]
+        return self._timed(merged_output(completion.request_id, request.ended), request)
+
+    def _timed(self, output: RequestOutput, request: _Request) -> RequestOutput:
         """`output` with its times on the deployment's clock: arrival at the router, first
         token from the prefill engine, finish now (each engine keeps its own clock)."""
-        params = self._params.pop(output.request_id, None)
-        first = self._first_token.pop(output.request_id, None)
-        if params is None:
-            return output
         now = self.clock()
+        first = request.first_token if request.first_token is not None else now
         return attrs.evolve(output, metrics=attrs.evolve(
-            output.metrics, arrival_time=params[1], first_scheduled_time=None,
-            first_token_time=first if first is not None else now, finish_time=now))
+            output.metrics, arrival_time=request.arrival, first_scheduled_time=None, first_token_time=first,
+            finish_time=now))
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 timeout_s: float = 600.0) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order (request_id: its transfer id)."""
+                 timeout_s: float = 600.0, lora_request: Any = None) -> list[RequestOutput]:
+        """Run every prompt to completion, each with the LoRA adapter `lora_request` (one for
+        all, or one per prompt) or none; outputs in prompt order (request_id: its first
+        completion's transfer id)."""
         prompt_list = [prompts] if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)) else list(prompts)
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
         if len(params_list) != len(prompt_list):
             raise RequestError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        adapters = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompt_list)
+        if len(adapters) != len(prompt_list):
+            raise RequestError(f"{len(adapters)} lora_requests for {len(prompt_list)} prompts")
+        ids = [self.add_request(p, sp, adapter) for p, sp, adapter in zip(prompt_list, params_list, adapters)]
         outputs: dict[str, RequestOutput] = {}
         deadline = time.monotonic() + timeout_s
         while len(outputs) < len(ids):

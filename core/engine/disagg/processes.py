@@ -10,6 +10,9 @@ A prefill process that dies takes its holds with it; the router notices (the pro
 not alive) and ends each request it had there by the failure policy: `recompute` sends
 the whole request to a decode engine (counted, and logged as a warning), `fail` ends it
 with an error. A handoff already offered stays loadable until its lease lapses.
+
+A request of n > 1 completions is n handoffs, one per completion (as `DisaggregatedLLM`
+splits it), its output merged once every completion has ended.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import queue
 import time
 from typing import Any, Mapping, Sequence as Seq
 
-from servelab.disagg.requests import check_disaggregable
+import attrs
+
+from servelab.disagg.requests import merged_output, split_completions
 from servelab.disagg.routing import mint_transfer_id
 from servelab.errors import ConfigError
 from servelab.logging_setup import get_logger
@@ -30,6 +35,18 @@ from servelab.sampling_params import SamplingParams
 logger = get_logger(__name__)
 
 _IDLE_WAIT_S = 0.01
+
+
+@attrs.define
+class _Completion:
+    """One completion of a request, a transfer of its own."""
+
+    request_id: str
+    index: int
+    prompt: list[int] | str
+    params: SamplingParams  # this completion's (servelab.disagg.requests.completion_params)
+    prefill: str  # the prefill engine it was sent to
+    lora_request: Any = None
 
 
 def _role_main(role: str, name: str, config: Mapping[str, Any], lease_s: float, failure_policy: str,
@@ -106,7 +123,8 @@ class ProcessDeployment:
                 self.engines[name] = (process, commands, role)
         self.engine_metrics: dict[str, dict[str, float]] = {}  # per engine, as of the last used_blocks()
         self._outputs: list[RequestOutput] = []
-        self._requests: dict[str, tuple[list[int] | str, SamplingParams, str]] = {}  # id -> prompt, params, prefill
+        self._completions: dict[str, _Completion] = {}  # transfer id -> its completion
+        self._ended: dict[str, list[RequestOutput | None]] = {}  # request id -> its completions' outputs so far
         self._prefilled: set[str] = set()
         self._next_decode = itertools.cycle([n for n, (_, _, r) in self.engines.items() if r == "consumer"])
         self._next_prefill = itertools.cycle([n for n, (_, _, r) in self.engines.items() if r == "producer"])
@@ -120,17 +138,22 @@ class ProcessDeployment:
 
     # ------------------------------------------------------------ requests
 
-    def add_request(self, prompt: list[int] | str, params: SamplingParams) -> str:
-        check_disaggregable(params)
-        transfer_id = mint_transfer_id()
+    def add_request(self, prompt: list[int] | str, params: SamplingParams, lora_request: Any = None) -> str:
+        """Send a request's completions to a prefill engine; returns its id (its first
+        completion's transfer id)."""
+        completions = split_completions(params)
+        transfer_ids = [mint_transfer_id() for _ in completions]
         name = next(n for n in self._next_prefill if n not in self.dead)
-        self._requests[transfer_id] = (prompt, params, name)
-        self.engines[name][1].put(("add", transfer_id, prompt, params, None))
-        return transfer_id
+        self._ended[transfer_ids[0]] = [None] * len(completions)
+        for index, (transfer_id, completion) in enumerate(zip(transfer_ids, completions)):
+            self._completions[transfer_id] = _Completion(transfer_ids[0], index, prompt, completion, name,
+                                                         lora_request)
+            self.engines[name][1].put(("add", transfer_id, prompt, completion, None, lora_request))
+        return transfer_ids[0]
 
-    def generate(self, prompts: Seq[list[int] | str], params: Seq[SamplingParams], timeout_s: float = 120.0
-                 ) -> list[RequestOutput]:
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+    def generate(self, prompts: Seq[list[int] | str], params: Seq[SamplingParams], timeout_s: float = 120.0,
+                 lora_request: Any = None) -> list[RequestOutput]:
+        ids = [self.add_request(p, sp, lora_request) for p, sp in zip(prompts, params)]
         return self.wait(ids, timeout_s)
 
     def wait(self, ids: Seq[str], timeout_s: float) -> list[RequestOutput]:
@@ -202,22 +225,30 @@ class ProcessDeployment:
         if kind == "prefilled":
             _, transfer_id, output, handoff = message
             self._prefilled.add(transfer_id)
-            entry = self._requests.get(transfer_id)
-            if entry is None:
+            completion = self._completions.get(transfer_id)
+            if completion is None:
                 return
             if handoff is None:
                 self._finish(output)
                 return
             decode = next(self._next_decode)
-            self.engines[decode][1].put(("accept", handoff, entry[1], output.metrics.arrival_time,
-                                         output.outputs[0].logprobs))
+            self.engines[decode][1].put(("accept", handoff, completion.params, output.metrics.arrival_time,
+                                         output.outputs[0].logprobs, output.prompt_logprobs,
+                                         completion.lora_request))
         elif kind == "output":
             self._finish(message[1])
 
     def _finish(self, output: RequestOutput) -> None:
-        self._requests.pop(output.request_id, None)
+        """One completion ended: its request's output once it was the last."""
+        completion = self._completions.pop(output.request_id, None)
         self._prefilled.discard(output.request_id)
-        self._outputs.append(output)
+        if completion is None:
+            return
+        ended = self._ended[completion.request_id]
+        ended[completion.index] = output
+        if all(o is not None for o in ended):
+            del self._ended[completion.request_id]
+            self._outputs.append(merged_output(completion.request_id, ended))
 
     def _check_prefill_engines(self) -> None:
         """End, by the failure policy, the requests a dead prefill process had not handed on."""
@@ -225,13 +256,15 @@ class ProcessDeployment:
             if role != "producer" or name in self.dead or process.is_alive():
                 continue
             self.dead.add(name)
-            lost = [tid for tid, (_, _, at) in self._requests.items() if at == name and tid not in self._prefilled]
+            lost = [tid for tid, c in self._completions.items() if c.prefill == name and tid not in self._prefilled]
             logger.warning("kv_transfer.prefill_engine_died", engine=name, requests=len(lost),
                            failure_policy=self.failure_policy)
             for transfer_id in lost:
-                prompt, params, _ = self._requests[transfer_id]
+                completion = self._completions[transfer_id]
+                prompt = completion.prompt
                 if self.failure_policy == "recompute":
-                    self.engines[next(self._next_decode)][1].put(("recompute", transfer_id, prompt, params))
+                    self.engines[next(self._next_decode)][1].put(("recompute", transfer_id, prompt,
+                                                                  completion.params, completion.lora_request))
                 else:
                     now = time.perf_counter()
                     self._finish(RequestOutput(transfer_id, None, list(prompt) if isinstance(prompt, list) else [],

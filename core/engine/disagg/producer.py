@@ -17,10 +17,10 @@ import attrs
 
 from servelab.disagg.data_path import RunnerDataPath
 from servelab.disagg.metrics import TransferMetrics
-from servelab.disagg.requests import prefill_params
+from servelab.disagg.requests import handoff_block_hashes, prefill_params
 from servelab.errors import ConfigError
 from servelab.interfaces import (TERMINAL_STATES, BlockPayload, Handoff, KVDataPath, KVTransport,
-                                 PrefixCachingAllocator, Sequence, prefix_block_hashes)
+                                 PrefixCachingAllocator, Sequence)
 from servelab.logging_setup import get_logger
 from servelab.outputs import RequestOutput
 from servelab.request import RequestSpec
@@ -37,6 +37,13 @@ class PrefillDone:
     transfer_id: str
     output: RequestOutput
     handoff: Handoff | None = None
+
+
+@attrs.define
+class _Prefill:
+    generator: Any  # its seeded generator, or None; kept here because a finished request lets go of its own
+    params: SamplingParams  # the client's
+    lora_id: int = 0  # the LoRA adapter it runs with (0: the base model)
 
 
 @attrs.define
@@ -64,20 +71,20 @@ class PrefillWorker:
         self.data_path = data_path or RunnerDataPath(engine.runner, engine.config.engine.kv_cache_dtype,
                                                      self.block_size)
         self.metrics = TransferMetrics("prefill")
-        # transfer id -> (its seeded generator or None, the client's params); the generator is
-        # kept here because a finished request lets go of its own
-        self._requests: dict[str, tuple[Any, SamplingParams]] = {}
+        self._requests: dict[str, _Prefill] = {}  # transfer id -> its prefill in the engine
         self._holds: dict[str, _Hold] = {}  # transfer id -> its held blocks
 
     # ------------------------------------------------------------ requests
 
     def add(self, transfer_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float | None = None) -> None:
-        """Queue the prefill of a request named by the router's `transfer_id` (RequestError: refused)."""
+            arrival_time: float | None = None, lora_request: Any = None) -> None:
+        """Queue the prefill of one completion named by the router's `transfer_id`, with the
+        LoRA adapter `lora_request` or none (RequestError: refused)."""
         [record] = self.engine.prepare_requests([RequestSpec(list(prompt_token_ids), prefill_params(params),
-                                                             transfer_id, arrival_time=arrival_time)])
+                                                             transfer_id, arrival_time=arrival_time,
+                                                             lora_request=lora_request)])
         self.engine.admit([record])
-        self._requests[transfer_id] = (record.generators[0], params)
+        self._requests[transfer_id] = _Prefill(record.generators[0], params, record.first.lora_id)
 
     def abort(self, transfer_id: str) -> None:
         """The client went away: stop the prefill, or end the transfer and free its hold."""
@@ -128,14 +135,19 @@ class PrefillWorker:
                 self._free(transfer_id)
 
     def _finished(self, output: RequestOutput) -> PrefillDone | None:
-        entry = self._requests.pop(output.request_id, None)
+        entry = self._requests.get(output.request_id)
         if entry is None:
             return None
-        generator, params = entry
+        done = self._hand_on(output, entry)
+        del self._requests[output.request_id]
+        return done
+
+    def _hand_on(self, output: RequestOutput, entry: _Prefill) -> PrefillDone:
         transfer_id = output.request_id
-        if output.finish_reason != "length" or params.max_tokens <= 1:
+        if output.finish_reason != "length" or entry.params.max_tokens <= 1:
             return PrefillDone(transfer_id, output)  # the first token ended it, or it failed
         started = time.perf_counter()
+        generator = entry.generator
         state = bytes(generator.get_state().numpy().tobytes()) if generator is not None else None
         handoff, payloads = self.hold_on_finish(transfer_id, output.prompt_token_ids, output.token_ids[0], state)
         if not payloads:  # a prompt shorter than a block: nothing held, nothing to move
@@ -154,15 +166,19 @@ class PrefillWorker:
     def hold_on_finish(self, transfer_id: str, prompt_token_ids: Seq[int], first_token_id: int,
                        sampler_state: bytes | None) -> tuple[Handoff, list[BlockPayload]]:
         """Hold the finished prefill's full prompt blocks (from the prefix cache, before
-        anything evicts them) under a lease; the handoff and the blocks' payloads."""
+        anything evicts them, cached under the request's LoRA adapter if it has one) under
+        a lease; the handoff and the blocks' payloads."""
         prompt = list(prompt_token_ids)
-        holder = Sequence(hold_id(transfer_id), prompt + [first_token_id], SamplingParams(max_tokens=1), self.clock())
+        entry = self._requests.get(transfer_id)
+        lora_id = entry.lora_id if entry is not None else 0
+        holder = Sequence(hold_id(transfer_id), prompt + [first_token_id], SamplingParams(max_tokens=1), self.clock(),
+                          lora_id=lora_id)
         allocator = self.engine.allocator
         num_blocks = allocator.match_prefix(holder) // self.block_size
         blocks = list(allocator.block_table(holder.request_id))[:num_blocks]
         deadline = self.clock() + self.lease_s
         handoff = Handoff(transfer_id=transfer_id, producer=self.name, prompt_token_ids=tuple(prompt),
-                          block_hashes=tuple(prefix_block_hashes(prompt, self.block_size)[:num_blocks]),
+                          block_hashes=tuple(handoff_block_hashes(prompt, self.block_size, lora_id)[:num_blocks]),
                           num_tokens=len(prompt), layout=self.data_path.layout(), lease_deadline=deadline,
                           first_token_id=first_token_id, sampler_state=sampler_state)
         if not num_blocks:
