@@ -3,7 +3,8 @@
 streamed or not, token-identical to one colocated engine; every request kind (n > 1,
 penalties, logit bias, min_tokens, bad words, structured output, logits processors, prompt
 logprobs, a LoRA adapter) served as one colocated engine serves it; a client abort
-mid-stream leaves no KV block held on either replica; both
+mid-stream leaves no KV block held on either replica; a request an engine refuses is a 400
+naming the problem, the requests beside it served and both replicas up; both
 replicas throttled (slow, inside their timeouts): the same completions, nothing recomputed;
 the prefill replica's process killed mid-stream: every request ends within a bound with its
 recomputed completion, and no replica left holds a block; and stopped (SIGSTOP): the
@@ -370,6 +371,41 @@ def test_a_client_abort_mid_stream_frees_both_replicas(server):
                         and _idle(m), timeout=10)
 
 
+REFUSED = {"JSON schema is invalid": {"response_format": {"type": "json_schema", "json_schema": {
+               "name": "n", "schema": {"type": "nonsense"}}}},
+           "regex is invalid": {"structured_outputs": {"regex": "((("}}}  # bad input only an engine finds
+
+
+def _refusal(client: httpx.Client, fields: dict) -> tuple[int, str]:
+    reply = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.0,
+                                                 **fields})
+    return reply.status_code, reply.json()["error"]["message"] if reply.status_code != 200 else reply.text
+
+
+def test_a_request_a_replica_refuses_is_a_400_naming_it_and_the_others_are_served(server, expected):
+    """Requests the prefill replica's engine refuses (a JSON schema it cannot compile, a regex
+    that does not parse), sent while others are in flight: each a 400 naming the problem;
+    the others one colocated engine's tokens, both replicas up, no block left held."""
+    _, short, _ = expected
+
+    def ask(prompt: str) -> list[int]:
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 12, **GREEDY},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["token_ids"]
+
+    with httpx.Client(base_url=server.url, timeout=60) as client, \
+            concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = [pool.submit(ask, prompt) for prompt in PROMPTS]
+        refusals = [_refusal(client, fields) for fields in REFUSED.values()]
+        assert [answer.result() for answer in answers] == short
+    for reason, (status, message) in zip(REFUSED, refusals):
+        assert status == 400 and reason in message, (status, message)
+    metrics = server.wait_metrics(_idle, timeout=10)
+    assert metrics['servelab_replica_up{replica="prefill-0"}'] == 1
+    assert metrics['servelab_replica_up{replica="decode-0"}'] == 1
+
+
 def test_slow_prefill_and_decode_replicas_answer_as_one_engine_and_nothing_fails_over(server, expected):
     """Both replicas throttled at once (each stopped 0.2 s at a time, inside the lease and
     the liveness timeout): every completion is one colocated engine's, no handoff is
@@ -441,6 +477,9 @@ def test_a_killed_prefill_replica_ends_each_request_within_the_bound_and_leaks_n
     log = server.log()
     assert "disagg.replica_died" in log and log.count("kv_transfer.prefill_lost") == len(others)
     with httpx.Client(base_url=server.url, timeout=60) as client:  # served whole on the decode replica now
+        for reason, fields in REFUSED.items():  # which refuses bad input by name, as the prefill replica did
+            status, message = _refusal(client, fields)
+            assert status == 400 and reason in message, (status, message)
         reply = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 40, **GREEDY})
         assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == longer[2][0]
         assert client.get("/health").status_code == 200
@@ -781,6 +820,42 @@ def test_a_silent_prefill_replica_is_killed_and_its_requests_recomputed_not_left
             done = await _last_event(events)
             assert done.output.token_ids == [7, 8] and done.output.finish_reason == "length"
             assert failures == [] and engine.stalled_seconds() < 1.0  # /health stays 200
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_request_the_decode_replica_refuses_when_recomputing_ends_with_its_reason():
+    """Recomputed on the decode replica, a request its engine refuses: a new one (no prefill
+    replica left) is refused at its add (a 400), one taken in before its prefill replica
+    died ends with an error naming the problem; nothing is left in flight."""
+    import asyncio
+
+    from servelab import SamplingParams
+    from servelab.errors import RequestError
+    from servelab.server.engine_core import EMPTY_SNAPSHOT, NewRequest
+
+    report = (EMPTY_SNAPSHOT, {}, None)
+
+    async def run():
+        engine, prefill, decode, failures = _front_end("recompute")
+        engine.start()
+        try:
+            events, transfer_id = await _added(engine, prefill, "r0")
+            engine._replica_died(prefill, "killed")
+            assert decode.sent[-1][:2] == ("recompute", transfer_id)
+            engine._handle(decode, [("added", transfer_id, "structured output regex is invalid")], report)
+            ended = await _last_event(events)
+            assert ended.output.finish_reason == "error" and "regex is invalid" in ended.output.error
+            adding = asyncio.ensure_future(engine.add([NewRequest("r1", [5] * 20, SamplingParams(max_tokens=4),
+                                                                  engine.clock())]))
+            await asyncio.sleep(0)
+            assert decode.sent[-1][0] == "recompute"
+            engine._handle(decode, [("added", decode.sent[-1][1], "structured output regex is invalid")], report)
+            with pytest.raises(RequestError, match="regex is invalid"):
+                await adding
+            assert engine.num_in_flight == 0 and failures == []
         finally:
             await engine.shutdown()
 

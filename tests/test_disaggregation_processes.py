@@ -1,13 +1,14 @@
 """xPyD with one process per engine (servelab.disagg.processes): output identical to one
-colocated engine through the shared-files transport; a prefill process killed mid-stream
-ends each of its requests by the failure policy within a bound, and no engine left holds
-a KV block."""
+colocated engine through the shared-files transport, for token and text prompts; a prefill
+process killed mid-stream ends each of its requests by the failure policy within a bound,
+and no engine left holds a KV block; a request an engine refuses ends with an error naming
+the problem, the requests beside it served and both processes alive."""
 
 from __future__ import annotations
 
 import pytest
 
-from servelab import SamplingParams
+from servelab import LoRARequest, SamplingParams, StructuredOutput
 from servelab.disagg.processes import ProcessDeployment
 from servelab.llm import LLM
 
@@ -60,3 +61,40 @@ def test_two_processes_match_one_engine_and_survive_a_killed_prefill(servelab_ti
             o.finish_reason == "error" and "died" in o.error for o in ended)
         assert lost >= 1  # the kill caught requests before their handoff
     assert all(not process.is_alive() for process, _, _ in deployment.engines.values())
+
+
+def test_text_prompts_are_one_engine_s_and_a_refused_request_ends_alone(tmp_path):
+    """Text prompts are tokenized as one colocated engine tokenizes them, and a prompt whose
+    first token fills max_model_len ends as on one engine. Requests the prefill engine
+    refuses (a prompt longer than max_model_len, an adapter it does not serve, a regex that
+    does not parse, with n=2) are queued between good ones: each ends with an error naming
+    the problem, the good ones get one colocated engine's output, both processes live on
+    and neither holds a KV block."""
+    config = {"engine": {"model": "builtin:tiny", "block_size": 4, "num_kv_blocks": 96, "max_num_seqs": 4,
+                         "max_model_len": 128}, "allocator": {"name": "hash"},
+              "kv_transfer": {"name": "shared-files", "path": str(tmp_path / "kv")}}
+    texts = ["The capital of France is", "Once upon a time there was a cat"]
+    good_prompts = [*texts, list(range(5, 5 + 127))]  # the last: its first token fills the context
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm = LLM(config={k: v for k, v in config.items() if k != "kv_transfer"})
+    try:
+        expected = [(o.prompt, o.prompt_token_ids, o.token_ids, o.outputs[0].text)
+                    for o in llm.generate(good_prompts, greedy)]
+    finally:
+        llm.close()
+    refused = {"prompt has 202 tokens, more than max_model_len=128": ("word " * 200, greedy, None),
+               "serves no LoRA adapters": (texts[0], greedy, LoRARequest("absent", 1, str(tmp_path / "absent"))),
+               "regex is invalid": (texts[1], SamplingParams(n=2, max_tokens=6, structured=StructuredOutput.regex(
+                   "(((")), None)}
+    with ProcessDeployment(config) as deployment:
+        good, bad = [], []
+        for prompt, (bad_prompt, params, adapter) in zip(good_prompts, refused.values()):
+            good.append(deployment.add_request(prompt, greedy))
+            bad.append(deployment.add_request(bad_prompt, params, adapter))
+        outputs = deployment.wait(good, timeout_s=60)
+        assert [(o.prompt, o.prompt_token_ids, o.token_ids, o.outputs[0].text) for o in outputs] == expected
+        for reason, output in zip(refused, deployment.wait(bad, timeout_s=60)):
+            assert {c.finish_reason for c in output.outputs} == {"error"} and reason in output.error, output.error
+        assert all(process.is_alive() for process, _, _ in deployment.engines.values())
+        assert deployment.used_blocks() == {"prefill-0": 0, "decode-0": 0}
+        assert deployment.engine_metrics["decode-0"]["recomputes"] == 0  # every good one was handed over

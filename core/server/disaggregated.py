@@ -31,6 +31,10 @@ Failures, per the deployment's failure policy (`--kv-failure-policy`):
   the server has failed (exit code 1, as when every `--replicas` replica has).
 - a client that goes away aborts its request on both replicas: the prefill stopped or
   its hold freed, the transfer aborted, the decode replica's blocks freed.
+- a request a replica's engine refuses (bad input) is refused at its add, RequestError (a
+  400) naming the problem, by the prefill replica or by the decode replica computing it
+  whole; one recomputed after its prefill replica was lost ends with that error. The
+  replica serves on.
 """
 
 from __future__ import annotations
@@ -324,9 +328,7 @@ class DisaggregatedEngine:
         for message in messages:
             kind = message[0]
             if kind == "added":
-                state = self._by_transfer.get(message[1])
-                if state is not None and state.added is not None and not state.added.done():
-                    state.added.set_result(message[2])
+                self._added(message[1], message[2], finished)
             elif kind == "prefilled":
                 self._prefilled(*message[1:], tokens, finished, logprobs, prompt_logprobs)
             elif kind == "step":
@@ -338,6 +340,16 @@ class DisaggregatedEngine:
             elif kind == "failed":
                 logger.error("disagg.replica_engine_failed", replica=replica.name, error=message[1])
         self._put(replica, tokens, finished, logprobs, prompt_logprobs)
+
+    def _added(self, transfer_id: str, refusal: str | None, finished: list[RequestOutput]) -> None:
+        """A replica took a completion in, or refused it (bad input: `refusal` names the problem)."""
+        state = self._by_transfer.get(transfer_id)
+        if state is None:
+            return
+        if state.added is not None and not state.added.done():
+            state.added.set_result(refusal)  # the client's add is still waiting: a refusal is its 400
+        elif refusal is not None:  # recomputed after its prefill replica was lost, its add long answered
+            finished.append(self._ended_early(state, "error", refusal))
 
     def _prefilled(self, transfer_id: str, output: RequestOutput, handoff: Any, tokens: dict[str, list[int]],
                    finished: list[RequestOutput], logprobs: dict[str, list[Any]],

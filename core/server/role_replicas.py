@@ -160,10 +160,8 @@ class RoleActor:
             if output is not None:
                 self._emit(("step", {}, [output], {}))
         elif kind == "recompute":  # consumer: (transfer id, prompt, params, LoRA adapter)
-            output = worker.recompute(*args)
-            self._emit(("added", args[0], None))
-            if output is not None:
-                self._emit(("step", {}, [output], {}))
+            refused = worker.recompute(*args)  # the request's error output when the engine refused it
+            self._emit(("added", args[0], refused.error if refused is not None else None))
         elif kind == "abort":
             for transfer_id in args[0]:
                 worker.abort(transfer_id)

@@ -115,13 +115,7 @@ class DisaggregatedLLM:
         token_ids = list(prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt))
         worker = self.prefill[self.router.choose_prefill(RouteRequest(request_id, token_ids, params.max_tokens),
                                                          [w.engine for w in self.prefill])]
-        try:
-            for transfer_id, completion in zip(transfer_ids, completions):  # one engine: they share its prefix cache
-                worker.add(transfer_id, token_ids, completion, arrival_time=None, lora_request=lora_request)
-        except RequestError:
-            for transfer_id in transfer_ids:
-                worker.abort(transfer_id)
-            raise
+        worker.add_completions(transfer_ids, token_ids, completions, lora_request=lora_request)
         self._requests[request_id] = _Request(transfer_ids, self.clock(), [None] * len(completions))
         for index, (transfer_id, completion) in enumerate(zip(transfer_ids, completions)):
             self._completions[transfer_id] = _Completion(request_id, index, completion, lora_request)

@@ -13,6 +13,10 @@ with an error. A handoff already offered stays loadable until its lease lapses.
 
 A request of n > 1 completions is n handoffs, one per completion (as `DisaggregatedLLM`
 splits it), its output merged once every completion has ended.
+
+A request an engine refuses (bad input: RequestError) ends with an error naming the
+problem, its completions all or none queued; the engine process, its other requests and
+its KV blocks are untouched.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import attrs
 
 from servelab.disagg.requests import merged_output, split_completions
 from servelab.disagg.routing import mint_transfer_id
-from servelab.errors import ConfigError
+from servelab.errors import ConfigError, RequestError
 from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from servelab.sampling_params import SamplingParams
@@ -74,23 +78,9 @@ def _role_main(role: str, name: str, config: Mapping[str, Any], lease_s: float, 
         except queue.Empty:
             command = None
         if command is not None:
-            kind, *args = command
-            if kind == "stop":
+            if command[0] == "stop":
                 break
-            if kind == "add":
-                worker.add(*args)
-            elif kind == "accept":
-                output = worker.accept(*args)
-                if output is not None:
-                    results.put(("output", output))
-            elif kind == "recompute":
-                output = worker.recompute(*args)
-                if output is not None:
-                    results.put(("output", output))
-            elif kind == "abort":
-                worker.abort(args[0])
-            elif kind == "stats":
-                results.put(("stats", name, engine.allocator.stats().num_used_blocks, worker.metrics.as_dict()))
+            _run_command(command, worker, engine, name, results)
             continue
         if role == "producer":
             for done in worker.step():
@@ -99,6 +89,25 @@ def _role_main(role: str, name: str, config: Mapping[str, Any], lease_s: float, 
             for output in worker.step():
                 results.put(("output", output))
     transport.close()
+
+
+def _run_command(command: tuple, worker: Any, engine: Any, name: str, results: Any) -> None:
+    """One command from the router; what it answers goes on `results`."""
+    kind, *args = command
+    if kind == "add":  # a request's completions, all or none; a refusal is the request's error alone
+        transfer_ids = args[0]
+        try:
+            worker.add_completions(*args)
+        except RequestError as exc:
+            results.put(("refused", transfer_ids, str(exc)))
+    elif kind in ("accept", "recompute"):  # a request the engine refuses comes back as its error output
+        output = worker.accept(*args) if kind == "accept" else worker.recompute(*args)
+        if output is not None:
+            results.put(("output", output))
+    elif kind == "abort":
+        worker.abort(args[0])
+    elif kind == "stats":
+        results.put(("stats", name, engine.allocator.stats().num_used_blocks, worker.metrics.as_dict()))
 
 
 class ProcessDeployment:
@@ -139,8 +148,10 @@ class ProcessDeployment:
     # ------------------------------------------------------------ requests
 
     def add_request(self, prompt: list[int] | str, params: SamplingParams, lora_request: Any = None) -> str:
-        """Send a request's completions to a prefill engine; returns its id (its first
-        completion's transfer id)."""
+        """Send a request's completions to a prefill engine, which tokenizes a text prompt as
+        one engine does; returns its id (its first completion's transfer id). A request an
+        engine refuses (RequestError: too long a prompt, an adapter it cannot serve, a bad
+        schema) ends with finish_reason "error" and the reason in `error`."""
         completions = split_completions(params)
         transfer_ids = [mint_transfer_id() for _ in completions]
         name = next(n for n in self._next_prefill if n not in self.dead)
@@ -148,7 +159,7 @@ class ProcessDeployment:
         for index, (transfer_id, completion) in enumerate(zip(transfer_ids, completions)):
             self._completions[transfer_id] = _Completion(transfer_ids[0], index, prompt, completion, name,
                                                          lora_request)
-            self.engines[name][1].put(("add", transfer_id, prompt, completion, None, lora_request))
+        self.engines[name][1].put(("add", transfer_ids, prompt, completions, None, lora_request))
         return transfer_ids[0]
 
     def generate(self, prompts: Seq[list[int] | str], params: Seq[SamplingParams], timeout_s: float = 120.0,
@@ -237,6 +248,12 @@ class ProcessDeployment:
                                          completion.lora_request))
         elif kind == "output":
             self._finish(message[1])
+        elif kind == "refused":  # bad input: the request ends with the engine's reason, nothing else changes
+            _, transfer_ids, reason = message
+            for transfer_id in transfer_ids:
+                completion = self._completions.get(transfer_id)
+                if completion is not None:
+                    self._finish(_error_output(transfer_id, completion.prompt, reason))
 
     def _finish(self, output: RequestOutput) -> None:
         """One completion ended: its request's output once it was the last."""
@@ -248,7 +265,10 @@ class ProcessDeployment:
         ended[completion.index] = output
         if all(o is not None for o in ended):
             del self._ended[completion.request_id]
-            self._outputs.append(merged_output(completion.request_id, ended))
+            merged = merged_output(completion.request_id, ended)
+            if isinstance(completion.prompt, str):  # the decode engine was given its tokens
+                merged = attrs.evolve(merged, prompt=completion.prompt)
+            self._outputs.append(merged)
 
     def _check_prefill_engines(self) -> None:
         """End, by the failure policy, the requests a dead prefill process had not handed on."""
@@ -266,8 +286,12 @@ class ProcessDeployment:
                     self.engines[next(self._next_decode)][1].put(("recompute", transfer_id, prompt,
                                                                   completion.params, completion.lora_request))
                 else:
-                    now = time.perf_counter()
-                    self._finish(RequestOutput(transfer_id, None, list(prompt) if isinstance(prompt, list) else [],
-                                               [CompletionOutput(0, [], "", "error")],
-                                               RequestMetrics(now, None, None, now),
-                                               error=f"prefill engine {name} died"))
+                    self._finish(_error_output(transfer_id, prompt, f"prefill engine {name} died"))
+
+
+def _error_output(transfer_id: str, prompt: list[int] | str, reason: str) -> RequestOutput:
+    """A completion that ended with an error before any token."""
+    now = time.perf_counter()
+    return RequestOutput(transfer_id, prompt if isinstance(prompt, str) else None,
+                         list(prompt) if isinstance(prompt, list) else [], [CompletionOutput(0, [], "", "error")],
+                         RequestMetrics(now, None, None, now), error=reason)

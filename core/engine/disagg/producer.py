@@ -18,7 +18,7 @@ import attrs
 from servelab.disagg.data_path import RunnerDataPath
 from servelab.disagg.metrics import TransferMetrics
 from servelab.disagg.requests import handoff_block_hashes, prefill_params
-from servelab.errors import ConfigError
+from servelab.errors import ConfigError, RequestError
 from servelab.interfaces import (TERMINAL_STATES, BlockPayload, Handoff, KVDataPath, KVTransport,
                                  PrefixCachingAllocator, Sequence)
 from servelab.logging_setup import get_logger
@@ -76,15 +76,28 @@ class PrefillWorker:
 
     # ------------------------------------------------------------ requests
 
-    def add(self, transfer_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add(self, transfer_id: str, prompt: str | list[int], params: SamplingParams,
             arrival_time: float | None = None, lora_request: Any = None) -> None:
         """Queue the prefill of one completion named by the router's `transfer_id`, with the
-        LoRA adapter `lora_request` or none (RequestError: refused)."""
-        [record] = self.engine.prepare_requests([RequestSpec(list(prompt_token_ids), prefill_params(params),
-                                                             transfer_id, arrival_time=arrival_time,
-                                                             lora_request=lora_request)])
+        LoRA adapter `lora_request` or none (RequestError: refused, nothing queued). A text
+        prompt is tokenized by the engine, as one colocated engine tokenizes it."""
+        [record] = self.engine.prepare_requests([RequestSpec(prompt if isinstance(prompt, str) else list(prompt),
+                                                             prefill_params(params), transfer_id,
+                                                             arrival_time=arrival_time, lora_request=lora_request)])
         self.engine.admit([record])
         self._requests[transfer_id] = _Prefill(record.generators[0], params, record.first.lora_id)
+
+    def add_completions(self, transfer_ids: Seq[str], prompt: str | list[int], params: Seq[SamplingParams],
+                        arrival_time: float | None = None, lora_request: Any = None) -> None:
+        """Queue a request's completions (transfer `transfer_ids[i]` runs `params[i]`; on one
+        engine, they share its prefix cache), all or none: on RequestError none is left queued."""
+        try:
+            for transfer_id, completion in zip(transfer_ids, params):
+                self.add(transfer_id, prompt, completion, arrival_time, lora_request)
+        except RequestError:
+            for transfer_id in transfer_ids:
+                self.abort(transfer_id)
+            raise
 
     def abort(self, transfer_id: str) -> None:
         """The client went away: stop the prefill, or end the transfer and free its hold."""
@@ -144,7 +157,7 @@ class PrefillWorker:
 
     def _hand_on(self, output: RequestOutput, entry: _Prefill) -> PrefillDone:
         transfer_id = output.request_id
-        if output.finish_reason != "length" or entry.params.max_tokens <= 1:
+        if output.finish_reason != "length" or entry.params.max_tokens <= 1 or self._fills_context(output):
             return PrefillDone(transfer_id, output)  # the first token ended it, or it failed
         started = time.perf_counter()
         generator = entry.generator
@@ -162,6 +175,11 @@ class PrefillWorker:
         self.metrics.bytes += sum(len(p.data) for p in payloads)
         self.metrics.transfer_seconds += time.perf_counter() - started
         return PrefillDone(transfer_id, output, handoff)
+
+    def _fills_context(self, output: RequestOutput) -> bool:
+        """The prompt and the first token fill max_model_len: one engine stops there, so
+        the request ends here (a decode engine would refuse it, or sample past the limit)."""
+        return len(output.prompt_token_ids) + 1 >= self.engine.limits.max_model_len
 
     def hold_on_finish(self, transfer_id: str, prompt_token_ids: Seq[int], first_token_id: int,
                        sampler_state: bytes | None) -> tuple[Handoff, list[BlockPayload]]:
