@@ -153,3 +153,17 @@ def test_a_cached_library_is_imported_without_torch_s_build_step(monkeypatch):
     module = cpu_build.load_library()
     assert module.__name__ == cpu_build._flags()[0]
     assert Path(module.__file__).parent == cpu_build._build_directory()
+
+
+def test_a_signal_while_the_build_starts_ends_it_once_its_pid_is_held():
+    """SIGTERM that lands while Popen is still returning is held, not raised there (which
+    would leave the build running with no one holding its pid), and ends the watchdog as
+    soon as the child is named."""
+    ending = yielding_build._Ending()
+    ending.starting = True
+    ending(signal.SIGTERM, None)  # held
+    with pytest.raises(yielding_build._Terminated) as ended:
+        ending.started()
+    assert ended.value.args == (signal.SIGTERM,)
+    with pytest.raises(yielding_build._Terminated):
+        ending(signal.SIGINT, None)  # once started, at once

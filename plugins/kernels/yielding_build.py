@@ -104,8 +104,25 @@ class _Terminated(Exception):
     pass
 
 
-def _terminate(signum, frame) -> None:
-    raise _Terminated(signum)
+class _Ending:
+    """The ending signals' handler: raises _Terminated, except while the build is being
+    started, when it only remembers the signal (raised inside Popen, it would leave the
+    build running with no one holding its pid) and `started` raises it once `child` is set."""
+
+    def __init__(self) -> None:
+        self.starting = False
+        self.pending: int | None = None
+
+    def __call__(self, signum, frame) -> None:
+        if self.starting:
+            self.pending = signum
+        else:
+            raise _Terminated(signum)
+
+    def started(self) -> None:
+        self.starting = False
+        if self.pending is not None:
+            raise _Terminated(self.pending)
 
 
 def _kill_tree(root: int) -> None:
@@ -130,10 +147,13 @@ def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | 
     held = take_lock(lock) if lock else None
     if lock and held is None:
         return EXIT_LOCKED
-    previous = {signum: signal.signal(signum, _terminate) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    ending = _Ending()
+    previous = {signum: signal.signal(signum, ending) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     child = None
     try:
+        ending.starting = True
         child = subprocess.Popen(command, start_new_session=True)
+        ending.started()
         return _watch(child, keep_fresh, deadline, max_stopped)
     except _Terminated as exc:
         return 128 + exc.args[0]
