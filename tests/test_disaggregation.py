@@ -220,6 +220,19 @@ def test_a_request_that_ends_in_its_first_decode_step_frees_the_blocks_it_loaded
         assert [w.engine.allocator.stats().num_used_blocks for w in llm.decode] == [0]
 
 
+def test_a_refused_prompt_refuses_the_call_and_leaves_nothing_running(servelab_tiny_checkpoint):
+    """One prompt an engine refuses (longer than max_model_len) after good ones: generate
+    raises naming it, the prompts added before it are aborted (nothing left running or held),
+    and the next call is served as one engine serves it."""
+    cfg = config(servelab_tiny_checkpoint)
+    with DisaggregatedLLM(config=cfg) as llm:
+        with pytest.raises(RequestError, match="max_model_len"):
+            llm.generate([PROMPTS[0], PROMPTS[1], list(range(3, 203))], GREEDY[:3])
+        assert not llm.has_unfinished()
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == colocated(cfg, GREEDY)
+        assert set(llm.leaked_blocks().values()) == {0}
+
+
 def test_a_request_whose_first_token_ends_it_never_reaches_decode(servelab_tiny_checkpoint):
     cfg = config(servelab_tiny_checkpoint)
     with DisaggregatedLLM(config=cfg) as llm:

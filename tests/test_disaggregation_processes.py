@@ -69,7 +69,7 @@ def test_text_prompts_are_one_engine_s_and_a_refused_request_ends_alone(tmp_path
     refuses (a prompt longer than max_model_len, an adapter it does not serve, a regex that
     does not parse, with n=2) are queued between good ones: each ends with an error naming
     the problem, the good ones get one colocated engine's output, both processes live on
-    and neither holds a KV block."""
+    and neither holds a KV block; nor after a request aborted at once."""
     config = {"engine": {"model": "builtin:tiny", "block_size": 4, "num_kv_blocks": 96, "max_num_seqs": 4,
                          "max_model_len": 128}, "allocator": {"name": "hash"},
               "kv_transfer": {"name": "shared-files", "path": str(tmp_path / "kv")}}
@@ -98,3 +98,8 @@ def test_text_prompts_are_one_engine_s_and_a_refused_request_ends_alone(tmp_path
         assert all(process.is_alive() for process, _, _ in deployment.engines.values())
         assert deployment.used_blocks() == {"prefill-0": 0, "decode-0": 0}
         assert deployment.engine_metrics["decode-0"]["recomputes"] == 0  # every good one was handed over
+        # an aborted request stops wherever it is and holds nothing; the next is served as before
+        long = deployment.add_request(texts[0], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+        deployment.abort(long)
+        assert deployment.generate([good_prompts[1]], [greedy], timeout_s=60)[0].token_ids == expected[1][2]
+        assert deployment.used_blocks() == {"prefill-0": 0, "decode-0": 0}

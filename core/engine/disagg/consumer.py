@@ -108,19 +108,19 @@ class DecodeWorker:
         """Serve a whole request here, prefill included: its prefill engine was lost before
         handing it on. Counted in `recomputes` and logged; its output (or its error) comes
         from `step` (or here, when the engine refuses it)."""
-        self.metrics.recomputes += 1
-        logger.warning("kv_transfer.recompute", transfer_id=transfer_id, consumer=self.name,
-                       reason="its prefill engine was lost before the handoff")
         try:
             [record] = self.engine.prepare_requests([RequestSpec(prompt, params, transfer_id,
                                                                  lora_request=lora_request)])
             self.engine.admit([record])
-        except RequestError as exc:
+        except RequestError as exc:  # bad input: a failure, not a recompute
             self.metrics.failures += 1
             now = self.clock()
             return RequestOutput(transfer_id, None, list(prompt) if isinstance(prompt, list) else [],
                                  [CompletionOutput(0, [], "", "error")], RequestMetrics(now, None, None, now),
                                  error=str(exc))
+        self.metrics.recomputes += 1
+        logger.warning("kv_transfer.recompute", transfer_id=transfer_id, consumer=self.name,
+                       reason="its prefill engine was lost before the handoff")
         self._whole.add(transfer_id)
         return None
 

@@ -206,7 +206,14 @@ class DisaggregatedLLM:
         adapters = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompt_list)
         if len(adapters) != len(prompt_list):
             raise RequestError(f"{len(adapters)} lora_requests for {len(prompt_list)} prompts")
-        ids = [self.add_request(p, sp, adapter) for p, sp, adapter in zip(prompt_list, params_list, adapters)]
+        ids: list[str] = []
+        try:
+            for prompt, request_params, adapter in zip(prompt_list, params_list, adapters):
+                ids.append(self.add_request(prompt, request_params, adapter))
+        except BaseException:  # one refused prompt refuses the call: the ones added before it are aborted
+            for request_id in ids:
+                self.abort(request_id)
+            raise
         outputs: dict[str, RequestOutput] = {}
         deadline = time.monotonic() + timeout_s
         while len(outputs) < len(ids):

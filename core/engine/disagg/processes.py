@@ -167,8 +167,22 @@ class ProcessDeployment:
         ids = [self.add_request(p, sp, lora_request) for p, sp in zip(prompts, params)]
         return self.wait(ids, timeout_s)
 
+    def abort(self, request_id: str) -> None:
+        """The caller gave up on a request: each of its completions is stopped wherever it is
+        (its prefill, its hold, its transfer, its decode) and forgotten; no output comes."""
+        transfer_ids = [tid for tid, c in self._completions.items() if c.request_id == request_id]
+        for transfer_id in transfer_ids:
+            del self._completions[transfer_id]
+            self._prefilled.discard(transfer_id)
+            for name, (process, commands, _) in self.engines.items():
+                if name not in self.dead and process.is_alive():
+                    commands.put(("abort", transfer_id))
+        self._ended.pop(request_id, None)
+        self._outputs = [o for o in self._outputs if o.request_id != request_id]
+
     def wait(self, ids: Seq[str], timeout_s: float) -> list[RequestOutput]:
-        """The outputs of `ids`, in order; TimeoutError after `timeout_s`."""
+        """The outputs of `ids`, in order; TimeoutError after `timeout_s`, the unfinished
+        ones aborted."""
         deadline = time.monotonic() + timeout_s
         found: dict[str, RequestOutput] = {}
         while any(i not in found for i in ids):
@@ -182,6 +196,9 @@ class ProcessDeployment:
                 self._handle(self._get(min(deadline, time.monotonic() + 0.1)))
             except TimeoutError:
                 if time.monotonic() > deadline:
+                    for request_id in ids:
+                        if request_id not in found:
+                            self.abort(request_id)
                     raise
         return [found[i] for i in ids]
 
