@@ -525,14 +525,6 @@ void group_tile(const uint8_t* group, const Activations& a, int64_t r0, const fl
   }
 }
 
-template <int kMax, typename G>
-void with_rows(int count, const G& g) {
-  if constexpr (kMax > 1) {
-    if (count < kMax) return with_rows<kMax - 1>(count, g);
-  }
-  g(std::integral_constant<int, kMax>{});
-}
-
 constexpr int64_t kRowChunk = 64;  // rows of x a work item runs over one group's weights (64 x K bytes: L2)
 
 template <int F>
@@ -548,7 +540,7 @@ void vector_int_linear(const uint8_t* w, int64_t w_stride, const Activations& a,
       const uint8_t* weights = w + n0 * w_stride;
       const float* bg = bias == nullptr ? nullptr : bias + n0;
       for (int64_t r = r0; r < end; r += kIntRows) {
-        with_rows<kIntRows>(static_cast<int>(std::min<int64_t>(kIntRows, end - r)), [&](auto rows) {
+        with_count<kIntRows>(static_cast<int>(std::min<int64_t>(kIntRows, end - r)), [&](auto rows) {
           group_tile<F, decltype(rows)::value>(weights, a, r, bg, y + r * n + n0, n, cols);
         });
       }

@@ -38,14 +38,17 @@ def chained_block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
 
 
-def prefix_block_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
+def prefix_block_hashes(token_ids: Seq[int], block_size: int, lora_id: int = 0) -> list[int]:
     """Chained hashes (`chained_block_hash`) of the full blocks of `token_ids`: hash i
     covers tokens [0, (i + 1) * block_size), so two prompts share hash i exactly when they
-    share those tokens."""
+    share those tokens. Under a LoRA adapter (`lora_id` > 0) block 0 is named with the
+    adapter's id negated first, as the prefix cache names it (servelab.kit.prefix.block_chunk),
+    so no hash of one adapter's blocks is another's, or the base model's."""
     hashes = []
     parent = ROOT_BLOCK_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chained_block_hash(parent, tuple(token_ids[start:start + block_size]))
+        chunk = tuple(token_ids[start:start + block_size])
+        parent = chained_block_hash(parent, (-lora_id, *chunk) if start == 0 and lora_id else chunk)
         hashes.append(parent)
     return hashes
 

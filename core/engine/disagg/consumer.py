@@ -20,10 +20,11 @@ import torch
 
 from servelab.disagg.data_path import RunnerDataPath
 from servelab.disagg.metrics import TransferMetrics
-from servelab.disagg.requests import decode_params, handoff_block_hashes
+from servelab.disagg.requests import decode_params
 from servelab.errors import ConfigError, RequestError
 from servelab.interfaces import (Handoff, KVDataPath, KVTransport, PrefixCachingAllocator, Sequence, TransferError,
-                                 TransferState, check_handoff, layout_mismatch, lease_state, payload_indices)
+                                 TransferState, check_handoff, layout_mismatch, lease_state, payload_indices,
+                                 prefix_block_hashes)
 from servelab.logging_setup import get_logger
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from servelab.request import RequestSpec
@@ -190,7 +191,7 @@ class DecodeWorker:
             problem = layout_mismatch(self.data_path.layout(), handoff.layout)
             if problem is not None:
                 raise TransferError(f"transfer {transfer_id!r}: layout {problem}")
-            own = handoff_block_hashes(handoff.prompt_token_ids, self.block_size, entry.lora_id)[:handoff.num_blocks]
+            own = prefix_block_hashes(handoff.prompt_token_ids, self.block_size, entry.lora_id)[:handoff.num_blocks]
             check_handoff(handoff, handoff.prompt_token_ids, own)
             state = lease_state(self.transport.poll(transfer_id), self.clock())
             if state is TransferState.OFFERED:

@@ -17,10 +17,10 @@ import attrs
 
 from servelab.disagg.data_path import RunnerDataPath
 from servelab.disagg.metrics import TransferMetrics
-from servelab.disagg.requests import handoff_block_hashes, prefill_params
+from servelab.disagg.requests import prefill_params
 from servelab.errors import ConfigError, RequestError
 from servelab.interfaces import (TERMINAL_STATES, BlockPayload, Handoff, KVDataPath, KVTransport,
-                                 PrefixCachingAllocator, Sequence)
+                                 PrefixCachingAllocator, Sequence, prefix_block_hashes)
 from servelab.logging_setup import get_logger
 from servelab.outputs import RequestOutput
 from servelab.request import RequestSpec
@@ -196,7 +196,7 @@ class PrefillWorker:
         blocks = list(allocator.block_table(holder.request_id))[:num_blocks]
         deadline = self.clock() + self.lease_s
         handoff = Handoff(transfer_id=transfer_id, producer=self.name, prompt_token_ids=tuple(prompt),
-                          block_hashes=tuple(handoff_block_hashes(prompt, self.block_size, lora_id)[:num_blocks]),
+                          block_hashes=tuple(prefix_block_hashes(prompt, self.block_size, lora_id)[:num_blocks]),
                           num_tokens=len(prompt), layout=self.data_path.layout(), lease_deadline=deadline,
                           first_token_id=first_token_id, sampler_state=sampler_state)
         if not num_blocks:

@@ -8,7 +8,6 @@ from typing import Sequence as Seq
 import attrs
 
 from servelab.errors import RequestError
-from servelab.interfaces import ROOT_BLOCK_HASH, chained_block_hash, prefix_block_hashes
 from servelab.outputs import RequestMetrics, RequestOutput
 from servelab.sampling_params import SamplingParams
 
@@ -67,17 +66,3 @@ def decode_params(params: SamplingParams) -> SamplingParams:
     as generated (RequestSpec.continues); the prompt's logprobs come from the producer."""
     return attrs.evolve(params, prompt_logprobs=None)
 
-
-def handoff_block_hashes(prompt_token_ids: Seq[int], block_size: int, lora_id: int = 0) -> list[int]:
-    """The chained hashes a handoff names the prompt's full blocks by: `prefix_block_hashes`
-    for the base model; under a LoRA adapter block 0 is named with the adapter's id first
-    (as the prefix cache names it, servelab.kit.prefix.block_chunk), so a consumer never
-    loads KV computed under another adapter, or without one."""
-    if not lora_id:
-        return prefix_block_hashes(prompt_token_ids, block_size)
-    hashes, parent = [], ROOT_BLOCK_HASH
-    for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
-        chunk = tuple(prompt_token_ids[start:start + block_size])
-        parent = chained_block_hash(parent, (-lora_id, *chunk) if start == 0 else chunk)
-        hashes.append(parent)
-    return hashes
