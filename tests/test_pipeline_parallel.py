@@ -5,13 +5,15 @@ rank holds only its stage's layers; rank 0 measures its bubble; no process is le
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from servelab import LLM, ConfigError
+from servelab import LLM, ConfigError, SamplingParams
 from servelab.distributed.pipeline_parallel import AbsentLayer, stage_layers
 
 from test_expert_parallel import run
-from test_moe_models import hf_greedy
+from test_moe_models import MAX_NEW, PROMPTS, hf_greedy
 
 PP = {"pipeline_parallel_size": 2, "tensor_parallel_timeout_s": 60}
 
@@ -64,3 +66,69 @@ def test_the_bench_reports_the_first_stages_bubble(checkpoint_factory):
     pipeline = run_bench([("pp2", config)], options)["runs"][0]["metrics"]["pipeline"]
     assert pipeline["steps"] > 0 and pipeline["micro_batches"] > 0
     assert 0 < pipeline["stage0_bubble_fraction"] < 1 and pipeline["stage0_compute_s"] > 0
+
+
+def _staggered(path: str, abort_after: int | None = None, **engine) -> tuple[dict, object, list]:
+    """The prompts arriving one per step under chunked prefill with a 16-token budget (so
+    batches keep several sequences apart), each request's greedy tokens by id; with
+    `abort_after`, request 1 is aborted that many steps after it arrived."""
+    from test_expert_parallel import alive
+
+    with LLM(path, max_model_len=96, block_size=8, max_num_batched_tokens=16, **{"scheduler.name": "chunked-prefill"},
+             **PP, **engine) as llm:
+        engine_ = llm.engine
+        pending, ids, finished, steps = list(zip(PROMPTS, MAX_NEW)), [], {}, 0
+        while pending or engine_.has_unfinished():
+            if pending:
+                prompt, max_new = pending.pop(0)
+                ids.append(engine_.add_request(prompt, SamplingParams(max_tokens=max_new, temperature=0,
+                                                                      ignore_eos=True)))
+            if abort_after is not None and steps == abort_after + 1:
+                aborted = engine_.abort(ids[1])
+                assert aborted is not None and aborted.finish_reason == "abort"
+            finished.update((out.request_id, out.token_ids) for out in engine_.step().finished)
+            steps += 1
+        assert engine_.allocator.stats().num_used_blocks == 0
+        stats = engine_.pipeline_stats()
+        workers = list(engine_.runner._ranks.workers.processes.values())
+    deadline = time.monotonic() + 10
+    while any(alive(w.pid) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(w.pid) for w in workers), "a rank outlived the engine"
+    return {i: finished.get(request_id) for i, request_id in enumerate(ids)}, stats, ids
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_moe"])
+def test_batches_in_flight_match_transformers(checkpoint_factory, kind):
+    """Two batches down the two stages at once (the default: one per stage): rank 0 plans
+    and computes the next batch while the last stage runs the previous one, and the tokens
+    stay transformers'."""
+    path = checkpoint_factory(kind)
+    tokens, stats, _ = _staggered(path)
+    assert [tokens[i] for i in range(len(PROMPTS))] == hf_greedy(path)
+    assert stats.batches_in_flight == 2 and stats.overlapped_batches >= 5
+
+
+def test_one_batch_in_flight_when_asked(checkpoint_factory):
+    path = checkpoint_factory("llama")
+    tokens, stats, _ = _staggered(path, pipeline_batches_in_flight=1)
+    assert [tokens[i] for i in range(len(PROMPTS))] == hf_greedy(path)
+    assert stats.overlapped_batches == 0
+
+
+def test_aborting_a_request_in_flight_ends_it_alone(checkpoint_factory):
+    """An abort of a request whose batch is down the pipeline completes the batches in
+    flight first (their tokens come with the next step), then frees its KV: the other
+    requests keep transformers' tokens and no block stays held."""
+    path = checkpoint_factory("llama")
+    tokens, stats, _ = _staggered(path, abort_after=1)
+    expected = hf_greedy(path)
+    assert [tokens[i] for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
+    assert tokens[1] is None  # aborted: its output came back from abort(), not a step
+    assert stats.overlapped_batches > 0
+
+
+def test_batches_in_flight_refused_where_they_cannot_run(checkpoint_factory):
+    with pytest.raises(ConfigError, match="pipeline_batches_in_flight=2 cannot be honoured: speculative decoding"):
+        LLM(checkpoint_factory("llama"), max_model_len=64, pipeline_batches_in_flight=2,
+            **{"drafter.name": "ngram"}, **PP)

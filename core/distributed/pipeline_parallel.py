@@ -63,6 +63,10 @@ class PipelineStats:
     micro_batches: int = 0  # pieces of the steps cut into micro-batches
     compute_s: float = 0.0
     wait_s: float = 0.0
+    # the engine's batch queue (servelab.batch_queue): batches allowed in flight at once,
+    # and of the batches submitted, those submitted while another was still in flight
+    batches_in_flight: int = 1
+    overlapped_batches: int = 0
 
     @property
     def bubble_fraction(self) -> float | None:
@@ -162,13 +166,24 @@ def splittable(inputs: Any) -> bool:
             and wanted == sorted(wanted) and inputs.input_ids.shape[0] > 1)
 
 
+@attrs.frozen
+class PipelinedBatch:
+    """One batch sent down the pipeline and not yet finished here: its pieces, the sends
+    still in flight (their tensors kept alive until they arrive) and when it started."""
+
+    pieces: list[Any]
+    sends: list[tuple[torch.Tensor, Any]]
+    compute_s: float
+
+
 @torch.inference_mode()
-def run_pipelined(runner: Any, pieces: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """This stage's part of a step cut into micro-batches, several in flight: a stage sends
-    a piece on (without waiting for it to arrive) and starts the next, so stage s runs piece
-    j while stage s + 1 runs piece j - 1. Rank 0 returns the step's logits and hidden rows."""
+def start_pipelined(runner: Any, pieces: list[Any]) -> PipelinedBatch:
+    """This stage's compute for a batch cut into micro-batches: a stage sends a piece on
+    (without waiting for it to arrive) and starts the next, so stage s runs piece j while
+    stage s + 1 runs piece j - 1. Returns at once once this stage's part is computed: the
+    sends (the last stage's rows back to rank 0 included) complete in `finish_pipelined`."""
     model = runner.model
-    comm, layers, stats = model.pipeline
+    comm, layers, _ = model.pipeline
     rank, size, group = comm.rank, comm.size, comm.device_group
     dtype = model.embed_tokens.weight.dtype
     hidden_size = model.config.hidden_size
@@ -189,25 +204,43 @@ def run_pipelined(runner: Any, pieces: list[Any]) -> tuple[torch.Tensor, torch.T
         if out.shape[0]:  # a prompt chunk whose logits nobody wants sends nothing back
             out = out.to(_wire(dtype)).contiguous()
             sends.append((out, dist.isend(out, dst=rank + 1 if rank < size - 1 else 0, group=group)))
+    return PipelinedBatch(pieces, sends, time.perf_counter() - started)
+
+
+@torch.inference_mode()
+def finish_pipelined(runner: Any, batch: PipelinedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rank 0: the batch's logits and hidden rows, received from the last stage piece by
+    piece; every rank: its sends of the batch completed."""
+    model = runner.model
+    comm, _, stats = model.pipeline
+    rank, size, group = comm.rank, comm.size, comm.device_group
+    dtype = model.embed_tokens.weight.dtype
     result = None
     waited = 0.0
+    started = time.perf_counter()
     if rank == 0:
         selected = []
-        for piece in pieces:
+        for piece in batch.pieces:
             if not piece.logits_indices.shape[0]:
                 continue
-            rows = torch.empty(piece.logits_indices.shape[0], hidden_size, dtype=_wire(dtype))
+            rows = torch.empty(piece.logits_indices.shape[0], model.config.hidden_size, dtype=_wire(dtype))
             before = time.perf_counter()
             dist.recv(rows, src=size - 1, group=group)
             waited += time.perf_counter() - before
             selected.append(rows.to(dtype))
-        hidden_rows = torch.cat(selected)
+        hidden_rows = torch.cat(selected) if selected else torch.empty(0, model.config.hidden_size, dtype=dtype)
         result = (model.lm_head(hidden_rows).float(), hidden_rows)
-    for _, handle in sends:
+    for _, handle in batch.sends:
         handle.wait()
     if rank == 0:
         stats.steps += 1
-        stats.micro_batches += len(pieces)
+        stats.micro_batches += len(batch.pieces)
         stats.wait_s += waited
-        stats.compute_s += time.perf_counter() - started - waited
+        stats.compute_s += batch.compute_s + time.perf_counter() - started - waited
     return result
+
+
+def run_pipelined(runner: Any, pieces: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """This stage's part of a step cut into micro-batches, start to finish. Rank 0 returns
+    the step's logits and hidden rows."""
+    return finish_pipelined(runner, start_pipelined(runner, pieces))

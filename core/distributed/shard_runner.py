@@ -4,6 +4,7 @@ step messages rank 0 sends the others."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import attrs
@@ -131,11 +132,22 @@ def lm_head(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None, spec: ShardSpec | None = None) -> None:
-    """A worker rank's loop: run what rank 0 sends until it says stop."""
+    """A worker rank's loop: run what rank 0 sends until it says stop.
+
+    Under pipeline parallelism with batches in flight a stage starts the next batch before
+    the sends of the last ones arrived: it finishes (waits for) a batch's sends only once
+    `depth - 1` later batches have started, since rank 0 receives a batch's rows only after
+    submitting the batches behind it."""
+    from servelab.distributed.pipeline_parallel import finish_pipelined, start_pipelined
+
+    unfinished: collections.deque = collections.deque()
     while True:
         kind, payload = comm.receive()
         if kind == "stop":
-            return
+            return  # a batch rank 0 never completed is dropped: its rows would never be received
+        if kind != "step_micro":
+            while unfinished:
+                finish_pipelined(runner, unfinished.popleft())
         if kind == "step":
             copies, packed = payload
             if copies:
@@ -144,12 +156,12 @@ def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None, spec: Sh
         elif kind == "lm_head":
             lm_head(runner, torch.from_numpy(payload).to(comm.device))
         elif kind == "step_micro":
-            from servelab.distributed.pipeline_parallel import run_pipelined
-
-            copies, packed = payload
+            copies, packed, depth = payload
             if copies:
                 runner.copy_blocks(copies)
-            run_pipelined(runner, [unpack_inputs(piece, comm.device) for piece in packed])
+            unfinished.append(start_pipelined(runner, [unpack_inputs(piece, comm.device) for piece in packed]))
+            while len(unfinished) >= depth:
+                finish_pipelined(runner, unfinished.popleft())
         elif kind == "rebalance" and spec is not None:
             rebalance_shard(runner, spec, comm, payload)
         else:

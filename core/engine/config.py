@@ -129,6 +129,10 @@ class EngineSection:
     # the micro-batches a step's rows are cut into to keep them busy (0: one per stage).
     pipeline_parallel_size: int = attrs.field(default=1, validator=_positive)
     pipeline_micro_batches: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    # Batches the engine keeps down the pipeline at once: it plans the next batch (of other
+    # sequences) while earlier ones run (0: one per stage; 1: one batch, each step waits
+    # for its own).
+    pipeline_batches_in_flight: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     # LoRA adapters (docs/lora.md): requests name one (LoRARequest); `max_loras` adapters sit
     # in the fast pool the forward pass reads, `max_cpu_loras` in host memory (the pool's
     # included; default: max_loras), the rest on disk. A batch runs at most

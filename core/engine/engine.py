@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence as Seq
 import attrs
 import torch
 
+from servelab.batch_queue import build_batch_queue
 from servelab.config import EngineConfig
 from servelab.engine_setup import build_policies, fork_refusal
 from servelab.errors import RequestError
@@ -31,7 +32,7 @@ from servelab.interfaces import ForkingAllocator, Sequence, SequenceStatus, Step
 from servelab.intake import Intake
 from servelab.logging_setup import get_logger
 from servelab.model_source import ModelSource
-from servelab.outputs import RequestOutput, StageTimer, StepReport, StepResult, request_output
+from servelab.outputs import RequestOutput, StageTimer, StepReport, StepResult, merge_step_results, request_output
 from servelab.plan_check import PlanCheck
 from servelab.propose_stage import ProposeStage
 from servelab.registry import PluginRegistry
@@ -81,6 +82,13 @@ class LLMEngine:
         self.updating = UpdateStage(self.requests, self.scheduler, self.allocator, self.eos_token_ids,
                                     self.limits.max_model_len, self.verifying.settle if spec is not None else None)
         self._plan_check = PlanCheck(self.requests, self.scheduler, config.scheduler.name)
+        # pipeline parallelism: batches planned and submitted while earlier ones run, or None
+        try:
+            self._batches = build_batch_queue(config, self.runner, self.scheduler, spec, self.host_tier)
+        except BaseException:
+            self.runner.close()  # the other ranks already run
+            raise
+        self._drained: list[StepResult] = []  # batches completed outside a step (abort), returned by the next
         self._request_counter = itertools.count()
         self._step_index = 0
         self.registry.hook.servelab_engine_started(engine=self)
@@ -92,6 +100,7 @@ class LLMEngine:
     def close(self) -> None:
         """Release what outlives a step loop: under tensor parallelism, the other ranks.
         Idempotent; the engine cannot step afterwards when it had other ranks."""
+        self._batches = None  # batches still in flight are abandoned with the ranks
         self.runner.close()
 
     # ------------------------------------------------------------ requests
@@ -151,6 +160,9 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV; returns its output so far, or None."""
         request = self.requests.get(request_id)
+        if request is not None and self._batches is not None and any(map(self._batches.holds, request.sequences)):
+            self._drain()  # its KV is still being written down the pipeline
+            request = self.requests.get(request_id)
         if request is None:
             return None
         now = self.clock()
@@ -169,7 +181,11 @@ class LLMEngine:
     def pipeline_stats(self) -> Any:
         """Under pipeline parallelism, rank 0's stage times so far (compute, wait: its
         bubble); None otherwise."""
-        return pipeline_stats_of(self.runner)
+        stats = pipeline_stats_of(self.runner)
+        if stats is not None and self._batches is not None:
+            stats.batches_in_flight = self._batches.depth
+            stats.overlapped_batches = self._batches.stats.overlapped
+        return stats
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.requests.has_preparing()
@@ -203,22 +219,62 @@ class LLMEngine:
         if self.proposing is not None:
             self.proposing.propose()
         plan = timer.mark(self._schedule())
+        if self._batches is not None:
+            return self._with_drained(self._step_in_flight(plan, timer, failed))
         if plan.is_empty:
             return self._idle(plan, failed)
         inputs = timer.mark(self._prepare(plan))
         run = timer.mark(self._execute(plan, inputs))
+        return self._finish(run, timer, failed)
+
+    def _finish(self, run: StepRun, timer: StageTimer, failed: list[RequestOutput]) -> StepResult:
+        """Sample, verify, update and retire what a forward produced."""
         sampled = self.sampling.sample(run)
         if self.verifying is not None:
             self.verifying.verify(run, sampled)
         timer.mark(sampled)
-        updated = self.updating.update(plan, sampled, self.clock())
+        updated = self.updating.update(run.plan, sampled, self.clock())
         outputs = timer.mark(self._retire_finished(updated.finished))
-        self._report(plan, len(updated.finished), timer.seconds, sampled)
+        self._report(run.plan, len(updated.finished), timer.seconds, sampled)
         return StepResult(updated.emitted, failed + outputs, updated.new_logprobs, sampled.scored_prompts)
+
+    def _step_in_flight(self, plan: StepPlan, timer: StageTimer, failed: list[RequestOutput]) -> StepResult:
+        """A step with batches in flight (servelab.batch_queue): submit the plan, and complete
+        the oldest batch once the queue is full or nothing more could be planned."""
+        batches = self._batches
+        if plan.is_empty and not batches:
+            return self._idle(plan, failed)
+        if not plan.is_empty:
+            inputs = timer.mark(self._prepare(plan))
+            batches.submitted(plan, inputs, self.running.submit(plan, inputs))
+            if not batches.is_full:
+                return StepResult({}, failed)
+        else:
+            timer.mark(None)
+        batch = batches.oldest()
+        run = timer.mark(self.running.complete(batch.plan, batch.inputs, batch.ticket))
+        self._notify("servelab_runner_executed", plan=batch.plan, inputs=batch.inputs)
+        return self._finish(run, timer, failed)
+
+    def _drain(self) -> None:
+        """Complete every batch in flight now; their results go out with the next step's."""
+        while self._batches:
+            batch = self._batches.oldest()
+            timer = StageTimer(self._timer)
+            timer.mark(None)
+            timer.mark(None)
+            run = timer.mark(self.running.complete(batch.plan, batch.inputs, batch.ticket))
+            self._drained.append(self._finish(run, timer, []))
+
+    def _with_drained(self, result: StepResult) -> StepResult:
+        if not self._drained:
+            return result
+        results, self._drained = [*self._drained, result], []
+        return merge_step_results(results)
 
     def _schedule(self) -> StepPlan:
         plan = self.scheduler.schedule()
-        self._plan_check.check(plan)
+        self._plan_check.check(plan, self._batches.held_ids() if self._batches is not None else None)
         if self.host_tier is not None:  # moves between tiers (with the copies queued before them), in order
             moves = self.host_tier.take_moves()
             if moves:

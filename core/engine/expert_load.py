@@ -45,4 +45,6 @@ def pipeline_summary(stats: Any) -> dict[str, Any]:
         return {}
     return {"pipeline": {"steps": stats.steps, "micro_batches": stats.micro_batches,
                          "stage0_compute_s": stats.compute_s, "stage0_bubble_s": stats.wait_s,
-                         "stage0_bubble_fraction": stats.bubble_fraction}}
+                         "stage0_bubble_fraction": stats.bubble_fraction,
+                         "batches_in_flight": getattr(stats, "batches_in_flight", 1),
+                         "overlapped_batches": getattr(stats, "overlapped_batches", 0)}}

@@ -239,6 +239,20 @@ class StepResult:
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = attrs.field(factory=dict)
 
 
+def merge_step_results(results: list[StepResult]) -> StepResult:
+    """Consecutive steps' results as one: each sequence's new tokens (and logprobs) in step
+    order, every finished request."""
+    merged = StepResult({}, [])
+    for result in results:
+        for seq_id, tokens in result.new_token_ids.items():
+            merged.new_token_ids.setdefault(seq_id, []).extend(tokens)
+        for seq_id, logprobs in result.new_logprobs.items():
+            merged.new_logprobs.setdefault(seq_id, []).extend(logprobs)
+        merged.finished.extend(result.finished)
+        merged.prompt_logprobs.update(result.prompt_logprobs)
+    return merged
+
+
 class StageTimer:
     """Wall-clock seconds of each stage of a step: `mark(x)` ends a stage and returns x."""
 

@@ -63,3 +63,12 @@ class RunStage:
             logits, features = self.runner.execute_with_features(inputs, self.feature_layers)
             return StepRun(plan, inputs, logits, features=features)
         return StepRun(plan, inputs, self.runner.execute(inputs))
+
+    def submit(self, plan: StepPlan, inputs: Any) -> Any:
+        """Start the plan's forward on a runner that keeps batches in flight (BatchQueueRunner)."""
+        return self.runner.submit(inputs)
+
+    def complete(self, plan: StepPlan, inputs: Any, ticket: Any) -> StepRun:
+        """The forward of the oldest batch submitted, as `execute` returns it."""
+        logits, hidden = self.runner.complete(ticket)
+        return StepRun(plan, inputs, logits, hidden=hidden if self.wants_hidden else None)

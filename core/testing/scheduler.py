@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 
 from servelab.errors import ConfigError
-from servelab.interfaces import ForkingScheduler, Scheduler, SchedulerContext
+from servelab.interfaces import ForkingScheduler, InFlightScheduler, Scheduler, SchedulerContext, SequenceStatus
 from servelab.testing.contract import PolicyContract, check
 from servelab.testing.objectives import ObjectiveChecks
-from servelab.testing.scheduler_harness import SchedulerHarness
+from servelab.testing.scheduler_harness import PROGRESS, SchedulerHarness
 
 LIVENESS = "no request starves"
+HELD = "a sequence held in flight is neither planned nor preempted"
 
 
 class SchedulerContract(PolicyContract, ObjectiveChecks):
@@ -46,6 +47,8 @@ class SchedulerContract(PolicyContract, ObjectiveChecks):
     - no progress: an empty plan while requests are unfinished
     - no request starves: a long request is served while short ones keep arriving
     - tokens identical to the reference policies, end to end on a tiny model
+    - (InFlightScheduler) a sequence held in flight is neither planned nor preempted, and
+      keeps its slot and KV until released
 
     Opt-in objective checks (`objectives = (...)`, servelab.testing.objectives) pin what
     the scheduler is for: `earliest_deadline_first()`, `shortest_job_first()`, ...
@@ -174,6 +177,32 @@ class SchedulerContract(PolicyContract, ObjectiveChecks):
         harness.run()
         harness.check_all_done()
         check(second.request_id in [s.request_id for s in harness.finished], "request dropped", second.request_id)
+
+    def test_sequences_held_in_flight_are_neither_planned_nor_preempted(self):
+        """Pipeline parallelism holds the sequences of a batch still in flight: with the pool
+        too small for everyone (a preemption is due), the held sequence keeps its KV and is
+        never planned; released, every request still finishes."""
+        harness = self.harness(num_blocks=8, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32)
+        if not isinstance(harness.scheduler, InFlightScheduler):
+            pytest.skip("not an InFlightScheduler (an optional capability)")
+        for _ in range(4):
+            harness.add(4, max_tokens=12)
+        first = harness.step()
+        check(first.scheduled, PROGRESS, "the first step planned nothing")
+        held = first.scheduled[-1][0]
+        table = list(harness.allocator.block_table(held.request_id))
+        harness.scheduler.hold_in_flight([held])
+        for _ in range(12):
+            plan = harness.step()
+            check(all(seq is not held for seq, _ in plan.scheduled), HELD,
+                  lambda: f"{held.request_id} was planned while held")
+            check(held not in plan.preempted and held.status is SequenceStatus.RUNNING, HELD,
+                  lambda: f"{held.request_id} was preempted while held")
+            check(list(harness.allocator.block_table(held.request_id)) == table, HELD,
+                  lambda: f"{held.request_id}'s blocks changed while held")
+        harness.scheduler.release_in_flight([held])
+        harness.run()
+        harness.check_all_done()
 
     def test_parallel_sampling_forks(self):
         harness = self.harness(num_blocks=24, max_model_len=24, max_num_batched_tokens=24)

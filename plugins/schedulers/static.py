@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from servelab.interfaces import SchedulerContext, Sequence, SequenceStatus, StepPlan
+from servelab.interfaces import SchedulerContext, Sequence, StepPlan
 from servelab.kit import PlanBuilder, QueueOptions, QueueScheduler, check_whole_prompts_fit
 
 
@@ -62,7 +62,7 @@ class StaticScheduler(QueueScheduler):
         """Each running member's uncomputed tokens (a whole prompt, or one decode token),
         best rank first, while the budget lasts."""
         for seq in list(self.running):  # a copy: victims leave `running`
-            if seq.status is not SequenceStatus.RUNNING:
+            if not self._schedulable(seq):
                 continue
             num_new = seq.num_uncomputed_tokens
             if num_new <= builder.budget and self._make_room(seq, num_new, builder):

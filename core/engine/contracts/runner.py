@@ -28,6 +28,7 @@ __all__ = [
     "SlotMovingRunner",
     "FeatureRunner",
     "LMHeadRunner",
+    "BatchQueueRunner",
 ]
 
 
@@ -149,6 +150,24 @@ class LMHeadRunner(Protocol):
 
     def lm_head(self, hidden: "torch.Tensor") -> "torch.Tensor":
         """float32 logits of final-normed hidden states."""
+
+
+@runtime_checkable
+class BatchQueueRunner(Protocol):
+    """A runner that keeps several batches in flight (pipeline parallelism): `submit`
+    starts a batch and returns at once, `complete` returns the oldest one's logits and
+    hidden rows; batches complete in submission order, at most `max_batches_in_flight`
+    outstanding. The engine submits only plans of sequences in no other outstanding batch
+    (servelab.contracts.scheduler.InFlightScheduler)."""
+
+    @property
+    def max_batches_in_flight(self) -> int: ...
+
+    def submit(self, inputs: Any) -> Any:
+        """Start the batch of `inputs` (as `execute` would run it); a ticket for `complete`."""
+
+    def complete(self, ticket: Any) -> "tuple[torch.Tensor, torch.Tensor]":
+        """The oldest outstanding batch's float32 logits and final-normed hidden rows."""
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ __all__ = [
     "SchedulerStats",
     "Scheduler",
     "ForkingScheduler",
+    "InFlightScheduler",
 ]
 
 
@@ -153,3 +154,19 @@ class ForkingScheduler(Protocol):
         gets the parent's KV through the allocator's fork; a child that cannot (no
         memory) queues to recompute its prompt instead.
         """
+
+
+@runtime_checkable
+class InFlightScheduler(Protocol):
+    """Capability: batches in flight (pipeline parallelism, `[engine]
+    pipeline_batches_in_flight`). The engine plans the next batch while earlier ones are
+    still down the pipeline, and holds their sequences meanwhile: a held sequence keeps its
+    slot and KV, and is neither scheduled nor preempted until it is released (after its
+    batch's tokens are appended). Without this capability the engine keeps one batch in
+    flight."""
+
+    def hold_in_flight(self, seqs: Seq[Sequence]) -> None:
+        """`seqs` are in a batch still in flight: plan and preempt none of them."""
+
+    def release_in_flight(self, seqs: Seq[Sequence]) -> None:
+        """`seqs`' batch completed: they may be scheduled (and preempted) again."""

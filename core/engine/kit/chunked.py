@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelab.interfaces import SchedulerContext, SequenceStatus, StepPlan
+from servelab.interfaces import SchedulerContext, StepPlan
 from servelab.kit.queues import PlanBuilder, QueueOptions, QueueScheduler
 
 
@@ -54,7 +54,7 @@ class ChunkedPrefillScheduler(QueueScheduler):
         for seq in list(self.running):  # a copy: victims leave `running`
             if builder.budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.is_decoding != decodes:
+            if not self._schedulable(seq) or seq.is_decoding != decodes:
                 continue
             num_new = min(seq.num_uncomputed_tokens, builder.budget)
             if self._make_room(seq, num_new, builder):

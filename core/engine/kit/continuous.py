@@ -73,8 +73,8 @@ class ContinuousScheduler(QueueScheduler):
         demand = 0
         allocate = self.allocator.allocate
         for seq in list(self.running):  # a copy: victims leave `running`
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if not self._schedulable(seq):
+                continue  # preempted earlier in this loop, or in a batch still in flight
             num_new = seq.num_uncomputed_tokens
             if demand + num_new > builder.budget:
                 break

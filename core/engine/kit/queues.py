@@ -165,6 +165,7 @@ class QueueScheduler:
         self.waiting: list[Sequence] = []  # holding no KV, in rank order
         self.running: list[Sequence] = []  # holding a slot (and KV for their computed tokens), in rank order
         self._ranks: dict[str, tuple] = {}  # sequence id -> rank
+        self._held: set[Sequence] = set()  # in a batch still in flight: neither planned nor preempted
         self._order = itertools.count()
         self.num_preemptions = 0
         self.num_discarded_tokens = 0
@@ -186,6 +187,7 @@ class QueueScheduler:
                     if self.host_tier is not None:
                         self.host_tier.discard(request_id)
                     self._ranks.pop(request_id, None)
+                    self._held.discard(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "abort"
                     return seq
@@ -201,6 +203,7 @@ class QueueScheduler:
             if self.host_tier is not None:
                 self.host_tier.discard(seq.request_id)
             self._ranks.pop(seq.request_id, None)
+            self._held.discard(seq)
             seq.status = SequenceStatus.FINISHED
 
     def has_unfinished(self) -> bool:
@@ -224,6 +227,24 @@ class QueueScheduler:
                 child.num_computed_tokens = 0
                 child.status = SequenceStatus.WAITING
                 self._requeue(child)
+
+    def hold_in_flight(self, seqs: Seq[Sequence]) -> None:
+        """InFlightScheduler: `seqs` are in a batch still in flight (pipeline parallelism)."""
+        self._held.update(seqs)
+
+    def release_in_flight(self, seqs: Seq[Sequence]) -> None:
+        self._held.difference_update(seqs)
+
+    def _schedulable(self, seq: Sequence) -> bool:
+        """Whether running `seq` may be planned this step: still RUNNING (not preempted
+        earlier in this step) and in no batch still in flight. A subclass writing its own
+        `schedule()` plans only such sequences."""
+        return seq.status is SequenceStatus.RUNNING and seq not in self._held
+
+    def _preemptible(self) -> list[Sequence]:
+        """The running sequences a victim may be chosen from: those in no batch in flight."""
+        held = self._held
+        return [seq for seq in self.running if seq not in held] if held else self.running
 
     # ------------------------------------------------------------ queues
 
@@ -378,14 +399,15 @@ class QueueScheduler:
     def _shed_overflow(self, builder: PlanBuilder) -> None:
         """The start of a step: forks can overfill the batch, so preempt victims past
         max_num_seqs; a prefix cache that anticipates is told who waits."""
-        while len(self.running) > self.context.max_num_seqs:
+        while len(self.running) > self.context.max_num_seqs and self._preemptible():
             preemption = self._victim()
             self._preempt(preemption.victim, builder, preemption.swap)
         if self._anticipating is not None:
             self._anticipating.anticipate(self.waiting)
 
     def _victim(self) -> Preemption:
-        return as_preemption(self.victim(self.running), self.running, f"{type(self).__name__}.victim")
+        candidates = self._preemptible()
+        return as_preemption(self.victim(candidates), candidates, f"{type(self).__name__}.victim")
 
     # ------------------------------------------------------------ accounting
 
