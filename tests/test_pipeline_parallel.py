@@ -132,3 +132,45 @@ def test_batches_in_flight_refused_where_they_cannot_run(checkpoint_factory):
     with pytest.raises(ConfigError, match="pipeline_batches_in_flight=2 cannot be honoured: speculative decoding"):
         LLM(checkpoint_factory("llama"), max_model_len=64, pipeline_batches_in_flight=2,
             **{"drafter.name": "ngram"}, **PP)
+
+
+def test_pipeline_stages_of_tensor_parallel_ranks_match_transformers(checkpoint_factory):
+    """PP x TP: two stages of two TP ranks each (four processes): each rank holds its
+    heads and MLP share of its stage's layers, the stages pass hidden states between TP
+    counterparts, and the first stage's ranks compute the vocabulary together; the tokens
+    stay transformers', with one batch in flight and with two."""
+    path = checkpoint_factory("llama")
+    seen = {}
+
+    def check(llm):
+        runner = llm.engine.runner
+        seen["sizes"] = (runner.pipeline_parallel_size, runner.tensor_parallel_size, len(runner._ranks.workers.processes))
+        first = next(layer for layer in runner.model.layers if not isinstance(layer, AbsentLayer))
+        seen["heads"] = first.self_attn.num_heads
+
+    expected = hf_greedy(path)
+    assert run(path, check=check, tensor_parallel_size=2, **PP) == expected
+    assert seen["sizes"] == (2, 2, 3)
+    from transformers import AutoConfig
+
+    assert seen["heads"] == AutoConfig.from_pretrained(path).num_attention_heads // 2
+    tokens, stats, _ = _staggered(path, tensor_parallel_size=2)
+    assert [tokens[i] for i in range(len(PROMPTS))] == expected and stats.overlapped_batches > 0
+
+
+def test_prompt_logprobs_under_pipeline_and_tensor_parallelism_match_one_process(checkpoint_factory):
+    path = checkpoint_factory("llama")
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    with LLM(path, max_model_len=64) as llm:
+        expected = llm.generate(PROMPTS[:2], params)
+    with LLM(path, max_model_len=64, tensor_parallel_size=2, **PP) as llm:
+        got = llm.generate(PROMPTS[:2], params)
+    for one, split in zip(expected, got):
+        assert split.token_ids == one.token_ids
+        for a, b in zip(one.prompt_logprobs[1:], split.prompt_logprobs[1:]):
+            assert set(a) == set(b) and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def test_tensor_and_pipeline_parallelism_refuse_a_mixture_of_experts_model(checkpoint_factory):
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 does not shard a mixture-of-experts"):
+        LLM(checkpoint_factory("mixtral"), max_model_len=64, tensor_parallel_size=2, **PP)

@@ -123,14 +123,28 @@ def _parser() -> argparse.ArgumentParser:
 
     size = commands.add_parser("size", help="capacity plan on the simulator: KV blocks, concurrent sequences, "
                                "the rate one replica sustains under an SLO, replicas for a target rate, "
-                               "speculative-decoding breakeven")
+                               "speculative-decoding breakeven; TP x PP x EP layouts compared (--layouts G)")
     size.add_argument("--sim", required=True, metavar="ACCELERATOR", help="h100, h200, a100, l4 (or NAME-eager)")
     size.add_argument("--sim-model", default="llama-3-8b", help="model shape: llama-3-8b, llama-3-70b, qwen2-7b, "
-                      "tiny-random")
+                      "tiny-random, mixtral-8x7b (a mixture of experts)")
     size.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: devices one replica spreads over "
                       "(sets engine.tensor_parallel_size; default: the config's, 1)")
-    size.add_argument("--sim-interconnect", help="links between the devices under --tp N > 1: nvlink4, nvlink3, "
-                      "pcie5, pcie4 (default: the accelerator's)")
+    size.add_argument("--pp", type=int, metavar="N", help="pipeline parallelism: stages the layers split into "
+                      "(engine.pipeline_parallel_size; default: the config's, 1)")
+    size.add_argument("--ep", type=int, metavar="N", help="expert parallelism: ranks a mixture of experts' experts "
+                      "spread over (engine.expert_parallel_size; default: the config's, 1)")
+    size.add_argument("--layouts", type=int, metavar="G", help="compare every TP x PP (x EP) layout of G devices "
+                      "the model admits: memory, KV capacity, priced decode and prefill, the best")
+    size.add_argument("--expert-placement", help="EP's placement policy: linear, round_robin, balanced "
+                      "(engine.expert_placement; default: the config's, linear)")
+    size.add_argument("--expert-load", metavar="W,W,...", help="router load per expert, any scale, that EP's "
+                      "imbalance is priced under (default: uniform)")
+    size.add_argument("--chunk-sizing", default="fixed", help="how a prompt is cut into pipelined chunks: fixed, "
+                      "equal_time (default fixed, as the engine cuts)")
+    size.add_argument("--max-chunk", type=int, metavar="TOKENS", help="largest prefill chunk (default: a step's "
+                      "tokens over engine.pipeline_micro_batches, one per stage)")
+    size.add_argument("--sim-interconnect", help="links between the devices of a layout over several: nvlink4, "
+                      "nvlink3, pcie5, pcie4 (default: the accelerator's)")
     size.add_argument("--context-len", type=int, default=4096, help="tokens a sequence may reach (max_model_len)")
     size.add_argument("--memory-utilization", type=float, default=0.9,
                       help="share of the memory weights and runtime leave that the KV pool takes (default 0.9)")

@@ -1,11 +1,17 @@
-"""Pipeline parallelism: the decoder's layers split into consecutive stages, one per rank.
+"""Pipeline parallelism: the decoder's layers split into consecutive stages, one per rank
+(or, with tensor parallelism inside each stage, one per group of TP ranks).
 
 Rank 0 holds the first stage (and the token embedding and the LM head, so it samples);
-each later rank holds its stage's layers and KV cache only. A step runs down the
-pipeline: rank 0 embeds and runs its layers and sends the hidden states on (point to
-point, over the tensor-parallel launch's process group), each rank runs its layers and
-passes them on, and the last normalises the rows whose logits are wanted and sends them
-back to rank 0. Greedy output equals one process's.
+each later stage holds its layers and KV cache only. A step runs down the pipeline: the
+first stage embeds and runs its layers and sends the hidden states on (point to point,
+over the launch's process group), each stage runs its layers and passes them on, and the
+last normalises the rows whose logits are wanted and sends them back to the first. Under
+PP x TP, stage s is the ranks s * TP .. s * TP + TP - 1, each holding its heads and its
+share of the MLP width of the stage's layers (servelab.distributed.sharded_model), their
+all-reduces over a group of their own; TP rank t of a stage sends to TP rank t of the
+next (every TP rank holds the whole hidden state after its all-reduces), and the first
+stage's TP ranks compute the LM head's vocabulary columns together. Greedy output equals
+one process's.
 
 A step whose rows can be cut (`splittable`) runs as micro-batches in flight
 (`run_pipelined`): its rows are cut into `[engine] pipeline_micro_batches` pieces (0: as
@@ -28,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from servelab.distributed.comm import Communicator
 
 
 class AbsentLayer(nn.Module):
@@ -74,12 +79,46 @@ class PipelineStats:
         return self.wait_s / total if total else None
 
 
-def make_stage(model: nn.Module, comm: Communicator, layers: range) -> PipelineStats:
-    """Turn a loaded model (its other stages' layers pruned) into stage `comm.rank`: its
-    forward runs this stage and talks to its neighbours; rank 0's returns the logits."""
+@attrs.frozen
+class StageLinks:
+    """Where a rank sits in the pipeline and whom it talks to (global ranks): stage
+    `stage` of `stages`, TP rank `tp_rank` of `tp_size` within it."""
+
+    stage: int
+    stages: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    group: Any = None  # the process group the activations travel on (None: the default)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def previous(self) -> int:
+        return (self.stage - 1) * self.tp_size + self.tp_rank
+
+    @property
+    def next(self) -> int:
+        """The next stage's counterpart; from the last stage, the first stage's."""
+        return ((self.stage + 1) % self.stages) * self.tp_size + self.tp_rank
+
+    @classmethod
+    def of_rank(cls, rank: int, stages: int, tp_size: int = 1, group: Any = None) -> "StageLinks":
+        stage, tp_rank = divmod(rank, tp_size)
+        return cls(stage, stages, tp_size, tp_rank, group)
+
+
+def make_stage(model: nn.Module, links: StageLinks, layers: range) -> PipelineStats:
+    """Turn a loaded model (its other stages' layers pruned) into stage `links.stage`: its
+    forward runs this stage and talks to its neighbours; the first stage's returns the logits."""
     stats = PipelineStats()
     model.forward = types.MethodType(_stage_forward, model)
-    model.pipeline = (comm, layers, stats)
+    model.pipeline = (links, layers, stats)
     return stats
 
 
@@ -91,30 +130,30 @@ def _wire(dtype: torch.dtype) -> torch.dtype:
 def _stage_forward(self: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, backend: Any,
                    prepared: Any, logits_indices: torch.Tensor,
                    features: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    comm, layers, stats = self.pipeline
-    rank, size, group = comm.rank, comm.size, comm.device_group
+    links, layers, stats = self.pipeline
+    group = links.group
     dtype = self.embed_tokens.weight.dtype
     num_tokens, hidden_size = input_ids.shape[0], self.config.hidden_size
     started = time.perf_counter()
     waited = 0.0
-    if rank == 0:
+    if links.is_first:
         hidden = self.embed_tokens(input_ids)
     else:
         received = torch.empty(num_tokens, hidden_size, dtype=_wire(dtype))
-        dist.recv(received, src=rank - 1, group=group)
+        dist.recv(received, src=links.previous, group=group)
         hidden = received.to(dtype)
     cos, sin = self.rotary.tables(positions)
     for index in layers:
         hidden = self.layers[index](hidden, cos, sin, kv_caches[index], backend, prepared)
-    if rank < size - 1:
-        dist.send(hidden.to(_wire(dtype)).contiguous(), dst=rank + 1, group=group)
+    if not links.is_last:
+        dist.send(hidden.to(_wire(dtype)).contiguous(), dst=links.next, group=group)
     else:
-        dist.send(self.norm(hidden[logits_indices]).to(_wire(dtype)).contiguous(), dst=0, group=group)
-    if rank != 0:
+        dist.send(self.norm(hidden[logits_indices]).to(_wire(dtype)).contiguous(), dst=links.next, group=group)
+    if not links.is_first:
         return hidden[:0], hidden[:0]
     selected = torch.empty(logits_indices.shape[0], hidden_size, dtype=_wire(dtype))
     before = time.perf_counter()
-    dist.recv(selected, src=size - 1, group=group)
+    dist.recv(selected, src=(links.stages - 1) * links.tp_size + links.tp_rank, group=group)
     waited = time.perf_counter() - before
     selected = selected.to(dtype)
     stats.steps += 1
@@ -183,56 +222,58 @@ def start_pipelined(runner: Any, pieces: list[Any]) -> PipelinedBatch:
     stage s + 1 runs piece j - 1. Returns at once once this stage's part is computed: the
     sends (the last stage's rows back to rank 0 included) complete in `finish_pipelined`."""
     model = runner.model
-    comm, layers, _ = model.pipeline
-    rank, size, group = comm.rank, comm.size, comm.device_group
+    links, layers, _ = model.pipeline
+    group = links.group
     dtype = model.embed_tokens.weight.dtype
     hidden_size = model.config.hidden_size
     started = time.perf_counter()
     sends = []
     for piece in pieces:
         prepared = runner.backend.prepare(piece.attention)
-        if rank == 0:
+        if links.is_first:
             hidden = model.embed_tokens(piece.input_ids)
         else:
             received = torch.empty(piece.input_ids.shape[0], hidden_size, dtype=_wire(dtype))
-            dist.recv(received, src=rank - 1, group=group)
+            dist.recv(received, src=links.previous, group=group)
             hidden = received.to(dtype)
         cos, sin = model.rotary.tables(piece.positions)
         for index in layers:
             hidden = model.layers[index](hidden, cos, sin, runner.kv_caches[index], runner.backend, prepared)
-        out = hidden if rank < size - 1 else model.norm(hidden[piece.logits_indices])
+        out = hidden if not links.is_last else model.norm(hidden[piece.logits_indices])
         if out.shape[0]:  # a prompt chunk whose logits nobody wants sends nothing back
             out = out.to(_wire(dtype)).contiguous()
-            sends.append((out, dist.isend(out, dst=rank + 1 if rank < size - 1 else 0, group=group)))
+            sends.append((out, dist.isend(out, dst=links.next, group=group)))
     return PipelinedBatch(pieces, sends, time.perf_counter() - started)
 
 
 @torch.inference_mode()
 def finish_pipelined(runner: Any, batch: PipelinedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Rank 0: the batch's logits and hidden rows, received from the last stage piece by
-    piece; every rank: its sends of the batch completed."""
+    """The first stage: the batch's logits (on rank 0; under TP the other ranks of the
+    stage compute their vocabulary columns with it) and hidden rows, received from the last
+    stage piece by piece; every rank: its sends of the batch completed."""
     model = runner.model
-    comm, _, stats = model.pipeline
-    rank, size, group = comm.rank, comm.size, comm.device_group
+    links, _, stats = model.pipeline
+    group = links.group
+    last = (links.stages - 1) * links.tp_size + links.tp_rank
     dtype = model.embed_tokens.weight.dtype
     result = None
     waited = 0.0
     started = time.perf_counter()
-    if rank == 0:
+    if links.is_first:
         selected = []
         for piece in batch.pieces:
             if not piece.logits_indices.shape[0]:
                 continue
             rows = torch.empty(piece.logits_indices.shape[0], model.config.hidden_size, dtype=_wire(dtype))
             before = time.perf_counter()
-            dist.recv(rows, src=size - 1, group=group)
+            dist.recv(rows, src=last, group=group)
             waited += time.perf_counter() - before
             selected.append(rows.to(dtype))
         hidden_rows = torch.cat(selected) if selected else torch.empty(0, model.config.hidden_size, dtype=dtype)
         result = (model.lm_head(hidden_rows).float(), hidden_rows)
     for _, handle in batch.sends:
         handle.wait()
-    if rank == 0:
+    if links.is_first:
         stats.steps += 1
         stats.micro_batches += len(batch.pieces)
         stats.wait_s += waited

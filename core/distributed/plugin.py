@@ -23,10 +23,12 @@ def servelab_tensor_parallel_runner(spec: Any) -> Any:
     shard = ShardSpec(model_path=str(spec.source.path), engine=engine, attention=spec.attention,
                       attention_options=spec.attention_options, attention_context=spec.attention_context,
                       num_blocks=spec.num_blocks, max_positions=spec.max_positions,
-                      size=(engine.expert_parallel_size if experts else engine.pipeline_parallel_size if stages
+                      size=(engine.expert_parallel_size if experts
+                            else engine.pipeline_parallel_size * engine.tensor_parallel_size if stages
                             else engine.tensor_parallel_size),
                       expert_parallel=experts, pipeline_parallel=stages, expert_placement=engine.expert_placement,
-                      redundant_experts=engine.redundant_experts)
+                      redundant_experts=engine.redundant_experts,
+                      tensor_parallel_size=engine.tensor_parallel_size if stages else 1)
     return start_tensor_parallel(shard, spec.source.model_config.vocab_size, engine.tensor_parallel_timeout_s,
                                  backend=spec.backend,
                                  runner_class=(ExpertParallelRunner if experts else PipelineParallelRunner if stages

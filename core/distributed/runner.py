@@ -293,7 +293,12 @@ class PipelineParallelRunner(TensorParallelRunner):
 
     @property
     def pipeline_parallel_size(self) -> int:
-        return self.comm.size
+        return self.comm.size // self.spec.tensor_parallel_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """TP ranks within each stage."""
+        return self.spec.tensor_parallel_size
 
     def prepare(self, plan: Any, allocator: Any, prompt_logprobs: bool = False) -> ModelInputs:
         return self.local.prepare(plan, allocator, prompt_logprobs)
@@ -306,7 +311,7 @@ class PipelineParallelRunner(TensorParallelRunner):
     def max_batches_in_flight(self) -> int:
         """How many batches the engine may have down the pipeline at once (`[engine]
         pipeline_batches_in_flight`; 0 there: one per stage)."""
-        return self.spec.engine.pipeline_batches_in_flight or self.comm.size
+        return self.spec.engine.pipeline_batches_in_flight or self.pipeline_parallel_size
 
     def execute_with_hidden(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """A step cut into micro-batches in flight down the pipeline where its rows allow."""
@@ -314,36 +319,40 @@ class PipelineParallelRunner(TensorParallelRunner):
 
         if not splittable(inputs):
             return super().execute_with_hidden(inputs)
-        return self.complete(self._start(inputs, depth=1))
+        return self.complete(self._start(inputs))
 
     def submit(self, inputs: ModelInputs) -> Any:
         """Send a batch down the pipeline: rank 0 computes its stage and returns at once; the
         batch's logits come from `complete`, in submission order. Up to
         `max_batches_in_flight` batches may be submitted before the oldest is completed."""
-        return self._start(inputs, depth=self.max_batches_in_flight)
+        return self._start(inputs)
 
     def complete(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits and hidden rows of the oldest batch submitted and not yet completed."""
         from servelab.distributed.pipeline_parallel import finish_pipelined
 
-        return self._collective(lambda: finish_pipelined(self.local, batch), "a step's last stage")
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            self.comm.send(("finish_micro", None))
+            return finish_pipelined(self.local, batch)
 
-    def _start(self, inputs: ModelInputs, depth: int) -> Any:
+        return self._collective(run, "a step's last stage")
+
+    def _start(self, inputs: ModelInputs) -> Any:
         """A batch's rows cut into micro-batches (where they can be), sent down the pipeline
-        with rank 0's stage computed. `depth`: the batches a stage may leave unfinished."""
+        with rank 0's stage computed."""
         from servelab.distributed.pipeline_parallel import split_inputs, splittable, start_pipelined
         from servelab.pipeline_chunks import chunk_sizing
 
         parts = [inputs]
         if splittable(inputs):
             rows = inputs.input_ids.shape[0]
-            pieces = self.spec.engine.pipeline_micro_batches or self.comm.size
+            pieces = self.spec.engine.pipeline_micro_batches or self.pipeline_parallel_size
             sizes = chunk_sizing("fixed").chunks(rows, -(-rows // pieces), lambda tokens, context: 0.0)
             parts = split_inputs(inputs, sizes)
         copies, self._pending_copies = self._pending_copies, []
 
         def run() -> Any:
-            self.comm.send(("step_micro", (copies, [pack_inputs(part) for part in parts], depth)))
+            self.comm.send(("step_micro", (copies, [pack_inputs(part) for part in parts])))
             if copies:
                 self.local.copy_blocks(copies)
             return start_pipelined(self.local, parts)

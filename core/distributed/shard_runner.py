@@ -39,6 +39,7 @@ class ShardSpec:
     pipeline_parallel: bool = False  # consecutive layers per rank (servelab.distributed.pipeline_parallel)
     expert_placement: str = "linear"
     redundant_experts: int = 0
+    tensor_parallel_size: int = 1  # under pipeline parallelism: TP ranks per stage (size = stages x this)
 
 
 def rank_device(engine: EngineSection, local_rank: int) -> torch.device:
@@ -81,16 +82,28 @@ def build_expert_shard(checkpoint: Checkpoint, spec: ShardSpec, comm: Communicat
 
 
 def build_pipeline_stage(checkpoint: Checkpoint, spec: ShardSpec, comm: Communicator) -> Any:
-    """This rank's stage of the decoder's layers (pipeline parallelism)."""
-    from servelab.distributed.pipeline_parallel import make_stage, prune_layers, stage_layers
+    """This rank's stage of the decoder's layers (pipeline parallelism); under PP x TP, its
+    tensor-parallel shard of them, its all-reduces over its stage's group."""
+    from servelab.distributed.pipeline_parallel import StageLinks, make_stage, prune_layers, stage_layers
     from servelab.model.loader import load_model
 
     engine = spec.engine
-    layers = stage_layers(checkpoint.config.num_layers, comm.rank, spec.size)
-    model = load_model(checkpoint, engine.dtype, str(comm.device), spec.max_positions, engine.prepack_weights,
-                       engine.weights, prune=lambda m: prune_layers(m, layers),
-                       quantized_activations=engine.quantized_activations)
-    make_stage(model, comm, layers)
+    tp = spec.tensor_parallel_size
+    stages = spec.size // tp
+    links = StageLinks.of_rank(comm.rank, stages, tp, comm.device_group)
+    layers = stage_layers(checkpoint.config.num_layers, links.stage, stages)
+    if tp > 1:
+        import torch.distributed as dist
+
+        groups = [dist.new_group([stage * tp + t for t in range(tp)]) for stage in range(stages)]  # on every rank
+        stage_comm = Communicator(links.tp_rank, tp, comm.device, device_group=groups[links.stage])
+        model = build_shard(checkpoint, ShardLayout(checkpoint.config, links.tp_rank, tp), stage_comm, engine.dtype,
+                            str(comm.device), spec.max_positions, engine.prepack_weights, layers=layers)
+    else:
+        model = load_model(checkpoint, engine.dtype, str(comm.device), spec.max_positions, engine.prepack_weights,
+                           engine.weights, prune=lambda m: prune_layers(m, layers),
+                           quantized_activations=engine.quantized_activations)
+    make_stage(model, links, layers)
     return model
 
 
@@ -134,10 +147,11 @@ def lm_head(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
 def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None, spec: ShardSpec | None = None) -> None:
     """A worker rank's loop: run what rank 0 sends until it says stop.
 
-    Under pipeline parallelism with batches in flight a stage starts the next batch before
-    the sends of the last ones arrived: it finishes (waits for) a batch's sends only once
-    `depth - 1` later batches have started, since rank 0 receives a batch's rows only after
-    submitting the batches behind it."""
+    Under pipeline parallelism a batch starts (`step_micro`: this stage's compute, its
+    sends left in flight) and finishes (`finish_micro`: the sends waited for; in the first
+    stage, the rows received and the LM head computed) when rank 0 says, so several
+    batches may be in flight at once: rank 0 completes a batch only after submitting the
+    ones behind it."""
     from servelab.distributed.pipeline_parallel import finish_pipelined, start_pipelined
 
     unfinished: collections.deque = collections.deque()
@@ -145,9 +159,6 @@ def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None, spec: Sh
         kind, payload = comm.receive()
         if kind == "stop":
             return  # a batch rank 0 never completed is dropped: its rows would never be received
-        if kind != "step_micro":
-            while unfinished:
-                finish_pipelined(runner, unfinished.popleft())
         if kind == "step":
             copies, packed = payload
             if copies:
@@ -156,12 +167,12 @@ def serve(runner: ModelRunner, comm: Communicator, on_done: Any = None, spec: Sh
         elif kind == "lm_head":
             lm_head(runner, torch.from_numpy(payload).to(comm.device))
         elif kind == "step_micro":
-            copies, packed, depth = payload
+            copies, packed = payload
             if copies:
                 runner.copy_blocks(copies)
             unfinished.append(start_pipelined(runner, [unpack_inputs(piece, comm.device) for piece in packed]))
-            while len(unfinished) >= depth:
-                finish_pipelined(runner, unfinished.popleft())
+        elif kind == "finish_micro":
+            finish_pipelined(runner, unfinished.popleft())
         elif kind == "rebalance" and spec is not None:
             rebalance_shard(runner, spec, comm, payload)
         else:

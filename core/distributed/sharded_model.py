@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from servelab.distributed.comm import Communicator
+from servelab.distributed.pipeline_parallel import AbsentLayer, prune_layers
 from servelab.model.shard_layout import ShardLayout
 from servelab.errors import CheckpointError
 from servelab.model.llama import LlamaForCausalLM
@@ -130,8 +131,9 @@ class CheckpointSlices:
 
 
 def build_shard(checkpoint: Checkpoint, layout: ShardLayout, comm: Communicator, dtype: str, device: str,
-                max_positions: int, prepack_weights: bool = False) -> LlamaForCausalLM:
-    """This rank's decoder shard, weights read from the checkpoint's slices only."""
+                max_positions: int, prepack_weights: bool = False, layers: range | None = None) -> LlamaForCausalLM:
+    """This rank's decoder shard, weights read from the checkpoint's slices only; with
+    `layers` (a pipeline stage's), the other layers are AbsentLayers and read nothing."""
     torch_dtype = DTYPES[dtype]
     torch_device = torch.device(device)
     config = checkpoint.config
@@ -144,7 +146,11 @@ def build_shard(checkpoint: Checkpoint, layout: ShardLayout, comm: Communicator,
         model.embed_tokens = VocabParallelEmbedding(layout.vocab_per_rank, config.hidden_size, vocab_start,
                                                     vocab_end - vocab_start, comm)
         model.lm_head = VocabParallelHead(config.hidden_size, layout.vocab_per_rank, config.vocab_size, comm)
+        if layers is not None:
+            prune_layers(model, layers)
         for layer in model.layers:
+            if isinstance(layer, AbsentLayer):
+                continue
             layer.self_attn.o_proj = RowParallelLinear(local.num_heads * config.head_dim, config.hidden_size,
                                                        config.o_bias, comm)
             layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, config.hidden_size, config.mlp_bias, comm)
@@ -174,6 +180,8 @@ def _load_slices(model: LlamaForCausalLM, slices: CheckpointSlices, layout: Shar
         assignments.append((model.lm_head.projection.weight,
                             slices.read("lm_head.weight", layout.vocab, pad_rows=vocab_rows)))
     for i, layer in enumerate(model.layers):
+        if isinstance(layer, AbsentLayer):
+            continue
         p = f"layers.{i}."
         attn, mlp_module = layer.self_attn, layer.mlp
         qkv = [slices.read(p + "self_attn.q_proj.weight", q_rows), slices.read(p + "self_attn.k_proj.weight", kv_rows),

@@ -154,7 +154,7 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
     if engine.pipeline_parallel_size > source.model_config.num_layers:
         raise ConfigError(f"[engine] pipeline_parallel_size={engine.pipeline_parallel_size} exceeds the model's "
                           f"{source.model_config.num_layers} decoder layers")
-    ranks = max(engine.tensor_parallel_size, engine.expert_parallel_size, engine.pipeline_parallel_size)
+    ranks = max(engine.tensor_parallel_size * engine.pipeline_parallel_size, engine.expert_parallel_size)
     if ranks > 1 and isinstance(source, CheckpointSource):
         runner = _start_tensor_parallel(registry, TensorParallelSpec(
             source, engine, *selected["attention"], attention_context, limits.num_kv_blocks, limits.max_model_len,

@@ -76,6 +76,10 @@ class CostModel:
         row: the model's dtype, or one byte an element and its scale, which the pool holds
         more of and decode attention reads fewer bytes of (dequantization is taken to be
         fused into the attention kernel, at no extra time)."""
+        if shape.moe is not None:  # num_parameters counts one MLP a layer: experts would go unpriced
+            raise ConfigError(f"the step cost model prices dense decoders, and this {shape.model_type} shape is a "
+                              f"mixture of experts: `servelab size` prices its layouts (docs/parallelism.md, "
+                              f"\"Sizing EP and PP layouts\")")
         _check_tensor_parallel(shape, hardware, tensor_parallel)
         if not 0 < memory_utilization <= 1:
             raise ConfigError(f"memory utilisation must be in (0, 1], got {memory_utilization}")

@@ -22,25 +22,16 @@ a stage runs. The shapes include Mixtral-8x7B's (MOE_SHAPES).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 
 from servelab.bench.sim.hardware import Accelerator, Interconnect
+from servelab.bench.sim.shapes import MIXTRAL_8X7B
 from servelab.contracts.moe import ExpertPlacement
 from servelab.model.model_config import ModelConfig
-from servelab.model.moe_config import MoEShape
 
-MOE_SHAPES = {
-    "mixtral-8x7b": ModelConfig(
-        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1e6, rope_scaling=None,
-        max_position_embeddings=32768, tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False,
-        sliding_window=None, bos_token_id=1, eos_token_ids=(2,),
-        moe=MoEShape(num_experts=8, top_k=2, expert_intermediate_size=14336, norm_topk_prob=True, float_weights=True,
-                     shared_expert_intermediate_size=0, sparse_layers=tuple(range(32)),
-                     checkpoint_block="block_sparse_moe", checkpoint_projections=("w1", "w3", "w2"))),
-}
+MOE_SHAPES = {"mixtral-8x7b": MIXTRAL_8X7B}
 
 
 def roofline(hw: Accelerator, flops: float, nbytes: float) -> float:
@@ -61,6 +52,20 @@ def attention_layer_seconds(shape: ModelConfig, hw: Accelerator, tokens: int, co
     params = shape.hidden_size * (q + 2 * kv) + q * shape.hidden_size
     flops = 2 * tokens * params + 4 * tokens * (context + tokens / 2) * q
     nbytes = params * dtype_bytes + 2 * (context + tokens) * kv * dtype_bytes + 4 * tokens * shape.hidden_size * dtype_bytes
+    return roofline(hw, flops, nbytes)
+
+
+def decode_attention_layer_seconds(shape: ModelConfig, hw: Accelerator, sequences: int, context: int,
+                                   kv_bytes_per_token: float, dtype_bytes: int) -> float:
+    """One layer's attention block for a decode step of `sequences` sequences, one new
+    token each, every one reading its own `context` tokens of KV (`kv_bytes_per_token`:
+    K and V of one token in this layer)."""
+    q = shape.num_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    params = shape.hidden_size * (q + 2 * kv) + q * shape.hidden_size
+    flops = 2 * sequences * params + 4 * sequences * context * q
+    nbytes = (params * dtype_bytes + sequences * context * kv_bytes_per_token
+              + 4 * sequences * shape.hidden_size * dtype_bytes)
     return roofline(hw, flops, nbytes)
 
 
@@ -91,18 +96,27 @@ def ep_layer_cost(shape: ModelConfig, hw: Accelerator, link: Interconnect, token
     experts' share of the rows as `load` (per expert, any scale)."""
     moe = shape.moe
     ranks = placement.ep_size
+    experts, imbalance = busiest_rank_experts(shape, hw, tokens, placement, load, dtype_bytes)
+    attention = attention_layer_seconds(shape, hw, -(-tokens // ranks), context, dtype_bytes)
+    moved = (tokens / ranks) * moe.top_k * shape.hidden_size * dtype_bytes
+    exchange = 2 * all_to_all_seconds(link, moved, ranks)
+    return EPLayerCost(seconds=attention + experts + exchange, attention_s=attention, experts_s=experts,
+                       all_to_all_s=exchange, all_to_all_bytes=2 * moved * (ranks - 1) / ranks, imbalance=imbalance)
+
+
+def busiest_rank_experts(shape: ModelConfig, hw: Accelerator, tokens: int, placement: ExpertPlacement,
+                         load: Sequence[float], dtype_bytes: int = 2) -> tuple[float, float]:
+    """One sparse layer's experts for `tokens` tokens over `placement`'s ranks, routed in
+    the shares of `load`: the busiest rank's seconds (its rows and the expert weights it
+    reads) and its rows over the mean rank's."""
+    moe = shape.moe
     total = sum(load) or 1.0
     rows = [share / total * tokens * moe.top_k for share in placement.rank_loads(load)]
     expert = 3 * shape.hidden_size * moe.expert_intermediate_size
     per_rank = [roofline(hw, 2 * r * expert, len(held) * expert * dtype_bytes)
                 for r, held in zip(rows, placement.ranks)]
-    attention = attention_layer_seconds(shape, hw, -(-tokens // ranks), context, dtype_bytes)
-    moved = (tokens / ranks) * moe.top_k * shape.hidden_size * dtype_bytes
-    exchange = 2 * all_to_all_seconds(link, moved, ranks)
-    mean_rows = sum(rows) / ranks
-    return EPLayerCost(seconds=attention + max(per_rank) + exchange, attention_s=attention, experts_s=max(per_rank),
-                       all_to_all_s=exchange, all_to_all_bytes=2 * moved * (ranks - 1) / ranks,
-                       imbalance=max(rows) / mean_rows if mean_rows else 1.0)
+    mean_rows = sum(rows) / placement.ep_size
+    return max(per_rank), (max(rows) / mean_rows if mean_rows else 1.0)
 
 
 def ep_step(shape: ModelConfig, hw: Accelerator, link: Interconnect, tokens: int, context: int,
@@ -137,12 +151,15 @@ class PipelineRun:
 
 
 def pipeline_schedule(shape: ModelConfig, hw: Accelerator, link: Interconnect, stages: int, prompt_len: int,
-                      max_chunk: int, sizing: Any, dtype_bytes: int = 2) -> PipelineRun:
-    """One prompt's prefill through `stages` stages, cut into chunks by `sizing`."""
+                      max_chunk: int, sizing: Any, dtype_bytes: int = 2,
+                      chunk_time: Callable[[int, int], float] | None = None) -> PipelineRun:
+    """One prompt's prefill through `stages` stages, cut into chunks by `sizing`;
+    `chunk_time(tokens, context)` is one stage's time for a chunk (default: the largest
+    stage's `stage_seconds` on one device)."""
     layers = -(-shape.num_layers // stages)
-
-    def chunk_time(tokens: int, context: int) -> float:
-        return stage_seconds(shape, hw, layers, tokens, context, dtype_bytes)
+    if chunk_time is None:
+        def chunk_time(tokens: int, context: int) -> float:
+            return stage_seconds(shape, hw, layers, tokens, context, dtype_bytes)
 
     chunks = sizing.chunks(prompt_len, max_chunk, chunk_time)
     finish = [0.0] * stages
