@@ -90,8 +90,33 @@ def test_expert_parallelism_refuses_what_it_cannot_run(checkpoint_factory, llama
         LLM(checkpoint_factory("mixtral"), max_model_len=64, expert_placement="eplb")
     with pytest.raises(ConfigError, match="does not shard a mixture-of-experts model's experts yet"):
         LLM(checkpoint_factory("mixtral"), max_model_len=64, tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size and expert_parallel_size > 1 do not combine"):
-        LLM(checkpoint_factory("mixtral"), max_model_len=64, expert_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 and expert_parallel_size=4 combine only when equal"):
+        LLM(checkpoint_factory("mixtral"), max_model_len=64, expert_parallel_size=4, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="expert_parallel_size and pipeline_parallel_size > 1 do not combine"):
+        LLM(checkpoint_factory("mixtral"), max_model_len=64, expert_parallel_size=2, pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize("kind, ranks", [("mixtral", 2), ("qwen2_moe", 2), ("qwen3_moe", 2), ("mixtral", 4)])
+def test_expert_and_tensor_parallelism_on_the_same_ranks_match_transformers(checkpoint_factory, kind, ranks):
+    """EP x TP (vLLM's --enable-expert-parallel layout): the same ranks hold their experts and
+    split every layer's attention heads (KV heads split, or replicated with four ranks over
+    two), its output projection one all-reduce; the tokens stay transformers'."""
+    from servelab.distributed.sharded_model import RowParallelLinear
+    from transformers import AutoConfig
+
+    path = checkpoint_factory(kind)
+    heads = AutoConfig.from_pretrained(path).num_attention_heads
+    seen = {}
+
+    def check(llm):
+        attention = llm.engine.runner.model.layers[0].self_attn
+        seen["attention"] = (attention.num_heads, attention.num_kv_heads, isinstance(attention.o_proj, RowParallelLinear))
+        per_head = llm.engine.limits.num_kv_blocks * llm.engine.config.engine.block_size * attention.head_dim
+        seen["kv_heads_cached"] = llm.engine.runner.kv_caches[0][0].numel() / per_head
+
+    assert run(path, check=check, expert_parallel_size=ranks, tensor_parallel_size=ranks,
+               tensor_parallel_timeout_s=60) == hf_greedy(path)
+    assert seen["attention"] == (heads // ranks, 1, True) and seen["kv_heads_cached"] == 1  # the pool holds its heads
 
 
 def test_quantized_experts_spread_over_two_ranks(checkpoint_factory, tmp_path):

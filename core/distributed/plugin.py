@@ -28,7 +28,7 @@ def servelab_tensor_parallel_runner(spec: Any) -> Any:
                             else engine.tensor_parallel_size),
                       expert_parallel=experts, pipeline_parallel=stages, expert_placement=engine.expert_placement,
                       redundant_experts=engine.redundant_experts,
-                      tensor_parallel_size=engine.tensor_parallel_size if stages else 1)
+                      tensor_parallel_size=engine.tensor_parallel_size if stages or experts else 1)
     return start_tensor_parallel(shard, spec.source.model_config.vocab_size, engine.tensor_parallel_timeout_s,
                                  backend=spec.backend,
                                  runner_class=(ExpertParallelRunner if experts else PipelineParallelRunner if stages

@@ -39,7 +39,9 @@ class ShardSpec:
     pipeline_parallel: bool = False  # consecutive layers per rank (servelab.distributed.pipeline_parallel)
     expert_placement: str = "linear"
     redundant_experts: int = 0
-    tensor_parallel_size: int = 1  # under pipeline parallelism: TP ranks per stage (size = stages x this)
+    # TP inside the layout: under pipeline parallelism the TP ranks of each stage (size =
+    # stages x this); under expert parallelism the same ranks split the attention heads (= size)
+    tensor_parallel_size: int = 1
 
 
 def rank_device(engine: EngineSection, local_rank: int) -> torch.device:
@@ -74,9 +76,15 @@ def build_expert_shard(checkpoint: Checkpoint, spec: ShardSpec, comm: Communicat
     engine = spec.engine
     placements = initial_placements(checkpoint.config, placement_policy(spec.expert_placement, spec.redundant_experts),
                                     spec.size)
+    reshape = None
+    if spec.tensor_parallel_size > 1:  # EP x TP: the same ranks split the attention heads
+        from servelab.distributed.expert_tensor_parallel import shard_attention
+
+        layout = ShardLayout(checkpoint.config, comm.rank, spec.size)
+        reshape = lambda m: shard_attention(m, layout, comm)  # noqa: E731
     model = load_model(checkpoint, engine.dtype, str(comm.device), spec.max_positions, engine.prepack_weights,
                        engine.weights, prune=lambda m: prune_experts(m, placements, comm.rank),
-                       quantized_activations=engine.quantized_activations)
+                       quantized_activations=engine.quantized_activations, reshape=reshape)
     attach_dispatchers(model, comm, placements)
     return model
 

@@ -170,9 +170,15 @@ class EngineSection:
         parallel = [name for name, size in (("tensor_parallel_size", self.tensor_parallel_size),
                                             ("expert_parallel_size", self.expert_parallel_size),
                                             ("pipeline_parallel_size", self.pipeline_parallel_size)) if size > 1]
-        if len(parallel) > 1 and parallel != ["tensor_parallel_size", "pipeline_parallel_size"]:
+        if parallel == ["tensor_parallel_size", "expert_parallel_size"]:
+            if self.tensor_parallel_size != self.expert_parallel_size:
+                raise ConfigError(f"[engine] tensor_parallel_size={self.tensor_parallel_size} and "
+                                  f"expert_parallel_size={self.expert_parallel_size} combine only when equal: the "
+                                  f"same ranks split the attention heads and hold the experts")
+        elif len(parallel) > 1 and parallel != ["tensor_parallel_size", "pipeline_parallel_size"]:
             raise ConfigError(f"[engine] {' and '.join(parallel)} > 1 do not combine yet; choose one "
-                              f"(tensor_parallel_size combines with pipeline_parallel_size)")
+                              f"(tensor_parallel_size combines with pipeline_parallel_size, or equals "
+                              f"expert_parallel_size)")
         if self.max_loras_per_batch is not None and self.max_loras_per_batch > self.max_loras:
             raise ConfigError(f"[engine] max_loras_per_batch ({self.max_loras_per_batch}) cannot exceed max_loras "
                               f"({self.max_loras}): a batch's adapters must all fit the fast pool")

@@ -120,10 +120,11 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
     selected = {kind: _select(registry, kind, section) for kind, section in _policy_sections(config)}
     source = source or CheckpointSource(config.engine.model)
     engine = config.engine
-    if engine.tensor_parallel_size > 1 and source.model_config.moe is not None:
+    if (engine.tensor_parallel_size > 1 and source.model_config.moe is not None
+            and engine.expert_parallel_size != engine.tensor_parallel_size):
         raise ConfigError(f"[engine] tensor_parallel_size > 1 does not shard a mixture-of-experts model's experts "
-                          f"yet ({engine.model!r} is {source.model_config.model_type}); spread them with "
-                          f"expert_parallel_size, or split the layers with pipeline_parallel_size")
+                          f"yet ({engine.model!r} is {source.model_config.model_type}); spread them over the "
+                          f"same ranks with expert_parallel_size={engine.tensor_parallel_size}")
     # Under tensor parallelism each rank holds its share of the heads: KV memory and the
     # attention backend are sized by what one rank holds.
     shard_config = local_model_config(source.model_config, engine.tensor_parallel_size)

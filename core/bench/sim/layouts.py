@@ -220,6 +220,9 @@ def engine_refusal(shape: ModelConfig, layout: Layout) -> str | None:
                                            "expert_parallel_size": layout.ep}})
     except ConfigError as exc:
         return str(exc)
+    if layout.tp > 1 and layout.ep > 1:  # servelab's EP x TP puts both on the same ranks, not a TP x EP grid
+        return ("servelab runs EP x TP with both on the same ranks (tensor_parallel_size = expert_parallel_size), "
+                "not EP ranks that are TP groups")
     if layout.tp > 1 and shape.moe is not None:  # as servelab.engine_setup.build_policies refuses it
         return "[engine] tensor_parallel_size > 1 does not shard a mixture-of-experts model's experts yet"
     return None

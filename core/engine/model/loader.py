@@ -102,12 +102,15 @@ def resolve_model(model: str) -> Path:
 def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: int,
                prepack_weights: bool = False, weights: str = "dequantize",
                prune: Callable[[torch.nn.Module], None] | None = None,
-               quantized_activations: str = "int8") -> LlamaForCausalLM:
+               quantized_activations: str = "int8",
+               reshape: Callable[[torch.nn.Module], None] | None = None) -> LlamaForCausalLM:
     """The checkpoint's decoder in `dtype` on `device`; with `prepack_weights` (CPU), the
     decoder's linear layers and LM head packed for oneDNN (see servelab.model.packed_linear);
     with `weights` "int8" or "int4" they are kept as quantized blocks instead
     (servelab.model.quantized_linear). `prune` edits the module tree before any weight is
-    allocated (an expert-parallel rank drops the experts it does not hold)."""
+    allocated (an expert-parallel rank drops the experts it does not hold); `reshape` edits
+    it once the weights are loaded, before they are packed or quantized (an expert-parallel
+    rank that also splits the attention heads slices them)."""
     torch_dtype = DTYPES[dtype]
     torch_device = torch.device(device)
     config = checkpoint.config
@@ -121,6 +124,8 @@ def load_model(checkpoint: Checkpoint, dtype: str, device: str, max_positions: i
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, checkpoint.tensors())
+    if reshape is not None:
+        reshape(model)
     if weights != "dequantize":
         given = file_blocks(checkpoint, model, weights) if checkpoint.gguf is not None else None
         quantize_linears(model, weights, given=given, activations=quantized_activations)
