@@ -76,6 +76,9 @@ def test_serve_answers_with_transformers_tokens(checkpoint_factory, tmp_path, la
         if not layout:
             assert server.metrics()['servelab_expert_load_imbalance{layer="0"}'] >= 1.0
         if "--pipeline-parallel-size" in layout:
-            assert 0 < server.metrics()["servelab_pipeline_bubble_fraction"] < 1
+            metrics = server.metrics()
+            assert 0 < metrics["servelab_pipeline_bubble_fraction"] < 1
+            assert all(0 <= metrics[f'servelab_pipeline_stage_bubble_fraction{{stage="{stage}"}}'] < 1
+                       for stage in (0, 1))
     finally:
         assert server.terminate() == 0, server.log()

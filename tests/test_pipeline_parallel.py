@@ -40,6 +40,9 @@ def test_two_stages_match_one_process_and_transformers(checkpoint_factory, kind,
     assert seen["held"] == [i < -(-layers // 2) for i in range(layers)]  # rank 0: the first stage only
     stats = seen["stats"]
     assert stats.steps > 0 and stats.wait_s > 0 and 0 < stats.bubble_fraction < 1
+    # every stage's times: the second stage computed and waited for the first's hidden states
+    assert len(stats.stage_times) == 2 and stats.stage_times[0] == (stats.compute_s, stats.wait_s)
+    assert stats.stage_times[1][0] > 0 and 0 < stats.stage_bubble_fractions[1] < 1
     # steps of several rows ran as two micro-batches in flight: the first step's prompts (49
     # rows: 25 and 24, the 37-token prompt split across both) and the decode steps while
     # two or more sequences run (the second longest request decodes 11 tokens)
@@ -66,6 +69,8 @@ def test_the_bench_reports_the_first_stages_bubble(checkpoint_factory):
     pipeline = run_bench([("pp2", config)], options)["runs"][0]["metrics"]["pipeline"]
     assert pipeline["steps"] > 0 and pipeline["micro_batches"] > 0
     assert 0 < pipeline["stage0_bubble_fraction"] < 1 and pipeline["stage0_compute_s"] > 0
+    assert len(pipeline["stage_bubble_fractions"]) == 2 and pipeline["stage_compute_s"][1] > 0
+    assert pipeline["stage_bubble_fractions"][0] == pytest.approx(pipeline["stage0_bubble_fraction"])
 
 
 def _staggered(path: str, abort_after: int | None = None, **engine) -> tuple[dict, object, list]:

@@ -117,7 +117,19 @@ def _pipeline(record: RunRecord) -> dict[str, Any]:
     run = {key: after[key] - before.get(key, 0) for key in ("steps", "micro_batches", "stage0_compute_s",
                                                           "stage0_bubble_s")}
     busy = run["stage0_compute_s"] + run["stage0_bubble_s"]
-    return {"pipeline": {**run, "stage0_bubble_fraction": run["stage0_bubble_s"] / busy if busy else None}}
+    stages = {}
+    if after.get("stage_compute_s"):  # every stage's times (not under torchrun)
+        count = len(after["stage_compute_s"])
+        compute = [after["stage_compute_s"][i] - (before.get("stage_compute_s") or [0.0] * count)[i]
+                   for i in range(count)]
+        bubble = [after["stage_bubble_s"][i] - (before.get("stage_bubble_s") or [0.0] * count)[i]
+                  for i in range(count)]
+        stages = {"stage_compute_s": compute, "stage_bubble_s": bubble,
+                  "stage_bubble_fractions": [b / (c + b) if c + b else None for c, b in zip(compute, bubble)]}
+    return {"pipeline": {**run, "stage0_bubble_fraction": run["stage0_bubble_s"] / busy if busy else None,
+                         "batches_in_flight": after.get("batches_in_flight", 1),
+                         "overlapped_batches": after.get("overlapped_batches", 0)
+                         - before.get("overlapped_batches", 0), **stages}}
 
 
 def _expert_load(record: RunRecord) -> dict[str, Any]:

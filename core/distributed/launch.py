@@ -79,19 +79,22 @@ def _free_port() -> int:
 
 
 class ProgressCounters:
-    """One int64 per rank in a shared, memory-mapped file: messages each rank finished."""
+    """Per rank, in a shared, memory-mapped file: the messages it finished (one int64), and
+    under pipeline parallelism its stage's compute and wait seconds so far (two float64),
+    which rank 0 reads without asking."""
 
     def __init__(self, path: str, size: int, create: bool = False) -> None:
         self.path = path
         if create:
             with open(path, "wb") as handle:
-                handle.write(bytes(8 * size))
+                handle.write(bytes(24 * size))
         with open(path, "r+b") as handle:
-            self._map = mmap.mmap(handle.fileno(), 8 * size)
-        self.counts = np.frombuffer(self._map, dtype=np.int64)
+            self._map = mmap.mmap(handle.fileno(), 24 * size)
+        self.counts = np.frombuffer(self._map, dtype=np.int64, count=size)
+        self.stage_times = np.frombuffer(self._map, dtype=np.float64, offset=8 * size).reshape(size, 2)
 
     def close(self) -> None:
-        self.counts = None
+        self.counts = self.stage_times = None
         self._map.close()
 
 

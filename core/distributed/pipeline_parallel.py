@@ -62,7 +62,9 @@ def prune_layers(model: nn.Module, layers: range) -> None:
 
 @attrs.define
 class PipelineStats:
-    """Rank 0's time computing its stage and waiting for the rest of the pipeline (its bubble)."""
+    """A rank's time computing its stage and waiting for its input (its bubble): for the
+    first stage, the last stage's rows; for the others, the previous stage's hidden states.
+    Rank 0's also holds every stage's (`stage_times`)."""
 
     steps: int = 0
     micro_batches: int = 0  # pieces of the steps cut into micro-batches
@@ -73,10 +75,18 @@ class PipelineStats:
     batches_in_flight: int = 1
     overlapped_batches: int = 0
 
+    # (compute_s, wait_s) of each stage, the first stage's first (its first TP rank's under
+    # PP x TP); empty where the other ranks' times are not known (under torchrun)
+    stage_times: tuple[tuple[float, float], ...] = ()
+
     @property
     def bubble_fraction(self) -> float | None:
         total = self.compute_s + self.wait_s
         return self.wait_s / total if total else None
+
+    @property
+    def stage_bubble_fractions(self) -> list[float | None]:
+        return [wait / (compute + wait) if compute + wait else None for compute, wait in self.stage_times]
 
 
 @attrs.frozen
@@ -141,6 +151,7 @@ def _stage_forward(self: Any, input_ids: torch.Tensor, positions: torch.Tensor, 
     else:
         received = torch.empty(num_tokens, hidden_size, dtype=_wire(dtype))
         dist.recv(received, src=links.previous, group=group)
+        waited = time.perf_counter() - started
         hidden = received.to(dtype)
     cos, sin = self.rotary.tables(positions)
     for index in layers:
@@ -150,16 +161,22 @@ def _stage_forward(self: Any, input_ids: torch.Tensor, positions: torch.Tensor, 
     else:
         dist.send(self.norm(hidden[logits_indices]).to(_wire(dtype)).contiguous(), dst=links.next, group=group)
     if not links.is_first:
+        _count(stats, 1, time.perf_counter() - started - waited, waited)
         return hidden[:0], hidden[:0]
     selected = torch.empty(logits_indices.shape[0], hidden_size, dtype=_wire(dtype))
     before = time.perf_counter()
     dist.recv(selected, src=(links.stages - 1) * links.tp_size + links.tp_rank, group=group)
     waited = time.perf_counter() - before
     selected = selected.to(dtype)
-    stats.steps += 1
-    stats.wait_s += waited
-    stats.compute_s += time.perf_counter() - started - waited
+    _count(stats, 1, time.perf_counter() - started - waited, waited)
     return self.lm_head(selected).float(), selected
+
+
+def _count(stats: PipelineStats, pieces: int, compute_s: float, wait_s: float) -> None:
+    stats.steps += 1
+    stats.micro_batches += pieces if pieces > 1 else 0
+    stats.compute_s += compute_s
+    stats.wait_s += wait_s
 
 
 def split_inputs(inputs: Any, sizes: list[int]) -> list[Any]:
@@ -227,6 +244,7 @@ def start_pipelined(runner: Any, pieces: list[Any]) -> PipelinedBatch:
     dtype = model.embed_tokens.weight.dtype
     hidden_size = model.config.hidden_size
     started = time.perf_counter()
+    waited = 0.0
     sends = []
     for piece in pieces:
         prepared = runner.backend.prepare(piece.attention)
@@ -234,7 +252,9 @@ def start_pipelined(runner: Any, pieces: list[Any]) -> PipelinedBatch:
             hidden = model.embed_tokens(piece.input_ids)
         else:
             received = torch.empty(piece.input_ids.shape[0], hidden_size, dtype=_wire(dtype))
+            before = time.perf_counter()
             dist.recv(received, src=links.previous, group=group)
+            waited += time.perf_counter() - before
             hidden = received.to(dtype)
         cos, sin = model.rotary.tables(piece.positions)
         for index in layers:
@@ -243,7 +263,10 @@ def start_pipelined(runner: Any, pieces: list[Any]) -> PipelinedBatch:
         if out.shape[0]:  # a prompt chunk whose logits nobody wants sends nothing back
             out = out.to(_wire(dtype)).contiguous()
             sends.append((out, dist.isend(out, dst=links.next, group=group)))
-    return PipelinedBatch(pieces, sends, time.perf_counter() - started)
+    compute_s = time.perf_counter() - started - waited
+    if not links.is_first:  # the first stage counts the batch when its rows come back
+        _count(model.pipeline[2], len(pieces), compute_s, waited)
+    return PipelinedBatch(pieces, sends, compute_s)
 
 
 @torch.inference_mode()
@@ -274,10 +297,7 @@ def finish_pipelined(runner: Any, batch: PipelinedBatch) -> tuple[torch.Tensor, 
     for _, handle in batch.sends:
         handle.wait()
     if links.is_first:
-        stats.steps += 1
-        stats.micro_batches += len(batch.pieces)
-        stats.wait_s += waited
-        stats.compute_s += batch.compute_s + time.perf_counter() - started - waited
+        _count(stats, len(batch.pieces), batch.compute_s + time.perf_counter() - started - waited, waited)
     return result
 
 

@@ -304,8 +304,17 @@ class PipelineParallelRunner(TensorParallelRunner):
         return self.local.prepare(plan, allocator, prompt_logprobs)
 
     def pipeline_stats(self) -> Any:
-        """Rank 0's compute and wait time over the steps so far (PipelineStats)."""
-        return self.local.model.pipeline[2]
+        """Rank 0's compute and wait time over the steps so far (PipelineStats), with every
+        stage's in `stage_times` (the other ranks publish theirs after each message)."""
+        stats = self.local.model.pipeline[2]
+        workers = self._ranks.workers
+        if workers is not None and workers.progress.stage_times is not None:
+            times = workers.progress.stage_times
+            tp = self.spec.tensor_parallel_size
+            stats.stage_times = ((stats.compute_s, stats.wait_s),
+                                 *((float(times[stage * tp][0]), float(times[stage * tp][1]))
+                                   for stage in range(1, self.pipeline_parallel_size)))
+        return stats
 
     @property
     def max_batches_in_flight(self) -> int:

@@ -72,6 +72,7 @@ class EngineSnapshot:
     resident_adapters: tuple[str, ...] = ()  # LoRA adapters in the fast pool (for an adapter-affinity router)
     expert_load: Any = None  # a mixture-of-experts model's {layer: assignments per expert}, None for a dense one
     pipeline_bubble: float | None = None  # under pipeline parallelism, stage 0's idle share so far
+    pipeline_stage_bubbles: tuple = ()  # every stage's idle share so far (None: not run yet)
 
 
 @attrs.frozen
@@ -106,8 +107,10 @@ Command = tuple[str, Any, Any]
 EMPTY_SNAPSHOT = EngineSnapshot(SchedulerStats(0, 0, 0), AllocatorStats(0, 0, 0))
 
 
-def _bubble(stats: Any) -> float | None:
-    return None if stats is None else stats.bubble_fraction
+def _bubbles(stats: Any) -> dict[str, Any]:
+    if stats is None:
+        return {}
+    return {"pipeline_bubble": stats.bubble_fraction, "pipeline_stage_bubbles": tuple(stats.stage_bubble_fractions)}
 
 
 class StepCounter:
@@ -211,7 +214,7 @@ class EngineCore:
                                              running_tokens, preparing,
                                              counter.tier_stats, resident_adapters(self.engine),
                                              expert_load=expert_load_of(self.engine) or None,
-                                             pipeline_bubble=_bubble(pipeline_stats_of(self.engine)))
+                                             **_bubbles(pipeline_stats_of(self.engine)))
         return self._last_snapshot
 
     def _serve(self, in_flight: set[str]) -> None:

@@ -155,6 +155,9 @@ class ServerMetrics:
         self.pipeline_bubble = Gauge("servelab_pipeline_bubble_fraction", "Under pipeline parallelism, the share "
                                      "of its time the first stage has waited on the rest of the pipeline.",
                                      registry=r)
+        self.pipeline_stage_bubble = Gauge("servelab_pipeline_stage_bubble_fraction", "Under pipeline "
+                                           "parallelism, the share of its time each stage has waited for its "
+                                           "input.", ["stage"], registry=r)
         self.generation_tokens = Counter("servelab_generation_tokens", "Tokens generated.", registry=r)
         self.prompt_tokens = Counter("servelab_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.finished = Counter("servelab_requests_finished", "Completions finished, by finish reason.",
@@ -301,6 +304,9 @@ class ServerMetrics:
             self.tier_bytes_moved.set(tier.bytes_moved)
         if snapshot.pipeline_bubble is not None:
             self.pipeline_bubble.set(snapshot.pipeline_bubble)
+        for stage, fraction in enumerate(snapshot.pipeline_stage_bubbles):
+            if fraction is not None:
+                self.pipeline_stage_bubble.labels(stage=str(stage)).set(fraction)
         for layer, counts in (snapshot.expert_load or {}).items():
             for expert, count in enumerate(counts):
                 self.expert_load.labels(str(layer), str(expert)).set(count)
