@@ -179,3 +179,20 @@ def test_prompt_logprobs_under_pipeline_and_tensor_parallelism_match_one_process
 def test_tensor_and_pipeline_parallelism_refuse_a_mixture_of_experts_model(checkpoint_factory):
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1 does not shard a mixture-of-experts"):
         LLM(checkpoint_factory("mixtral"), max_model_len=64, tensor_parallel_size=2, **PP)
+
+
+def test_a_request_finished_by_an_aborts_drain_comes_out_of_the_next_step(checkpoint_factory):
+    """Two requests in one batch in flight; aborting one completes the batch first, which
+    finishes the other: the engine still has a result to give, and the next step gives it."""
+    path = checkpoint_factory("llama")
+    with LLM(path, max_model_len=64, **PP) as llm:
+        engine = llm.engine
+        done = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        aborted = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        assert engine.step().new_token_ids == {}  # submitted, not completed
+        assert engine.abort(aborted).finish_reason == "abort"
+        assert engine.has_unfinished()
+        result = engine.step()
+        assert [out.request_id for out in result.finished] == [done]
+        assert result.finished[0].token_ids == hf_greedy(path)[0][:1] and not engine.has_unfinished()
+        assert engine.allocator.stats().num_used_blocks == 0

@@ -40,7 +40,6 @@ class BatchQueueStats:
     depth: int  # batches allowed in flight at once
     submitted: int = 0  # batches submitted
     overlapped: int = 0  # of them, submitted while another was still in flight
-    most_in_flight: int = 0
 
 
 class BatchQueue:
@@ -74,7 +73,6 @@ class BatchQueue:
         stats.submitted += 1
         stats.overlapped += bool(self._batches)
         self._batches.append(InFlightBatch(plan, inputs, ticket))
-        stats.most_in_flight = max(stats.most_in_flight, len(self._batches))
 
     def oldest(self) -> InFlightBatch:
         """The oldest batch, out of the queue; its sequences released to the scheduler."""

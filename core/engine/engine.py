@@ -188,7 +188,9 @@ class LLMEngine:
         return stats
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.requests.has_preparing()
+        """True while any request is queued, running or preparing, or a step still owes
+        results (batches completed by an abort under pipeline parallelism)."""
+        return self.scheduler.has_unfinished() or self.requests.has_preparing() or bool(self._drained)
 
     def num_preparing_requests(self) -> int:
         """Requests waiting for a logits processor's preparation (grammar compilation)."""
