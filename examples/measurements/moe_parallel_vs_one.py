@@ -1,8 +1,9 @@
-"""EP=2 and PP=2 against one process, on this CPU (docs/parallelism.md): the same greedy
-requests on a MoE checkpoint (examples/measurements/moe_checkpoints.py writes one), their
-tokens compared and their wall time, median of `--repeats`. On two cores the ranks share
-the cores (each rank gets half of torch's threads), so the parallel layouts pay their
-messages without gaining compute: the figure measures the overhead. Run on a quiet machine:
+"""EP=2 (alone, and with TP=2 on the same ranks) and PP=2 against one process, on this CPU
+(docs/parallelism.md): the same greedy requests on a MoE checkpoint
+(examples/measurements/moe_checkpoints.py writes one), their tokens compared and their
+wall time, median of `--repeats`. On two cores the ranks share the cores (each rank gets
+half of torch's threads), so the parallel layouts pay their messages without gaining
+compute: the figure measures the overhead. Run on a quiet machine:
 
     python examples/measurements/moe_checkpoints.py --out path/to/moe
     python examples/measurements/moe_parallel_vs_one.py --model path/to/moe/mixtral-wide
@@ -18,6 +19,7 @@ from servelab import LLM, SamplingParams
 
 LAYOUTS = {"one process": {}, "EP=2 linear": {"expert_parallel_size": 2},
            "EP=2 round_robin": {"expert_parallel_size": 2, "expert_placement": "round_robin"},
+           "EP=2 x TP=2": {"expert_parallel_size": 2, "tensor_parallel_size": 2},
            "PP=2": {"pipeline_parallel_size": 2}}
 
 
