@@ -13,10 +13,15 @@ from servelab import cli
 from servelab.bench.sim.cost_model import CostModel
 from servelab.bench.sim.hardware import accelerator, interconnect
 from servelab.bench.sim.layout_table import LayoutSettings, compare_layouts, plan_layout
-from servelab.bench.sim.layouts import Layout, admissible_layouts, check_layout, engine_refusal, stage_layers
+from servelab.bench.sim.layouts import (Layout, admissible_layouts, check_layout, engine_refusal, expert_placement,
+                                        stage_layers)
+from servelab.bench.sim.parallel_cost import (all_to_all_seconds, busiest_rank_experts,
+                                              decode_attention_layer_seconds, roofline)
 from servelab.bench.sim.shapes import model_shape
 from servelab.bench.sim.sizing import memory_plan
 from servelab.errors import ConfigError
+from servelab.kv_sizing import kv_pool_blocks
+from servelab.model.shard_layout import local_model_config
 
 H100, NVLINK = accelerator("h100"), interconnect("nvlink4")
 LLAMA_70B, MIXTRAL = model_shape("llama-3-70b"), model_shape("mixtral-8x7b")
@@ -96,9 +101,12 @@ def test_layouts_on_a_fitted_cpu_profile_are_refused():
 def test_the_admissible_layouts_are_every_factorisation_the_model_allows():
     names = {layout.name for layout in admissible_layouts(LLAMA_70B, 8, H100)}
     assert names == {"TP8", "TP4xPP2", "TP2xPP4", "PP8"}  # no EP on a dense model
-    # 8 = 2^3 over three factors: C(5, 2) = 10 ordered factorisations, all admitted by Mixtral
+    # 8 = 2^3 over three factors: C(5, 2) = 10 ordered factorisations, all admitted by Mixtral, and EP x TP on the
+    # same ranks over 8, 4 and 2 of them (PP 1, 2, 4)
     mixtral = admissible_layouts(MIXTRAL, 8, H100)
-    assert len(mixtral) == 10 and all(layout.devices == 8 for layout in mixtral)
+    assert len(mixtral) == 13 and all(layout.devices == 8 for layout in mixtral)
+    assert [layout.name for layout in mixtral if layout.attention_tp] == [
+        "EP8+TP-attn", "PP2xEP4+TP-attn", "PP4xEP2+TP-attn"]
     # 6 devices: TP 3 or 6 divides neither 64 heads; PP 6 and 3 are fine
     assert {layout.name for layout in admissible_layouts(LLAMA_70B, 6, H100)} == {"TP2xPP3", "PP6"}
     with pytest.raises(ConfigError, match="no layout of 9 devices"):
@@ -163,7 +171,7 @@ def test_mixtral_on_8_h100s_tp8_against_ep8():
     # the whole table: TP8 streams the fewest bytes a device and wins decode within one NVLink node
     result = compare_layouts(MIXTRAL, H100, NVLINK, 8, settings())
     rows = {row["layout"]: row for row in result["rows"]}
-    assert len(rows) == 10 and all(row["fits"] for row in rows.values())
+    assert len(rows) == 13 and all(row["fits"] for row in rows.values())
     assert result["best"] == "TP8"
     assert rows["PP8"]["price"]["bubble_fraction"] > rows["TP4xPP2"]["price"]["bubble_fraction"] > 0
     assert rows["EP8"]["servelab_runs"] and not rows["TP8"]["servelab_runs"]
@@ -198,7 +206,7 @@ def test_size_command_layouts_and_single_layouts(tmp_path, capsys):
     assert cli.main([*base, "--sim-model", "mixtral-8x7b", "--layouts", "8", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     layouts = json.loads(out.read_text())["layouts"]
-    assert layouts["best"] == "TP8" and len(layouts["rows"]) == 10
+    assert layouts["best"] == "TP8" and len(layouts["rows"]) == 13
     assert f"best ({layouts['criterion']}): TP8" in printed and "EP8" in printed
     out = tmp_path / "pp.json"
     assert cli.main([*base, "--sim-model", "llama-3-70b", "--pp", "4", "--json", str(out)]) == 0
@@ -215,3 +223,109 @@ def test_size_command_layouts_and_single_layouts(tmp_path, capsys):
     assert "needs a mixture-of-experts model" in capsys.readouterr().err
     assert cli.main([*base, "--sim-model", "llama-3-70b", "--layouts", "8", "--tp", "2"]) == 2
     assert "drop --tp" in capsys.readouterr().err
+
+
+# EP x TP on the same ranks (servelab.distributed.expert_tensor_parallel, vLLM's --enable-expert-parallel)
+EP8_TP = Layout(tp=8, ep=8, attention_tp=True)
+
+
+def test_ep_with_attention_tp_on_the_same_ranks_splits_attention_and_holds_the_rest_whole():
+    h, layers, width, vocab = 4096, 32, 14336, 32000
+    attention = h * (32 * 128 + 2 * 8 * 128) + 32 * 128 * h
+    expert = 3 * h * width
+    same, ep8, tp8 = plan(MIXTRAL, EP8_TP), plan(MIXTRAL, Layout(ep=8)), plan(MIXTRAL, Layout(tp=8))
+    assert EP8_TP.devices == 8 and same["devices"] == 8 and same["attention_tp"]
+    # a device: attention / 8, its one expert at full width, the router, embedding and LM head whole
+    assert same["memory"]["weight_bytes"] == 2 * (layers * (attention / 8 + 8 * h + expert) + 2 * vocab * h)
+    assert ep8["memory"]["weight_bytes"] - same["memory"]["weight_bytes"] == 2 * layers * attention * 7 / 8
+    # over the 8 devices: attention once, every expert once, router, embedding and LM head 8 times
+    assert same["memory"]["total_weight_bytes"] == 2 * (layers * (attention + 8 * 8 * h + 8 * expert)
+                                                        + 8 * 2 * vocab * h)
+    # KV: one KV head of 8 a device, as TP8's; with TP8's memory left, TP8's KV tokens
+    assert same["memory"]["kv_bytes_per_token"] == tp8["memory"]["kv_bytes_per_token"] == layers * 128 * 2 * 2
+    heavier = same["memory"]["weight_bytes"] - tp8["memory"]["weight_bytes"]
+    roomier = attrs.evolve(H100, memory_bytes=H100.memory_bytes - heavier)
+    assert (plan(MIXTRAL, Layout(tp=8), hardware=roomier)["memory"]["kv_tokens_per_device"]
+            == same["memory"]["kv_tokens_per_device"])
+    assert same["memory"]["num_blocks"] == kv_pool_blocks(
+        0.9 * (H100.memory_bytes - H100.reserved_bytes - same["memory"]["weight_bytes"]), layers * 128 * 2 * 2, 16)
+    # every rank attends to all the sequences: the layout holds one rank's, not 8 ranks' as EP8's data-parallel attention
+    assert same["memory"]["max_concurrent_seqs"] == same["memory"]["num_blocks"] // 256
+    assert ep8["memory"]["max_concurrent_seqs"] == 8 * (ep8["memory"]["num_blocks"] // 256)
+
+
+def test_ep_with_attention_tp_prices_tp_attention_one_all_reduce_and_eps_experts_over_the_whole_batch():
+    h, layers, vocab, batch, context = 4096, 32, 32000, 256, 4096
+    price = plan(MIXTRAL, EP8_TP)["price"]
+    link = NVLINK
+    # attention as TP8's (4 heads and 1 KV head a device) over all 256 sequences, then o_proj's all-reduce of them
+    heads = local_model_config(MIXTRAL, 8)
+    attention = decode_attention_layer_seconds(heads, H100, batch, context, 128 * 2 * 2, 2)
+    all_reduce = link.latency_s + 2 * 7 / 8 * batch * h * 2 / link.bus_bandwidth
+    # the busiest rank's experts over the whole batch's rows at full width; each rank dispatches 1/8 of the rows
+    placement = expert_placement(MIXTRAL, 8, "linear", 0, None)
+    experts, imbalance = busiest_rank_experts(MIXTRAL, H100, batch, placement, [1.0] * 8)
+    moved = batch / 8 * 2 * h * 2
+    exchange = 2 * all_to_all_seconds(link, moved, 8)
+    lm_head = roofline(H100, 2 * batch * vocab * h, vocab * h * 2)  # whole on every rank
+    step = layers * (attention + all_reduce + experts + exchange) + H100.step_overhead_s + lm_head
+    assert price["decode_batch"] == batch and imbalance == price["expert_imbalance"] == 1.0
+    assert price["decode_step_s"] == pytest.approx(step, rel=1e-12)
+    assert price["all_to_all_bytes"] == layers * 2 * moved * 7 / 8 == plan(MIXTRAL, Layout(ep=8))["price"][
+        "all_to_all_bytes"]
+    # the prompt's attention is split by heads over all 8 ranks, not run on the one EP rank holding its sequence
+    assert price["prefill_s"] < plan(MIXTRAL, Layout(ep=8))["price"]["prefill_s"]
+
+
+def test_ep_with_attention_tp_is_enumerated_for_a_mixture_of_experts_where_the_heads_admit_it():
+    names = [layout.name for layout in admissible_layouts(MIXTRAL, 8, H100)]
+    assert names.index("EP8+TP-attn") == names.index("EP8") + 1  # beside its stage count's layouts
+    assert not any("TP-attn" in layout.name for layout in admissible_layouts(LLAMA_70B, 8, H100))  # dense
+    # 6 devices: TP 6 and 3 divide none of Mixtral's 32 heads, so EP6 and PP2xEP3 have no +TP-attn; PP3xEP2 has
+    six = {layout.name for layout in admissible_layouts(MIXTRAL, 6, H100)}
+    assert {"EP6", "PP2xEP3", "PP3xEP2+TP-attn"} <= six and not {"EP6+TP-attn", "PP2xEP3+TP-attn"} & six
+    # 16 devices: EP16 exceeds the 8 experts; PP2 x EP8+TP-attn fits
+    sixteen = {layout.name for layout in admissible_layouts(MIXTRAL, 16, H100)}
+    assert "PP2xEP8+TP-attn" in sixteen and "EP16+TP-attn" not in sixteen
+
+
+@pytest.mark.parametrize("layout, message", [
+    (Layout(tp=4, ep=2, attention_tp=True), "needs --tp equal to --ep, both above 1"),
+    (Layout(tp=1, ep=1, attention_tp=True), "needs --tp equal to --ep, both above 1"),
+    (Layout(tp=6, ep=6, attention_tp=True), "does not divide the model's num_attention_heads=32"),
+])
+def test_ep_with_attention_tp_refuses_what_the_engine_cannot_split(layout, message):
+    with pytest.raises(ConfigError, match=message):
+        check_layout(MIXTRAL, layout, H100)
+
+
+def test_servelab_runs_ep_with_attention_tp_without_pp():
+    assert engine_refusal(MIXTRAL, EP8_TP) is None
+    assert engine_refusal(MIXTRAL, Layout(tp=2, ep=2, attention_tp=True)) is None
+    assert "pipeline_parallel_size > 1 do not combine yet" in engine_refusal(
+        MIXTRAL, Layout(tp=4, pp=2, ep=4, attention_tp=True))
+    assert "not EP ranks that are TP groups" in engine_refusal(MIXTRAL, Layout(tp=2, ep=2))  # the grid
+    assert "not EP ranks that are TP groups" in engine_refusal(MIXTRAL, Layout(tp=2, ep=4))
+    result = compare_layouts(MIXTRAL, H100, NVLINK, 8, settings())
+    rows = {row["layout"]: row for row in result["rows"]}
+    assert rows["EP8+TP-attn"]["servelab_runs"] and not rows["PP2xEP4+TP-attn"]["servelab_runs"]
+
+
+def test_size_command_tp_and_ep_together_are_the_same_ranks(tmp_path, capsys):
+    base = ["size", "--sim", "h100", "--context-len", "4096", "--sim-model", "mixtral-8x7b"]
+    table, single = tmp_path / "layouts.json", tmp_path / "single.json"
+    assert cli.main([*base, "--layouts", "8", "--json", str(table)]) == 0
+    assert cli.main([*base, "--tp", "8", "--ep", "8", "--json", str(single)]) == 0
+    printed = capsys.readouterr().out
+    rows = {row["layout"]: row for row in json.loads(table.read_text())["layouts"]["rows"]}
+    planned = json.loads(single.read_text())
+    assert planned["layout"] == rows["EP8+TP-attn"]
+    assert (planned["tensor_parallel"], planned["expert_parallel"], planned["layout"]["devices"]) == (8, 8, 8)
+    assert "EP8+TP-attn" in printed and "servelab's engine runs it (EP x TP" in printed
+    assert "attention replicated" not in printed.split("as EP8+TP-attn")[1]
+    # unequal: refused naming both options
+    assert cli.main([*base, "--tp", "4", "--ep", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 4 with --ep 2" in err and "--tp must equal --ep" in err and "--layouts 8" in err
+    assert cli.main(["size", "--sim", "h100", "--sim-model", "llama-3-70b", "--tp", "8", "--ep", "8"]) == 2
+    assert "needs a mixture-of-experts model" in capsys.readouterr().err

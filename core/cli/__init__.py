@@ -128,13 +128,17 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--sim-model", default="llama-3-8b", help="model shape: llama-3-8b, llama-3-70b, qwen2-7b, "
                       "tiny-random, mixtral-8x7b (a mixture of experts)")
     size.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: devices one replica spreads over "
-                      "(sets engine.tensor_parallel_size; default: the config's, 1)")
+                      "(sets engine.tensor_parallel_size; default: the config's, 1); with --ep N, the same N: "
+                      "EP x TP on the same ranks (each holds its experts and its attention heads, vLLM's "
+                      "--enable-expert-parallel)")
     size.add_argument("--pp", type=int, metavar="N", help="pipeline parallelism: stages the layers split into "
                       "(engine.pipeline_parallel_size; default: the config's, 1)")
     size.add_argument("--ep", type=int, metavar="N", help="expert parallelism: ranks a mixture of experts' experts "
-                      "spread over (engine.expert_parallel_size; default: the config's, 1)")
+                      "spread over (engine.expert_parallel_size; default: the config's, 1); --tp N --ep N: the same "
+                      "N ranks also split the attention heads (N devices, not N x N)")
     size.add_argument("--layouts", type=int, metavar="G", help="compare every TP x PP (x EP) layout of G devices "
-                      "the model admits: memory, KV capacity, priced decode and prefill, the best")
+                      "the model admits, EP with attention TP on the same ranks (+TP-attn) included: memory, KV "
+                      "capacity, priced decode and prefill, the best")
     size.add_argument("--expert-placement", help="EP's placement policy: linear, round_robin, balanced "
                       "(engine.expert_placement; default: the config's, linear)")
     size.add_argument("--expert-load", metavar="W,W,...", help="router load per expert, any scale, that EP's "

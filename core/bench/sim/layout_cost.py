@@ -20,6 +20,14 @@ sends all its rows to the experts' ranks.
 Under TP x EP each TP rank of a group dispatches 1/TP of its group's rows (the
 sequence-parallel dispatch between the reduce-scatter and the all-gather TP's all-reduce
 splits into), so a device's all-to-all carries rows / TP.
+
+EP x TP on the same ranks (`Layout.attention_tp`, N = TP = EP): every rank runs every
+sequence (no data-parallel attention), attention over its heads and their KV, one
+all-reduce of the hidden state a layer (the row-parallel output projection); it
+dispatches 1/N of the rows (between that all-reduce's reduce-scatter and its all-gather,
+as above), its experts take the busiest rank's rows of the whole batch at their whole
+width, and the dense MLP layers and the LM head run whole on every rank over every row.
+The prompt of a prefill is on every rank, its attention split by heads.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Any, Sequence
 import attrs
 
 from servelab.bench.sim.hardware import Accelerator, Interconnect
-from servelab.bench.sim.layouts import Layout, stage_layers, tp_shard
+from servelab.bench.sim.layouts import Layout, layout_shard, stage_layers
 from servelab.bench.sim.parallel_cost import (all_to_all_seconds, attention_layer_seconds, busiest_rank_experts,
                                               decode_attention_layer_seconds, mlp_layer_seconds, pipeline_schedule,
                                               roofline)
@@ -57,8 +65,12 @@ class LayoutCost:
         """`kv_bytes_per_token_layer`: K and V of one token in one layer on one device."""
         self.shape, self.hw, self.link, self.layout = shape, hw, link, layout
         self.placement, self.dtype_bytes = placement, dtype_bytes
-        self.local = tp_shard(shape, layout.tp)
+        self.local = layout_shard(shape, layout)
         self.dense_local = attrs.evolve(self.local, moe=None)
+        shared = self.local.moe.shared_expert_intermediate_size if self.local.moe is not None else 0
+        self.shared_local = attrs.evolve(self.dense_local, intermediate_size=shared) if shared else None
+        # TP's row-parallel projections: attention's and the MLP's, or attention's alone where the MLP is whole
+        self.all_reduces_per_layer = 0 if layout.tp == 1 else (1 if layout.attention_tp else 2)
         moe = shape.moe
         self.load = list(load) if load is not None else ([1.0] * moe.num_experts if moe else [])
         layers = stage_layers(shape.num_layers, 0, layout.pp)
@@ -72,7 +84,8 @@ class LayoutCost:
         imbalance: `attention_s` a layer; `group_rows` rows on this EP rank, `step_rows`
         on all of them; `dispatched_rows` leave this device for the experts' ranks."""
         hw, layout, shape, size = self.hw, self.layout, self.shape, self.dtype_bytes
-        all_reduces = 2 * self.link.all_reduce_seconds(group_rows * shape.hidden_size * size, layout.tp)
+        all_reduces = self.all_reduces_per_layer * self.link.all_reduce_seconds(group_rows * shape.hidden_size * size,
+                                                                                layout.tp)
         seconds = self.dense_layers * (attention_s + mlp_layer_seconds(self.dense_local, hw, group_rows, size)
                                        + all_reduces)
         exchanged, imbalance = 0.0, 1.0
@@ -84,6 +97,8 @@ class LayoutCost:
                 exchanged = self.sparse_layers * 2 * moved * (layout.ep - 1) / layout.ep
             else:
                 experts = mlp_layer_seconds(self.local, hw, group_rows, size)
+            if self.shared_local is not None:  # on every row of this device, beside the routed experts
+                experts += mlp_layer_seconds(self.shared_local, hw, group_rows, size)
             seconds += self.sparse_layers * (attention_s + experts + all_reduces)
         return seconds + hw.step_overhead_s, exchanged, imbalance
 
@@ -94,7 +109,7 @@ class LayoutCost:
         layout, local = self.layout, self.local
         micro_batches = min(layout.pp, batch)
         micro_batch = -(-batch // micro_batches)
-        group = -(-micro_batch // layout.ep)
+        group = -(-micro_batch // layout.sequence_groups)
         attention = decode_attention_layer_seconds(local, self.hw, group, context, self.kv_bytes_per_token_layer,
                                                    self.dtype_bytes)
         stage, exchanged, imbalance = self._stage(attention, group, micro_batch, group / layout.tp)

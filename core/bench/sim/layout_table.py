@@ -65,7 +65,8 @@ def plan_layout(shape: ModelConfig, hardware: Accelerator, link: Interconnect, l
                            settings.memory_utilization, settings.kv_cache_dtype, settings.dtype_bytes)
     refusal = engine_refusal(shape, layout)
     plan = {"layout": layout.name, "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
-            "expert_parallel": layout.ep, "devices": layout.devices, "fits": memory.fits,
+            "expert_parallel": layout.ep, "attention_tp": layout.attention_tp, "devices": layout.devices,
+            "fits": memory.fits,
             "servelab_runs": refusal is None, "servelab_refusal": refusal,
             "placement": None if placement is None else [list(r) for r in placement.ranks],
             "memory": attrs.asdict(memory), "price": None}
@@ -91,13 +92,13 @@ def compare_layouts(shape: ModelConfig, hardware: Accelerator, link: Interconnec
 
 
 def format_layout_rows(rows: list[dict[str, Any]], best: str | None = None) -> str:
-    header = (f"  {'layout':<12} {'servelab':>8} {'weights/dev':>11} {'KV tok/dev':>11} {'max seqs':>9} "
+    header = (f"  {'layout':<15} {'servelab':>8} {'weights/dev':>11} {'KV tok/dev':>11} {'max seqs':>9} "
               f"{'batch':>6} {'step ms':>8} {'tok/s':>9} {'prefill ms':>10} {'chunks':>6} {'bubble':>7} "
               f"{'a2a MiB/dev':>11} {'EP imbal':>8}")
     lines = [header]
     for row in rows:
         m, p = row["memory"], row["price"]
-        start = (f"  {row['layout']:<12} {'yes' if row['servelab_runs'] else 'not yet':>8} "
+        start = (f"  {row['layout']:<15} {'yes' if row['servelab_runs'] else 'not yet':>8} "
                  f"{m['weight_bytes'] / GIB:>7.1f} GiB {m['kv_tokens_per_device']:>11,} {m['max_concurrent_seqs']:>9,}")
         if p is None:
             lines.append(f"{start}  does not fit: no sequence of {m['context_len']} tokens")
@@ -109,9 +110,10 @@ def format_layout_rows(rows: list[dict[str, Any]], best: str | None = None) -> s
                      f"{p['expert_imbalance']:>8.2f}{mark}")
     refusals = sorted({row["servelab_refusal"] for row in rows if row["servelab_refusal"]})
     lines += [f"  servelab not yet: {reason}" for reason in refusals]
-    if any(row["servelab_runs"] and row["expert_parallel"] > 1 for row in rows):  # docs/parallelism.md
-        lines.append("  servelab's EP replicates attention: every rank attends to all the sequences, so it holds "
-                     "max seqs / EP of them")
+    if any(row["servelab_runs"] and row["expert_parallel"] > 1 and not row["attention_tp"]
+           for row in rows):  # docs/parallelism.md
+        lines.append("  servelab's EP alone (EPn) replicates attention: every rank attends to all the sequences, so it "
+                     "holds max seqs / n of them; EPn+TP-attn splits the heads, and holds its max seqs")
     return "\n".join(lines)
 
 
@@ -119,7 +121,8 @@ def format_layouts(result: dict[str, Any], model: str, hardware: Accelerator, li
     s = result["settings"]
     with_ep = any(row["expert_parallel"] > 1 for row in result["rows"])
     moe = f" under the {s['expert_placement']} placement" if with_ep else ""
-    lines = [f"{model} on {result['devices']} x {hardware.name} over {link.name}: every TP x PP (x EP) layout, "
+    kinds = "TP x PP (x EP, and EP splitting attention TP-style on the same ranks: +TP-attn)" if with_ep else "TP x PP"
+    lines = [f"{model} on {result['devices']} x {hardware.name} over {link.name}: every {kinds} layout, "
              f"context {s['context_len']} tokens, blocks of {s['block_size']}, KV {s['kv_cache_dtype']}",
              f"  decode: a batch of up to {s['max_num_seqs']} sequences at the context{moe}; prefill: one prompt of "
              f"the context, {s['chunk_sizing']} chunks",
@@ -132,10 +135,14 @@ def format_layout_plan(plan: dict[str, Any], model: str, hardware: Accelerator, 
                        settings: LayoutSettings) -> str:
     m, p = plan["memory"], plan["price"]
     joined = f", over {link.name}" if plan["devices"] > 1 else ""
+    if plan["attention_tp"]:
+        grid = (f"EP {plan['expert_parallel']} splitting attention TP {plan['tensor_parallel']} on the same ranks x "
+                f"PP {plan['pipeline_parallel']}")
+    else:
+        grid = f"TP {plan['tensor_parallel']} x PP {plan['pipeline_parallel']} x EP {plan['expert_parallel']}"
     lines = [
-        f"{model} on {plan['devices']} x {hardware.name} as {plan['layout']} (TP {plan['tensor_parallel']} x "
-        f"PP {plan['pipeline_parallel']} x EP {plan['expert_parallel']}{joined}), context {m['context_len']} tokens, "
-        f"blocks of {settings.block_size} tokens",
+        f"{model} on {plan['devices']} x {hardware.name} as {plan['layout']} ({grid}{joined}), context "
+        f"{m['context_len']} tokens, blocks of {settings.block_size} tokens",
         f"  per device (the fullest): {m['memory_bytes'] / GIB:.1f} GiB = weights {m['weight_bytes'] / GIB:.1f} GiB "
         f"+ runtime {m['reserved_bytes'] / GIB:.1f} GiB + free {m['free_bytes'] / GIB:.1f} GiB",
     ]
@@ -152,7 +159,9 @@ def format_layout_plan(plan: dict[str, Any], model: str, hardware: Accelerator, 
         f"({m['kv_bytes_per_token'] / 1024:.0f} KiB a token on this device, KV {settings.kv_cache_dtype}) = "
         f"{m['num_blocks']:,} blocks = {m['kv_tokens_per_device']:,} tokens",
         f"  concurrent sequences of {m['context_len']} tokens: {m['max_concurrent_seqs']:,} ("
-        + (f"{plan['expert_parallel']} EP ranks, each attending to its own; " if plan["expert_parallel"] > 1 else "")
+        + (f"{plan['expert_parallel']} EP ranks, each attending to its own; "
+           if plan["expert_parallel"] > 1 and not plan["attention_tp"] else "")
+        + ("every rank attends to all of them with its heads; " if plan["attention_tp"] else "")
         + f"{m['blocks_per_sequence']} blocks each)",
     ]
     if p is None:
@@ -173,6 +182,8 @@ def format_layout_plan(plan: dict[str, Any], model: str, hardware: Accelerator, 
         ]
     if not plan["servelab_runs"]:
         lines.append(f"  servelab's engine does not run it yet: {plan['servelab_refusal']}")
+    elif plan["attention_tp"]:  # docs/parallelism.md, "EP x TP"
+        lines.append("  servelab's engine runs it (EP x TP: each rank its experts and its heads of every layer)")
     elif plan["expert_parallel"] > 1:  # docs/parallelism.md, "Expert parallelism"
         lines.append(f"  servelab's engine runs it with attention replicated: every rank attends to all the sequences, "
                      f"so it holds one rank's, {m['max_concurrent_seqs'] // plan['expert_parallel']:,}")
@@ -182,4 +193,4 @@ def format_layout_plan(plan: dict[str, Any], model: str, hardware: Accelerator, 
 
 
 def _layout(plan: dict[str, Any]) -> Layout:
-    return Layout(plan["tensor_parallel"], plan["pipeline_parallel"], plan["expert_parallel"])
+    return Layout(plan["tensor_parallel"], plan["pipeline_parallel"], plan["expert_parallel"], plan["attention_tp"])

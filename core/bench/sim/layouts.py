@@ -19,6 +19,15 @@ each EP rank is a TP group. What a device holds:
   it and parallel_cost.ep_step prices it), so it holds only those sequences' KV: the
   layout holds EP times one rank's sequences.
 
+EP x TP on the same ranks (`Layout.attention_tp`, the layout of servelab's EP x TP and of
+vLLM's `--tensor-parallel-size N --enable-expert-parallel` without data parallelism):
+N = tp = ep devices a stage, each an EP rank holding its placement's experts (whole
+width) and, of every layer's attention, its heads as TP splits them (KV heads replicated
+once there are fewer than ranks); the embedding, router, dense MLP layers, shared experts
+and LM head are whole on every rank. Every rank attends to all the sequences with its
+heads, so the layout holds one rank's sequences (not EP times them), each rank only its
+KV heads' share of their KV.
+
 Norms and biases (well under 0.1 % of the weights) are not counted, as in the cost model.
 Every device's KV pool is sized as the fullest device's, as engines size one pool for all
 ranks (the fewest blocks any rank holds).
@@ -43,13 +52,29 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    # EP x TP on the same ranks (tp == ep): the EP ranks split every layer's attention heads
+    # TP-style and hold the rest whole, instead of each EP rank being a TP group of tp devices
+    attention_tp: bool = False
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.ep
+        return self.pp * self.ep if self.attention_tp else self.tp * self.pp * self.ep
+
+    @property
+    def ffn_tp(self) -> int:
+        """Ranks the MLP's, each expert's and the vocabulary's widths split over (attention's: tp)."""
+        return 1 if self.attention_tp else self.tp
+
+    @property
+    def sequence_groups(self) -> int:
+        """Groups of ranks attending to their own share of the sequences: EP's data-parallel
+        attention, or 1 when every EP rank attends to all of them with its heads."""
+        return 1 if self.attention_tp else self.ep
 
     @property
     def name(self) -> str:
+        if self.attention_tp:
+            return (f"PP{self.pp}x" if self.pp > 1 else "") + f"EP{self.ep}+TP-attn"
         parts = [f"{kind}{size}" for kind, size in (("TP", self.tp), ("PP", self.pp), ("EP", self.ep)) if size > 1]
         return "x".join(parts) or "TP1"
 
@@ -59,6 +84,9 @@ def check_layout(shape: ModelConfig, layout: Layout, hardware: Accelerator) -> N
     for flag, size in (("--tp", layout.tp), ("--pp", layout.pp), ("--ep", layout.ep)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {size!r}")
+    if layout.attention_tp and (layout.tp != layout.ep or layout.ep < 2):
+        raise ConfigError(f"EP x TP on the same ranks needs --tp equal to --ep, both above 1 (the EP ranks split "
+                          f"the attention heads), got --tp {layout.tp} and --ep {layout.ep}")
     check_shardable(shape, layout.tp)
     if layout.pp > shape.num_layers:
         raise ConfigError(f"[engine] pipeline_parallel_size={layout.pp} exceeds the model's {shape.num_layers} "
@@ -69,7 +97,7 @@ def check_layout(shape: ModelConfig, layout: Layout, hardware: Accelerator) -> N
                           f"{shape.model_type} shape is dense (no experts to spread)")
     if moe is not None and layout.ep > moe.num_experts:
         raise ConfigError(f"[engine] expert_parallel_size={layout.ep} exceeds the model's {moe.num_experts} experts")
-    if moe is not None and moe.expert_intermediate_size < layout.tp:
+    if moe is not None and moe.expert_intermediate_size < layout.ffn_tp:
         raise ConfigError(f"[engine] tensor_parallel_size={layout.tp} exceeds the experts' width "
                           f"{moe.expert_intermediate_size}")
     if layout.devices > 1 and not hardware.per_kernel:
@@ -79,13 +107,17 @@ def check_layout(shape: ModelConfig, layout: Layout, hardware: Accelerator) -> N
 
 def admissible_layouts(shape: ModelConfig, devices: int, hardware: Accelerator) -> list[Layout]:
     """Every TP x PP (x EP for a mixture of experts) layout of exactly `devices` devices
-    the model admits, fewest pipeline stages, then fewest EP ranks first."""
+    the model admits, fewest pipeline stages, then fewest EP ranks first; for a mixture of
+    experts, after each stage count's grids, EP x TP on the same ranks of its devices."""
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ConfigError(f"--layouts needs a positive number of devices, got {devices!r}")
     found = []
     for pp in _divisors(devices):
-        for ep in _divisors(devices // pp) if shape.moe is not None else [1]:
-            layout = Layout(tp=devices // (pp * ep), pp=pp, ep=ep)
+        candidates = [Layout(tp=devices // (pp * ep), pp=pp, ep=ep)
+                      for ep in (_divisors(devices // pp) if shape.moe is not None else [1])]
+        if shape.moe is not None and devices // pp > 1:
+            candidates.append(Layout(tp=devices // pp, pp=pp, ep=devices // pp, attention_tp=True))
+        for layout in candidates:
             try:
                 check_layout(shape, layout, hardware)
             except ConfigError:
@@ -119,6 +151,17 @@ def tp_shard(shape: ModelConfig, tp: int) -> ModelConfig:
     return attrs.evolve(local, moe=moe)
 
 
+def layout_shard(shape: ModelConfig, layout: Layout) -> ModelConfig:
+    """The shape one device of `layout` computes and holds of each layer: `tp_shard`'s;
+    under EP x TP on the same ranks, attention's heads split over tp (servelab's
+    expert_tensor_parallel) and the rest (MLP, experts, vocabulary) whole."""
+    local = tp_shard(shape, layout.ffn_tp)
+    if layout.ffn_tp == layout.tp:
+        return local
+    heads = local_model_config(shape, layout.tp)
+    return attrs.evolve(local, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
+
+
 def expert_placement(shape: ModelConfig, ep: int, policy: str, redundant_experts: int,
                      load: list[float] | None) -> ExpertPlacement | None:
     """The experts each EP rank holds (None for a dense shape)."""
@@ -132,7 +175,7 @@ def expert_placement(shape: ModelConfig, ep: int, policy: str, redundant_experts
 
 def device_parameters(shape: ModelConfig, layout: Layout, stage: int, experts_held: int) -> int:
     """Weights one device of `stage` holds, its EP rank holding `experts_held` experts."""
-    local = tp_shard(shape, layout.tp)
+    local = layout_shard(shape, layout)
     hidden = shape.hidden_size
     q = local.num_heads * shape.head_dim
     kv = local.num_kv_heads * shape.head_dim
@@ -155,7 +198,7 @@ def device_parameters(shape: ModelConfig, layout: Layout, stage: int, experts_he
 def layer_kv_bytes_per_token(shape: ModelConfig, layout: Layout, kv_cache_dtype: str = "auto",
                              dtype_bytes: int = 2) -> int:
     """K and V of one token in one layer, on one device (its TP rank's KV heads)."""
-    return tp_shard(shape, layout.tp).kv_bytes_per_token(dtype_bytes, kv_cache_dtype) // shape.num_layers
+    return layout_shard(shape, layout).kv_bytes_per_token(dtype_bytes, kv_cache_dtype) // shape.num_layers
 
 
 @attrs.frozen
@@ -177,7 +220,9 @@ class LayoutMemory:
     kv_tokens_per_device: int
     context_len: int
     blocks_per_sequence: int
-    max_concurrent_seqs: int  # sequences of context_len tokens the whole layout holds (EP ranks x one rank's)
+    # sequences of context_len tokens the whole layout holds: EP ranks x one rank's under data-parallel
+    # attention, one rank's under EP x TP on the same ranks (every rank attends to all of them)
+    max_concurrent_seqs: int
 
     @property
     def fits(self) -> bool:
@@ -196,7 +241,7 @@ def layout_memory(shape: ModelConfig, hardware: Accelerator, layout: Layout, pla
     for stage in range(layout.pp):
         weights = [device_parameters(shape, layout, stage, n) * dtype_bytes for n in held]
         stage_weights.append(max(weights))
-        total += layout.tp * sum(weights)
+        total += layout.ffn_tp * sum(weights)  # the devices of an EP rank: a TP group, or the rank itself
         kv_per_token = per_layer_kv * len(stage_layers(shape.num_layers, stage, layout.pp))
         blocks = kv_pool_blocks(memory_utilization * (usable - max(weights)), kv_per_token, block_size)
         if fullest is None or blocks < fullest[0]:
@@ -210,19 +255,22 @@ def layout_memory(shape: ModelConfig, hardware: Accelerator, layout: Layout, pla
         memory_utilization=memory_utilization, kv_pool_bytes=max(0.0, memory_utilization * free),
         kv_bytes_per_token=kv_per_token, block_bytes=kv_per_token * block_size, num_blocks=blocks,
         kv_tokens_per_device=blocks * block_size, context_len=context_len, blocks_per_sequence=per_sequence,
-        max_concurrent_seqs=layout.ep * (blocks // per_sequence))
+        max_concurrent_seqs=layout.sequence_groups * (blocks // per_sequence))
 
 
 def engine_refusal(shape: ModelConfig, layout: Layout) -> str | None:
     """Why servelab's own engine does not run `layout` yet (None: it does)."""
+    if layout.tp > 1 and layout.ep > 1 and not layout.attention_tp:
+        # servelab's EP x TP puts both on the same ranks (the attention_tp layouts), not a TP x EP grid
+        return ("servelab runs EP x TP with both on the same ranks (tensor_parallel_size = expert_parallel_size, "
+                "the +TP-attn layouts), not EP ranks that are TP groups")
     try:
         EngineConfig.from_dict({"engine": {"tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp,
                                            "expert_parallel_size": layout.ep}})
     except ConfigError as exc:
         return str(exc)
-    if layout.tp > 1 and layout.ep > 1:  # servelab's EP x TP puts both on the same ranks, not a TP x EP grid
-        return ("servelab runs EP x TP with both on the same ranks (tensor_parallel_size = expert_parallel_size), "
-                "not EP ranks that are TP groups")
-    if layout.tp > 1 and shape.moe is not None:  # as servelab.engine_setup.build_policies refuses it
-        return "[engine] tensor_parallel_size > 1 does not shard a mixture-of-experts model's experts yet"
+    if layout.tp > 1 and shape.moe is not None and not layout.attention_tp:
+        # as servelab.engine_setup.build_policies refuses it (unless expert_parallel_size equals it)
+        return ("[engine] tensor_parallel_size > 1 does not shard a mixture-of-experts model's experts yet (it "
+                "runs expert_parallel_size equal to it: the +TP-attn layouts)")
     return None

@@ -50,9 +50,9 @@ def size(args: argparse.Namespace) -> dict[str, Any]:
     # --tp, --pp, --ep N are engine.tensor_parallel_size, pipeline_parallel_size, expert_parallel_size (set
     # here, not in the config, which refuses the combinations the engine does not run yet)
     engine = config.engine
-    layout = Layout(tp=engine.tensor_parallel_size if args.tp is None else args.tp,
-                    pp=engine.pipeline_parallel_size if args.pp is None else args.pp,
-                    ep=engine.expert_parallel_size if args.ep is None else args.ep)
+    layout = _flag_layout(engine.tensor_parallel_size if args.tp is None else args.tp,
+                          engine.pipeline_parallel_size if args.pp is None else args.pp,
+                          engine.expert_parallel_size if args.ep is None else args.ep)
     if layout.pp > 1 or layout.ep > 1 or shape.moe is not None:
         return _size_layout(args, shape, hardware, link, config, layout)
     config = config.with_overrides({"engine.tensor_parallel_size": layout.tp})
@@ -93,6 +93,21 @@ def size(args: argparse.Namespace) -> dict[str, Any]:
                              "rows": [attrs.asdict(r) for r in rows]}
     print(format_size(result))
     return result
+
+
+def _flag_layout(tp: Any, pp: Any, ep: Any) -> Layout:
+    """The layout --tp, --pp and --ep name: both TP and EP above 1 is EP x TP on the same
+    ranks, as the engine runs tensor_parallel_size = expert_parallel_size (docs/parallelism.md,
+    "EP x TP"); a TP x EP grid is only compared, by --layouts G."""
+    if isinstance(tp, int) and isinstance(ep, int) and tp > 1 and ep > 1:
+        if tp != ep:
+            raise ConfigError(f"--tp {tp} with --ep {ep}: together --tp and --ep put EP x TP on the same ranks (the "
+                              f"EP ranks split every layer's attention heads, as the engine's tensor_parallel_size = "
+                              f"expert_parallel_size and vLLM's --enable-expert-parallel run it), so --tp must equal "
+                              f"--ep; a grid of EP ranks that are TP groups (TP{tp}xEP{ep}) is compared by "
+                              f"--layouts {tp * ep * (pp if isinstance(pp, int) and pp > 0 else 1)}")
+        return Layout(tp=tp, pp=pp, ep=ep, attention_tp=True)
+    return Layout(tp=tp, pp=pp, ep=ep)
 
 
 def layout_settings(args: argparse.Namespace, config: EngineConfig) -> LayoutSettings:
