@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -349,12 +350,15 @@ def test_unpacking_a_onednn_weight_is_exact(dtype):
 def test_the_avx2_build_passes_too():
     """On an AVX-512 CPU, the kernels' AVX2 path (8-wide) is what AVX2-only CPUs run: build it
     (torch reports the capability ATEN_CPU_CAPABILITY names) and run this file's kernel checks on
-    it (the matmul's in both dtypes: bfloat16 weights are widened there, not dot-multiplied)."""
+    it (the matmul's in both dtypes: bfloat16 weights are widened there, not dot-multiplied), and
+    tests/test_moe_kernel.py's grouped-experts checks, on one build."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    checks = ("draft_rows or prompt_tiles or layer_ops or panel or transformers"
-              " or (TestCpuPaged and not Sdpa)")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
-                         env=env, capture_output=True, text=True, timeout=900)
+    checks = ("(test_cpu_paged and (draft_rows or prompt_tiles or layer_ops or panel or transformers"
+              " or (TestCpuPaged and not Sdpa)))"
+              " or (test_moe_kernel and not served and not native_experts_false)")
+    moe_checks = str(Path(__file__).with_name("test_moe_kernel.py"))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, moe_checks,
+                          "-k", checks], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
 

@@ -19,6 +19,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "pack a [N, K] weight into panels for panel_linear");
   m.def("panel_linear", &panel_linear, "x W^T + b with W packed by pack_panels");
 
+  pybind11::class_<PanelExperts>(m, "PanelExperts")
+      .def("num_experts", &PanelExperts::num_experts)
+      // No Python object is touched inside: other Python threads run meanwhile.
+      .def("forward", &PanelExperts::forward, pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("ids"),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("panel_experts",
+        [](const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t hidden,
+           int64_t intermediate) { return std::make_unique<PanelExperts>(gate_up, down, hidden, intermediate); },
+        "a sparse MoE block's routed experts over their panel-packed gate_up and down weights, run in one call",
+        pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("hidden"), pybind11::arg("intermediate"));
+
   m.def("quant_path", &quant_path, "the path quant_linear takes here: avx512, avx2 or scalar");
   m.def("quant_int_path", &quant_int_path, "the integer path int8 activations take here: avx512-vnni, avx2 or scalar");
   m.def("quant_group_columns", []() { return int64_t{16}; },

@@ -40,8 +40,8 @@ import servelab
 logger = servelab.get_logger(__name__)  # silent below WARNING until the application configures logging
 SOURCES = [str(Path(__file__).with_name(name))
            for name in ("cpu_bindings.cpp", "cpu_paged.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp", "cpu_linear.cpp",
-                         "cpu_quant.cpp", "cpu_lora.cpp", "cpu_sampling.cpp")]
-HEADERS = [str(Path(__file__).with_name(name)) for name in ("cpu_simd.h", "cpu_kernels.h")]
+                         "cpu_quant.cpp", "cpu_lora.cpp", "cpu_sampling.cpp", "cpu_moe.cpp")]
+HEADERS = [str(Path(__file__).with_name(name)) for name in ("cpu_simd.h", "cpu_panels.h", "cpu_kernels.h")]
 STALE_LOCK_SECONDS = 600
 
 

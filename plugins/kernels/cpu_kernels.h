@@ -42,6 +42,23 @@ at::Tensor pack_panels(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         int64_t out_features);
 
+// cpu_moe.cpp: a sparse MoE block's routed experts in one call, each expert's gate_up
+// ([2 * intermediate, hidden]) and down ([hidden, intermediate]) weights as pack_panels made
+// them, all of one dtype (see there).
+class PanelExperts {
+ public:
+  PanelExperts(const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t hidden,
+               int64_t intermediate);
+  ~PanelExperts();
+  int64_t num_experts() const;
+  // sum_k weights[t, k] * expert ids[t, k] (x[t]) for every row t of x [T, hidden]: [T, hidden].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
 // cpu_quant.cpp
 std::string quant_path();
 std::string quant_int_path();

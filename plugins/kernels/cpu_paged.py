@@ -18,7 +18,9 @@ Python dispatch (`layer_ops = false` keeps torch's), and, for steps whose every 
 kernel attends, the whole decoder in one native call (`decoder_forward`, see cpu_decoder;
 `native_decoder = false` keeps the Python loop over layers), and a matmul the model's
 linear layers move to (`panel_kernels`, see cpu_linear.cpp; `panel_linears = false` keeps
-oneDNN's; by default bfloat16 layers stay on oneDNN where it computes them on AMX tiles), and a matmul on quantized weight blocks for quantized linear layers
+oneDNN's; by default bfloat16 layers stay on oneDNN where it computes them on AMX tiles), whose
+library also runs a MoE block's routed experts in one call once they sit on its panels
+(`panel_experts`, see cpu_moe.cpp and servelab.model.moe), and a matmul on quantized weight blocks for quantized linear layers
 (`quant_kernels`, see cpu_quant.cpp).
 
 The kernels compile on first use (see cpu_build) and are cached for later starts; an engine
@@ -65,13 +67,16 @@ def onednn_bf16_on_amx() -> bool:
 
 class PanelsFor:
     """The library's matmul, offered for some of the weight dtypes it takes (a
-    servelab.model.packed_linear.PanelKernels)."""
+    servelab.model.packed_linear.PanelKernels), and unless `experts` is false its grouped
+    experts over such panels (servelab.model.moe.ExpertKernels)."""
 
-    def __init__(self, kernels, dtypes: tuple[str, ...]) -> None:
+    def __init__(self, kernels, dtypes: tuple[str, ...], experts: bool = True) -> None:
         self.kernels = kernels
         self.dtypes = dtypes
         self.pack_panels = kernels.pack_panels
         self.panel_linear = kernels.panel_linear
+        if experts and hasattr(kernels, "panel_experts"):
+            self.panel_experts = kernels.panel_experts
 
     def panel_dtypes(self) -> list[str]:
         return [dtype for dtype in self.kernels.panel_dtypes() if dtype in self.dtypes]
@@ -95,7 +100,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self._decoders: dict[int, tuple[weakref.ref, object]] = {}  # id(model) -> (model, its native decoder or None)
         # "cached" never switches mid-run; "background" switches once its build lands.
         self._switch_when_built = self.cpu_options.build == "background"
-        self._float32_panels: PanelsFor | None = None
+        self._offered_panels: PanelsFor | None = None
         if context.device.type != "cpu":
             # The default backend everywhere: on another device it is torch-paged.
             logger.info("cpu_paged.not_cpu", device=str(context.device), fallback="torch-paged attention")
@@ -141,15 +146,18 @@ class CpuPagedAttention(TorchPagedAttention):
     def panel_kernels(self):
         """The library's matmul for the model's packed linear layers, once the kernels are
         ready (see servelab.model.packed_linear.use_panel_linears), offered for the dtypes
-        `panel_linears` moves (see CpuPagedOptions)."""
+        `panel_linears` moves, and its grouped experts unless `native_experts` is false (see
+        CpuPagedOptions)."""
         choice = self.cpu_options.panel_linears
         if self._kernels is None or choice is False:
             return None
-        if choice is True or not onednn_bf16_on_amx():
+        experts = self.cpu_options.native_experts
+        if (choice is True or not onednn_bf16_on_amx()) and experts:
             return self._kernels
-        if self._float32_panels is None:  # the library, once loaded, never changes
-            self._float32_panels = PanelsFor(self._kernels, ("float32",))
-        return self._float32_panels
+        if self._offered_panels is None:  # the library, once loaded, never changes
+            dtypes = ("float32",) if choice == "auto" and onednn_bf16_on_amx() else tuple(self._kernels.panel_dtypes())
+            self._offered_panels = PanelsFor(self._kernels, dtypes, experts)
+        return self._offered_panels
 
     @property
     def sampling_kernels(self):

@@ -59,7 +59,10 @@ class CpuPagedOptions:
     and the other copy freed; "auto" (the default) moves float32 layers always and
     bfloat16 ones unless oneDNN computes bfloat16 on AMX tiles here (then they stay on
     oneDNN, several times faster for batches); true moves every dtype the library takes,
-    false none (they stay on oneDNN or torch's linear). The prefill_* options are
+    false none (they stay on oneDNN or torch's linear). native_experts: once a MoE model's
+    experts sit on the library's panels, each sparse block runs its routed experts in one
+    native call (false: servelab.model.moe.grouped_experts over the same panels; the results
+    are identical). The prefill_* options are
     torch-paged's, for the rows longer than max_kernel_query_len (0, the default: the kernel
     attends every row, prompts on its tiled path; a positive limit sends longer rows to
     torch-paged's scaled_dot_product_attention, and such steps to the Python loop).
@@ -71,6 +74,7 @@ class CpuPagedOptions:
     layer_ops: bool = attrs.field(default=True, validator=boolean("attention"))
     native_decoder: bool = attrs.field(default=True, validator=boolean("attention"))
     panel_linears: bool | str = attrs.field(default="auto", validator=_true_false_or_auto)
+    native_experts: bool = attrs.field(default=True, validator=boolean("attention"))
     prefill_group_size: int = attrs.field(default=16, validator=_positive)
     prefill_padding: float = attrs.field(default=1.25, validator=number_at_least("attention", 1.0))
     prefill_group_area: int = attrs.field(default=1 << 20, validator=_positive)

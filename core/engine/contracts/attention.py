@@ -167,7 +167,9 @@ class NativeDecoderBackend(Protocol):
 @runtime_checkable
 class PanelKernelsBackend(Protocol):
     """An attention backend whose library has a matmul the model's packed linears may move
-    to (servelab.model.packed_linear.use_panel_linears), or None while it is not ready."""
+    to (servelab.model.packed_linear.use_panel_linears), or None while it is not ready. A
+    library that also runs grouped experts over its panels (the optional
+    servelab.model.moe.ExpertKernels) runs a MoE block's routed experts in one call."""
 
     @property
     def panel_kernels(self) -> Any: ...

@@ -216,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
         if panel_kernels is not None and self._panel_kernels is not panel_kernels:
             use_panel_linears(self, panel_kernels)
             self._panel_kernels = panel_kernels
+            self._linears_moved()
         quant_kernels = backend.quant_kernels if has_quant else None
         if quant_kernels is not None and self._quant_kernels is not quant_kernels:
             use_quant_kernels(self, quant_kernels)
@@ -257,6 +258,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _fusable(self, input_ids: torch.Tensor) -> bool:
         return input_ids.device.type == "cpu" and self.embed_tokens.weight.dtype == self.rotary.cos.dtype
+
+    def _linears_moved(self) -> None:
+        """Called after the linear layers moved onto a library's panels (use_panel_linears):
+        a subclass takes up what runs on them (a MoE model's native expert call)."""
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any, prepared: Any,

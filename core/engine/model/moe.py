@@ -7,19 +7,29 @@ is the plain per-expert loop (as `transformers` runs it): the oracle the grouped
 checked against. Both add a token's contributions in expert order, so in float32 they
 agree with each other and with `transformers` to the bit on the same rows.
 
+Where every expert's linears sit on a native library's panels (servelab.model.packed_linear.
+use_panel_linears) and the library runs grouped experts itself (`ExpertKernels`, the
+cpu-paged library's plugins/kernels/cpu_moe.cpp), the block runs them in one native call
+instead (`native_experts`): the same permute, matmuls, SiLU-and-multiply and weighted reduce
+over the same panels, equal to `grouped_experts` over those panels to the bit (in bfloat16
+too), without the Python per expert. Quantized experts keep the grouped path.
+
 Each block counts the (token, expert) assignments it routes (`expert_load`), the
 per-layer load histogram that placement policies and the metrics read.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from servelab.logging_setup import get_logger
 from servelab.model.model_config import ModelConfig
+
+logger = get_logger(__name__)
 
 
 class Expert(nn.Module):
@@ -56,6 +66,55 @@ class ExpertDispatcher(Protocol):
 
     def run_experts(self, block: "SparseMoeBlock", x: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ExpertKernels(Protocol):
+    """A native library whose panels (servelab.model.packed_linear.PanelKernels) the experts'
+    linears sit on, that also runs a block's routed experts in one call: `panel_experts`
+    takes every expert's gate_up and down panels once (as `use_panels` packed them: one
+    dtype, [2 x intermediate, hidden] and [hidden, intermediate] weights) and returns an
+    object whose `forward(x, weights, ids)` is `grouped_experts` over those experts."""
+
+    def panel_experts(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], hidden: int,
+                      intermediate: int) -> Any: ...
+
+
+def prepare_native_experts(experts: nn.ModuleList) -> Any | None:
+    """The library's one-call form of `experts` (ExpertKernels.panel_experts), where every
+    expert's two linears sit on the panels of one library with that capability, without
+    biases; None otherwise (experts on oneDNN or torch, quantized, absent, or a library
+    without it), and the block keeps the grouped path (as it does, with one warning, where
+    the library refuses the panels)."""
+    kernels, gate_up, down, sizes = None, [], [], set()
+    for expert in experts:
+        first, second = getattr(expert, "gate_up_proj", None), getattr(expert, "down_proj", None)
+        if getattr(first, "panels", None) is None or getattr(second, "panels", None) is None:
+            return None
+        if first.bias is not None or second.bias is not None or first.dtype != second.dtype:
+            return None
+        kernels = first._kernels if kernels is None else kernels
+        if first._kernels is not kernels or second._kernels is not kernels:
+            return None
+        gate_up.append(first.panels)
+        down.append(second.panels)
+        sizes.add((first.in_features, first.out_features, second.in_features, second.out_features, first.dtype))
+    if kernels is None or len(sizes) != 1 or not isinstance(kernels, ExpertKernels):
+        return None
+    hidden, gate_up_width, intermediate, out_features, _ = sizes.pop()
+    if gate_up_width != 2 * intermediate or out_features != hidden:
+        return None
+    try:
+        return kernels.panel_experts(gate_up, down, hidden, intermediate)
+    except RuntimeError as exc:
+        logger.warning("moe.native_experts_unavailable", reason=str(exc).splitlines()[0][:200],
+                       fallback="grouped_experts (same results)")
+        return None
+
+
+def native_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, native: Any) -> torch.Tensor:
+    """`grouped_experts` in one native call over the experts `prepare_native_experts` took."""
+    return native.forward(x, weights, ids)
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
@@ -123,6 +182,8 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
         self.grouped = True  # False: the per-expert loop (the oracle; for measurements)
+        self.native = True  # False: the grouped torch path even where the library could run the experts
+        self._native_experts: Any = None  # the library's one-call form of the experts (use_native_experts)
         self.dispatcher: ExpertDispatcher | None = None
         self.expert_load: torch.Tensor | None = None  # int64 [num_experts], assignments routed so far
 
@@ -135,10 +196,18 @@ class SparseMoeBlock(nn.Module):
         self.expert_load = counts if self.expert_load is None else self.expert_load + counts
         return weights, ids
 
+    def use_native_experts(self) -> bool:
+        """Take (or drop) the library's one-call form of the experts as they are now: the model
+        calls it whenever its linears move onto a library's panels. Whether the block now has it."""
+        self._native_experts = prepare_native_experts(self.experts)
+        return self._native_experts is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         if self.dispatcher is not None:
             out = self.dispatcher.run_experts(self, x, weights, ids)
+        elif self.grouped and self.native and self._native_experts is not None:
+            out = self._native_experts.forward(x, weights, ids)
         elif self.grouped:
             out = grouped_experts(x, weights, ids, self.experts)
         else:

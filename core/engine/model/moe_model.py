@@ -4,7 +4,9 @@ Qwen3-MoE, an RMSNorm over each query and key head before the rotation.
 
 These models take the decoder's plain torch path: the fused layer ops and the native
 decoder (plugins/kernels/cpu_decoder) know only the dense MLP. Their linear layers
-(experts included) still take the packed and quantized matmuls.
+(experts included) still take the packed and quantized matmuls, and once the experts sit on
+a library's panels, a library that runs grouped experts (servelab.model.moe.ExpertKernels)
+runs each sparse block's routed experts in one call.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def _fusable(self, input_ids: torch.Tensor) -> bool:
         return False
+
+    def _linears_moved(self) -> None:
+        for block in self.sparse_blocks().values():
+            block.use_native_experts()
 
     def sparse_blocks(self) -> dict[int, SparseMoeBlock]:
         """The sparse block of each sparse layer, by layer index."""
