@@ -20,7 +20,8 @@ from servelab import LLM, SamplingParams
 LAYOUTS = {"one process": {}, "EP=2 linear": {"expert_parallel_size": 2},
            "EP=2 round_robin": {"expert_parallel_size": 2, "expert_placement": "round_robin"},
            "EP=2 x TP=2": {"expert_parallel_size": 2, "tensor_parallel_size": 2},
-           "PP=2": {"pipeline_parallel_size": 2}}
+           "PP=2": {"pipeline_parallel_size": 2},
+           "PP=2, 1 batch in flight": {"pipeline_parallel_size": 2, "pipeline_batches_in_flight": 1}}
 
 
 def main() -> None:
