@@ -38,16 +38,14 @@ def words(tokens: list[int]) -> list[str]:
     return [f"w{t}" for t in tokens]
 
 
-@pytest.mark.parametrize("kind, parallel", [("mixtral", ["--pipeline-parallel-size", "2"]),
-                                            ("qwen2_moe", ["--expert-parallel-size", "2", "--expert-placement",
-                                                           "round_robin"])])
-def test_generate_runs_moe_checkpoints_in_one_process_and_in_parallel(checkpoint_factory, tmp_path, kind, parallel):
-    """One process and two ranks (PP=2 for Mixtral, EP=2 for Qwen2-MoE; serve below runs both
-    on Mixtral), side by side."""
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_generate_runs_moe_checkpoints_in_one_process_and_in_parallel(checkpoint_factory, tmp_path, kind):
+    """One process, EP=2 and PP=2, side by side."""
     path = with_tokenizer(checkpoint_factory(kind), tmp_path / kind)
     expected = hf_greedy(path, [PROMPT], [8])[0]
     prompt = " ".join(words(PROMPT))
-    layouts = {"one": [], "two ranks": parallel}
+    layouts = {"one": [], "EP=2": ["--expert-parallel-size", "2", "--expert-placement", "round_robin"],
+               "PP=2": ["--pipeline-parallel-size", "2"]}
     processes = {name: subprocess.Popen([sys.executable, "-m", "servelab.cli", "generate", "--model", path,
                                          "--prompt", prompt, "--max-tokens", "8", "--set", "engine.max_model_len=64",
                                          *args],
@@ -63,10 +61,13 @@ def test_generate_runs_moe_checkpoints_in_one_process_and_in_parallel(checkpoint
         assert int(summary.group(1)) == 8 or summary.group(2) == "stop", (name, stderr)
 
 
-@pytest.mark.parametrize("layout", [[], ["--expert-parallel-size", "2"], ["--pipeline-parallel-size", "2"]],
-                         ids=["one", "ep2", "pp2"])
-def test_serve_answers_with_transformers_tokens(checkpoint_factory, tmp_path, layout):
-    path = with_tokenizer(checkpoint_factory("mixtral"), tmp_path / "mixtral")
+@pytest.mark.parametrize("kind, layout", [("mixtral", []), ("mixtral", ["--expert-parallel-size", "2"]),
+                                          ("mixtral", ["--pipeline-parallel-size", "2"]),
+                                          ("qwen2_moe", ["--expert-parallel-size", "2"]),
+                                          ("qwen2_moe", ["--pipeline-parallel-size", "2"])],
+                         ids=["mixtral-one", "mixtral-ep2", "mixtral-pp2", "qwen2_moe-ep2", "qwen2_moe-pp2"])
+def test_serve_answers_with_transformers_tokens(checkpoint_factory, tmp_path, kind, layout):
+    path = with_tokenizer(checkpoint_factory(kind), tmp_path / kind)
     expected = hf_greedy(path, [PROMPT], [6])[0]
     server = ServerProcess(path, "--set", "engine.max_model_len=64", *layout, log_path=tmp_path / "serve.log")
     try:
