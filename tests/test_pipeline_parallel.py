@@ -196,3 +196,39 @@ def test_a_request_finished_by_an_aborts_drain_comes_out_of_the_next_step(checkp
         assert [out.request_id for out in result.finished] == [done]
         assert result.finished[0].token_ids == hf_greedy(path)[0][:1] and not engine.has_unfinished()
         assert engine.allocator.stats().num_used_blocks == 0
+
+
+def test_equal_time_pieces_give_a_long_prompts_later_rows_fewer_tokens():
+    """`equal_time` cuts a step's rows so each piece costs about the first piece's FLOPs:
+    the later rows of one long prompt attend to more positions and come in smaller pieces;
+    `fixed` cuts equal counts."""
+    import types
+    from pathlib import Path
+
+    import torch
+
+    from servelab.distributed.pipeline_parallel import piece_sizes, row_costs
+    from servelab.model.model_config import ModelConfig
+    from servelab.testing.tiny_model import tiny_checkpoint
+
+    config = ModelConfig.from_directory(Path(tiny_checkpoint("llama")))
+    prompt = types.SimpleNamespace(input_ids=torch.zeros(600, dtype=torch.long), positions=torch.arange(600))
+    assert piece_sizes(prompt, 2, "fixed", config) == [300, 300]
+    sizes = piece_sizes(prompt, 2, "equal_time", config)
+    assert sizes[0] == 300 and sum(sizes) == 600 and len(sizes) == 3 and sizes[1] < 300
+    costs = row_costs(prompt.positions, config)
+    first = sum(costs[:300])
+    start = 300
+    for size in sizes[1:]:
+        assert sum(costs[start:start + size]) <= first  # no piece costs more than the first
+        start += size
+    decodes = types.SimpleNamespace(input_ids=torch.zeros(8, dtype=torch.long), positions=torch.full((8,), 40))
+    assert piece_sizes(decodes, 2, "equal_time", config) == [4, 4]  # equal rows, equal costs
+
+
+def test_equal_time_pieces_match_transformers(checkpoint_factory):
+    path = checkpoint_factory("llama")
+    seen = {}
+    assert run(path, check=lambda llm: seen.update(stats=llm.engine.runner.pipeline_stats()),
+               pipeline_chunk_sizing="equal_time", **PP) == hf_greedy(path)
+    assert seen["stats"].micro_batches > 0

@@ -179,6 +179,38 @@ def _count(stats: PipelineStats, pieces: int, compute_s: float, wait_s: float) -
     stats.wait_s += wait_s
 
 
+def row_costs(positions: torch.Tensor, config: Any) -> list[float]:
+    """Each row's FLOPs at one decoder layer, what `equal_time` chunk sizing balances: its
+    matmuls (two per weight it multiplies: attention projections, and the MLP's, or its k
+    experts' and a shared expert's) and its attention over the positions up to its own."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q, kv = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    weights = hidden * (q + 2 * kv) + q * hidden
+    moe = config.moe
+    if moe is None:
+        weights += 3 * hidden * config.intermediate_size
+    else:
+        weights += 3 * hidden * (moe.top_k * moe.expert_intermediate_size + moe.shared_expert_intermediate_size)
+    per_position = 4 * q  # Q K^T and P V over one cached position
+    return [2.0 * weights + per_position * (position + 1) for position in positions.tolist()]
+
+
+def piece_sizes(inputs: Any, pieces: int, sizing: str, config: Any) -> list[int]:
+    """A step's rows cut for `pieces` micro-batches: `fixed` cuts equal counts; `equal_time`
+    (servelab.pipeline_chunks) cuts the first piece as `fixed` does and each later one to
+    about its FLOPs (later rows of a long prompt attend to more positions, so they get
+    fewer rows, and the step may take more pieces)."""
+    from servelab.pipeline_chunks import chunk_sizing
+
+    rows = inputs.input_ids.shape[0]
+    prefix = list(itertools.accumulate(row_costs(inputs.positions, config), initial=0.0)) if sizing != "fixed" else []
+
+    def chunk_time(tokens: int, start: int) -> float:
+        return prefix[start + tokens] - prefix[start] if prefix else 0.0
+
+    return chunk_sizing(sizing).chunks(rows, -(-rows // pieces), chunk_time)
+
+
 def split_inputs(inputs: Any, sizes: list[int]) -> list[Any]:
     """The step's rows cut into consecutive micro-batches of `sizes` tokens (summing to the
     step's), a sequence's rows (a long prompt's) split across micro-batches where a cut falls

@@ -349,15 +349,14 @@ class PipelineParallelRunner(TensorParallelRunner):
     def _start(self, inputs: ModelInputs) -> Any:
         """A batch's rows cut into micro-batches (where they can be), sent down the pipeline
         with rank 0's stage computed."""
-        from servelab.distributed.pipeline_parallel import split_inputs, splittable, start_pipelined
-        from servelab.pipeline_chunks import chunk_sizing
+        from servelab.distributed.pipeline_parallel import piece_sizes, split_inputs, splittable, start_pipelined
 
         parts = [inputs]
         if splittable(inputs):
-            rows = inputs.input_ids.shape[0]
-            pieces = self.spec.engine.pipeline_micro_batches or self.pipeline_parallel_size
-            sizes = chunk_sizing("fixed").chunks(rows, -(-rows // pieces), lambda tokens, context: 0.0)
-            parts = split_inputs(inputs, sizes)
+            engine = self.spec.engine
+            pieces = engine.pipeline_micro_batches or self.pipeline_parallel_size
+            parts = split_inputs(inputs, piece_sizes(inputs, pieces, engine.pipeline_chunk_sizing,
+                                                     self.local.model.config))
         copies, self._pending_copies = self._pending_copies, []
 
         def run() -> Any:

@@ -59,12 +59,12 @@ def main(fd: int) -> None:
     started.set()
     send_frame(sock, pickle.dumps(("ready", None)))
 
-    stage = getattr(runner.model, "pipeline", None)  # pipeline parallelism: (links, layers, stats)
+    stage_stats = runner.model.pipeline[2] if spec.pipeline_parallel else None  # (links, layers, stats)
 
     def done() -> None:
         progress.counts[rank] += 1
-        if stage is not None:
-            progress.stage_times[rank] = (stage[2].compute_s, stage[2].wait_s)
+        if stage_stats is not None:
+            progress.stage_times[rank] = (stage_stats.compute_s, stage_stats.wait_s)
 
     try:
         serve(runner, comm, done, spec)

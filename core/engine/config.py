@@ -36,6 +36,7 @@ import attrs
 from servelab.defaults import BLOCK_SIZE, MAX_NUM_SEQS
 from servelab.errors import ConfigError
 from servelab.expert_placement import PLACEMENT_POLICIES
+from servelab.pipeline_chunks import CHUNK_SIZINGS
 from servelab.kv_sizing import DTYPE_BYTES, KV_CACHE_DTYPES
 from servelab.options import positive_int
 from servelab.plugin_types import KINDS, PolicyKind
@@ -133,6 +134,10 @@ class EngineSection:
     # sequences) while earlier ones run (0: one per stage; 1: one batch, each step waits
     # for its own).
     pipeline_batches_in_flight: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    # How a step's rows are cut into those micro-batches (servelab.pipeline_chunks): "fixed"
+    # (equal row counts) or "equal_time" (about equal FLOPs: a long prompt's later rows,
+    # attending to more positions, get smaller pieces).
+    pipeline_chunk_sizing: str = "fixed"
     # LoRA adapters (docs/lora.md): requests name one (LoRARequest); `max_loras` adapters sit
     # in the fast pool the forward pass reads, `max_cpu_loras` in host memory (the pool's
     # included; default: max_loras), the rest on disk. A batch runs at most
@@ -164,6 +169,9 @@ class EngineSection:
         if self.weights != "dequantize" and self.tensor_parallel_size > 1:
             raise ConfigError(f"[engine] weights = {self.weights!r} is not sharded over ranks yet; "
                               f"tensor_parallel_size > 1 takes weights = \"dequantize\"")
+        if self.pipeline_chunk_sizing not in CHUNK_SIZINGS:
+            raise ConfigError(f"[engine] pipeline_chunk_sizing must be one of {', '.join(CHUNK_SIZINGS)}, "
+                              f"got {self.pipeline_chunk_sizing!r}")
         if self.expert_placement not in PLACEMENT_POLICIES:
             raise ConfigError(f"[engine] expert_placement must be one of {', '.join(PLACEMENT_POLICIES)}, "
                               f"got {self.expert_placement!r}")

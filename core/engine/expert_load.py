@@ -46,7 +46,7 @@ def pipeline_summary(stats: Any) -> dict[str, Any]:
     return {"pipeline": {"steps": stats.steps, "micro_batches": stats.micro_batches,
                          "stage0_compute_s": stats.compute_s, "stage0_bubble_s": stats.wait_s,
                          "stage0_bubble_fraction": stats.bubble_fraction,
-                         "batches_in_flight": getattr(stats, "batches_in_flight", 1),
-                         "overlapped_batches": getattr(stats, "overlapped_batches", 0),
-                         "stage_compute_s": [c for c, _ in getattr(stats, "stage_times", ())],
-                         "stage_bubble_s": [w for _, w in getattr(stats, "stage_times", ())]}}
+                         "batches_in_flight": stats.batches_in_flight,
+                         "overlapped_batches": stats.overlapped_batches,
+                         "stage_compute_s": [c for c, _ in stats.stage_times],
+                         "stage_bubble_s": [w for _, w in stats.stage_times]}}

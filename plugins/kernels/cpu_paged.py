@@ -75,7 +75,7 @@ class PanelsFor:
         self.dtypes = dtypes
         self.pack_panels = kernels.pack_panels
         self.panel_linear = kernels.panel_linear
-        if experts and hasattr(kernels, "panel_experts"):
+        if experts:
             self.panel_experts = kernels.panel_experts
 
     def panel_dtypes(self) -> list[str]:

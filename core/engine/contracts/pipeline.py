@@ -28,8 +28,9 @@ class ChunkSizing(Protocol):
 
 @runtime_checkable
 class PipelineStatsSource(Protocol):
-    """A runner (or an engine) of a pipeline-parallel model that reports rank 0's stage
-    times: an object with `steps`, `micro_batches`, `compute_s`, `wait_s` and
-    `bubble_fraction` (servelab.distributed.pipeline_parallel.PipelineStats), or None."""
+    """A runner (or an engine) of a pipeline-parallel model that reports its stage times:
+    an object with `steps`, `micro_batches`, `compute_s`, `wait_s`, `bubble_fraction` (rank
+    0's), `stage_times` and `stage_bubble_fractions` (every stage's), `batches_in_flight`
+    and `overlapped_batches` (servelab.distributed.pipeline_parallel.PipelineStats), or None."""
 
     def pipeline_stats(self) -> Any: ...

@@ -86,10 +86,15 @@ def prepare_native_experts(experts: nn.ModuleList) -> Any | None:
     biases; None otherwise (experts on oneDNN or torch, quantized, absent, or a library
     without it), and the block keeps the grouped path (as it does, with one warning, where
     the library refuses the panels)."""
+    from servelab.model.packed_linear import PackedLinear
+
     kernels, gate_up, down, sizes = None, [], [], set()
     for expert in experts:
-        first, second = getattr(expert, "gate_up_proj", None), getattr(expert, "down_proj", None)
-        if getattr(first, "panels", None) is None or getattr(second, "panels", None) is None:
+        if not isinstance(expert, Expert):
+            return None  # another rank's (expert parallelism)
+        first, second = expert.gate_up_proj, expert.down_proj
+        if not (isinstance(first, PackedLinear) and isinstance(second, PackedLinear)
+                and first.panels is not None and second.panels is not None):
             return None
         if first.bias is not None or second.bias is not None or first.dtype != second.dtype:
             return None
