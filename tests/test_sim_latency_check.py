@@ -4,6 +4,8 @@ machinery, not the fit's quality, which is measured on a quiet machine)."""
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 import torch
@@ -98,6 +100,38 @@ def test_a_simulated_step_after_a_wait_pays_the_profiles_wake_up():
     before = clock()
     runner.execute(inputs)
     assert clock() - before == pytest.approx(busy)
+
+
+def test_the_wake_up_is_fitted_as_a_line_in_the_log_of_the_wait_through_group_medians():
+    from servelab.bench.sim.latency_check import WAKE_GROUPS, fit_wake
+
+    waits = [0.002 * 1.5 ** i for i in range(6 * WAKE_GROUPS)]
+    woken = [2e-4 + 4e-4 * math.log(wait) + 3e-3 for wait in waits]
+    woken[5] += 0.05  # a slow wake-up in the tail: one group's median does not feel it
+    a, b = fit_wake(waits, woken)
+    assert (a, b) == pytest.approx((2e-4 + 3e-3, 4e-4), rel=0.05)
+    assert fit_wake(waits, [1e-3] * len(waits)) is None  # flat: the median model stays
+    assert fit_wake(waits[:WAKE_GROUPS], woken[:WAKE_GROUPS]) is None  # too few to group
+
+
+def test_a_simulated_wake_up_grows_with_the_wait_it_follows():
+    from servelab.bench.sim.runner import SimInputs, SimRunner, VirtualClock
+
+    clock = VirtualClock()
+    profile = latency_profile(CPU_HERE_TERMS, 1.0, 0.0, threads=1, wake_s=1e-3, wake_log=(5e-3, 1e-3))
+    runner = SimRunner(CostModel(model_shape("tiny-random"), profile), clock)
+    inputs = SimInputs([1] * 4, [40] * 4, [0, 1, 2, 3], [1] * 4)
+    runner.execute(inputs)
+    busy = clock()
+    taken = []
+    for wait in (0.01, 0.1, 1.0):
+        clock.advance_to(clock() + wait / 2)
+        clock.advance_to(clock() + wait / 2)  # two waits in a row count as one
+        before = clock()
+        runner.execute(inputs)
+        taken.append(clock() - before - busy)
+    assert taken == pytest.approx([max(0.0, 5e-3 + 1e-3 * math.log(w)) for w in (0.01, 0.1, 1.0)])
+    assert profile.wake_after(0.0) == 1e-3  # no wait measured: the median
 
 
 def test_fit_served_never_gives_a_negative_speed_on_a_handful_of_steps():

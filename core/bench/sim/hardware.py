@@ -12,6 +12,8 @@ kernel from PyTorch each step."""
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from servelab.errors import ConfigError
@@ -79,6 +81,9 @@ class Accelerator:
     admission_s: float = 0.0
     step_noise_s: tuple[float, ...] = ()
     wake_s: float = 0.0
+    # The wake-up as a function of the wait before it, a + b ln(wait in seconds), where
+    # fitted (wake_log = (a, b)); `wake_s` alone otherwise.
+    wake_log: tuple[float, float] | None = None
     # Reading one LoRA adapter from disk on the host (servelab.model.lora_adapter.load_adapter:
     # the safetensors file loaded, each tensor checked and converted), which stalls the loop
     # that admits requests: seconds a tensor plus bytes at a read bandwidth. Measured on the
@@ -86,6 +91,13 @@ class Accelerator:
     # host work in front of a GPU.
     adapter_read_tensor_s: float = 40e-6
     adapter_read_bandwidth: float = 1.75e9
+
+    def wake_after(self, wait_s: float) -> float:
+        """What the first step after a wait of `wait_s` seconds costs beyond its work."""
+        if self.wake_log is None or wait_s <= 0:
+            return self.wake_s
+        a, b = self.wake_log
+        return max(0.0, a + b * math.log(wait_s))
 
     @property
     def per_kernel(self) -> bool:

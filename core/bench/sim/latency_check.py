@@ -17,11 +17,12 @@ real, in wall-clock time, and:
    work); what is left over of every busy step, stalls included, is kept as the
    profile's step noise, one residual drawn per simulated step (seeded), so the
    simulated tails carry the machine's stalls as often and as long as the fit saw them;
-   and the median step after a wait for an arrival, less its fitted time, is the
-   profile's `wake_s` (what the first step after idling costs: threads and caches waking),
-   which the simulator adds to every step that follows a wait (a median, not the spread:
-   how long a wake takes depends on how long the engine slept, which the fit cases'
-   rates do not span);
+   and the steps after a wait for an arrival, less their fitted time, give the profile's
+   wake-up (what the first step after idling costs: threads and caches waking), which
+   grows with how long the engine slept: a + b ln(wait), fitted through the medians of
+   those steps grouped by their wait (`fit_wake`; the median of them all, `wake_s`, where
+   it does not grow or there are too few), which the simulator adds to every step that
+   follows a wait, priced by that wait;
 2. on the *held-out* cases (other rates, past saturation among them, bursty arrivals,
    the chunked-prefill scheduler, a workload kind the fit never saw), simulates the same
    workload through the same config with the profile so fitted and reports, per case,
@@ -104,6 +105,7 @@ class ServedFit:
     residuals_s: tuple[float, ...] = ()  # every busy step's observed - fitted (stalls included)
     wake_s: float = 0.0  # the median step after a wait for an arrival, less its fitted time
     woken_s: tuple[float, ...] = ()  # each such step, less its fitted time
+    wake_log: tuple[float, float] | None = None  # (a, b): a wake-up of a + b ln(wait), where it grows with the wait
 
 
 def busy_after(starts: list[float], steps: list[tuple[Any, float]], spans: list[tuple[float, float]]) -> list[bool]:
@@ -173,11 +175,33 @@ def fit_served(runs: list[ServedRun], terms: StepTerms, features: Callable[[Any]
         residuals = y - (speed * x + overhead + admission * n)
         deviation = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
         keep = residuals <= np.median(residuals) + STALL_MADS * max(deviation, 1e-6)
-    woken = [run.steps[i][1] - speed * terms.seconds(features(run.steps[i][0]))
-             for run in runs for i in range(1, len(run.steps)) if not run.busy[i - 1]]
+    woken, waits = [], []
+    for run in runs:
+        for i in range(1, len(run.steps)):
+            if not run.busy[i - 1]:
+                woken.append(run.steps[i][1] - speed * terms.seconds(features(run.steps[i][0])))
+                waits.append(run.starts[i] - run.starts[i - 1] - run.steps[i - 1][1])
     wake = max(0.0, float(np.median(woken))) if woken else 0.0
     return ServedFit(speed, overhead, admission, tuple(float(r) for r in residuals), wake,
-                     tuple(float(w) for w in woken))
+                     tuple(float(w) for w in woken), fit_wake(waits, woken))
+
+
+WAKE_GROUPS = 6
+
+
+def fit_wake(waits: list[float], woken: list[float]) -> tuple[float, float] | None:
+    """(a, b) of a wake-up a + b ln(wait) through the medians of the wake-ups grouped by
+    their wait (WAKE_GROUPS groups of equal count, the wait the group's median too), so the
+    long tail in each group does not pull the line; None where there are too few, or the
+    wake-up does not grow with the wait."""
+    pairs = sorted((wait, excess) for wait, excess in zip(waits, woken) if wait > 0)
+    if len(pairs) < 2 * WAKE_GROUPS:
+        return None
+    groups = np.array_split(np.array(pairs), WAKE_GROUPS)
+    x = np.log([float(np.median(group[:, 0])) for group in groups])
+    y = np.array([float(np.median(group[:, 1])) for group in groups])
+    b, a = np.polyfit(x, y, 1)
+    return (float(a), float(b)) if b > 0 else None
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray, n: np.ndarray) -> tuple[float, float, float]:
@@ -227,7 +251,7 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
                                        build_workload(case.workload, vocab_size), threads)
     fit = fit_served([served[c.name] for c in cases if c.role == FIT], terms, features)
     profile = latency_profile(terms, fit.speed, fit.step_overhead_s, threads, fit.admission_s, fit.residuals_s,
-                              fit.wake_s)
+                              fit.wake_s, fit.wake_log)
     rows = {}
     for case in cases:
         if case.role != HELD_OUT:
@@ -242,17 +266,18 @@ def check_latency(config: EngineConfig, terms: StepTerms, features: Callable[[An
         errors = [row[name]["error"] for row in rows.values() if row[name]["error"] is not None]
         median_error[name] = statistics.median(errors) if errors else None
     return {"threads": threads, "speed": fit.speed, "step_overhead_s": fit.step_overhead_s,
-            "admission_s": fit.admission_s, "wake_s": fit.wake_s,
+            "admission_s": fit.admission_s, "wake_s": fit.wake_s, "wake_log": fit.wake_log,
             "step_noise_ms": _spread_ms(fit.residuals_s), "wake_ms": _spread_ms(fit.woken_s),
             "fit_cases": [c.name for c in cases if c.role == FIT], "slo": attrs.asdict(slo),
             "held_out": rows, "median_error": median_error}
 
 
 def latency_profile(terms: StepTerms, speed: float, overhead: float, threads: int, admission_s: float = 0.0,
-                    step_noise_s: tuple[float, ...] = (), wake_s: float = 0.0) -> Accelerator:
+                    step_noise_s: tuple[float, ...] = (), wake_s: float = 0.0,
+                    wake_log: tuple[float, float] | None = None) -> Accelerator:
     return Accelerator("cpu-here (fitted, served)", 1.0, 1.0, 24e9, overhead, terms=scaled(terms, speed),
                        threads=threads, admission_s=admission_s, step_noise_s=step_noise_s, wake_s=wake_s,
-                       host_link="host-dram")
+                       wake_log=wake_log, host_link="host-dram")
 
 
 def _spread_ms(values: tuple[float, ...]) -> dict[str, float]:
@@ -274,14 +299,22 @@ def _error(simulated: float | None, measured: float | None) -> float | None:
     return abs(simulated - measured) / abs(measured)
 
 
+def _wake_text(result: dict[str, Any]) -> str:
+    spread = _spread_text(result.get("wake_ms"))
+    if result.get("wake_log"):
+        a, b = result["wake_log"]
+        return (f"waking after a wait of w seconds {1000 * a:.2f} + {1000 * b:.2f} ln(w) ms (fitted by wait; "
+                f"median {1000 * result.get('wake_s', 0.0):.2f} ms, {spread})")
+    return f"{1000 * result.get('wake_s', 0.0):.2f} ms waking after a wait (the median; {spread})"
+
+
 def format_latency(result: dict[str, Any]) -> str:
     """The held-out table: per case and figure, measured / simulated and the error."""
     lines = [f"latency under arrivals ({result['threads']} thread(s), wall clock): fitted on "
              f"{', '.join(result['fit_cases'])}: speed x{result['speed']:.2f} of the offline terms, "
              f"{1000 * result['step_overhead_s']:.2f} ms a step between steps, "
              f"{1000 * result.get('admission_s', 0.0):.2f} ms a request admitted, "
-             f"{1000 * result.get('wake_s', 0.0):.2f} ms waking after a wait (the median; "
-             f"{_spread_text(result.get('wake_ms'))}); step noise {_spread_text(result.get('step_noise_ms'))}",
+             f"{_wake_text(result)}; step noise {_spread_text(result.get('step_noise_ms'))}",
              f"{'held-out case':<26}" + "".join(f"{name:>22}" for name in LATENCY_FIGURES)]
     for case, row in result["held_out"].items():
         cells = []

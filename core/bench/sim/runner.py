@@ -19,6 +19,7 @@ class VirtualClock:
     def __init__(self) -> None:
         self.now = 0.0
         self.idled = False  # the engine waited for an arrival since the last step (advance_to moved it)
+        self.idle_seconds = 0.0  # how long it waited
 
     def __call__(self) -> float:
         return self.now
@@ -28,6 +29,7 @@ class VirtualClock:
 
     def advance_to(self, when: float) -> None:
         if when > self.now:
+            self.idle_seconds = (self.idle_seconds if self.idled else 0.0) + when - self.now
             self.now = when
             self.idled = True
 
@@ -156,7 +158,7 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
         noise = hardware.step_noise_s
         step_seconds = max(0.0, cost.seconds + self._noise.choice(noise)) if noise else cost.seconds
         if self.clock.idled:  # the first step after a wait pays the profile's wake-up
-            step_seconds += hardware.wake_s
+            step_seconds += hardware.wake_after(self.clock.idle_seconds)
             self.clock.idled = False
         seconds = max(step_seconds, self._offload_seconds)
         self.move_seconds += seconds - step_seconds
