@@ -14,12 +14,14 @@ stage's TP ranks compute the LM head's vocabulary columns together. Greedy outpu
 one process's.
 
 A step whose rows can be cut (`splittable`) runs as micro-batches in flight
-(`run_pipelined`): its rows are cut into `[engine] pipeline_micro_batches` pieces (0: as
-many as stages) by the `fixed` chunk sizing (servelab.pipeline_chunks), a long prompt's
-rows split across pieces, and each stage sends a piece on and starts the next, so the
-stages work on different pieces at once; a stage idles about (PP - 1) / (M + PP - 1) of
-the step instead of (PP - 1) / PP. Other steps (one row, token trees, prompt logprobs)
-run whole. `PipelineStats` measures rank 0's compute and wait (its bubble).
+(`start_pipelined`, then `finish_pipelined`): its rows are cut into `[engine]
+pipeline_micro_batches` pieces (0: as many as stages) by `[engine] pipeline_chunk_sizing`
+(`piece_sizes`, servelab.pipeline_chunks), a long prompt's rows split across pieces, and
+each stage sends a piece on and starts the next, so the stages work on different pieces at
+once; a stage idles about (PP - 1) / (M + PP - 1) of the step instead of (PP - 1) / PP.
+Other steps (one row, token trees, prompt logprobs) run whole. Several steps' batches may
+be in flight at once (servelab.batch_queue): a batch finishes when rank 0 completes it.
+`PipelineStats` measures each stage's compute and wait (its bubble).
 """
 
 from __future__ import annotations
@@ -332,8 +334,3 @@ def finish_pipelined(runner: Any, batch: PipelinedBatch) -> tuple[torch.Tensor, 
         _count(stats, len(batch.pieces), batch.compute_s + time.perf_counter() - started - waited, waited)
     return result
 
-
-def run_pipelined(runner: Any, pieces: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """This stage's part of a step cut into micro-batches, start to finish. Rank 0 returns
-    the step's logits and hidden rows."""
-    return finish_pipelined(runner, start_pipelined(runner, pieces))
