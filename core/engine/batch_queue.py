@@ -38,8 +38,7 @@ class InFlightBatch:
 @attrs.define
 class BatchQueueStats:
     depth: int  # batches allowed in flight at once
-    submitted: int = 0  # batches submitted
-    overlapped: int = 0  # of them, submitted while another was still in flight
+    overlapped: int = 0  # batches submitted while another was still in flight
 
 
 class BatchQueue:
@@ -69,9 +68,7 @@ class BatchQueue:
         seqs = [seq for seq, _ in plan.scheduled]
         self.scheduler.hold_in_flight(seqs)
         self._held.update(map(id, seqs))
-        stats = self.stats
-        stats.submitted += 1
-        stats.overlapped += bool(self._batches)
+        self.stats.overlapped += bool(self._batches)
         self._batches.append(InFlightBatch(plan, inputs, ticket))
 
     def oldest(self) -> InFlightBatch:

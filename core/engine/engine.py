@@ -248,12 +248,16 @@ class LLMEngine:
             return self._idle(plan, failed)
         if not plan.is_empty:
             inputs = timer.mark(self._prepare(plan))
-            batches.submitted(plan, inputs, self.running.submit(plan, inputs))
+            batches.submitted(plan, inputs, self.running.submit(inputs))
             if not batches.is_full:
                 return StepResult({}, failed)
         else:
             timer.mark(None)
-        batch = batches.oldest()
+        return self._complete_oldest(timer, failed)
+
+    def _complete_oldest(self, timer: StageTimer, failed: list[RequestOutput]) -> StepResult:
+        """The oldest batch in flight, completed and finished as a synchronous step's forward."""
+        batch = self._batches.oldest()
         run = timer.mark(self.running.complete(batch.plan, batch.inputs, batch.ticket))
         self._notify("servelab_runner_executed", plan=batch.plan, inputs=batch.inputs)
         return self._finish(run, timer, failed)
@@ -261,12 +265,10 @@ class LLMEngine:
     def _drain(self) -> None:
         """Complete every batch in flight now; their results go out with the next step's."""
         while self._batches:
-            batch = self._batches.oldest()
             timer = StageTimer(self._timer)
-            timer.mark(None)
-            timer.mark(None)
-            run = timer.mark(self.running.complete(batch.plan, batch.inputs, batch.ticket))
-            self._drained.append(self._finish(run, timer, []))
+            timer.mark(None)  # no schedule ...
+            timer.mark(None)  # ... and no prepare in this step
+            self._drained.append(self._complete_oldest(timer, []))
 
     def _with_drained(self, result: StepResult) -> StepResult:
         if not self._drained:

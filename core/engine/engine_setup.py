@@ -24,7 +24,7 @@ from servelab.kv_sizing import DTYPE_BYTES, blocks_for, kv_pool_blocks
 from servelab.model.loader import DTYPES
 from servelab.model.model_config import ModelConfig
 from servelab.model.onednn_caches import limit_onednn_caches
-from servelab.model.shard_layout import local_model_config
+from servelab.model.shard_layout import check_experts_shardable, local_model_config
 from servelab.model_source import CheckpointSource, ModelSource
 from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, RegisteredPolicy, build_policy, check_contract_version
@@ -120,11 +120,8 @@ def build_policies(config: EngineConfig, registry: PluginRegistry, clock: Any,
     selected = {kind: _select(registry, kind, section) for kind, section in _policy_sections(config)}
     source = source or CheckpointSource(config.engine.model)
     engine = config.engine
-    if (engine.tensor_parallel_size > 1 and source.model_config.moe is not None
-            and engine.expert_parallel_size != engine.tensor_parallel_size):
-        raise ConfigError(f"[engine] tensor_parallel_size > 1 does not shard a mixture-of-experts model's experts "
-                          f"yet ({engine.model!r} is {source.model_config.model_type}); spread them over the "
-                          f"same ranks with expert_parallel_size={engine.tensor_parallel_size}")
+    check_experts_shardable(source.model_config, engine.tensor_parallel_size, engine.expert_parallel_size,
+                            repr(engine.model))
     # Under tensor parallelism each rank holds its share of the heads: KV memory and the
     # attention backend are sized by what one rank holds.
     shard_config = local_model_config(source.model_config, engine.tensor_parallel_size)

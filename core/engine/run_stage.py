@@ -64,8 +64,8 @@ class RunStage:
             return StepRun(plan, inputs, logits, features=features)
         return StepRun(plan, inputs, self.runner.execute(inputs))
 
-    def submit(self, plan: StepPlan, inputs: Any) -> Any:
-        """Start the plan's forward on a runner that keeps batches in flight (BatchQueueRunner)."""
+    def submit(self, inputs: Any) -> Any:
+        """Start a plan's forward on a runner that keeps batches in flight (BatchQueueRunner)."""
         return self.runner.submit(inputs)
 
     def complete(self, plan: StepPlan, inputs: Any, ticket: Any) -> StepRun:

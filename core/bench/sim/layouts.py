@@ -44,7 +44,7 @@ from servelab.errors import ConfigError
 from servelab.expert_placement import placement_policy
 from servelab.kv_sizing import blocks_for, kv_pool_blocks
 from servelab.model.model_config import ModelConfig
-from servelab.model.shard_layout import check_shardable, local_model_config
+from servelab.model.shard_layout import check_experts_shardable, check_shardable, local_model_config
 
 
 @attrs.frozen
@@ -267,10 +267,7 @@ def engine_refusal(shape: ModelConfig, layout: Layout) -> str | None:
     try:
         EngineConfig.from_dict({"engine": {"tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp,
                                            "expert_parallel_size": layout.ep}})
+        check_experts_shardable(shape, layout.tp, layout.ep)
     except ConfigError as exc:
         return str(exc)
-    if layout.tp > 1 and shape.moe is not None and not layout.attention_tp:
-        # as servelab.engine_setup.build_policies refuses it (unless expert_parallel_size equals it)
-        return ("[engine] tensor_parallel_size > 1 does not shard a mixture-of-experts model's experts yet (it "
-                "runs expert_parallel_size equal to it: the +TP-attn layouts)")
     return None

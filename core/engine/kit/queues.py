@@ -237,8 +237,9 @@ class QueueScheduler:
 
     def _schedulable(self, seq: Sequence) -> bool:
         """Whether running `seq` may be planned this step: still RUNNING (not preempted
-        earlier in this step) and in no batch still in flight. A subclass writing its own
-        `schedule()` plans only such sequences."""
+        earlier in this step) and in no batch still in flight. `_plan` leaves held sequences
+        out whatever a subclass's own `schedule()` added; checking this first keeps the
+        budget for the others."""
         return seq.status is SequenceStatus.RUNNING and seq not in self._held
 
     def _preemptible(self) -> list[Sequence]:
@@ -417,8 +418,10 @@ class QueueScheduler:
 
     def _plan(self, builder: PlanBuilder) -> StepPlan:
         """The plan in rank order, with this step's accounting recorded."""
-        tokens_of = builder.scheduled.get
-        scheduled = tuple([(seq, num_new) for seq in self.running if (num_new := tokens_of(seq)) is not None])
+        tokens_of, held = builder.scheduled.get, self._held
+        # a sequence held in flight never goes out, whatever a subclass's own loop added
+        scheduled = tuple([(seq, num_new) for seq in self.running
+                           if (num_new := tokens_of(seq)) is not None and seq not in held])
         plan = StepPlan(scheduled=scheduled, preempted=tuple(builder.preempted))
         num_seqs, num_tokens = len(scheduled), plan.num_scheduled_tokens
         num_idle = self._num_held_slots() - num_seqs if scheduled else 0

@@ -32,6 +32,16 @@ def check_shardable(config: ModelConfig, size: int) -> None:
                           f"intermediate_size={config.intermediate_size}")
 
 
+def check_experts_shardable(config: ModelConfig, tensor_parallel_size: int, expert_parallel_size: int,
+                            model: str = "the model") -> None:
+    """A ConfigError where tensor parallelism would have to shard a mixture-of-experts
+    model's experts: it runs only with expert parallelism over the same ranks (EP = TP)."""
+    if tensor_parallel_size > 1 and config.moe is not None and expert_parallel_size != tensor_parallel_size:
+        raise ConfigError(f"[engine] tensor_parallel_size > 1 does not shard a mixture-of-experts model's experts "
+                          f"yet ({model} is {config.model_type}); spread them over the same ranks with "
+                          f"expert_parallel_size={tensor_parallel_size}")
+
+
 def _range(total: int, rank: int, size: int) -> tuple[int, int]:
     """Rank's contiguous share of `total`, the remainder spread over the first ranks."""
     return rank * total // size, (rank + 1) * total // size
