@@ -134,6 +134,36 @@ def test_a_simulated_wake_up_grows_with_the_wait_it_follows():
     assert profile.wake_after(0.0) == 1e-3  # no wait measured: the median
 
 
+def test_the_wake_ups_spread_about_the_line_is_kept_per_group_of_waits():
+    from servelab.bench.sim.latency_check import WAKE_GROUPS, fit_wake, wake_spread
+
+    waits = [0.002 * 1.5 ** i for i in range(6 * WAKE_GROUPS)]
+    woken = [4e-3 + 1e-3 * math.log(wait) for wait in waits]
+    woken[-2] += 0.02  # the longest waits' group has a slow wake-up in its tail
+    line = fit_wake(waits, woken)
+    spread = wake_spread(waits, woken, line)
+    assert len(spread) == WAKE_GROUPS and [longest for longest, _ in spread] == sorted(waits)[5::6]
+    assert all(len(group) == 6 for _, group in spread)
+    assert max(spread[-1][1]) == pytest.approx(0.02, abs=1e-3)  # the tail stays in its own group
+    assert all(max(map(abs, group)) < 1e-3 for _, group in spread[:-1])
+    assert wake_spread(waits, woken, None) == ()
+
+
+def test_a_simulated_wake_up_draws_from_the_spread_of_its_wait_group():
+    import random
+
+    spread = ((0.1, (0.0,)), (1.0, (0.004, 0.008)))
+    profile = latency_profile(CPU_HERE_TERMS, 1.0, 0.0, threads=1, wake_s=1e-3, wake_log=(5e-3, 1e-3),
+                              wake_spread=spread)
+    draws = random.Random(0)
+    line = lambda wait: 5e-3 + 1e-3 * math.log(wait)  # noqa: E731
+    assert profile.wake_after(0.05, draws) == pytest.approx(line(0.05))  # the short waits' group: no spread
+    long_waits = {round(profile.wake_after(0.5, draws) - line(0.5), 6) for _ in range(50)}
+    assert long_waits == {0.004, 0.008}
+    assert round(profile.wake_after(30.0, draws) - line(30.0), 6) in {0.004, 0.008}  # past the last group: the last
+    assert profile.wake_after(0.5) == pytest.approx(line(0.5))  # no draws: the line
+
+
 def test_fit_served_never_gives_a_negative_speed_on_a_handful_of_steps():
     # bigger steps followed sooner by the next: least squares alone would give a negative speed
     run = ServedRun(record=None, steps=[(1, 0.0), (1, 0.0), (8, 0.0), (1, 0.0), (2, 0.0)],
@@ -224,6 +254,7 @@ def test_default_plan_holds_out_rates_past_saturation_bursts_chunked_prefill_and
     fit = [c for c in cases if c.role == FIT]
     held = [c for c in cases if c.role == HELD_OUT]
     assert fit and all(c.overrides == CONTINUOUS and "seed=0" in c.workload for c in fit)
+    assert cases[0].role == cases[-1].role == FIT  # the fit brackets the held-out cases in time
     assert all("seed=1" in c.workload for c in held)
     assert any("rate=24" in c.workload for c in held)
     assert any("arrival=bursty" in c.workload for c in held)

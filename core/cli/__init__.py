@@ -108,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=1,
                        help="with --calibrate: torch threads the engine runs with, fitted and checked at (default 1, "
                             "timed in CPU time; more are timed in wall-clock time)")
-    bench.add_argument("--latency-requests", type=int, default=60, metavar="N",
-                       help="with --calibrate: requests in each latency-under-arrivals case (0: skip that check)")
+    bench.add_argument("--latency-requests", type=int, default=None, metavar="N",
+                       help="with --calibrate: requests in each latency-under-arrivals case (default 120; "
+                            "0: skip that check)")
     bench.add_argument("--sim-model", default="llama-3-8b",
                        help="model shape to simulate: llama-3-8b, llama-3-70b, qwen2-7b, tiny-random")
     bench.add_argument("--sim-interconnect", help="links between simulated devices under "
@@ -451,15 +452,17 @@ def serving_config_for(model: str, serve_arguments: Seq[str]) -> EngineConfig:
     return serving_config(parse_args(["serve", "--model", model, *serve_arguments]))
 
 
-def _calibrate(config: EngineConfig, spec: str | None, threads: int = 1, latency_requests: int = 0,
+def _calibrate(config: EngineConfig, spec: str | None, threads: int = 1, latency_requests: int | None = 0,
                slo=None, repeats: int = 7, latency_cases: list | None = None) -> dict:
     """`bench --calibrate`: the offline step fit and its held-out check, then (unless
     `latency_requests` is 0) latency under arrivals on held-out rates and workloads."""
     from servelab.bench.metrics import SLO
     from servelab.bench.sim.calibrate import KINDS, calibrate, step_features
     from servelab.bench.sim.hardware import StepTerms
-    from servelab.bench.sim.latency_check import check_latency, default_cases, format_latency
+    from servelab.bench.sim.latency_check import LATENCY_REQUESTS, check_latency, default_cases, format_latency
 
+    if latency_requests is None:
+        latency_requests = LATENCY_REQUESTS
     if threads < 1 or latency_requests < 0:
         raise ConfigError(f"--threads must be >= 1 and --latency-requests >= 0, got {threads} and {latency_requests}")
     from servelab.model_source import CheckpointSource

@@ -13,6 +13,7 @@ kernel from PyTorch each step."""
 from __future__ import annotations
 
 import math
+import random
 
 import attrs
 
@@ -84,6 +85,10 @@ class Accelerator:
     # The wake-up as a function of the wait before it, a + b ln(wait in seconds), where
     # fitted (wake_log = (a, b)); `wake_s` alone otherwise.
     wake_log: tuple[float, float] | None = None
+    # Where fitted, the wake-ups' spread about that line: per group of waits (the fit's
+    # groups), the group's longest wait and its wake-ups less the line, one drawn per
+    # simulated wake-up in the group its wait falls in.
+    wake_spread: tuple[tuple[float, tuple[float, ...]], ...] = ()
     # Reading one LoRA adapter from disk on the host (servelab.model.lora_adapter.load_adapter:
     # the safetensors file loaded, each tensor checked and converted), which stalls the loop
     # that admits requests: seconds a tensor plus bytes at a read bandwidth. Measured on the
@@ -92,12 +97,18 @@ class Accelerator:
     adapter_read_tensor_s: float = 40e-6
     adapter_read_bandwidth: float = 1.75e9
 
-    def wake_after(self, wait_s: float) -> float:
-        """What the first step after a wait of `wait_s` seconds costs beyond its work."""
+    def wake_after(self, wait_s: float, draws: random.Random | None = None) -> float:
+        """What the first step after a wait of `wait_s` seconds costs beyond its work
+        (with `draws`, one of the fitted spread's residuals added)."""
         if self.wake_log is None or wait_s <= 0:
             return self.wake_s
         a, b = self.wake_log
-        return max(0.0, a + b * math.log(wait_s))
+        seconds = a + b * math.log(wait_s)
+        if draws is not None and self.wake_spread:
+            residuals = next((group for longest, group in self.wake_spread if wait_s <= longest),
+                             self.wake_spread[-1][1])
+            seconds += draws.choice(residuals)
+        return max(0.0, seconds)
 
     @property
     def per_kernel(self) -> bool:

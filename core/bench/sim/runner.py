@@ -158,7 +158,7 @@ class SimRunner(Runner, TieredRunner, SlotMovingRunner):
         noise = hardware.step_noise_s
         step_seconds = max(0.0, cost.seconds + self._noise.choice(noise)) if noise else cost.seconds
         if self.clock.idled:  # the first step after a wait pays the profile's wake-up
-            step_seconds += hardware.wake_after(self.clock.idle_seconds)
+            step_seconds += hardware.wake_after(self.clock.idle_seconds, self._noise)
             self.clock.idled = False
         seconds = max(step_seconds, self._offload_seconds)
         self.move_seconds += seconds - step_seconds
