@@ -56,7 +56,7 @@ def fitted_profile(model: str):
     measured = measure(config, [build_workload(spec, vocab) for spec in KINDS.values()], repeats=3)
     terms = fit([sample for m in measured for sample in m.samples])
     served = [serve_real(config.with_overrides(case.overrides), build_workload(case.workload, vocab), 1)
-              for case in default_cases() if case.role == FIT]
+              for case in default_cases(60) if case.role == FIT]
     served_fit = fit_served(served, terms, step_features(config))
     return latency_profile(terms, served_fit.speed, served_fit.step_overhead_s, 1, served_fit.admission_s,
                            served_fit.residuals_s, served_fit.wake_s)
