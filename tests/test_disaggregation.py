@@ -525,6 +525,35 @@ def test_an_engine_refuses_a_continuation_it_cannot_continue():
         llm.close()
 
 
+def test_the_decode_router_finds_a_prompt_cached_under_its_adapter(tmp_path):
+    """A decode engine reports the blocks it caches under an adapter by the names the
+    router computes for a request with that adapter, so a second LoRA request of the same
+    prompt goes where the first one's KV is cached, while that engine is the busier one."""
+    pytest.importorskip("peft")
+    from lora_adapters import build_adapter
+
+    from servelab import LoRARequest
+    from servelab.interfaces import RouteRequest, prefix_block_hashes
+    from servelab.model.loader import resolve_model
+
+    adapter = LoRARequest("tiny", 3, build_adapter(str(resolve_model("builtin:tiny")), tmp_path / "adapter", r=4,
+                                                   seed=21, scale=0.3))
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with DisaggregatedLLM(config=config("builtin:tiny", enable_lora=True), decode_engines=2,
+                          failure_policy="fail") as disaggregated:
+        [first] = disaggregated.generate(["Once upon a time there was a little cat"], greedy, lora_request=adapter)
+        prompt = list(first.prompt_token_ids)
+        summaries = [worker.engine.allocator.prefix_summary() for worker in disaggregated.decode]
+        holder = next(i for i, summary in enumerate(summaries)
+                      if set(prefix_block_hashes(prompt, 4, lora_id=3)) <= summary.block_hashes)
+        assert all(summary.cached_tokens(prompt) == 0 for summary in summaries)  # never the base model's names
+        disaggregated.decode[holder].engine.add_request(list(range(5, 25)), greedy)  # the holder gets busier
+        engines = [worker.engine for worker in disaggregated.decode]
+        route = RouteRequest("again", prompt + [first.outputs[0].token_ids[0]], 3, adapter="tiny", lora_id=3)
+        assert disaggregated.router.choose_decode(route, engines) == holder
+        assert disaggregated.router.choose_decode(RouteRequest("base", route.prompt_token_ids, 3), engines) != holder
+
+
 def test_a_lora_adapter_applies_on_both_engines_and_its_kv_loads_for_it_alone(tmp_path):
     """A request with a LoRA adapter is prefilled and decoded with it (both engines load it
     by name), beside base-model requests: one colocated engine's tokens, which the adapter

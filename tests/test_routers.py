@@ -85,6 +85,23 @@ def test_prefix_affinity_remembers_where_it_sent_a_prefix():
     assert router.route(_request(system + [4], "e"), [_snap(i, running=50 * (i == first)) for i in range(3)]) != first
 
 
+def test_prefix_affinity_matches_blocks_cached_under_the_request_s_adapter_only():
+    prompt = list(range(40))
+    under_adapter = PrefixSummary(4, prefix_block_hashes(prompt, 4, lora_id=3))
+    router = _router("prefix-affinity", load_margin_tokens=500)
+    fleet = [_snap(0, running=100), _snap(1, running=300, summary=under_adapter)]
+    assert router.route(RouteRequest("a", prompt, adapter="sql", lora_id=3), fleet) == 1
+    # the base model's request, or another adapter's, finds none of those blocks: by load
+    assert router.route(RouteRequest("b", prompt), fleet) == 0
+    assert router.route(RouteRequest("c", prompt, adapter="chat", lora_id=4), fleet) == 0
+    # the router's own view (no summaries) keeps an adapter's prompts apart too
+    remembering = _router("prefix-affinity", load_margin_tokens=500)
+    first = remembering.route(RouteRequest("d", prompt, adapter="sql", lora_id=3), [_snap(0), _snap(1)])
+    busier = [_snap(i, running=200 if i == first else 0) for i in range(2)]
+    assert remembering.route(RouteRequest("e", prompt, adapter="sql", lora_id=3), busier) == first
+    assert remembering.route(RouteRequest("f", prompt), busier) != first
+
+
 def test_prefix_summary_counts_whole_cached_blocks_of_the_prefix():
     prompt = list(range(20))
     summary = PrefixSummary(4, prefix_block_hashes(prompt[:13], 4))  # 3 full blocks

@@ -13,6 +13,13 @@ from servelab.plugin_types import KINDS
 from servelab.registry import PluginRegistry, build_policy
 
 
+def adapter_fields(lora_request: Any) -> dict[str, Any]:
+    """A RouteRequest's adapter fields for a request's LoRARequest (None: the base model)."""
+    if lora_request is None:
+        return {}
+    return {"adapter": lora_request.lora_name, "lora_id": lora_request.lora_int_id}
+
+
 def router_section(config: EngineConfig) -> PolicySection:
     """The config's `[router]`, or the default router."""
     return config.router if config.router is not None else PolicySection(DEFAULT_ROUTER)

@@ -51,6 +51,7 @@ from servelab.disagg.routing import PDRouter, mint_transfer_id
 from servelab.errors import RequestError, ServelabError
 from servelab.interfaces import ReplicaSnapshot, RouteRequest
 from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelab.routing import adapter_fields
 from servelab.sampling_params import SamplingParams
 from servelab.sequence import owner_of, sequence_id
 from servelab.server.detokenizer import Decode, Detokenizer
@@ -203,7 +204,8 @@ class DisaggregatedEngine:
         prompt = request.prompt if isinstance(request.prompt, list) else []
         snapshots = [self._route_snapshot(r) for r in live]
         choice = self.router.route_prefill(RouteRequest(completions[0].transfer_id, prompt, request.params.max_tokens,
-                                                        request.arrival_time), snapshots)
+                                                        request.arrival_time, **adapter_fields(request.lora_request)),
+                                           snapshots)
         replica = next(r for r in live if r.index == choice)
         for state in completions:
             state.prefill = replica
@@ -378,7 +380,7 @@ class DisaggregatedEngine:
                 RequestMetrics(now, None, None, now), error="no decode replica is left: retry"))
             return
         request = RouteRequest(transfer_id, [*handoff.prompt_token_ids, handoff.first_token_id],
-                               state.params.max_tokens - 1)
+                               state.params.max_tokens - 1, **adapter_fields(state.request.lora_request))
         choice = self.router.route_decode(request, [self._route_snapshot(r) for r in live])
         state.decode = next(r for r in live if r.index == choice)
         if self.metrics is not None:

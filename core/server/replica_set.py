@@ -38,6 +38,7 @@ import structlog
 from servelab.errors import ServelabError
 from servelab.interfaces import (AllocatorStats, FinishAwareRouter, ReplicaSnapshot, RouteRequest, SchedulerStats,
                                  TierStats)
+from servelab.routing import adapter_fields
 from servelab.server.detokenizer import Decode
 from servelab.server.engine_core import EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
 from servelab.server.engine_loop import AsyncEngine, Events, RequestEvent
@@ -157,7 +158,7 @@ class ReplicaSet:
                 raise EngineUnavailable(self.error or "the server is shutting down")
             prompt = first.prompt if isinstance(first.prompt, list) else []
             route = RouteRequest(first.request_id, prompt, first.params.max_tokens, first.arrival_time,
-                                 adapter=first.lora_request.lora_name if first.lora_request is not None else None)
+                                 **adapter_fields(first.lora_request))
             from servelab.routing import checked_route
 
             choice = checked_route(self.router, self.router_name, route, [self.route_snapshot(i) for i in live])

@@ -41,7 +41,7 @@ class PrefixAffinityRouter:
         self.views: dict[int, OrderedDict[int, None]] = {}  # replica id -> block hashes, oldest first
 
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaSnapshot]) -> int:
-        hashes = prefix_block_hashes(request.prompt_token_ids, self.block_size)
+        hashes = prefix_block_hashes(request.prompt_token_ids, self.block_size, request.lora_id)
         live = {r.replica_id for r in replicas}
         for gone in [i for i in self.views if i not in live]:
             del self.views[gone]  # a replica that left took its cache with it

@@ -109,6 +109,9 @@ class RouteRequest:
     # router may keep a session on one replica.
     session: str | None = None
     adapter: str | None = None  # the LoRA adapter it runs with (LoRARequest.lora_name); None: the base model
+    # That adapter's LoRARequest.lora_int_id (0: the base model): a prefix cache names the
+    # blocks of a request under an adapter with it (prefix_block_hashes' lora_id).
+    lora_id: int = 0
 
 
 @attrs.frozen

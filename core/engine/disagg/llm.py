@@ -25,6 +25,7 @@ from servelab.errors import ConfigError, RequestError
 from servelab.interfaces import KVTransferContext, RouteRequest
 from servelab.outputs import RequestOutput
 from servelab.registry import PluginRegistry
+from servelab.routing import adapter_fields
 from servelab.sampling_params import SamplingParams
 
 DEFAULT_LEASE_S = 30.0
@@ -113,8 +114,8 @@ class DisaggregatedLLM:
         transfer_ids = [mint_transfer_id() for _ in completions]
         request_id = transfer_ids[0]
         token_ids = list(prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt))
-        worker = self.prefill[self.router.choose_prefill(RouteRequest(request_id, token_ids, params.max_tokens),
-                                                         [w.engine for w in self.prefill])]
+        route = RouteRequest(request_id, token_ids, params.max_tokens, **adapter_fields(lora_request))
+        worker = self.prefill[self.router.choose_prefill(route, [w.engine for w in self.prefill])]
         worker.add_completions(transfer_ids, token_ids, completions, lora_request=lora_request)
         self._requests[request_id] = _Request(transfer_ids, self.clock(), [None] * len(completions))
         for index, (transfer_id, completion) in enumerate(zip(transfer_ids, completions)):
@@ -166,7 +167,7 @@ class DisaggregatedLLM:
         completion's output if it ended there."""
         handoff = done.handoff
         request = RouteRequest(handoff.transfer_id, [*handoff.prompt_token_ids, handoff.first_token_id],
-                               completion.params.max_tokens - 1)
+                               completion.params.max_tokens - 1, **adapter_fields(completion.lora_request))
         consumer = self.decode[self.router.choose_decode(request, [w.engine for w in self.decode])]
         return consumer.accept(handoff, completion.params, arrival, done.output.outputs[0].logprobs,
                                done.output.prompt_logprobs, completion.lora_request)
