@@ -10,9 +10,10 @@ it up (by default with the whole workload at once: a fresh servelab server's KV 
 mapped lazily, and on a machine that backs memory lazily, as a VM may, the first touch of
 each page of it costs far more than its use; measured on a 2-core VM, a fresh server's
 first saturation run 832 tok/s against 931 and 951 in the next two, TTFT p50 1.63 s against
-1.38 and 1.29; vLLM's CPU build touches its whole KV cache at start), and loads it at every rate with `vllm bench serve --backend openai --dataset-name
-random` (the same prompts for every server: the client's seed is fixed), so every server
-sees the same machine load within a round. After each round, the same number of prompts
+1.38 and 1.29; vLLM's CPU build touches its whole KV cache at start), and loads it at
+every rate with `vllm bench serve --backend openai --dataset-name random` (the same
+prompts for every server: the client's seed is fixed), so every server sees the same
+machine load within a round. After each round, the same number of prompts
 of the same lengths go through offline `LLM.generate` with the first servelab config's
 engine settings and the server's default thread count, sampled as the load client's
 requests are (its default: temperature 1, no top-k or top-p). Printed per server and rate:
