@@ -306,6 +306,25 @@ at::Tensor PanelExperts::forward(const at::Tensor& x_in, const at::Tensor& weigh
     for (const void* p : data) panels.push_back(static_cast<const std::remove_pointer_t<decltype(type)>*>(p));
     return panels;
   };
+  // One grouped projection of `input` [rows, k] by each expert's panels into `target` [rows,
+  // out_width], in the call's mode: float32, float32 sums of bfloat16 panels (widened), or
+  // bfloat16 pairs through the dot product.
+  const auto project = [&](const std::vector<Item>& items, const at::Tensor& input, int64_t k,
+                           const std::vector<const void*>& panels, const at::Tensor& target, int64_t out_width) {
+    if (s.mode == Mode::kFloat32) {
+      run_items(items, threads, input.data_ptr<float>(), k, panels_of(panels, (float*)nullptr), k * kPanelWidth, k,
+                k, target.data_ptr<float>(), out_width, out_width, float_block);
+    } else if (widened) {
+      run_items(items, threads, input.data_ptr<float>(), k, panels_of(panels, (BF16*)nullptr), k * kPanelWidth, k,
+                k, target.data_ptr<float>(), out_width, out_width, float_block);
+    } else {
+#if defined(__AVX512F__)
+      const int64_t k_pairs = (k + 1) / 2;
+      run_items(items, threads, input.data_ptr<BF16>(), k, panels_of(panels, (BF16*)nullptr),
+                k_pairs * 2 * kPanelWidth, k, k_pairs, target.data_ptr<BF16>(), out_width, out_width, pair_block);
+#endif
+    }
+  };
   const int64_t gu_panels = (gu_width + kPanelWidth - 1) / kPanelWidth, down_panels = (h + kPanelWidth - 1) / kPanelWidth;
 
   std::vector<int64_t> local(experts + 1);
@@ -339,20 +358,8 @@ at::Tensor PanelExperts::forward(const at::Tensor& x_in, const at::Tensor& weigh
     // 2. gate_up = rows W_gu^T per expert, [count, 2I] in x's dtype (float32 sums rounded to
     //    bfloat16, where the matmul widens, as panel_linear rounds them).
     const std::vector<Item> gu_items = items_for(local, gu_panels, h * rows.element_size(), threads);
-    if (s.mode == Mode::kFloat32) {
-      run_items(gu_items, threads, rows.data_ptr<float>(), h, panels_of(s.gate_up_data, (float*)nullptr),
-                h * kPanelWidth, h, h, gate_up.data_ptr<float>(), gu_width, gu_width, float_block);
-    } else if (widened) {
-      run_items(gu_items, threads, rows.data_ptr<float>(), h, panels_of(s.gate_up_data, (BF16*)nullptr),
-                h * kPanelWidth, h, h, sums.data_ptr<float>(), gu_width, gu_width, float_block);
-      gate_up.narrow(0, 0, count).copy_(sums.narrow(0, 0, count));
-    } else {
-#if defined(__AVX512F__)
-      const int64_t k_pairs = (h + 1) / 2;
-      run_items(gu_items, threads, rows.data_ptr<BF16>(), h, panels_of(s.gate_up_data, (BF16*)nullptr),
-                k_pairs * 2 * kPanelWidth, h, k_pairs, gate_up.data_ptr<BF16>(), gu_width, gu_width, pair_block);
-#endif
-    }
+    project(gu_items, rows, h, s.gate_up_data, widened ? sums : gate_up, gu_width);
+    if (widened) gate_up.narrow(0, 0, count).copy_(sums.narrow(0, 0, count));
 
     // 3. silu(gate), in place: torch's own SiLU, called on each expert's rows as
     //    grouped_experts calls F.silu on them (the same shape, so the same vector and scalar
@@ -386,19 +393,7 @@ at::Tensor PanelExperts::forward(const at::Tensor& x_in, const at::Tensor& weigh
     // 4. down = activated W_d^T per expert, [count, H]: float32 sums (rounded to bfloat16 in
     //    step 5 where the matmul widens), or bfloat16 from the dot product.
     const std::vector<Item> down_items = items_for(local, down_panels, inter * activated.element_size(), threads);
-    if (s.mode == Mode::kFloat32) {
-      run_items(down_items, threads, activated.data_ptr<float>(), inter, panels_of(s.down_data, (float*)nullptr),
-                inter * kPanelWidth, inter, inter, down.data_ptr<float>(), h, h, float_block);
-    } else if (widened) {
-      run_items(down_items, threads, activated.data_ptr<float>(), inter, panels_of(s.down_data, (BF16*)nullptr),
-                inter * kPanelWidth, inter, inter, down.data_ptr<float>(), h, h, float_block);
-    } else {
-#if defined(__AVX512F__)
-      const int64_t k_pairs = (inter + 1) / 2;
-      run_items(down_items, threads, activated.data_ptr<BF16>(), inter, panels_of(s.down_data, (BF16*)nullptr),
-                k_pairs * 2 * kPanelWidth, inter, k_pairs, down.data_ptr<BF16>(), h, h, pair_block);
-#endif
-    }
+    project(down_items, activated, inter, s.down_data, down, h);
 
     // 5. Each row scaled by its weight and added into its token, a token's rows in sorted
     //    (expert) order, from zero: out = ((0 + w1 y1) + w2 y2) ..., as grouped_experts'
