@@ -204,10 +204,9 @@ def fit_wake(waits: list[float], woken: list[float]) -> tuple[float, float] | No
     their wait (WAKE_GROUPS groups of equal count, the wait the group's median too), so the
     long tail in each group does not pull the line; None where there are too few, or the
     wake-up does not grow with the wait."""
-    pairs = sorted((wait, excess) for wait, excess in zip(waits, woken) if wait > 0)
-    if len(pairs) < 2 * WAKE_GROUPS:
+    groups = _wait_groups(waits, woken)
+    if groups is None:
         return None
-    groups = np.array_split(np.array(pairs), WAKE_GROUPS)
     x = np.log([float(np.median(group[:, 0])) for group in groups])
     y = np.array([float(np.median(group[:, 1])) for group in groups])
     b, a = np.polyfit(x, y, 1)
@@ -218,12 +217,18 @@ def wake_spread(waits: list[float], woken: list[float],
                 line: tuple[float, float] | None) -> tuple[tuple[float, tuple[float, ...]], ...]:
     """Per group of waits (fit_wake's groups): the group's longest wait and its wake-ups
     less the line; () without a line."""
-    if line is None:
+    groups = _wait_groups(waits, woken)
+    if line is None or groups is None:
         return ()
     a, b = line
+    return tuple((float(group[-1, 0]), tuple(float(e - (a + b * np.log(w))) for w, e in group)) for group in groups)
+
+
+def _wait_groups(waits: list[float], woken: list[float]) -> list[np.ndarray] | None:
+    """The (wait, wake-up) pairs sorted by wait in WAKE_GROUPS groups of equal count; None
+    where there are fewer than two a group."""
     pairs = sorted((wait, excess) for wait, excess in zip(waits, woken) if wait > 0)
-    return tuple((float(group[-1, 0]), tuple(float(e - (a + b * np.log(w))) for w, e in group))
-                 for group in np.array_split(np.array(pairs), WAKE_GROUPS))
+    return np.array_split(np.array(pairs), WAKE_GROUPS) if len(pairs) >= 2 * WAKE_GROUPS else None
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray, n: np.ndarray) -> tuple[float, float, float]:
