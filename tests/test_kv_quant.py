@@ -251,22 +251,6 @@ def test_backends_declare_the_capability():
                           QuantizedKVBackend)
 
 
-@needs_compiler
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or os.environ.get("ATEN_CPU_CAPABILITY"),
-                    reason="the CPU has no AVX-512: the rest of this file already runs the AVX2 build")
-def test_the_avx2_build_dequantizes_too():
-    """On an AVX-512 CPU, the AVX2 build's 8-wide widening (what AVX2-only CPUs run) passes the
-    kernel checks above (the library is the one tests/test_cpu_paged.py's AVX2 check builds)."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "quantized_cpu_kernels and fp32"], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
-
-
 # ---------------------------------------------------------------- simulator and bench table
 
 def test_the_simulator_sizes_the_pool_from_the_smaller_element():

@@ -10,7 +10,7 @@ hidden sizes that are not multiples of 16; experts with no token; one token; 257
 expert with more rows than one chunk of the call takes. A served Mixtral-shaped model runs
 its sparse blocks on it and decodes token for token as `transformers`. On an AVX-512 CPU the
 AVX2 build (8-wide, bfloat16 widened rather than dot-multiplied) passes the same checks
-(tests/test_cpu_paged.py::test_the_avx2_build_passes_too runs them on its AVX2 build).
+(tests/test_avx2_build.py runs them on that build).
 """
 
 from __future__ import annotations

@@ -58,3 +58,21 @@ def test_the_build_waits_while_other_work_is_busy_then_finishes(tmp_path):
     assert time.time() - lock.stat().st_mtime < 60
     assert watchdog.wait(timeout=300) == 0  # longer if another build runs meanwhile
     assert time.monotonic() - start > 4.0 + yielding_build.QUIET_SECONDS
+
+
+def test_a_build_that_never_yields_keeps_its_lock_fresh_too(tmp_path):
+    """SERVELAB_BUILD_YIELD=0 (a build beside a test suite, at the lowest priority): never
+    stopped, and its lock renewed all the same while it runs, for however long the priority
+    starves it."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (0, 0))
+    watchdog = subprocess.Popen([sys.executable, yielding_build.__file__, "--keep-fresh", str(lock),
+                                 sys.executable, "-c", "import time; time.sleep(2)"],
+                                env={**os.environ, "SERVELAB_BUILD_YIELD": "0"})
+    renewed = False
+    while watchdog.poll() is None and not renewed:
+        renewed = time.time() - lock.stat().st_mtime < 60
+        time.sleep(0.05)
+    assert renewed, "the lock went stale while the build ran"
+    assert watchdog.wait(timeout=60) == 0

@@ -142,8 +142,9 @@ def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | 
     """Run `command`, stopped (it and everything it starts) while other work keeps the CPUs
     busy; returns its exit status (EXIT_LOCKED without running it when `lock` is held
     elsewhere, EXIT_GAVE_UP when it was killed for taking too long). `keep_fresh`: a file
-    (torch's build lock) whose modification time is renewed while the build is stopped,
-    so that no one takes it for the leftover of a killed build."""
+    (torch's build lock) whose modification time is renewed while the build runs, stopped or
+    starved at the lowest priority for however long, so that no one takes it for the
+    leftover of a killed build."""
     held = take_lock(lock) if lock else None
     if lock and held is None:
         return EXIT_LOCKED
@@ -178,6 +179,11 @@ def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max
         now = time.monotonic()
         if now - started > deadline or (stopped_since is not None and now - stopped_since > max_stopped):
             return EXIT_GAVE_UP  # the caller kills the build
+        if keep_fresh:  # stopped or starved at the lowest priority, the build is alive: its lock is not stale
+            try:
+                os.utime(keep_fresh)
+            except OSError:  # not taken yet, or gone
+                pass
         if not yielding:
             continue
         members, ours = tree(child.pid)
@@ -197,11 +203,6 @@ def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max
         stopped_since = (stopped_since or now) if stopped else None
         if stopped:  # every time: a job started just before the stop is caught by the next
             _signal(members, signal.SIGSTOP)
-            if keep_fresh:
-                try:
-                    os.utime(keep_fresh)
-                except OSError:  # not taken yet, or gone
-                    pass
     return child.returncode
 
 
