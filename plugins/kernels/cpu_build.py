@@ -1,7 +1,7 @@
 """Building the `cpu-paged` C++ kernels through torch's extension machinery.
 
 The first build compiles the SOURCES below (about a minute on two cores: only
-cpu_bindings.cpp includes <torch/extension.h>, the costly header); torch caches the library (under
+cpu_bindings.cpp includes pybind11 and torch's Python headers, the costly ones); torch caches the library (under
 $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so later starts only load it.
 The library's name carries the CPU's vector unit and a digest of the sources, so a cached
 library is loaded only where it was built from these very sources for this kind of CPU
