@@ -4,9 +4,7 @@ loads is the 8-wide build) over the kernel checks of five files, on one build. T
 covers: paged attention and its tiles, the layer ops, the panel matmul in both dtypes
 (bfloat16 weights are widened there, not dot-multiplied), the MoE grouped experts, the
 quantized KV cache's widening, the native sampler's draws and the quantized-weight kernels.
-
-It runs last in the suite (conftest.py): .ci/run builds this library on idle cycles beside
-the suite, and the run waits here for that build if it is not done."""
+(Five runs, one per file, took twice as long: each started an interpreter and collected.)"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Building the `cpu-paged` C++ kernels through torch's extension machinery.
 
 The first build compiles the SOURCES below (about a minute on two cores: only
-cpu_bindings.cpp includes pybind11 and torch's Python headers, the costly ones); torch caches the library (under
-$TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so later starts only load it.
+cpu_bindings.cpp includes pybind11 and torch's Python headers, the costly ones); torch
+caches the library (under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so
+later starts only load it.
 The library's name carries the CPU's vector unit and a digest of the sources, so a cached
 library is loaded only where it was built from these very sources for this kind of CPU
 (`is_cached`), never rebuilt at start.
@@ -18,11 +19,7 @@ next starts see it held and start nothing), bounded in time, ended by SIGTERM, a
 importing a `servelab/` folder of the directory it was started from (its interpreter
 runs without the working directory on sys.path, from the cache's directory).
 `python -m servelab.plugins.kernels.cpu_build` is the explicit build step: it builds in
-the foreground and returns when the library is ready (exit 0) or could not be built. With
-`--idle` it runs the detached build's way instead (lowest CPU priority, one compiler job,
-the build lock kept fresh, stopped while other processes keep the cores busy unless
-SERVELAB_BUILD_YIELD=0) and returns when that build ends: a build beside other work that
-must not slow it (.ci/run builds the AVX2 library so, beside the test suite).
+the foreground and returns when the library is ready (exit 0) or could not be built.
 """
 
 from __future__ import annotations
@@ -301,8 +298,6 @@ def _background_command() -> list[str]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--idle"]:
-        sys.exit(subprocess.run(_background_command(), cwd=_safe_directory()).returncode)
     threading.Thread(target=_watch_for_stale_locks, daemon=True).start()
     load_library()
     print(f"servelab: cpu-paged kernels built: {_flags()[0]}", file=sys.stderr)

@@ -6,8 +6,6 @@ runs until the next scheduler tick, and the barrier waits for it. Measured on tw
 batch-64 decode step took 186-310 ms beside the build against 11-12 ms alone. So a watchdog
 stops the build and every process it started (SIGSTOP) while other processes use more than
 half a core, and continues them (SIGCONT) once the others have been quiet for a while.
-Other processes at the idle priority do not count (another background build: work that
-waits for everything else anyway).
 Linux only (it reads /proc); elsewhere the build just runs.
 
 A program that exits must leave nothing running that nobody asked for, so the watchdog is
@@ -47,12 +45,8 @@ def busy_ticks() -> int:
     return user + nice + system + irq + softirq + steal
 
 
-SCHED_IDLE = 5  # the scheduling policy in /proc/PID/stat (os.SCHED_IDLE where Python defines it)
-
-
-def _processes() -> dict[int, tuple[int, int, bool]]:
-    """Every live process: pid -> (parent pid, clock ticks it and its reaped children used,
-    whether it runs at the idle priority)."""
+def _processes() -> dict[int, tuple[int, int]]:
+    """Every live process: pid -> (parent pid, clock ticks it and its reaped children used)."""
     found = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -62,10 +56,8 @@ def _processes() -> dict[int, tuple[int, int, bool]]:
                 text = stat.read()
         except OSError:  # exited meanwhile
             continue
-        # [0] state, [1] parent, [11:15] utime stime cutime cstime, [38] scheduling policy
-        fields = text[text.rindex(")") + 2:].split()
-        found[int(entry.name)] = (int(fields[1]), sum(int(value) for value in fields[11:15]),
-                                  len(fields) > 38 and int(fields[38]) == SCHED_IDLE)
+        fields = text[text.rindex(")") + 2:].split()  # [0] state, [1] parent, [11:15] utime stime cutime cstime
+        found[int(entry.name)] = (int(fields[1]), sum(int(value) for value in fields[11:15]))
     return found
 
 
@@ -73,26 +65,16 @@ def tree(root: int) -> tuple[list[int], int]:
     """`root` and its descendants (the build's driver, ninja, each compiler: ninja puts every
     job in a process group of its own, so the tree is walked, not a group signalled), and
     the clock ticks they used, a reaped child's counted in its parent's."""
-    members, ours, _ = usage(root)
-    return members, ours
-
-
-def usage(root: int) -> tuple[list[int], int, int]:
-    """tree(root), and the clock ticks that processes outside it at the idle priority used
-    (another background build, say): work that yields to everything, which the build does not
-    slow down and need not stop for."""
     processes = _processes()
     children: dict[int, list[int]] = {}
-    for pid, (parent, _, _) in processes.items():
+    for pid, (parent, _) in processes.items():
         children.setdefault(parent, []).append(pid)
     members, queue = [], [root] if root in processes else []
     while queue:
         pid = queue.pop()
         members.append(pid)
         queue.extend(children.get(pid, ()))
-    inside = set(members)
-    idle = sum(ticks for pid, (_, ticks, at_idle) in processes.items() if at_idle and pid not in inside)
-    return members, sum(processes[pid][1] for pid in members), idle
+    return members, sum(processes[pid][1] for pid in members)
 
 
 def _signal(pids: list[int], signum: int) -> None:
@@ -191,7 +173,7 @@ def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max
     yielding = os.path.exists("/proc/stat") and os.environ.get("SERVELAB_BUILD_YIELD", "1") != "0"
     limit = BUSY_CORES * os.sysconf("SC_CLK_TCK") * INTERVAL_SECONDS if yielding else 0
     stopped, quiet_since, stopped_since = False, None, None
-    before = (busy_ticks(), *usage(child.pid)[1:]) if yielding else (0, 0, 0)
+    before = (busy_ticks(), tree(child.pid)[1]) if yielding else (0, 0)
     while child.poll() is None:
         time.sleep(INTERVAL_SECONDS)
         now = time.monotonic()
@@ -204,12 +186,10 @@ def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max
                 pass
         if not yielding:
             continue
-        members, ours, idle = usage(child.pid)
+        members, ours = tree(child.pid)
         busy = busy_ticks()
-        # an idle-priority process that exits takes its ticks out of `idle`: at worst one
-        # interval's pause
-        others = (busy - before[0]) - (ours - before[1]) - max(0, idle - before[2])
-        before = (busy, ours, idle)
+        others = (busy - before[0]) - (ours - before[1])
+        before = (busy, ours)
         if others > limit:
             quiet_since = None
             stopped = True
