@@ -81,18 +81,14 @@ def frozen_heap(heap_collected_per_module):
     gc.freeze()
 
 
-# Modules run last, in this order (pytest-xdist hands out modules in collection order): the
-# background build's test, whose build waits for the other worker to go quiet (18-63 s in
-# the middle of the run; at its end the other worker soon has nothing left to run).
-LAST_MODULES = ("test_yielding_build.py",)
+# The background build's test runs last (pytest-xdist hands out modules in collection
+# order): its build waits for the other worker to go quiet (18-63 s in the middle of the
+# run; at its end the other worker soon has nothing left to run).
+RUNS_LAST = "test_yielding_build.py"
 
 
 def pytest_collection_modifyitems(items):
-    def rank(item) -> int:
-        name = item.path.name
-        return LAST_MODULES.index(name) + 1 if name in LAST_MODULES else 0
-
-    items.sort(key=rank)  # stable: the rest keep their order
+    items.sort(key=lambda item: item.path.name == RUNS_LAST)  # stable: the rest keep their order
 
 
 # Each test's setup, call and teardown should fit this budget (seconds) on two busy cores;

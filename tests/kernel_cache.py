@@ -1,9 +1,13 @@
-"""Seeding an empty kernel cache for the build tests."""
+"""What the kernel tests share about the build: whether a compiler is there, and seeding an
+empty kernel cache for the build tests."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def seed_objects(cache: Path) -> bool:

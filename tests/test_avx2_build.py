@@ -9,13 +9,14 @@ quantized KV cache's widening, the native sampler's draws and the quantized-weig
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from kernel_cache import HAS_COMPILER
 
 # Each file's kernel checks, as a -k expression over that file's tests.
 CHECKS = {
@@ -28,7 +29,7 @@ CHECKS = {
 }
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+@pytest.mark.skipif(not HAS_COMPILER,
                     reason="no C++ compiler: cpu-paged serves on the torch path")
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or os.environ.get("ATEN_CPU_CAPABILITY"),
                     reason="the CPU has no AVX-512: the kernel files already run the AVX2 build")

@@ -6,7 +6,6 @@ cannot be built."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -22,10 +21,9 @@ from servelab.plugins.kernels.options import CpuPagedOptions
 from servelab.testing import AttentionBackendContract
 from servelab.testing.attention_batch import dense_reference, metadata_for
 
-from kernel_cache import seed_objects
+from kernel_cache import HAS_COMPILER, seed_objects
 from native_steps import tokens_and_logprobs, watch_native_steps
 
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: cpu-paged serves on the torch path")
 
 

@@ -5,8 +5,6 @@ to end with each dtype, and the refusals."""
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -22,8 +20,9 @@ from servelab.plugins.kernels.options import CpuPagedOptions
 from servelab.plugins.kernels.torch_paged import TorchPagedAttention
 from servelab.testing.attention_batch import dense_reference, metadata_for
 
+from kernel_cache import HAS_COMPILER
+
 QUANTIZED = ("int8", "fp8_e4m3", "fp8_e5m2")
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: cpu-paged serves on the torch path")
 
 

@@ -16,8 +16,6 @@ AVX2 build (8-wide, bfloat16 widened rather than dot-multiplied) passes the same
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 
 import pytest
 import torch
@@ -32,8 +30,8 @@ from servelab.model.quantized_linear import quantize_linears
 from servelab.plugins.kernels.cpu_build import kernel_build
 
 from test_moe_models import MAX_NEW, PROMPTS, _block, hf_greedy
+from kernel_cache import HAS_COMPILER
 
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the MoE blocks keep the grouped "
                                                               "torch path")
 

@@ -11,8 +11,6 @@ gives the same tokens alone and in a batch on that path.
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from collections import Counter
 
 import pytest
@@ -23,7 +21,8 @@ from servelab.plugins.kernels.cpu_build import kernel_build
 from servelab.sampler import sample
 from servelab.sampling_stage import sampling_kernels_of
 
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+from kernel_cache import HAS_COMPILER
+
 pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the sampler draws on the torch path")
 
 

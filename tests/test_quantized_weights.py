@@ -9,7 +9,6 @@ examples/measurements/quantized_weights.py."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from servelab.plugins.kernels.cpu_build import kernel_build
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 from native_steps import tokens_and_logprobs, watch_native_steps  # noqa: E402
+from kernel_cache import HAS_COMPILER  # noqa: E402
 
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: quantized layers take the torch path")
 GGML_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
               "q4_1": GGMLQuantizationType.Q4_1}
