@@ -47,7 +47,7 @@ class TokenTimes:
     def step(self):
         result = self._engine.step()
         now = self._engine.clock()
-        for request_id in result.new_token_ids:
+        for request_id in result.events:
             self.times.setdefault(request_id, []).append(now)
         return result
 

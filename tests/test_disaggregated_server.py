@@ -638,7 +638,7 @@ def test_front_end_hands_the_first_token_on_and_fails_requests_by_the_fail_polic
     import asyncio
     import types
 
-    from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from servelab.outputs import CompletionOutput, RequestEvent, RequestMetrics, RequestOutput
     from servelab.server.engine_core import EMPTY_SNAPSHOT
 
     async def run():
@@ -662,7 +662,7 @@ def test_front_end_hands_the_first_token_on_and_fails_requests_by_the_fail_polic
             now = engine.clock()
             final = RequestOutput(handed_id, None, list(range(5, 25)), [CompletionOutput(0, [42, 43], "", "length")],
                                   RequestMetrics(now, None, None, now))
-            engine._handle(decode, [("step", {handed_id: [43]}, [final], {})], (EMPTY_SNAPSHOT, {}, None))
+            engine._handle(decode, [("step", {handed_id: RequestEvent((43,))}, [final])], (EMPTY_SNAPSHOT, {}, None))
             done = await _last_event(handed)
             assert done.output.token_ids == [42, 43] and done.output.request_id == "r0"
             await asyncio.sleep(0.1)
@@ -730,7 +730,7 @@ def test_front_end_splits_n_into_handoffs_and_merges_their_outputs():
     import attrs
 
     from servelab import SamplingParams
-    from servelab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from servelab.outputs import CompletionOutput, Logprob, RequestEvent, RequestMetrics, RequestOutput
     from servelab.server.engine_core import EMPTY_SNAPSHOT, NewRequest
 
     report = (EMPTY_SNAPSHOT, {}, None)
@@ -766,9 +766,9 @@ def test_front_end_splits_n_into_handoffs_and_merges_their_outputs():
                 return RequestOutput(ids[i], None, prompt, [CompletionOutput(0, tokens, "", "length")],
                                      RequestMetrics(now, None, None, now))
 
-            engine._handle(decode, [("step", {ids[0]: [50]}, [], {})], report)
-            engine._handle(decode, [("step", {ids[0]: [52], ids[1]: [51]}, [final(0, [40, 50, 52]),
-                                                                              final(1, [41, 51])], {})], report)
+            engine._handle(decode, [("step", {ids[0]: RequestEvent((50,))}, [])], report)
+            engine._handle(decode, [("step", {ids[0]: RequestEvent((52,)), ids[1]: RequestEvent((51,))},
+                                     [final(0, [40, 50, 52]), final(1, [41, 51])])], report)
             received = [await asyncio.wait_for(events.get(), 5)]
             while not any(e.is_last for _, e in received) or not events.empty():  # and those queued with it
                 received.append(await asyncio.wait_for(events.get(), 5))
@@ -800,7 +800,7 @@ def test_a_silent_prefill_replica_is_killed_and_its_requests_recomputed_not_left
     that keeps answering is left alone."""
     import asyncio
 
-    from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from servelab.outputs import CompletionOutput, RequestEvent, RequestMetrics, RequestOutput
     from servelab.server.engine_core import EMPTY_SNAPSHOT
 
     async def run():
@@ -816,7 +816,7 @@ def test_a_silent_prefill_replica_is_killed_and_its_requests_recomputed_not_left
             now = engine.clock()
             final = RequestOutput(transfer_id, None, list(range(5, 25)), [CompletionOutput(0, [7, 8], "", "length")],
                                   RequestMetrics(now, None, None, now))
-            engine._handle(decode, [("step", {transfer_id: [7, 8]}, [final], {})], (EMPTY_SNAPSHOT, {}, None))
+            engine._handle(decode, [("step", {transfer_id: RequestEvent((7, 8))}, [final])], (EMPTY_SNAPSHOT, {}, None))
             done = await _last_event(events)
             assert done.output.token_ids == [7, 8] and done.output.finish_reason == "length"
             assert failures == [] and engine.stalled_seconds() < 1.0  # /health stays 200

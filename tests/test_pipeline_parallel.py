@@ -189,7 +189,7 @@ def test_a_request_finished_by_an_aborts_drain_comes_out_of_the_next_step(checkp
         engine = llm.engine
         done = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         aborted = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        assert engine.step().new_token_ids == {}  # submitted, not completed
+        assert engine.step().events == {}  # submitted, not completed
         assert engine.abort(aborted).finish_reason == "abort"
         assert engine.has_unfinished()
         result = engine.step()

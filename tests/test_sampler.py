@@ -437,7 +437,7 @@ def test_draw_finds_only_tokens_with_mass_in_a_real_vocabulary():
     for token, p in kept.items():
         probs[0, token] = p
     generator = torch.Generator().manual_seed(5)
-    counts = Counter(int(draw_rows(probs, [generator])[0]) for _ in range(n))
+    counts = Counter(int(draw_rows(probs, torch.rand(1, 1, generator=generator))[0]) for _ in range(n))
     assert set(counts) <= set(kept)
     statistic = sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in kept.items())
     assert chi2_sf_even_df(statistic, 4) > 1e-4

@@ -14,7 +14,7 @@ import pytest
 
 from servelab.errors import RequestError
 from servelab.interfaces import AllocatorStats, SchedulerStats
-from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelab.outputs import CompletionOutput, RequestEvent, RequestMetrics, RequestOutput, StepResult
 from servelab.registry import PluginRegistry
 from servelab.sampling_params import SamplingParams
 from servelab.server.chat import ChatTemplate
@@ -246,10 +246,10 @@ class FakeEngine:
         new, finished = {}, []
         for request_id, (params, tokens) in list(self.requests.items())[:self.max_running]:
             tokens.append(self.steps)
-            new[request_id] = [self.steps]
+            new[request_id] = RequestEvent((self.steps,))
             if len(tokens) == params.max_tokens:
                 finished.append(self._retire(request_id, "length"))
-        return SimpleNamespace(new_token_ids=new, finished=finished, new_logprobs={}, prompt_logprobs={})
+        return StepResult(new, finished)
 
     def _retire(self, request_id, reason):
         _, tokens = self.requests.pop(request_id)
@@ -377,11 +377,11 @@ def test_an_empty_api_key_is_refused_wherever_it_comes_from(tmp_path, argv, envi
 
 
 def test_a_failing_decode_fails_its_request_alone():
-    def broken(tokens, outputs):
+    def broken(events):
         raise ValueError("cannot decode")
 
-    def working(tokens, outputs):
-        return [sum(len(t) for t in tokens.values())]
+    def working(events):
+        return [sum(len(event.new_token_ids) for event in events.values())]
 
     async def scenario():
         loop = AsyncEngine(ThreadConnection(FakeEngine()))

@@ -74,7 +74,8 @@ def _stream_one(engine, record, params: SamplingParams) -> None:
     shown = 0
     while engine.has_unfinished():
         result = engine.step()
-        text.append(result.new_token_ids.get(request_id, ()))
+        event = result.events.get(request_id)
+        text.append(event.new_token_ids if event is not None else ())
         for output in result.finished:
             sys.stdout.write(output.text[shown:] + "\n")
             print(_summary(output), file=sys.stderr)

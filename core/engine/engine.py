@@ -238,7 +238,7 @@ class LLMEngine:
         updated = self.updating.update(run.plan, sampled, self.clock())
         outputs = timer.mark(self._retire_finished(updated.finished))
         self._report(run.plan, len(updated.finished), timer.seconds, sampled)
-        return StepResult(updated.emitted, failed + outputs, updated.new_logprobs, sampled.scored_prompts)
+        return StepResult(updated.events, failed + outputs)
 
     def _step_in_flight(self, plan: StepPlan, timer: StageTimer, failed: list[RequestOutput]) -> StepResult:
         """A step with batches in flight (servelab.batch_queue): submit the plan, and complete

@@ -9,24 +9,15 @@ import torch
 from servelab.outputs import Logprob, PositionLogprobs
 
 
-def row_logprobs(logits: torch.Tensor, rows: Seq[int] | None = None) -> torch.Tensor | None:
-    """float32 log-probabilities [R, vocab] of the logits rows `rows` (every row when None;
-    None when `rows` is empty). A new tensor, so later in-place processing of `logits`
-    leaves it alone."""
-    if rows is not None:
-        if not rows:
-            return None
-        logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def position_logprobs(logprobs: torch.Tensor, token_ids: Seq[int], num_top: Seq[int]) -> list[PositionLogprobs]:
+def position_logprobs(logits: torch.Tensor, token_ids: Seq[int], num_top: Seq[int]) -> list[PositionLogprobs]:
     """Per row i: {token_ids[i]: its Logprob} plus the num_top[i] most likely tokens
     (as vLLM: the chosen token first, then the top-k, so k or k + 1 entries).
 
-    `logprobs` [R, vocab] float32 log-probabilities, one row per chosen token."""
+    `logits` [R, vocab], one row per chosen token; log-softmaxed here, in float32. A caller
+    that processes its logits in place afterwards passes a copy of the rows."""
     if not token_ids:
         return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = torch.tensor(list(token_ids), dtype=torch.int64, device=logprobs.device)
     chosen_logprobs = logprobs.gather(1, chosen[:, None]).squeeze(1)
     # Rank 1 is the most likely; ties share the better rank.

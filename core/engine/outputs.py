@@ -223,33 +223,64 @@ class StepReport:
         return self.schedule_seconds + self.prepare_seconds + self.update_seconds
 
 
+@attrs.define
+class RequestEvent:
+    """What one step did for one sequence: its new tokens and their logprobs, the prompt's
+    logprobs once scored (on completion 0's), and the request's output once it finished.
+
+    The one shape a token has between the sampler and the server's text: the sampling and
+    verify stages make it, the update stage cuts it at the sequence's stop and adds the
+    logprobs, and it travels as it is in a `StepResult`, across a process or a Ray actor,
+    through the server's stream buffer to its detokenizer, which adds the text deltas
+    (`deltas`). The server sets `error` when the engine failed the request."""
+
+    new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[PositionLogprobs, ...] = ()  # SamplingParams.logprobs: one per new token
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] = ()  # SamplingParams.prompt_logprobs, once scored
+    output: RequestOutput | None = None  # set once, when the request finished or was aborted
+    error: str | None = None  # the engine failed; the request is gone
+    deltas: tuple[Any, ...] = ()  # the request's text deltas, when it registered a decode function
+    decode_error: str | None = None  # its decode function failed
+
+    @property
+    def is_last(self) -> bool:
+        return self.output is not None or self.error is not None
+
+
+def merge_events(earlier: RequestEvent, later: RequestEvent) -> RequestEvent:
+    """Two consecutive events of one key as one (`later` may end the request)."""
+    return RequestEvent(
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        new_logprobs=earlier.new_logprobs + later.new_logprobs,
+        prompt_logprobs=later.prompt_logprobs or earlier.prompt_logprobs,
+        output=later.output if later.output is not None else earlier.output,
+        error=later.error if later.error is not None else earlier.error,
+        deltas=earlier.deltas + later.deltas,
+        decode_error=later.decode_error if later.decode_error is not None else earlier.decode_error)
+
+
 @attrs.frozen
 class StepResult:
-    """What a step produced: new tokens per sequence, and the requests it finished.
+    """What a step produced: an event per sequence with new tokens (or prompt logprobs), and
+    the requests it finished.
 
-    `new_token_ids` is keyed by sequence id: the request id, or "{request_id}#{i}" for
-    completion i > 0 of a request with SamplingParams.n > 1.
+    `events` is keyed by sequence id: the request id, or "{request_id}#{i}" for completion
+    i > 0 of a request with SamplingParams.n > 1.
     """
 
-    new_token_ids: dict[str, list[int]]
+    events: dict[str, RequestEvent]
     finished: list[RequestOutput]
-    # SamplingParams.logprobs: the logprobs of those new tokens, for the sequences that asked.
-    new_logprobs: dict[str, list[PositionLogprobs]] = attrs.field(factory=dict)
-    # SamplingParams.prompt_logprobs: by request id, in the step that scored the whole prompt.
-    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = attrs.field(factory=dict)
 
 
 def merge_step_results(results: list[StepResult]) -> StepResult:
-    """Consecutive steps' results as one: each sequence's new tokens (and logprobs) in step
-    order, every finished request."""
+    """Consecutive steps' results as one: each sequence's events merged in step order,
+    every finished request."""
     merged = StepResult({}, [])
+    events = merged.events
     for result in results:
-        for seq_id, tokens in result.new_token_ids.items():
-            merged.new_token_ids.setdefault(seq_id, []).extend(tokens)
-        for seq_id, logprobs in result.new_logprobs.items():
-            merged.new_logprobs.setdefault(seq_id, []).extend(logprobs)
+        for key, event in result.events.items():
+            events[key] = merge_events(events[key], event) if key in events else event
         merged.finished.extend(result.finished)
-        merged.prompt_logprobs.update(result.prompt_logprobs)
     return merged
 
 

@@ -26,7 +26,7 @@ def sample(
     """One token per row. Greedy rows take their argmax and random rows their draw, each
     computed on its own rows only (a full-batch argmax costs as much as the draw).
 
-    Random rows draw their uniforms in row order, then either the native library draws
+    Random rows draw their uniforms in row order (`draw`'s numbers), then either the native library draws
     them straight from their logits (`kernels`, when every row only scales by a
     temperature: no top-k, top-p or min-p; the same rule, the weights summed in its own
     order), or a chunk of rows at a time is filtered and drawn: a chunk's probabilities
@@ -41,7 +41,12 @@ def sample(
     if greedy:
         index = torch.tensor(drawn_rows, device=logits.device)
         logits, params, generators = logits[index], [params[i] for i in drawn_rows], [generators[i] for i in drawn_rows]
-    uniform = _uniforms(logits.shape[0], generators, default_generator, logits.dtype, logits.device)
+    uniform = torch.empty(logits.shape[0], 1, dtype=logits.dtype, device=logits.device)  # one per row
+    if all(generator is None for generator in generators):  # one call: the same numbers, row by row
+        uniform.uniform_(generator=default_generator)
+    else:
+        for row, generator in enumerate(generators):
+            uniform[row].uniform_(generator=generator or default_generator)
     if (kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
             and logits.stride(-1) == 1 and not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)):
         inverse_temperature = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
@@ -52,7 +57,7 @@ def sample(
         for first in range(0, logits.shape[0], chunk_rows):
             last = first + chunk_rows
             probs = filtered_probs(logits[first:last], params[first:last])
-            drawn += draw(probs, (), uniform=uniform[first:last]).tolist()
+            drawn += draw(probs, uniform[first:last]).tolist()
     if not greedy:
         return drawn
     tokens = [0] * (len(drawn) + len(greedy))
@@ -66,31 +71,16 @@ def sample(
 DRAW_CHUNK_ELEMENTS = 16 * 49_152  # 3 MB of float32: a chunk's passes stay in cache
 
 
-def draw(probs: torch.Tensor, generators: Seq[torch.Generator | None],
-         default_generator: torch.Generator | None = None, uniform: torch.Tensor | None = None) -> torch.Tensor:
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row of `probs` [R, vocab] (each row a distribution, up to rounding):
-    a uniform u from the row's generator (None: `default_generator`; or `uniform` [R, 1]
-    drawn already), then the first token whose cumulative probability exceeds u times the
-    row's total, so a token of probability zero is never drawn. [R] int64."""
-    if uniform is None:
-        uniform = _uniforms(probs.shape[0], generators, default_generator, probs.dtype, probs.device)
+    the first token whose cumulative probability exceeds the row's uniform number
+    (`uniform` [R, 1], in [0, 1), drawn from the row's generator) times the row's total, so
+    a token of probability zero is never drawn. [R] int64."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # strictly below the total, so that the position found has mass of its own
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-
-
-def _uniforms(rows: int, generators: Seq[torch.Generator | None], default_generator: torch.Generator | None,
-              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One uniform number per row [rows, 1], from the row's generator (None: the default)."""
-    uniform = torch.empty(rows, 1, dtype=dtype, device=device)
-    if all(generator is None for generator in generators):  # one call: the same numbers, row by row
-        uniform.uniform_(generator=default_generator)
-    else:
-        for row, generator in enumerate(generators):
-            uniform[row].uniform_(generator=generator or default_generator)
-    return uniform
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

@@ -103,9 +103,12 @@ class SamplingParams:
     # The request's SLO: seconds after its arrival by which it should finish (None: none).
     # Policies may read it (a deadline-aware scheduler); the engine enforces nothing.
     deadline: float | None = None
+    # temperature 0: decided once here, read for every row of every step
+    is_greedy: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.validate()
+        object.__setattr__(self, "is_greedy", self.temperature == 0)
 
     def validate(self) -> None:
         """Raise RequestError naming the first invalid field."""
@@ -172,10 +175,6 @@ class SamplingParams:
         if self.structured is not None and type(self.structured).__name__ != "StructuredOutput":
             raise RequestError(f"structured must be a StructuredOutput (servelab.StructuredOutput.json(schema), "
                                f".regex(pattern), .grammar(ebnf) or .json_object()), got {_brief(self.structured)}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
 
     @property
     def has_logits_work(self) -> bool:

@@ -23,7 +23,8 @@ import torch
 
 from servelab.interfaces import SamplingKernelsBackend, Sequence
 from servelab.logits_pipeline import LogitsPipeline
-from servelab.logprobs import position_logprobs, row_logprobs
+from servelab.logprobs import position_logprobs
+from servelab.outputs import RequestEvent
 from servelab.request import Request, RequestTable
 from servelab.run_stage import StepRun
 from servelab.sampler import sample
@@ -45,7 +46,8 @@ class Sampled:
     """What the sampling and verify stages decided for a step."""
 
     rows: SampledRows
-    new_tokens: dict[Sequence, list[int]] = attrs.field(factory=dict)  # accepted drafts + one token, per sequence
+    # per sequence: its new tokens (accepted drafts + one), the update stage cuts them at its stop
+    events: dict[Sequence, RequestEvent] = attrs.field(factory=dict)
     forks: list[tuple[Sequence, list[Sequence]]] = attrs.field(factory=list)  # n > 1: (parent, children) to fork
     failures: dict[str, str] = attrs.field(factory=dict)  # by sequence id: a logits processor failed it (no token)
     scored_prompts: dict[str, list] = attrs.field(factory=dict)  # by request id: prompt logprobs completed
@@ -72,7 +74,7 @@ class SamplingStage:
             token_ids = sample(logits, [s.params for s in seqs], [None] * len(seqs), self.default_generator,
                                self.kernels())
             return Sampled(SampledRows(seqs, None, list(range(len(seqs))), num_rows),
-                           {seq: [token_id] for seq, token_id in zip(seqs, token_ids)})
+                           {seq: RequestEvent((token_id,)) for seq, token_id in zip(seqs, token_ids)})
         owners = [self.requests.of(seq) for seq in seqs]
         first_rows = list(range(len(seqs))) if one_row_each else np.cumsum([0] + num_rows[:-1]).tolist()
         out = Sampled(SampledRows(seqs, owners, first_rows, num_rows))
@@ -106,24 +108,25 @@ class SamplingStage:
         generators = [r.generators[s.completion_index] for s, r in zip(seqs, owners)]
         worked = any(r.recipe.logits_work for r in owners)
         logprob_rows = [i for i, s in enumerate(seqs) if s.logprobs is not None] if worked else []
-        logprobs = row_logprobs(logits, logprob_rows) if self.raw_logprobs else None
+        index = torch.tensor(logprob_rows, dtype=torch.int64, device=logits.device) if logprob_rows else None
+        chosen = logits[index] if index is not None and self.raw_logprobs else None  # a copy: processing is in place
         states = [r.processor_states[s.completion_index] for s, r in zip(seqs, owners)] if worked else []
         processed = [i for i, held in enumerate(states) if held]
         if processed:
             self.pipeline.apply(logits, [seqs[i] for i in processed], [states[i] for i in processed], processed,
                                 out.failures)
-        if not self.raw_logprobs:
-            logprobs = row_logprobs(logits, logprob_rows)
+        if index is not None and not self.raw_logprobs:
+            chosen = logits[index]
         token_ids = sample(logits, [s.params for s in seqs], generators, self.default_generator, self.kernels())
         for i in processed:
             self.pipeline.accept(seqs[i], states[i], token_ids[i:i + 1], out.failures)
         if logprob_rows:
-            positions = position_logprobs(logprobs, [token_ids[i] for i in logprob_rows],
+            positions = position_logprobs(chosen, [token_ids[i] for i in logprob_rows],
                                           [seqs[i].params.logprobs for i in logprob_rows])
             for i, position in zip(logprob_rows, positions):
                 seqs[i].logprobs.append(position)
         for seq, token_id in zip(seqs, token_ids):
-            out.new_tokens[seq] = [token_id]
+            out.events[seq] = RequestEvent((token_id,))
 
     def _score_prompts(self, run: StepRun, seqs: list[Sequence], owners: list[Request], out: Sampled) -> torch.Tensor:
         """Score the prompt positions the runner added after the sampling rows, and hand
@@ -132,14 +135,13 @@ class SamplingStage:
         inputs, logits = run.inputs, run.logits
         num_rows = sum(inputs.num_logits_rows)
         if inputs.prompt_logits:
-            logprobs = row_logprobs(logits[num_rows:])
-            offset = 0
+            offset = num_rows
             for row, first, count in inputs.prompt_logits:
                 seq = run.plan.scheduled[row][0]
                 scored = seq.prompt_logprobs
                 scored.extend([None] * (first + 1 - len(scored)))  # positions the prefix cache skipped
                 targets = seq.prompt_token_ids[first + 1: first + 1 + count]
-                scored.extend(position_logprobs(logprobs[offset: offset + count], targets,
+                scored.extend(position_logprobs(logits[offset: offset + count], targets,
                                                 [seq.params.prompt_logprobs] * count))
                 offset += count
         for seq, request in zip(seqs, owners):

@@ -118,5 +118,5 @@ def verify_tree_sampled(p_rows: torch.Tensor, tokens: Seq[int], parents: Seq[int
             if bool(mass > 0):  # zero only where p == q, which rejects with probability zero
                 p = residual / mass
         else:
-            final = int(draw(p[None], [generator])[0])
+            final = int(draw(p[None], uniform.uniform_(generator=generator).view(1, 1))[0])
             return [tokens[c] for c in path] + [final], tuple(path)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import attrs
 
 from servelab.interfaces import PrefixCachingAllocator, Sequence, StepPlan
-from servelab.outputs import PositionLogprobs
+from servelab.outputs import RequestEvent
 from servelab.request import RequestTable
 from servelab.sampling_stage import Sampled
 
@@ -23,13 +23,12 @@ from servelab.sampling_stage import Sampled
 @attrs.define
 class Updated:
     finished: list[Sequence]  # sequences that finished this step
-    emitted: dict[str, list[int]]  # by sequence id: the tokens appended this step
-    new_logprobs: dict[str, list[PositionLogprobs]]  # by sequence id, for those that asked
+    events: dict[str, RequestEvent]  # by sequence id: the tokens appended this step (and logprobs)
 
 
 class UpdateStage:
     def __init__(self, requests: RequestTable, scheduler: Any, allocator: Any, eos_token_ids: frozenset[int],
-                 max_model_len: int, settle: Callable[[Sampled, dict[str, list[int]]], None] | None = None) -> None:
+                 max_model_len: int, settle: Callable[[Sampled], None] | None = None) -> None:
         self.requests = requests
         self.scheduler = scheduler
         self.prefix_cache = allocator if isinstance(allocator, PrefixCachingAllocator) else None
@@ -41,52 +40,53 @@ class UpdateStage:
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
         failed = self._fail(sampled, now) if sampled.failures else []
-        finished, emitted = self._append(sampled, now)
+        finished = self._append(sampled, now)
         finished.extend(failed)
-        new_logprobs = {} if self.requests.all_plain else self._new_logprobs(sampled, emitted)
+        events = {seq.request_id: event for seq, event in sampled.events.items()}
+        if not self.requests.all_plain:
+            self._add_logprobs(sampled, events)
         if self.settle is not None:
-            self.settle(sampled, emitted)
+            self.settle(sampled)
         if self.prefix_cache is not None:  # only verified tokens count as computed by now
             for seq, _ in plan.scheduled:
                 self.prefix_cache.cache_blocks(seq)
         for parent, children in sampled.forks:  # before `finish`, which may free the parent's KV
             self.scheduler.fork(parent, [child for child in children if child.finish_reason is None])
         self.scheduler.finish(finished)
-        return Updated(finished, emitted, new_logprobs)
+        return Updated(finished, events)
 
     def _fail(self, sampled: Sampled, now: float) -> list[Sequence]:
         """Sequences a logits processor failed end with finish_reason "error", without this
         step's token; the rest of the batch goes on."""
         failed = []
-        by_id = {seq.request_id: seq for seq in sampled.new_tokens}
+        by_id = {seq.request_id: seq for seq in sampled.events}
         for seq_id, error in sampled.failures.items():
             seq = by_id.get(seq_id)
             if seq is None or seq.finish_reason is not None:
                 continue
-            del sampled.new_tokens[seq]
+            del sampled.events[seq]
             seq.finish_reason, seq.error, seq.finish_time = "error", error, now
             failed.append(seq)
         return failed
 
-    def _append(self, sampled: Sampled, now: float) -> tuple[list[Sequence], dict[str, list[int]]]:
-        """Append each sequence's new tokens up to its first stop."""
+    def _append(self, sampled: Sampled, now: float) -> list[Sequence]:
+        """Append each sequence's new tokens up to its first stop (its event cut there)."""
         finished: list[Sequence] = []
-        emitted: dict[str, list[int]] = {}
         append_token = self._append_token
-        for seq, tokens in sampled.new_tokens.items():
+        for seq, event in sampled.events.items():
+            tokens = event.new_token_ids
             if len(tokens) == 1:
                 if append_token(seq, tokens[0], now):
                     finished.append(seq)
-                emitted[seq.request_id] = tokens  # a list of this step's own
             else:
                 before = seq.num_tokens
                 for token_id in tokens:
                     if append_token(seq, token_id, now):
                         finished.append(seq)
                         break
-                emitted[seq.request_id] = seq.output_token_ids[before - seq.num_tokens:]  # always >= 1 token
+                event.new_token_ids = tuple(seq.output_token_ids[before - seq.num_tokens:])  # always >= 1 token
             seq.num_sampling_steps += 1
-        return finished, emitted
+        return finished
 
     def _append_token(self, seq: Sequence, token_id: int, now: float) -> bool:
         """Append a sampled token; True when the sequence has finished."""
@@ -119,10 +119,15 @@ class UpdateStage:
         return True
 
     @staticmethod
-    def _new_logprobs(sampled: Sampled, emitted: dict[str, list[int]]) -> dict[str, list[PositionLogprobs]]:
-        result = {}
-        for seq in sampled.new_tokens:
+    def _add_logprobs(sampled: Sampled, events: dict[str, RequestEvent]) -> None:
+        """The new tokens' logprobs, for the sequences that asked; the prompt's, on completion
+        0's event, in the step that scored the whole prompt."""
+        for seq, event in sampled.events.items():
             if seq.logprobs is not None:
                 end = len(seq.output_token_ids)
-                result[seq.request_id] = seq.logprobs[end - len(emitted[seq.request_id]): end]
-        return result
+                event.new_logprobs = tuple(seq.logprobs[end - len(event.new_token_ids): end])
+        for request_id, scored in sampled.scored_prompts.items():
+            event = events.get(request_id)
+            if event is None:  # its token failed, its prompt logprobs still go out
+                event = events[request_id] = RequestEvent()
+            event.prompt_logprobs = tuple(scored)

@@ -114,11 +114,11 @@ def _verify_sampled(logits: torch.Tensor, draft_token_ids: list[Seq[int]], draft
         if q is not None:
             n = q.shape[0]
             q_draft[r, :n] = q.to(p.dtype).gather(1, drafts[r, :n, None]).squeeze(1)
-    uniform = torch.ones_like(p_draft)
-    for r, generator in enumerate(generators):  # k_i draws each: a request's draws never depend on its batch
-        uniform[r, : len(draft_token_ids[r])].uniform_(generator=generator)
+    uniform = torch.ones(num_seqs, num_rows, dtype=p.dtype, device=device)
+    for r, generator in enumerate(generators):  # k_i + 1 draws each: a request's draws never depend on its batch
+        uniform[r, : len(draft_token_ids[r]) + 1].uniform_(generator=generator)
     # u < p / q, written without dividing: accept with probability min(1, p / q).
-    accept = (uniform * q_draft < p_draft) & valid
+    accept = (uniform[:, :k] * q_draft < p_draft) & valid
     accepted = accept.long().cumprod(dim=1).sum(dim=1)  # the leading run of accepted drafts
     seq_index = torch.arange(num_seqs, device=logits.device)
     target = p[seq_index, accepted]  # [R, vocab]: p at the first rejection, or the bonus row
@@ -136,6 +136,6 @@ def _verify_sampled(logits: torch.Tensor, draft_token_ids: list[Seq[int]], draft
         # p == q at a rejected position has probability zero; keep p if rounding gets there.
         use_residual = rejected[:, None] & (mass > 0)
         target = torch.where(use_residual, residual / mass.clamp(min=torch.finfo(p.dtype).tiny), target)
-    final = draw(target, generators).tolist()
+    final = draw(target, uniform[seq_index, lengths][:, None]).tolist()  # each row's last number
     counts = accepted.tolist()
     return [Verified(list(draft_token_ids[r][: counts[r]]) + [final[r]], counts[r]) for r in range(num_seqs)]

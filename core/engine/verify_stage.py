@@ -23,7 +23,8 @@ import torch
 
 from servelab.interfaces import Sequence
 from servelab.logits_pipeline import LogitsPipeline
-from servelab.logprobs import position_logprobs, row_logprobs
+from servelab.logprobs import position_logprobs
+from servelab.outputs import RequestEvent
 from servelab.request import Request, RequestTable
 from servelab.run_stage import StepRun
 from servelab.sampling_stage import Sampled
@@ -67,10 +68,11 @@ class VerifyStage:
             # tentatively); the logprobs of those that want them read off the model's
             # logits or the processed ones (`[engine] logprobs_mode`)
             wanted = [(s, first, n) for s, first, n in zip(seqs, first_rows, num_rows) if s.logprobs is not None]
-            wanted_rows = [first + j for _, first, n in wanted for j in range(n)]
-            raw = row_logprobs(logits, wanted_rows) if self.raw_logprobs else None
+            index = torch.tensor([first + j for _, first, n in wanted for j in range(n)], dtype=torch.int64,
+                                 device=logits.device)
+            raw = logits[index] if self.raw_logprobs else None  # a copy: processing is in place
             self.pipeline.apply_speculative(logits, seqs, states, first_rows, num_rows, out.failures)
-            rows = raw if self.raw_logprobs else row_logprobs(logits, wanted_rows)
+            rows = raw if self.raw_logprobs else logits[index]
             starts = np.cumsum([0] + [n for _, _, n in wanted]).tolist()
             logprobs = {s.request_id: rows[start: start + n] for (s, _, n), start in zip(wanted, starts)}
         drafts = [seq.draft_token_ids[: n - 1] for seq, n in zip(seqs, num_rows)]
@@ -86,7 +88,7 @@ class VerifyStage:
                           [r.generators[s.completion_index] for s, r in zip(seqs, owners)], self.default_generator,
                           parents if any(tree is not None for tree in parents) else None)
         for seq, held, n, result in zip(seqs, states, num_rows, verified):
-            out.new_tokens[seq] = result.token_ids
+            out.events[seq] = RequestEvent(tuple(result.token_ids))
             out.num_drafts[seq.request_id] = n - 1
             out.num_accepted[seq.request_id] = result.num_accepted
             if result.path is not None:
@@ -114,18 +116,19 @@ class VerifyStage:
 
     # ------------------------------------------------------------ after the tokens are appended
 
-    def settle(self, sampled: Sampled, emitted: dict[str, list[int]]) -> None:
+    def settle(self, sampled: Sampled) -> None:
+        """After the update stage cut each sequence's event at its stop."""
         num_drafts, num_accepted = sampled.num_drafts, sampled.num_accepted
-        for seq in sampled.new_tokens:  # those a processor failed are no longer there
+        for seq, event in sampled.events.items():  # those a processor failed are no longer there
             if seq.request_id in num_drafts:
                 self._settle(seq, num_drafts[seq.request_id], num_accepted[seq.request_id],
-                             seq.num_tokens - len(emitted[seq.request_id]), sampled.paths.get(seq.request_id))
+                             seq.num_tokens - len(event.new_token_ids), sampled.paths.get(seq.request_id))
         if self._features is not None:
             self._observe_features()
         spec = self.speculator
         spec.end_step()
-        spec.record(sum(num_drafts.values()), sum(num_accepted.values()), len(num_drafts), len(emitted),
-                    sum(map(len, emitted.values())))
+        spec.record(sum(num_drafts.values()), sum(num_accepted.values()), len(num_drafts), len(sampled.events),
+                    sum(len(event.new_token_ids) for event in sampled.events.values()))
 
     def _settle(self, seq: Sequence, num_verified_drafts: int, num_accepted: int, num_tokens_before: int,
                 path: Seq[int] | None) -> None:

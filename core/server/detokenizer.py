@@ -22,21 +22,20 @@ from typing import Any, Callable
 import attrs
 import structlog
 
+from servelab.outputs import RequestEvent
 from servelab.sequence import owner_of
 
 logger = structlog.get_logger(__name__)
 
-# decode(tokens by sequence id, finished outputs) -> the request's text deltas; requests with
-# logprobs also get logprobs= (by sequence id) and prompt_logprobs= (by request id) keywords.
-Decode = Callable[..., list[Any]]
+# decode(the request's events by sequence id) -> its text deltas
+Decode = Callable[[dict[str, RequestEvent]], list[Any]]
 
 
 class Detokenizer:
     """Turns each step's events into text deltas, then hands them to `deliver`."""
 
-    def __init__(self, deliver: Callable[..., None], event_type: type, threaded: bool = True) -> None:
+    def __init__(self, deliver: Callable[..., None], threaded: bool = True) -> None:
         self._deliver = deliver  # called with (events, *extra) from this thread: it must be thread-safe
-        self._event_type = event_type  # the attrs class of events: new_token_ids, output, deltas, decode_error
         self._decoders: dict[str, Decode] = {}  # engine request id -> its decode function
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -54,7 +53,7 @@ class Detokenizer:
             for request_id in request_ids:
                 self._decoders.pop(request_id, None)
 
-    def put(self, events: dict[str, Any], *extra: Any) -> None:
+    def put(self, events: dict[str, RequestEvent], *extra: Any) -> None:
         """Queue one iteration's events (called from the thread that receives the engine's outputs)."""
         if self._thread is None:
             self._deliver(self._decode(events), *extra)
@@ -74,28 +73,20 @@ class Detokenizer:
             events, extra = item
             self._deliver(self._decode(events), *extra)
 
-    def _decode(self, events: dict[str, Any]) -> dict[str, Any]:
-        by_request: dict[str, tuple[dict[str, list[int]], list[Any], dict[str, Any]]] = {}
+    def _decode(self, events: dict[str, RequestEvent]) -> dict[str, RequestEvent]:
+        by_request: dict[str, dict[str, RequestEvent]] = {}
         for key, event in events.items():
-            tokens, outputs, scores = by_request.setdefault(owner_of(key), ({}, [], {}))
-            if event.new_token_ids:
-                tokens[key] = list(event.new_token_ids)
-            if event.output is not None:
-                outputs.append(event.output)
-            if event.new_logprobs:
-                scores.setdefault("logprobs", {})[key] = list(event.new_logprobs)
-            if event.prompt_logprobs:
-                scores.setdefault("prompt_logprobs", {})[key] = list(event.prompt_logprobs)
+            by_request.setdefault(owner_of(key), {})[key] = event
         with self._lock:
             decoders = {rid: self._decoders.get(rid) for rid in by_request}
         decoded = dict(events)
-        for request_id, (tokens, outputs, scores) in by_request.items():
+        for request_id, own in by_request.items():
             decode = decoders[request_id]
             if decode is None:
                 continue
-            base = events.get(request_id) or self._event_type()
+            base = events.get(request_id) or RequestEvent()
             try:
-                decoded[request_id] = attrs.evolve(base, deltas=tuple(decode(tokens, outputs, **scores)))
+                decoded[request_id] = attrs.evolve(base, deltas=tuple(decode(own)))
             except Exception as exc:  # this request's text is lost; the others' is not
                 logger.exception("request.detokenize_failed", request_id=request_id)
                 decoded[request_id] = attrs.evolve(base, decode_error=f"{type(exc).__name__}: {exc}")

@@ -50,13 +50,13 @@ from servelab.disagg.requests import merged_output, split_completions
 from servelab.disagg.routing import PDRouter, mint_transfer_id
 from servelab.errors import RequestError, ServelabError
 from servelab.interfaces import ReplicaSnapshot, RouteRequest
-from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelab.outputs import CompletionOutput, RequestEvent, RequestMetrics, RequestOutput
 from servelab.routing import adapter_fields
 from servelab.sampling_params import SamplingParams
 from servelab.sequence import owner_of, sequence_id
 from servelab.server.detokenizer import Decode, Detokenizer
 from servelab.server.engine_core import EMPTY_SNAPSHOT, EngineInfo, EngineSnapshot, EngineUnavailable, NewRequest
-from servelab.server.engine_loop import Events, RequestEvent
+from servelab.server.engine_loop import Events
 from servelab.server.replica_set import sum_snapshots, watch_liveness
 from servelab.server.replicas import import_ray, start_ray, wait_started
 from servelab.server.role_replicas import CONSUMER, PRODUCER, RoleActor, RoleReplica
@@ -132,7 +132,7 @@ class DisaggregatedEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._detokenizer = Detokenizer(lambda events, *extra: self._call_soon(self._deliver, events, *extra),
-                                        RequestEvent, threaded=True)
+                                        threaded=True)
         for replica in self.replicas:
             replica.start(self._on_poll, self._on_exit)
         if self.liveness_timeout is not None:
@@ -334,10 +334,10 @@ class DisaggregatedEngine:
             elif kind == "prefilled":
                 self._prefilled(*message[1:], tokens, finished, logprobs, prompt_logprobs)
             elif kind == "step":
-                for transfer_id, token_ids in message[1].items():
-                    tokens.setdefault(transfer_id, []).extend(token_ids)
-                for transfer_id, scores in message[3].items():
-                    logprobs.setdefault(transfer_id, []).extend(scores)
+                for transfer_id, event in message[1].items():  # the decode engine's (servelab.outputs.RequestEvent)
+                    tokens.setdefault(transfer_id, []).extend(event.new_token_ids)
+                    if event.new_logprobs:
+                        logprobs.setdefault(transfer_id, []).extend(event.new_logprobs)
                 finished.extend(message[2])
             elif kind == "failed":
                 logger.error("disagg.replica_engine_failed", replica=replica.name, error=message[1])

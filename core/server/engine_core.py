@@ -37,7 +37,7 @@ import servelab
 from servelab.errors import RequestError
 from servelab.expert_load import expert_load_of, pipeline_stats_of
 from servelab.interfaces import AllocatorStats, ClosingProcessor, LoRARunner, SchedulerStats, SequenceStatus, WarmingProcessor
-from servelab.outputs import RequestOutput
+from servelab.outputs import RequestEvent, RequestOutput
 from servelab.sampling_params import SamplingParams
 from servelab.server.errors import AdmissionFailed, EngineUnavailable
 from servelab.server.intake import Intake
@@ -92,15 +92,11 @@ class EngineInfo:
 class CoreOutput:
     """One loop iteration's results, for every request at once."""
 
-    tokens: dict[str, list[int]]  # new token ids by sequence id ("{request_id}#{i}" for completion i > 0)
+    events: dict[str, RequestEvent]  # the step's, by sequence id ("{request_id}#{i}" for completion i > 0)
     finished: list[RequestOutput]  # requests that finished or were aborted
     snapshot: EngineSnapshot
     resolved: list[tuple[int, BaseException | None]] = attrs.field(factory=list)  # (add command id, its error)
     failure: str | None = None  # the engine failed: every request in flight is gone
-    # SamplingParams.logprobs: one {token id: Logprob} per new token, by sequence id
-    logprobs: dict[str, list[Any]] = attrs.field(factory=dict)
-    # SamplingParams.prompt_logprobs: by request id, once its prompt is scored
-    prompt_logprobs: dict[str, list[Any]] = attrs.field(factory=dict)
 
 
 Command = tuple[str, Any, Any]
@@ -220,7 +216,7 @@ class EngineCore:
     def _serve(self, in_flight: set[str]) -> None:
         engine = self.engine
         while True:
-            tokens: dict[str, list[int]] = {}
+            events: dict[str, RequestEvent] = {}
             finished: list[RequestOutput] = []
             resolved: list[tuple[int, BaseException | None]] = []
             stop = False
@@ -238,22 +234,19 @@ class EngineCore:
                     stop = True
             if stop:
                 self._abort(list(in_flight), in_flight, finished)
-                self._send_output(CoreOutput(tokens, finished, self.snapshot(), resolved))
+                self._send_output(CoreOutput(events, finished, self.snapshot(), resolved))
                 return
             if resolved:  # answer admissions before the (slow) step, so requests count as started early
                 self._send_output(CoreOutput({}, finished, self.snapshot(), resolved))
                 finished = []
-            logprobs: dict[str, list[Any]] = {}
-            prompt_logprobs: dict[str, list[Any]] = {}
             if engine.has_unfinished():
                 result = engine.step()
-                tokens, logprobs, prompt_logprobs = result.new_token_ids, result.new_logprobs, result.prompt_logprobs
+                events = result.events
                 finished.extend(result.finished)
                 for output in result.finished:
                     in_flight.discard(output.request_id)
-            if tokens or finished or prompt_logprobs:
-                self._send_output(CoreOutput(tokens, finished, self.snapshot(), logprobs=logprobs,
-                                             prompt_logprobs=prompt_logprobs))
+            if events or finished:
+                self._send_output(CoreOutput(events, finished, self.snapshot()))
             elif (engine.has_unfinished() or self._intake.num_preparing) and \
                     time.monotonic() - self._last_sent > HEARTBEAT_SECONDS:
                 self._send_output(CoreOutput({}, [], self.snapshot()))  # the loop turns: a heartbeat

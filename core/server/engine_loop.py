@@ -3,9 +3,10 @@
 `AsyncEngine` hands commands (add a group of requests, abort some, stop) to an engine
 core through an `EngineConnection` (engine_connection.py: on a thread, in a process of
 its own, or in a Ray actor) and gets back one `CoreOutput` per step for every request
-at once. Each output is turned into per-request events, detokenized on a thread of its
-own (detokenizer.py), and delivered to the event loop in one callback per step, where
-every event goes to the queue its HTTP request reads.
+at once: the engine's own events (servelab.outputs.RequestEvent), each finished output
+put on its request's. They are detokenized on a thread of their own (detokenizer.py), and
+delivered to the event loop in one callback per step, where every event goes to the queue
+its HTTP request reads.
 
 Events are keyed as the engine keys them: new tokens by sequence id (the request id, or
 "{request_id}#{i}" for completion i > 0 of an n > 1 request), the finished output by
@@ -19,10 +20,9 @@ import itertools
 import time
 from typing import Any, Callable, Iterable, Sequence as Seq
 
-import attrs
 import structlog
 
-from servelab.outputs import RequestOutput
+from servelab.outputs import RequestEvent, RequestOutput
 from servelab.sequence import owner_of
 from servelab.server.detokenizer import Decode, Detokenizer
 from servelab.server.engine_connection import EngineConnection, ThreadConnection
@@ -34,23 +34,6 @@ logger = structlog.get_logger(__name__)
 
 __all__ = ["AdmissionFailed", "AsyncEngine", "EngineSnapshot", "EngineUnavailable", "NewRequest", "RequestEvent",
            "ThreadConnection"]
-
-
-@attrs.frozen
-class RequestEvent:
-    """What one step did for one sequence (tokens) or request (output, error)."""
-
-    new_token_ids: tuple[int, ...] = ()
-    new_logprobs: tuple[Any, ...] = ()  # SamplingParams.logprobs: one {token id: Logprob} per new token
-    prompt_logprobs: tuple[Any, ...] = ()  # SamplingParams.prompt_logprobs, once the prompt is scored
-    output: RequestOutput | None = None  # set once, when the request finished or was aborted
-    error: str | None = None  # the engine failed; the request is gone
-    deltas: tuple[Any, ...] = ()  # the request's text deltas, when it registered a decode function
-    decode_error: str | None = None  # its decode function failed (see detokenizer.py)
-
-    @property
-    def is_last(self) -> bool:
-        return self.output is not None or self.error is not None
 
 
 Events = dict[str, RequestEvent]
@@ -92,7 +75,7 @@ class AsyncEngine:
         # An engine on a thread of this process would decode on its own time: give the decoding
         # a thread. Other connections deliver on a reader thread that has nothing else to do.
         self._detokenizer = Detokenizer(lambda events, *extra: self._call_soon(self._deliver, events, *extra),
-                                        RequestEvent, threaded=isinstance(self.connection, ThreadConnection))
+                                        threaded=isinstance(self.connection, ThreadConnection))
         self.connection.start(self._on_output, self._on_exit)
         self._started_connection = True
 
@@ -211,14 +194,13 @@ class AsyncEngine:
         self._last_heard = time.monotonic()
         for command_id, error in output.resolved:
             self._call_soon(self._resolve, command_id, error)
-        events: Events = {sequence_id: RequestEvent(tuple(token_ids), tuple(output.logprobs.get(sequence_id, ())))
-                          for sequence_id, token_ids in output.tokens.items()}
-        for request_id, scored in output.prompt_logprobs.items():
-            events[request_id] = attrs.evolve(events.get(request_id, RequestEvent()), prompt_logprobs=tuple(scored))
+        events: Events = output.events
         for finished in output.finished:
-            previous = events.get(finished.request_id)
-            events[finished.request_id] = (attrs.evolve(previous, output=finished) if previous is not None
-                                           else RequestEvent(output=finished))
+            event = events.get(finished.request_id)
+            if event is None:
+                events[finished.request_id] = RequestEvent(output=finished)
+            else:
+                event.output = finished
         # then _deliver, on the event loop (an output that only answers admissions brings a
         # snapshot too: a refused or cancelled request leaves the waiting count there)
         self._detokenizer.put(events, output.snapshot, output.failure)

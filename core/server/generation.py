@@ -20,11 +20,11 @@ import attrs
 import structlog
 
 from servelab.detokenize import IncrementalText
-from servelab.outputs import CompletionOutput, RequestOutput, with_token_text
+from servelab.outputs import CompletionOutput, RequestEvent, RequestOutput, with_token_text
 from servelab.sampling_params import SamplingParams
 from servelab.sequence import owner_of, sequence_id as completion_id
 from servelab.server.codec import CodecFailure
-from servelab.server.engine_loop import AsyncEngine, NewRequest, RequestEvent
+from servelab.server.engine_loop import AsyncEngine, NewRequest
 
 logger = structlog.get_logger(__name__)
 
@@ -206,23 +206,27 @@ class Generation:
                 self.engine.abort(unfinished)
             self._log(status)
 
-    def _text_deltas(self, tokens: dict[str, list[int]], outputs: list[RequestOutput],
-                     logprobs: dict[str, list[Any]] | None = None,
-                     prompt_logprobs: dict[str, list[Any]] | None = None) -> list[ChoiceDelta]:
-        """The deltas for one step's events (runs on the detokenizer's thread)."""
+    def _text_deltas(self, events: dict[str, RequestEvent]) -> list[ChoiceDelta]:
+        """The deltas for one step's events of this request's prompts, by sequence id (runs on
+        the detokenizer's thread)."""
         by_sequence = self._by_sequence
+        outputs = [event.output for event in events.values() if event.output is not None]
         finishing = {output.request_id for output in outputs}
         deltas = []
-        for request_id, scored in (prompt_logprobs or {}).items():
-            scored = tuple(self._with_text(scored))
-            deltas.extend(ChoiceDelta(c.index, "", None, prompt_logprobs=scored) for c in self.choices
-                          if self.engine_request_ids[c.prompt_index] == request_id)
-        for sequence_id, token_ids in tokens.items():
+        for request_id, event in events.items():
+            if event.prompt_logprobs:
+                scored = tuple(self._with_text(event.prompt_logprobs))
+                deltas.extend(ChoiceDelta(c.index, "", None, prompt_logprobs=scored) for c in self.choices
+                              if self.engine_request_ids[c.prompt_index] == request_id)
+        for sequence_id, event in events.items():
+            token_ids = event.new_token_ids
             if self.scoring_only:
                 break  # the one token the prefill sampled is not part of the answer
+            if not token_ids:
+                continue
             choice = by_sequence[sequence_id]
-            if logprobs and sequence_id in logprobs:
-                choice.unsent_logprobs.extend(zip(token_ids, self._with_text(logprobs[sequence_id])))
+            if event.new_logprobs:
+                choice.unsent_logprobs.extend(zip(token_ids, self._with_text(event.new_logprobs)))
             finishing_now = owner_of(sequence_id) in finishing
             # its final text comes from the output (a stop string may cut it): the tokens before
             # the last are streamed one by one, the last with the output

@@ -158,7 +158,7 @@ class RoleActor:
             # logprobs, LoRA adapter)
             output = worker.accept(*args)
             if output is not None:
-                self._emit(("step", {}, [output], {}))
+                self._emit(("step", {}, [output]))
         elif kind == "recompute":  # consumer: (transfer id, prompt, params, LoRA adapter)
             refused = worker.recompute(*args)  # the request's error output when the engine refused it
             self._emit(("added", args[0], refused.error if refused is not None else None))
@@ -178,9 +178,9 @@ class RoleActor:
             released = self.worker.num_holds < holds  # a hold let go: its blocks are free
         else:
             finished = self.worker.step()
-            tokens = self.worker.new_token_ids
-            if tokens or finished:
-                self._emit(("step", dict(tokens), finished, dict(self.worker.new_logprobs)))
+            events = self.worker.events
+            if events or finished:
+                self._emit(("step", events, finished))
         if stepping:
             self._num_steps += 1
         return stepping or released

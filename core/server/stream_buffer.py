@@ -16,6 +16,8 @@ import asyncio
 import collections
 from typing import Any
 
+from servelab.outputs import RequestEvent, merge_events
+
 STREAM_BUFFER_EVENTS = 64  # events waiting for a reader before they merge
 
 
@@ -56,22 +58,18 @@ class StreamBuffer:
         merged: dict[str, Any] = {}
         last: dict[str, int] = {}
         for position, (key, event) in enumerate(self._items):
-            merged[key] = merge_events(merged[key], event) if key in merged else event
+            merged[key] = merge_buffered(merged[key], event) if key in merged else event
             last[key] = position
         self._items = collections.deque((key, merged[key]) for key in sorted(merged, key=last.__getitem__))
         self.limit = max(self.limit, 2 * len(merged))  # many keys: room to merge again later
 
 
-def merge_events(earlier: Any, later: Any) -> Any:
-    """Two RequestEvents of one key as one (`later` may end the request)."""
-    return type(earlier)(
-        new_token_ids=earlier.new_token_ids + later.new_token_ids,
-        new_logprobs=earlier.new_logprobs + later.new_logprobs,
-        prompt_logprobs=later.prompt_logprobs or earlier.prompt_logprobs,
-        output=later.output if later.output is not None else earlier.output,
-        error=later.error if later.error is not None else earlier.error,
-        deltas=merge_deltas(earlier.deltas + later.deltas),
-        decode_error=later.decode_error if later.decode_error is not None else earlier.decode_error)
+def merge_buffered(earlier: RequestEvent, later: RequestEvent) -> RequestEvent:
+    """Two RequestEvents of one key as one (`later` may end the request), each choice's
+    text deltas joined."""
+    merged = merge_events(earlier, later)
+    merged.deltas = merge_deltas(merged.deltas)
+    return merged
 
 
 def merge_deltas(deltas: tuple[Any, ...]) -> tuple[Any, ...]:

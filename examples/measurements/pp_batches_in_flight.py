@@ -45,8 +45,8 @@ def serve(llm: LLM, prompts: list[list[int]], arrivals: list[float], params: Sam
             continue
         result = engine.step()
         now = time.perf_counter() - start
-        for seq_id, tokens in result.new_token_ids.items():
-            if tokens:
+        for seq_id, event in result.events.items():
+            if event.new_token_ids:
                 first.setdefault(seq_id, now)
         for output in result.finished:
             done[output.request_id] = (now, output.token_ids)

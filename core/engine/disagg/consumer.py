@@ -26,7 +26,7 @@ from servelab.interfaces import (Handoff, KVDataPath, KVTransport, PrefixCaching
                                  TransferState, check_handoff, layout_mismatch, lease_state, payload_indices,
                                  prefix_block_hashes)
 from servelab.logging_setup import get_logger
-from servelab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelab.outputs import CompletionOutput, RequestEvent, RequestMetrics, RequestOutput
 from servelab.request import RequestSpec
 from servelab.routing import reported_prefix_summary
 from servelab.sampling_params import SamplingParams
@@ -72,8 +72,7 @@ class DecodeWorker:
         self._admitted: dict[str, _Accepted] = {}  # transfer id -> its request in the engine
         self._whole: set[str] = set()  # requests computed here from the prompt (their prefill engine was lost)
         # the last step's new token ids by sequence id (a server streams them; the producer's first token is not here)
-        self.new_token_ids: dict[str, list[int]] = {}
-        self.new_logprobs: dict[str, list] = {}  # and their logprobs, for the requests that asked
+        self.events: dict[str, RequestEvent] = {}
         # Asked before a handoff is admitted: a reason to reject it, or None to take it.
         self.admission: Callable[[Handoff], str | None] = self.room_for
 
@@ -156,10 +155,10 @@ class DecodeWorker:
     def step(self) -> list[RequestOutput]:
         """Retry the waiting handoffs, then one engine step; the requests that finished."""
         finished = [out for entry in list(self._waiting.values()) if (out := self._try_load(entry)) is not None]
-        self.new_token_ids, self.new_logprobs = {}, {}
+        self.events = {}
         if self.engine.has_unfinished():
             result = self.engine.step()
-            self.new_token_ids, self.new_logprobs = result.new_token_ids, result.new_logprobs
+            self.events = result.events
             for output in result.finished:
                 entry = self._admitted.pop(output.request_id, None)
                 if entry is not None:
