@@ -43,12 +43,12 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_len
     group = q.shape[1] // num_kv_heads
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    out = torch.empty_like(q)
-    for i in range(query_len):
-        pos = context_len - query_len + i
-        scores = torch.einsum("hd,chd->hc", q[i], k[: pos + 1]) * scale
-        out[i] = torch.einsum("hc,chd->hd", torch.softmax(scores, dim=-1), v[: pos + 1])
-    return out
+    scores = torch.einsum("qhd,chd->hqc", q[:query_len], k) * scale
+    # query i sits at position context_len - query_len + i and sees the positions up to it
+    positions = torch.arange(context_len, device=q.device)
+    last_seen = torch.arange(context_len - query_len, context_len, device=q.device)
+    scores = scores.masked_fill(positions[None, None, :] > last_seen[None, :, None], float("-inf"))
+    return torch.einsum("hqc,chd->qhd", torch.softmax(scores, dim=-1), v)
 
 
 def metadata_for(tables: list[list[int]], query_lens: list[int], context_lens: list[int], block_size: int,
