@@ -81,14 +81,27 @@ def frozen_heap(heap_collected_per_module):
     gc.freeze()
 
 
-# The background build's test runs last (pytest-xdist hands out modules in collection
-# order): its build waits for the other worker to go quiet (18-63 s in the middle of the
-# run; at its end the other worker soon has nothing left to run).
+# pytest-xdist hands out modules in collection order (`--dist loadscope`). The slowest
+# modules (worker-seconds in `--durations=0`, two busy cores) go first, so that the two
+# workers end on short modules and finish together rather than one waiting while the other
+# runs a long module it took last; the two that start Ray are kept apart.
+RUNS_FIRST = ("test_server_replicas.py", "test_server_compiles.py", "test_moe_cli.py", "test_smollm2.py",
+              "test_disaggregated_server.py", "test_sim_fidelity.py", "test_tensor_parallel.py",
+              "test_pipeline_parallel.py", "test_kernel_builder.py", "test_cupy_kernels.py")
+# The background build's test runs last: its build waits for the other worker to go quiet
+# (18-63 s in the middle of the run; at its end the other worker soon has nothing left).
 RUNS_LAST = "test_yielding_build.py"
 
 
+def _start_rank(item) -> int:
+    name = item.path.name
+    if name == RUNS_LAST:
+        return len(RUNS_FIRST) + 1
+    return RUNS_FIRST.index(name) if name in RUNS_FIRST else len(RUNS_FIRST)
+
+
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name == RUNS_LAST)  # stable: the rest keep their order
+    items.sort(key=_start_rank)  # stable: the rest keep their order
 
 
 # Each test's setup, call and teardown should fit this budget (seconds) on two busy cores;
