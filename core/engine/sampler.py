@@ -26,13 +26,13 @@ def sample(
     """One token per row. Greedy rows take their argmax and random rows their draw, each
     computed on its own rows only (a full-batch argmax costs as much as the draw).
 
-    Random rows draw their uniforms in row order (`draw`'s numbers), then either the native library draws
-    them straight from their logits (`kernels`, when every row only scales by a
-    temperature: no top-k, top-p or min-p; the same rule, the weights summed in its own
-    order), or a chunk of rows at a time is filtered and drawn: a chunk's probabilities
-    and their cumulative sums (3 MB, 16 rows of a 49,152-token vocabulary) stay in cache
-    between the passes, where a whole batch's would be fresh pages each step. Rows are
-    independent, so the tokens are the same either way."""
+    Random rows draw their uniforms in row order (each from its own generator), then either
+    the native library draws them straight from their logits (`kernels`, when every row only
+    scales by a temperature: no top-k, top-p or min-p; the same rule, the weights summed in
+    its own order), or a chunk of rows at a time is filtered and drawn: a chunk's
+    probabilities and their cumulative sums (3 MB, 16 rows of a 49,152-token vocabulary)
+    stay in cache between the passes, where a whole batch's would be fresh pages each step.
+    Rows are independent, so the tokens are the same either way."""
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     if len(greedy) == len(params):
         return greedy_tokens(logits)
