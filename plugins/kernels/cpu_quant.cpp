@@ -445,7 +445,10 @@ struct IntLanes {
 constexpr int kLaneCols = kGroupCols / IntLanes::kRegs;  // columns a register holds
 // Rows of x a tile runs: their int and float sums stay in registers (AVX-512's 32, AVX2's 16).
 constexpr int kIntRows = IntLanes::kRegs == 1 ? 8 : 2;
-constexpr int64_t kPrefetchRecords = 8;  // 2.5-4.4 KB ahead: the prefetchers alone left a single row at 15 GB/s
+// Decode asks for the records this far ahead (6.9-13 KB): the prefetchers alone left a single
+// row at 15 GB/s, 8 records ahead a model's linears 5% slower on two threads than 24
+// (examples/measurements/linear_sweep.py).
+constexpr int64_t kPrefetchRecords = 24;
 
 // y[r0 + r][the group's columns] for R rows of x; `cols` of the group's 16 are stored.
 template <int F, int R>
