@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -103,12 +104,16 @@ class SamplingParams:
     # The request's SLO: seconds after its arrival by which it should finish (None: none).
     # Policies may read it (a deadline-aware scheduler); the engine enforces nothing.
     deadline: float | None = None
-    # temperature 0: decided once here, read for every row of every step
-    is_greedy: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.validate()
-        object.__setattr__(self, "is_greedy", self.temperature == 0)
+        self.is_greedy  # noqa: B018 - worked out now, so the sampler's reads are plain attribute reads
+
+    @functools.cached_property
+    def is_greedy(self) -> bool:
+        """temperature 0. Cached when the params are made (not a field: the record's fields
+        stay the ones a caller passes, and `attrs.asdict` round-trips)."""
+        return self.temperature == 0
 
     def validate(self) -> None:
         """Raise RequestError naming the first invalid field."""

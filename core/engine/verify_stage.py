@@ -69,12 +69,13 @@ class VerifyStage:
             # logits or the processed ones (`[engine] logprobs_mode`)
             wanted = [(s, first, n) for s, first, n in zip(seqs, first_rows, num_rows) if s.logprobs is not None]
             index = torch.tensor([first + j for _, first, n in wanted for j in range(n)], dtype=torch.int64,
-                                 device=logits.device)
-            raw = logits[index] if self.raw_logprobs else None  # a copy: processing is in place
+                                 device=logits.device) if wanted else None
+            raw = logits[index] if index is not None and self.raw_logprobs else None  # a copy: processing is in place
             self.pipeline.apply_speculative(logits, seqs, states, first_rows, num_rows, out.failures)
-            rows = raw if self.raw_logprobs else logits[index]
-            starts = np.cumsum([0] + [n for _, _, n in wanted]).tolist()
-            logprobs = {s.request_id: rows[start: start + n] for (s, _, n), start in zip(wanted, starts)}
+            if index is not None:
+                rows = raw if self.raw_logprobs else logits[index]
+                starts = np.cumsum([0] + [n for _, _, n in wanted]).tolist()
+                logprobs = {s.request_id: rows[start: start + n] for (s, _, n), start in zip(wanted, starts)}
         drafts = [seq.draft_token_ids[: n - 1] for seq, n in zip(seqs, num_rows)]
         probs, parents = [], []
         for seq, request, draft in zip(seqs, owners, drafts):
