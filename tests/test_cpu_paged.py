@@ -87,6 +87,27 @@ def test_draft_rows_see_a_causal_prefix(dtype):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_and_draft_rows_over_long_contexts(dtype, block_size):
+    """Decode and draft rows over contexts of tens of blocks, scattered over the cache:
+    causal limits just before and after a 64-key boundary (65 keys with 3 query tokens), an
+    exact multiple of it, 300 keys."""
+    context = _context(dtype, block_size=block_size, num_blocks=160)
+    backend = CpuPagedAttention(CpuPagedOptions(build="wait"), context)
+    contexts, query_lens = [65, 128, 300, 129], [3, 1, 2, 1]
+    order = torch.randperm(160, generator=torch.Generator().manual_seed(2)).tolist()
+    tables, start = [], 0
+    for n in contexts:
+        blocks = -(-n // block_size)
+        tables.append(order[start:start + blocks])
+        start += blocks
+    out, expected = _attend_over_cache(backend, context, tables, contexts, query_lens, seed=3)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (8, 4, 64), (6, 2, 32), (16, 2, 128)])
 def test_prompt_tiles_match_dense_attention(dtype, num_heads, num_kv_heads, head_dim):
     """The tiled path for rows of many query tokens: a 150-token chunk on top of 90 cached

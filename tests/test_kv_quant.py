@@ -69,18 +69,18 @@ def test_rows_are_padded_for_an_aligned_scale():
 
 def _context(kv_cache_dtype, dtype, num_heads, num_kv_heads, head_dim, block_size):
     return AttentionContext(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                            num_blocks=64, dtype=dtype, device=torch.device("cpu"), kv_cache_dtype=kv_cache_dtype)
+                            num_blocks=160, dtype=dtype, device=torch.device("cpu"), kv_cache_dtype=kv_cache_dtype)
 
 
 def _mixed_step(backend, seed):
-    """Decodes, draft rows, a whole prompt and a chunk over a cached prefix, on shuffled
-    block tables; earlier tokens written into the cache first. Returns the output, the
-    caches and the full-precision inputs."""
+    """Decodes (one over 150 keys), draft rows (two over 70 keys), a whole prompt and a chunk
+    over a cached prefix, on shuffled block tables; earlier tokens written into the cache
+    first. Returns the output, the caches and the full-precision inputs."""
     context = backend.context
     block_size, dtype = context.block_size, context.dtype
     generator = torch.Generator().manual_seed(seed)
-    query_lens, context_lens = [1, 1, 3, 40, 7], [17, 33, 20, 40, 30]
-    order = torch.randperm(64, generator=generator).tolist()
+    query_lens, context_lens = [1, 1, 3, 40, 7, 1, 2], [17, 33, 20, 40, 30, 150, 70]
+    order = torch.randperm(context.num_blocks, generator=generator).tolist()
     tables, used = [], 0
     for length in context_lens:
         count = -(-length // block_size)

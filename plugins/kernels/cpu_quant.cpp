@@ -249,6 +249,8 @@ void run_linear(bool vectorised, const uint8_t* w, int64_t w_stride, const float
 constexpr int64_t kInterleaved = 32;  // added to `format`: the blocks are interleaved (above)
 constexpr int kGroupCols = 16;
 
+constexpr int64_t kReusedRows = 64;  // calls of up to this many rows keep their buffers (below)
+
 struct Activations {  // x's rows as int8 blocks
   std::vector<int8_t> q;  // [m][k_padded]
   std::vector<float> d, s;  // [m][blocks]: scale, scale * sum of the block's q
@@ -256,7 +258,68 @@ struct Activations {  // x's rows as int8 blocks
   int64_t k_padded = 0, blocks = 0;
 };
 
-void quantize_activations(const float* x, int64_t m, int64_t k_padded, Activations& out) {
+// Block i of x's [m][blocks] grid (rows are k_padded long) quantized as above, one value at a time.
+inline void quantize_block_scalar(const float* xb, int8_t* q, float& d_out, float& s_out, int32_t& sum_out) {
+  float amax = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  int sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+    sum += q[j];
+  }
+  d_out = d;
+  s_out = d * static_cast<float>(sum);
+  sum_out = sum;
+}
+
+#if defined(__AVX2__)
+// The same in vector registers, equal to it bit for bit: the largest magnitude is exact in
+// any order, each x * id is the same single product, and the conversion rounds half to even
+// as nearbyint does in the default rounding mode.
+inline void quantize_block_vector(const float* xb, int8_t* q, float& d_out, float& s_out, int32_t& sum_out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  const __m512 scale = _mm512_set1_ps(id);
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 parts[4];
+  __m256 peak = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    parts[i] = _mm256_loadu_ps(xb + 8 * i);
+    peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, parts[i]));
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
+  const float amax = _mm_cvtss_f32(half);
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  const __m256 scale = _mm256_set1_ps(id);
+  __m256i ints[4];
+  for (int i = 0; i < 4; ++i) ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(parts[i], scale));
+  // int32 -> int16 -> int8 with saturation (the values are within +-127), then undo the lane interleave
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+  __m128i folded = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  folded = _mm_add_epi32(folded, _mm_shuffle_epi32(folded, _MM_SHUFFLE(1, 0, 3, 2)));
+  folded = _mm_add_epi32(folded, _mm_shuffle_epi32(folded, _MM_SHUFFLE(2, 3, 0, 1)));
+  const int32_t sum = _mm_cvtsi128_si32(folded);
+#endif
+  d_out = d;
+  s_out = d * static_cast<float>(sum);
+  sum_out = sum;
+}
+#endif  // __AVX2__
+
+void quantize_activations(const float* x, int64_t m, int64_t k_padded, bool vectorised, Activations& out) {
   out.k_padded = k_padded;
   out.blocks = k_padded / kBlock;
   out.q.resize(m * k_padded);
@@ -265,19 +328,13 @@ void quantize_activations(const float* x, int64_t m, int64_t k_padded, Activatio
   out.sum.resize(m * out.blocks);
   at::parallel_for(0, m * out.blocks, 64, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
-      const float* xb = x + i * kBlock;  // block i of the [m][blocks] grid: rows are k_padded long
-      float amax = 0.f;
-      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-      int sum = 0;
-      int8_t* q = out.q.data() + i * kBlock;
-      for (int j = 0; j < kBlock; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-        sum += q[j];
+#if defined(__AVX2__)
+      if (vectorised) {
+        quantize_block_vector(x + i * kBlock, out.q.data() + i * kBlock, out.d[i], out.s[i], out.sum[i]);
+        continue;
       }
-      out.d[i] = d;
-      out.s[i] = d * static_cast<float>(sum);
-      out.sum[i] = sum;
+#endif
+      quantize_block_scalar(x + i * kBlock, out.q.data() + i * kBlock, out.d[i], out.s[i], out.sum[i]);
     }
   });
 }
@@ -555,8 +612,12 @@ void vector_int_linear(const uint8_t* w, int64_t w_stride, const Activations& a,
 template <int F>
 void run_int_linear(bool vectorised, bool interleaved, const uint8_t* w, int64_t w_stride, const float* x, int64_t m,
                     int64_t k_padded, const float* bias, float* y, int64_t n) {
-  Activations a;
-  quantize_activations(x, m, k_padded, a);
+  // A decode-sized call reuses its thread's buffers (four allocations a call otherwise);
+  // a prompt's are freed with the call.
+  thread_local Activations reused;
+  Activations fresh;
+  Activations& a = m <= kReusedRows ? reused : fresh;
+  quantize_activations(x, m, k_padded, vectorised, a);
 #if defined(__AVX2__)
   if (vectorised) {
     TORCH_CHECK(interleaved, "the vector kernels multiply int8 activations by interleaved blocks "
