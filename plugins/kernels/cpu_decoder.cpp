@@ -52,6 +52,12 @@ struct Linear {
     return y;
   }
 
+  // The same into `out` [rows, out_features] float32 for a quantized weight and float32 x.
+  void into(const at::Tensor& x, const at::Tensor& row_slots, at::Tensor& out) const {
+    quant_linear_out(x, weight, format, bias, false, out_features, out);
+    if (lora && row_slots.defined()) lora_add_(out, x, row_slots, lora->a, lora->bt, lora->table, lora->scales);
+  }
+
  private:
   at::Tensor base(const at::Tensor& x) const {
     if (format >= 0) {  // as QuantizedLinear.forward: float32 in and out, then the input's dtype
@@ -93,7 +99,9 @@ class Model {
       auto format = [&](int j) { return widths.size() == 8 ? widths[4 + j] : int64_t{-1}; };
       layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3], widths[0], format(0)}, {*t[4], t[5], widths[1], format(1)},
                               {*t[6], t[7], widths[2], format(2)}, {*t[8], t[9], widths[3], format(3)}});
+      for (int j = 0; j < 4; ++j) all_quantized_ = all_quantized_ && format(j) >= 0;
     }
+    all_quantized_ = all_quantized_ && !layers_.empty() && embedding_.scalar_type() == at::kFloat;
   }
 
   // Linear `linear` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer` adds these LoRA updates
@@ -114,6 +122,9 @@ class Model {
                      at::Tensor row_slots) const {
     TORCH_CHECK(caches.size() == 2 * layers_.size(), "one key and one value cache per layer");
     const int64_t tokens = input_ids.size(0);
+    if (all_quantized_ && tokens <= mlp_rows_at_once_)
+      return forward_in_buffers(input_ids, positions, caches, block_tables, query_start, context_lens, slot_mapping,
+                                sequences, logits_indices, row_slots);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     at::Tensor residual = embedding_.index_select(0, input_ids);
     at::Tensor hidden;
@@ -150,6 +161,61 @@ class Model {
   }
 
  private:
+  // forward for a float32 model whose every linear is quantized (each writes into a given
+  // output) and whose rows fit one MLP call: the same ops in the same order, every layer's
+  // outputs written into buffers made once per call, and the views of them made once, where
+  // forward makes ~17 tensors a layer (a few microseconds each: a third of a layer's time
+  // beside its arithmetic at one row).
+  at::Tensor forward_in_buffers(const at::Tensor& input_ids, const at::Tensor& positions,
+                                const std::vector<at::Tensor>& caches, const at::Tensor& block_tables,
+                                const at::Tensor& query_start, const at::Tensor& context_lens,
+                                const at::Tensor& slot_mapping, const at::Tensor& sequences,
+                                const at::Tensor& logits_indices, at::Tensor row_slots) const {
+    const int64_t tokens = input_ids.size(0);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const auto options = embedding_.options();
+    at::Tensor qkv = at::empty({tokens, q_size + 2 * kv_size}, options);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+    at::Tensor attended = at::empty({tokens, num_heads_, head_dim_}, options);
+    const at::Tensor attended_rows = attended.view({tokens, q_size});
+    at::Tensor hidden = at::empty({tokens, embedding_.size(1)}, options);  // o's output, then down's
+    const int64_t intermediate = layers_[0].gate_up.out_features / 2;
+    at::Tensor gate_up = at::empty({tokens, 2 * intermediate}, options);
+    at::Tensor activated = at::empty({tokens, intermediate}, options);
+    at::Tensor residual = embedding_.index_select(0, input_ids);
+    at::Tensor normed = rms_norm(residual, layers_[0].input_norm, eps_);
+    // As the Python path: past the last layer's attention, only the rows whose logits are wanted.
+    const bool keep_some = logits_indices.size(0) < tokens;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      if (i > 0) add_rms_norm_(hidden, residual, layer.input_norm, eps_);
+      layer.qkv.into(i == 0 ? normed : hidden, row_slots, qkv);
+      rotary_(qkv, positions, cos_, sin_, num_heads_ + num_kv_heads_, head_dim_);
+      at::Tensor key_cache = caches[2 * i], value_cache = caches[2 * i + 1];
+      write_cache(k, v, key_cache, value_cache, slot_mapping);
+      attend(q, key_cache, value_cache, block_tables, query_start, context_lens, sequences, scale_, attended);
+      if (keep_some && i + 1 == layers_.size()) {  // fewer rows from here: tensors of their own
+        const at::Tensor rows = attended_rows.index_select(0, logits_indices);
+        residual = residual.index_select(0, logits_indices);
+        if (row_slots.defined()) row_slots = row_slots.index_select(0, logits_indices);
+        at::Tensor kept = layer.o(rows, row_slots);
+        add_rms_norm_(kept, residual, layer.post_attention_norm, eps_);
+        at::Tensor last = mlp(layer, kept, row_slots);
+        return rms_norm(last + residual, final_norm_, eps_);
+      }
+      layer.o.into(attended_rows, row_slots, hidden);
+      add_rms_norm_(hidden, residual, layer.post_attention_norm, eps_);
+      layer.gate_up.into(hidden, row_slots, gate_up);
+      silu_and_mul_out(gate_up, activated);
+      layer.down.into(activated, row_slots, hidden);
+    }
+    at::Tensor selected = keep_some ? hidden + residual
+                                    : hidden.index_select(0, logits_indices) + residual.index_select(0, logits_indices);
+    return rms_norm(selected, final_norm_, eps_);
+  }
+
   at::Tensor mlp(const Layer& layer, const at::Tensor& x, const at::Tensor& row_slots) const {
     const int64_t rows = x.size(0);
     if (rows <= mlp_rows_at_once_) return layer.down(silu_and_mul(layer.gate_up(x, row_slots)), row_slots);
@@ -166,6 +232,7 @@ class Model {
   at::Tensor embedding_, final_norm_, cos_, sin_;
   double eps_, scale_;
   int64_t num_heads_, num_kv_heads_, head_dim_, mlp_rows_at_once_;
+  bool all_quantized_ = true;  // every linear's weight is quantized blocks: forward_in_buffers
 };
 
 }  // namespace

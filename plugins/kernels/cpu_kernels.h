@@ -30,6 +30,8 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
 void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
              int64_t num_heads, int64_t head_dim);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+// The same into `out` [T, I] (contiguous, the input's dtype).
+void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out);
 
 // cpu_sampling.cpp: one token per row of float32 logits, drawn by inverse transform from
 // softmax(logits * inverse_temperature) with the row's uniform number in [0, 1).
@@ -64,6 +66,9 @@ std::string quant_path();
 std::string quant_int_path();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
                         const std::optional<at::Tensor>& bias, bool scalar, int64_t out_features = -1);
+// The same into `out` (float32, contiguous, x's shape with out_features last).
+void quant_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
+                      const std::optional<at::Tensor>& bias, bool scalar, int64_t out_features, at::Tensor& out);
 
 // cpu_lora.cpp
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& row_slots, const at::Tensor& a_t,

@@ -204,11 +204,19 @@ void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2, "silu_and_mul needs a contiguous [T, 2 * I] tensor");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_and_mul_out(gate_up, out);
+  return out;
+}
+
+void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "silu_and_mul needs a contiguous [T, 2 * I] tensor");
-  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == gate_up.size(0) &&
+                  out.size(1) * 2 == gate_up.size(1) && out.scalar_type() == gate_up.scalar_type(),
+              "silu_and_mul's output must be a contiguous [T, I] tensor of the input's dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_kernel<scalar_t>(gate_up, out);
   });
-  return out;
 }

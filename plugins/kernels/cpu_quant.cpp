@@ -661,6 +661,17 @@ std::string quant_path() {
 // `scalar` forces the scalar loops (the reference the vector paths are tested against).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
                         const std::optional<at::Tensor>& bias, bool scalar, int64_t out_features) {
+  TORCH_CHECK(x.dim() >= 1, "x must be a float32 tensor, got ", x.scalar_type());
+  TORCH_CHECK(blocks.dim() == 2, "blocks must be a contiguous 2-D uint8 tensor [out_features, blocks * bytes]");
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features >= 0 ? out_features : blocks.size(0);
+  at::Tensor out = at::empty(out_shape, x.options());
+  quant_linear_out(x, blocks, format, bias, scalar, out_features, out);
+  return out;
+}
+
+void quant_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
+                      const std::optional<at::Tensor>& bias, bool scalar, int64_t out_features, at::Tensor& out) {
   const bool int8_activations = (format & kInt8Activations) != 0, interleaved = (format & kInterleaved) != 0;
   const int64_t given_format = format;
   format &= ~(kInt8Activations | kInterleaved);
@@ -679,17 +690,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
               " blocks of ", kBlockBytes[format], " bytes a row; the weight has ", blocks.size(1), " bytes a row");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
               "bias must be a contiguous float32 tensor of ", n, " values");
-  at::Tensor rows = x.reshape({-1, k});
+  at::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, k});
   const int64_t m = rows.size(0), k_padded = num_blocks * kBlock;
   if (k_padded != k || !rows.is_contiguous()) {  // zeros past K: the padded weights then add nothing
     at::Tensor padded = at::zeros({m, k_padded}, rows.options());
     padded.narrow(1, 0, k).copy_(rows);
     rows = padded;
   }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options());
-  if (m == 0 || n == 0) return out;
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == m * n && out.size(-1) == n,
+              "out must be a contiguous float32 tensor of x's rows by ", n, " outputs");
+  if (m == 0 || n == 0) return;
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t w_stride = blocks.size(1);
@@ -701,12 +711,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
       case kQ4_0: run_int_linear<kQ4_0>(!scalar, interleaved, w, w_stride, xs, m, k_padded, b, y, n); break;
       default: run_int_linear<kQ4_1>(!scalar, interleaved, w, w_stride, xs, m, k_padded, b, y, n); break;
     }
-    return out;
+    return;
   }
   switch (format) {
     case kQ8_0: run_linear<kQ8_0>(!scalar, w, w_stride, xs, m, k_padded, b, y, n); break;
     case kQ4_0: run_linear<kQ4_0>(!scalar, w, w_stride, xs, m, k_padded, b, y, n); break;
     default: run_linear<kQ4_1>(!scalar, w, w_stride, xs, m, k_padded, b, y, n); break;
   }
-  return out;
 }
