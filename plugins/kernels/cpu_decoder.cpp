@@ -52,9 +52,15 @@ struct Linear {
     return y;
   }
 
-  // The same into `out` [rows, out_features] float32 for a quantized weight and float32 x.
+  // Whether `into` takes this weight for x of `dtype`: quantized blocks with float32 x, or panels.
+  bool writes_into(at::ScalarType dtype) const { return format >= 0 ? dtype == at::kFloat : weight.dim() > 2; }
+
+  // The same as operator() into `out` [rows, out_features] of x's dtype (writes_into says where).
   void into(const at::Tensor& x, const at::Tensor& row_slots, at::Tensor& out) const {
-    quant_linear_out(x, weight, format, bias, false, out_features, out);
+    if (format >= 0)
+      quant_linear_out(x, weight, format, bias, false, out_features, out);
+    else
+      panel_linear_out(x, weight, bias, out_features, out);
     if (lora && row_slots.defined()) lora_add_(out, x, row_slots, lora->a, lora->bt, lora->table, lora->scales);
   }
 
@@ -99,9 +105,11 @@ class Model {
       auto format = [&](int j) { return widths.size() == 8 ? widths[4 + j] : int64_t{-1}; };
       layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3], widths[0], format(0)}, {*t[4], t[5], widths[1], format(1)},
                               {*t[6], t[7], widths[2], format(2)}, {*t[8], t[9], widths[3], format(3)}});
-      for (int j = 0; j < 4; ++j) all_quantized_ = all_quantized_ && format(j) >= 0;
+      const Layer& added = layers_.back();
+      for (const Linear* linear : {&added.qkv, &added.o, &added.gate_up, &added.down})
+        in_buffers_ = in_buffers_ && linear->writes_into(embedding_.scalar_type());
     }
-    all_quantized_ = all_quantized_ && !layers_.empty() && embedding_.scalar_type() == at::kFloat;
+    in_buffers_ = in_buffers_ && !layers_.empty();
   }
 
   // Linear `linear` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer` adds these LoRA updates
@@ -122,7 +130,7 @@ class Model {
                      at::Tensor row_slots) const {
     TORCH_CHECK(caches.size() == 2 * layers_.size(), "one key and one value cache per layer");
     const int64_t tokens = input_ids.size(0);
-    if (all_quantized_ && tokens <= mlp_rows_at_once_)
+    if (in_buffers_ && tokens <= mlp_rows_at_once_)
       return forward_in_buffers(input_ids, positions, caches, block_tables, query_start, context_lens, slot_mapping,
                                 sequences, logits_indices, row_slots);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -161,11 +169,11 @@ class Model {
   }
 
  private:
-  // forward for a float32 model whose every linear is quantized (each writes into a given
-  // output) and whose rows fit one MLP call: the same ops in the same order, every layer's
-  // outputs written into buffers made once per call, and the views of them made once, where
-  // forward makes ~17 tensors a layer (a few microseconds each: a third of a layer's time
-  // beside its arithmetic at one row).
+  // forward for a model whose every linear writes into a given output (quantized blocks in a
+  // float32 model, or the library's panels) and whose rows fit one MLP call: the same ops in
+  // the same order, every layer's outputs written into buffers made once per call and their
+  // views made once, where forward makes ~17 tensors a layer (an allocation or a view each;
+  // at one row that is about a tenth of an int4 model's token, docs/performance.md).
   at::Tensor forward_in_buffers(const at::Tensor& input_ids, const at::Tensor& positions,
                                 const std::vector<at::Tensor>& caches, const at::Tensor& block_tables,
                                 const at::Tensor& query_start, const at::Tensor& context_lens,
@@ -232,7 +240,7 @@ class Model {
   at::Tensor embedding_, final_norm_, cos_, sin_;
   double eps_, scale_;
   int64_t num_heads_, num_kv_heads_, head_dim_, mlp_rows_at_once_;
-  bool all_quantized_ = true;  // every linear's weight is quantized blocks: forward_in_buffers
+  bool in_buffers_ = true;  // every linear writes into a given output: forward_in_buffers
 };
 
 }  // namespace

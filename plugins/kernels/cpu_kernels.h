@@ -43,6 +43,9 @@ std::vector<std::string> panel_dtypes();
 at::Tensor pack_panels(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         int64_t out_features);
+// The same into `out` (x's dtype, contiguous, x's shape with out_features last).
+void panel_linear_out(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                      int64_t out_features, at::Tensor& out);
 
 // cpu_moe.cpp: a sparse MoE block's routed experts in one call, each expert's gate_up
 // ([2 * intermediate, hidden]) and down ([hidden, intermediate]) weights as pack_panels made

@@ -97,6 +97,16 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 // from a weight of that dtype.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         int64_t out_features) {
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  TORCH_CHECK(!out_shape.empty(), "x must have a feature dimension");
+  out_shape.back() = out_features;
+  at::Tensor out = at::empty(out_shape, x.options());
+  panel_linear_out(x, panels, bias, out_features, out);
+  return out;
+}
+
+void panel_linear_out(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                      int64_t out_features, at::Tensor& out) {
   TORCH_CHECK(kPanelWidth > 0, "this build has no vectorised linear kernel");
   const bool bf16 = panels.scalar_type() == at::kBFloat16, pairs = bf16 && panels.dim() == 4;
   TORCH_CHECK(panels.dim() == (pairs ? 4 : 3) && panels.size(2) == kPanelWidth && panels.is_contiguous() &&
@@ -114,13 +124,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   TORCH_CHECK(!bias.has_value() ||
                   (bias->scalar_type() == panels.scalar_type() && bias->numel() == n && bias->is_contiguous()),
               "bias must be a contiguous ", dtype, " tensor of ", n, " values");
-  at::Tensor rows = x.reshape({-1, k_size});
+  at::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, k_size});
   if (rows.stride(1) != 1) rows = rows.contiguous();
   const int64_t m = rows.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options());
-  if (m == 0) return out;
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.numel() == m * n && out.size(-1) == n,
+              "out must be a contiguous ", dtype, " tensor of x's rows by ", n, " outputs");
+  if (m == 0) return;
   if (bf16 && !pairs) {
 #if defined(__AVX2__)
     // Widened: the input and bias once to float32, the weights as they are loaded, the
@@ -135,7 +144,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
                    [](auto count, auto... args) { block<decltype(count)::value>(args...); });
     out.view({m, n}).copy_(out32);
 #endif
-    return out;
+    return;
   }
   const int64_t x_stride = rows.stride(0);
   if (!bf16) {
@@ -144,7 +153,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
                    bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, num_panels,
                    [](auto count, auto... args) { block<decltype(count)::value>(args...); });
 #endif
-    return out;
+    return;
   }
 #if defined(__AVX512F__)
   const int64_t k_pairs = panels.size(1);
@@ -154,5 +163,4 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
                  num_panels,
                  [](auto count, auto... args) { block_bf16<decltype(count)::value>(args...); });
 #endif
-  return out;
 }
