@@ -504,7 +504,10 @@ constexpr int kLaneCols = kGroupCols / IntLanes::kRegs;  // columns a register h
 constexpr int kIntRows = IntLanes::kRegs == 1 ? 8 : 2;
 // Decode asks for the records this far ahead (6.9-13 KB): the prefetchers alone left a single
 // row at 15 GB/s, 8 records ahead a model's linears 5% slower on two threads than 24
-// (examples/measurements/linear_sweep.py).
+// (examples/measurements/linear_sweep.py). The requests are non-temporal: a token's weights
+// are read once, and a step's ~100 MB would otherwise push the engine's code and data and
+// the layer's activations out of the caches between forwards (int4 SmolLM2 batch-1 TPOT
+// 0.98-1.13x, docs/performance.md).
 constexpr int64_t kPrefetchRecords = 24;
 
 // y[r0 + r][the group's columns] for R rows of x; `cols` of the group's 16 are stored.
@@ -527,7 +530,7 @@ void group_tile(const uint8_t* group, const Activations& a, int64_t r0, const fl
     const uint8_t* values = record + weights_offset(F);
     if constexpr (R <= 2) {  // decode streams the weights: ask for the records ahead early
       for (int64_t line = 0; line < record_bytes(F); line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(record + kPrefetchRecords * record_bytes(F) + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(record + kPrefetchRecords * record_bytes(F) + line), _MM_HINT_NTA);
     }
     // A few rows leave the cores waiting on each dot product's latency: their sums run in
     // kChains independent chains, added at the block's end (exact integers either way).
