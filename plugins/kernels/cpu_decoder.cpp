@@ -45,22 +45,17 @@ struct Linear {
   int64_t out_features;
   int64_t format = -1;
   std::optional<LoRAUpdates> lora;
-  // row_slots: each row's adapter slot (-1: the base model), or undefined for a step without adapters
-  at::Tensor operator()(const at::Tensor& x, const at::Tensor& row_slots) const {
-    at::Tensor y = base(x);
-    if (lora && row_slots.defined()) lora_add_(y, x, row_slots, lora->a, lora->bt, lora->table, lora->scales);
-    return y;
-  }
-
-  // Whether `into` takes this weight for x of `dtype`: quantized blocks with float32 x, or panels.
-  bool writes_into(at::ScalarType dtype) const { return format >= 0 ? dtype == at::kFloat : weight.dim() > 2; }
-
-  // The same as operator() into `out` [rows, out_features] of x's dtype (writes_into says where).
+  // x W^T + b into `out` [rows, out_features] of x's dtype (contiguous), plus the rows' LoRA
+  // updates. row_slots: each row's adapter slot (-1: the base model), or undefined for a step
+  // without adapters. Quantized blocks with float32 x and panels write into `out` directly;
+  // the other paths make their result, copied into `out`.
   void into(const at::Tensor& x, const at::Tensor& row_slots, at::Tensor& out) const {
-    if (format >= 0)
+    if (format >= 0 && x.scalar_type() == at::kFloat)
       quant_linear_out(x, weight, format, bias, false, out_features, out);
-    else
+    else if (format < 0 && weight.dim() > 2)
       panel_linear_out(x, weight, bias, out_features, out);
+    else
+      out.copy_(base(x));
     if (lora && row_slots.defined()) lora_add_(out, x, row_slots, lora->a, lora->bt, lora->table, lora->scales);
   }
 
@@ -105,11 +100,8 @@ class Model {
       auto format = [&](int j) { return widths.size() == 8 ? widths[4 + j] : int64_t{-1}; };
       layers_.push_back(Layer{*t[0], *t[1], {*t[2], t[3], widths[0], format(0)}, {*t[4], t[5], widths[1], format(1)},
                               {*t[6], t[7], widths[2], format(2)}, {*t[8], t[9], widths[3], format(3)}});
-      const Layer& added = layers_.back();
-      for (const Linear* linear : {&added.qkv, &added.o, &added.gate_up, &added.down})
-        in_buffers_ = in_buffers_ && linear->writes_into(embedding_.scalar_type());
     }
-    in_buffers_ = in_buffers_ && !layers_.empty();
+    TORCH_CHECK(!layers_.empty(), "a decoder has at least one layer");
   }
 
   // Linear `linear` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer` adds these LoRA updates
@@ -124,61 +116,14 @@ class Model {
 
   // The final-normed hidden states of the rows in logits_indices. caches: per layer, key then value.
   // row_slots: each row's LoRA adapter slot, or undefined for a step of the base model alone.
+  // Every layer writes its outputs into buffers made once per call, whose q/k/v views are made
+  // once too: making ~17 tensors a layer instead was about a tenth of an int4 model's token at
+  // one row (docs/performance.md).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const std::vector<at::Tensor>& caches,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
                      const at::Tensor& slot_mapping, const at::Tensor& sequences, const at::Tensor& logits_indices,
                      at::Tensor row_slots) const {
     TORCH_CHECK(caches.size() == 2 * layers_.size(), "one key and one value cache per layer");
-    const int64_t tokens = input_ids.size(0);
-    if (in_buffers_ && tokens <= mlp_rows_at_once_)
-      return forward_in_buffers(input_ids, positions, caches, block_tables, query_start, context_lens, slot_mapping,
-                                sequences, logits_indices, row_slots);
-    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    at::Tensor residual = embedding_.index_select(0, input_ids);
-    at::Tensor hidden;
-    // As the Python path: past the last layer's attention, only the rows whose logits are wanted.
-    const bool keep_some = logits_indices.size(0) < tokens;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& layer = layers_[i];
-      if (i == 0)
-        hidden = rms_norm(residual, layer.input_norm, eps_);
-      else
-        add_rms_norm_(hidden, residual, layer.input_norm, eps_);
-      at::Tensor qkv = layer.qkv(hidden, row_slots);
-      rotary_(qkv, positions, cos_, sin_, num_heads_ + num_kv_heads_, head_dim_);
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
-      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
-      at::Tensor key_cache = caches[2 * i], value_cache = caches[2 * i + 1];
-      write_cache(k, v, key_cache, value_cache, slot_mapping);
-      at::Tensor attended = at::empty({tokens, num_heads_, head_dim_}, qkv.options());
-      attend(q, key_cache, value_cache, block_tables, query_start, context_lens, sequences, scale_, attended);
-      at::Tensor rows = attended.view({tokens, q_size});
-      if (keep_some && i + 1 == layers_.size()) {
-        rows = rows.index_select(0, logits_indices);
-        residual = residual.index_select(0, logits_indices);
-        if (row_slots.defined()) row_slots = row_slots.index_select(0, logits_indices);
-      }
-      hidden = layer.o(rows, row_slots);
-      add_rms_norm_(hidden, residual, layer.post_attention_norm, eps_);
-      hidden = mlp(layer, hidden, row_slots);
-    }
-    at::Tensor selected = keep_some ? hidden + residual
-                                    : hidden.index_select(0, logits_indices) + residual.index_select(0, logits_indices);
-    return rms_norm(selected, final_norm_, eps_);
-  }
-
- private:
-  // forward for a model whose every linear writes into a given output (quantized blocks in a
-  // float32 model, or the library's panels) and whose rows fit one MLP call: the same ops in
-  // the same order, every layer's outputs written into buffers made once per call and their
-  // views made once, where forward makes ~17 tensors a layer (an allocation or a view each;
-  // at one row that is about a tenth of an int4 model's token, docs/performance.md).
-  at::Tensor forward_in_buffers(const at::Tensor& input_ids, const at::Tensor& positions,
-                                const std::vector<at::Tensor>& caches, const at::Tensor& block_tables,
-                                const at::Tensor& query_start, const at::Tensor& context_lens,
-                                const at::Tensor& slot_mapping, const at::Tensor& sequences,
-                                const at::Tensor& logits_indices, at::Tensor row_slots) const {
     const int64_t tokens = input_ids.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const auto options = embedding_.options();
@@ -188,12 +133,12 @@ class Model {
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
     at::Tensor attended = at::empty({tokens, num_heads_, head_dim_}, options);
     const at::Tensor attended_rows = attended.view({tokens, q_size});
-    at::Tensor hidden = at::empty({tokens, embedding_.size(1)}, options);  // o's output, then down's
-    const int64_t intermediate = layers_[0].gate_up.out_features / 2;
-    at::Tensor gate_up = at::empty({tokens, 2 * intermediate}, options);
-    at::Tensor activated = at::empty({tokens, intermediate}, options);
+    at::Tensor hidden = at::empty({tokens, embedding_.size(1)}, options);  // o's output, then the MLP's
+    const int64_t mlp_rows = std::min(tokens, mlp_rows_at_once_), intermediate = layers_[0].gate_up.out_features / 2;
+    at::Tensor gate_up = at::empty({mlp_rows, 2 * intermediate}, options);
+    at::Tensor activated = at::empty({mlp_rows, intermediate}, options);
     at::Tensor residual = embedding_.index_select(0, input_ids);
-    at::Tensor normed = rms_norm(residual, layers_[0].input_norm, eps_);
+    const at::Tensor normed = rms_norm(residual, layers_[0].input_norm, eps_);
     // As the Python path: past the last layer's attention, only the rows whose logits are wanted.
     const bool keep_some = logits_indices.size(0) < tokens;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -204,43 +149,45 @@ class Model {
       at::Tensor key_cache = caches[2 * i], value_cache = caches[2 * i + 1];
       write_cache(k, v, key_cache, value_cache, slot_mapping);
       attend(q, key_cache, value_cache, block_tables, query_start, context_lens, sequences, scale_, attended);
-      if (keep_some && i + 1 == layers_.size()) {  // fewer rows from here: tensors of their own
-        const at::Tensor rows = attended_rows.index_select(0, logits_indices);
+      at::Tensor rows = attended_rows;
+      if (keep_some && i + 1 == layers_.size()) {
+        rows = rows.index_select(0, logits_indices);
         residual = residual.index_select(0, logits_indices);
         if (row_slots.defined()) row_slots = row_slots.index_select(0, logits_indices);
-        at::Tensor kept = layer.o(rows, row_slots);
-        add_rms_norm_(kept, residual, layer.post_attention_norm, eps_);
-        at::Tensor last = mlp(layer, kept, row_slots);
-        return rms_norm(last + residual, final_norm_, eps_);
+        hidden = hidden.narrow(0, 0, rows.size(0));
       }
-      layer.o.into(attended_rows, row_slots, hidden);
+      layer.o.into(rows, row_slots, hidden);
       add_rms_norm_(hidden, residual, layer.post_attention_norm, eps_);
-      layer.gate_up.into(hidden, row_slots, gate_up);
-      silu_and_mul_out(gate_up, activated);
-      layer.down.into(activated, row_slots, hidden);
+      mlp_(layer, hidden, row_slots, gate_up, activated);
     }
     at::Tensor selected = keep_some ? hidden + residual
                                     : hidden.index_select(0, logits_indices) + residual.index_select(0, logits_indices);
     return rms_norm(selected, final_norm_, eps_);
   }
 
-  at::Tensor mlp(const Layer& layer, const at::Tensor& x, const at::Tensor& row_slots) const {
-    const int64_t rows = x.size(0);
-    if (rows <= mlp_rows_at_once_) return layer.down(silu_and_mul(layer.gate_up(x, row_slots)), row_slots);
-    at::Tensor out = at::empty({rows, embedding_.size(1)}, x.options());
-    for (int64_t start = 0; start < rows; start += mlp_rows_at_once_) {
-      const int64_t count = std::min(mlp_rows_at_once_, rows - start);
+ private:
+  // x = down(silu(gate) * up) of x, in place, at most mlp_rows_at_once_ rows at a time as the
+  // Python path does (each chunk of x is read whole by gate_up before down writes over it),
+  // through the buffers gate_up and activated (as many rows as a chunk).
+  void mlp_(const Layer& layer, at::Tensor& x, const at::Tensor& row_slots, at::Tensor& gate_up,
+            at::Tensor& activated) const {
+    const int64_t rows = x.size(0), chunk = gate_up.size(0);
+    for (int64_t start = 0; start < rows; start += chunk) {
+      const int64_t count = std::min(chunk, rows - start);
       const at::Tensor slots = row_slots.defined() ? row_slots.narrow(0, start, count) : row_slots;
-      out.narrow(0, start, count).copy_(layer.down(silu_and_mul(layer.gate_up(x.narrow(0, start, count), slots)), slots));
+      at::Tensor part = count == rows ? x : x.narrow(0, start, count);
+      at::Tensor gate_up_part = count == chunk ? gate_up : gate_up.narrow(0, 0, count);
+      at::Tensor activated_part = count == chunk ? activated : activated.narrow(0, 0, count);
+      layer.gate_up.into(part, slots, gate_up_part);
+      silu_and_mul_out(gate_up_part, activated_part);
+      layer.down.into(activated_part, slots, part);
     }
-    return out;
   }
 
   std::vector<Layer> layers_;
   at::Tensor embedding_, final_norm_, cos_, sin_;
   double eps_, scale_;
   int64_t num_heads_, num_kv_heads_, head_dim_, mlp_rows_at_once_;
-  bool in_buffers_ = true;  // every linear writes into a given output: forward_in_buffers
 };
 
 }  // namespace

@@ -507,7 +507,7 @@ constexpr int kIntRows = IntLanes::kRegs == 1 ? 8 : 2;
 // (examples/measurements/linear_sweep.py). The requests are non-temporal: a token's weights
 // are read once, and a step's ~100 MB would otherwise push the engine's code and data and
 // the layer's activations out of the caches between forwards (int4 SmolLM2 batch-1 TPOT
-// 0.98-1.13x, docs/performance.md).
+// 0.98-1.10x over seven alternating pairs, median 1.06x: docs/performance.md).
 constexpr int64_t kPrefetchRecords = 24;
 
 // y[r0 + r][the group's columns] for R rows of x; `cols` of the group's 16 are stored.
