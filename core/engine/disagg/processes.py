@@ -248,6 +248,15 @@ class ProcessDeployment:
         except queue.Empty:
             raise TimeoutError("no message from the engine processes before the deadline") from None
 
+    def _handle_queued(self) -> None:
+        """Every message already waiting, handled without blocking."""
+        while True:
+            try:
+                message = self.results.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(message)
+
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "prefilled":
@@ -293,6 +302,9 @@ class ProcessDeployment:
             if role != "producer" or name in self.dead or process.is_alive():
                 continue
             self.dead.add(name)
+            # What it handed on before it died may still wait in the queue: those requests are
+            # not lost, and recomputing them as well would run each twice on the decode side.
+            self._handle_queued()
             lost = [tid for tid, c in self._completions.items() if c.prefill == name and tid not in self._prefilled]
             logger.warning("kv_transfer.prefill_engine_died", engine=name, requests=len(lost),
                            failure_policy=self.failure_policy)
