@@ -49,17 +49,29 @@ def test_two_processes_match_one_engine_and_survive_a_killed_prefill(servelab_ti
             assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
             assert got.prompt_logprobs[0] is None and _prompt_values(got) == pytest.approx(_prompt_values(want),
                                                                                            abs=1e-4)
-        # kill the prefill process with requests on it: each ends within the bound
+        # kill the prefill process with requests on it: each ends within the bound. One was
+        # handed on just before the death, its message still queued when the death is noticed:
+        # it is decoded from its handoff, not also recomputed or failed.
+        deployment.used_blocks()
+        before = dict(deployment.engine_metrics["decode-0"])
+        handed = deployment.add_request(PROMPTS[0], longer)
+        message = deployment.results.get(timeout=60)
+        assert message[:2] == ("prefilled", handed)
+        deployment.results.put(message)
         ids = [deployment.add_request(p, longer) for p in PROMPTS]
         deployment.kill("prefill-0")
-        ended = deployment.wait(ids, timeout_s=60)
-        for output, tokens in zip(ended, expected_longer):
+        ended = deployment.wait([handed, *ids], timeout_s=60)
+        assert ended[0].finish_reason != "error" and ended[0].token_ids == expected_longer[0]
+        for output, tokens in zip(ended[1:], expected_longer):
             if failure_policy == "recompute" or output.finish_reason != "error":
                 assert output.token_ids == tokens
         assert deployment.used_blocks() == {"decode-0": 0}
-        lost = deployment.engine_metrics["decode-0"]["recomputes"] if failure_policy == "recompute" else sum(
+        after = deployment.engine_metrics["decode-0"]
+        lost = after["recomputes"] - before["recomputes"] if failure_policy == "recompute" else sum(
             o.finish_reason == "error" and "died" in o.error for o in ended)
         assert lost >= 1  # the kill caught requests before their handoff
+        # every request reached the decode side once: by its handoff, or lost and recomputed or failed
+        assert after["transfers"] - before["transfers"] + lost == len(ended)
     assert all(not process.is_alive() for process, _, _ in deployment.engines.values())
 
 

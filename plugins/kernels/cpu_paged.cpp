@@ -841,6 +841,11 @@ void write_kernel(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
   });
 }
 
+// The models' dtypes only: each one more is another set of kernels to compile, in every CPU build.
+#define DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                           \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)              \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
 template <typename T>
 struct CacheType {
   using type = T;
@@ -861,13 +866,9 @@ void dispatch_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, 
   }
   TORCH_CHECK(key_cache.size(3) == scale_offset(head_dim) + 4, "a quantized cache's rows must be head_dim bytes, "
               "padding to a multiple of 4 and a float32 scale");
-  if constexpr (std::is_same_v<scalar_t, double>) {
-    TORCH_CHECK(false, "quantized KV caches take float32, bfloat16 or float16 queries");
-  } else {
-    if (type == at::kChar) body(CacheType<int8_t>{});
-    else if (type == at::kFloat8_e4m3fn) body(CacheType<c10::Float8_e4m3fn>{});
-    else body(CacheType<c10::Float8_e5m2>{});
-  }
+  if (type == at::kChar) body(CacheType<int8_t>{});
+  else if (type == at::kFloat8_e4m3fn) body(CacheType<c10::Float8_e4m3fn>{});
+  else body(CacheType<c10::Float8_e5m2>{});
 }
 
 void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
@@ -884,7 +885,7 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "cpu-paged needs contiguous new K/V rows");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cpu-paged needs contiguous caches");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_cache", [&] {
+  DISPATCH_MODEL_TYPES(key.scalar_type(), "write_cache", [&] {
     dispatch_cache<scalar_t>(key_cache, value_cache, key.size(2), [&](auto tag) {
       using cache_t = typename decltype(tag)::type;
       write_kernel<scalar_t, cache_t>(key, value, key_cache, value_cache, slot_mapping);
@@ -899,20 +900,12 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous and shaped like query");
   TORCH_CHECK(query_start.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
               sequences.scalar_type() == at::kLong, "query_start, context_lens and sequences must be int64");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "attend", [&] {
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong, "block_tables must be int64");
+  DISPATCH_MODEL_TYPES(query.scalar_type(), "attend", [&] {
     dispatch_cache<scalar_t>(key_cache, value_cache, query.size(2), [&](auto tag) {
       using cache_t = typename decltype(tag)::type;
-      if constexpr (kQuantized<cache_t>) {  // the runner's tables are int64; only those are instantiated
-        TORCH_CHECK(block_tables.scalar_type() == at::kLong, "block_tables must be int64 with a quantized cache");
-        attend_kernel<scalar_t, cache_t, int64_t>(query, key_cache, value_cache, block_tables, query_start,
-                                                  context_lens, sequences, scale, out);
-      } else if (block_tables.scalar_type() == at::kInt) {
-        attend_kernel<scalar_t, cache_t, int32_t>(query, key_cache, value_cache, block_tables, query_start,
-                                                  context_lens, sequences, scale, out);
-      } else {
-        attend_kernel<scalar_t, cache_t, int64_t>(query, key_cache, value_cache, block_tables, query_start,
-                                                  context_lens, sequences, scale, out);
-      }
+      attend_kernel<scalar_t, cache_t, int64_t>(query, key_cache, value_cache, block_tables, query_start,
+                                                context_lens, sequences, scale, out);
     });
   });
 }
