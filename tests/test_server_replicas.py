@@ -121,82 +121,89 @@ def test_a_slow_replica_answers_as_unthrottled_and_stays_in_rotation(server):
     assert "replica.silent" not in server.log()
 
 
-def test_a_killed_replica_fails_only_its_requests_and_the_others_keep_serving(tmp_path):
-    server = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, log_path=tmp_path / "log")
-    try:
-        pids = _replica_pids(server)
-        assert sorted(pids) == [0, 1], server.log()
-        body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            with client.stream("POST", "/v1/completions", json=body) as first, \
-                    client.stream("POST", "/v1/completions", json=body) as second:
-                streams = [sse_events(first), sse_events(second)]
-                for stream in streams:
-                    next(stream)  # both run, one on each replica (round-robin)
-                os.kill(pids[0], signal.SIGKILL)
-                endings = [list(stream) for stream in streams]
-            errors = [events[-2]["error"]["message"] for events in endings if "error" in events[-2]]
-            finished = [events for events in endings if "usage" in events[-2]]
-            assert all(events[-1] == "[DONE]" for events in endings)
-            assert len(errors) == 1 and "engine replica 0 failed" in errors[0] and "Ray actor died" in errors[0]
-            assert len(finished) == 1 and finished[0][-2]["usage"]["completion_tokens"] == 200
-            for _ in range(3):  # every new request goes to the live replica
-                reply = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False,
-                                                              "stream_options": None})
-                assert reply.status_code == 200, reply.text
-            assert client.get("/health").status_code == 200
-        metrics = server.metrics()
-        assert metrics['servelab_replica_up{replica="0"}'] == 0 and metrics['servelab_replica_up{replica="1"}'] == 1
-        assert "replica.failed" in server.log()
-    finally:
-        assert server.terminate(60) == 0, server.log_path.read_text()
+@pytest.fixture(scope="module")
+def faulty_server(tmp_path_factory):
+    """Two replicas for the fault tests, which run in this order: one replica stopped and
+    continued, then killed (a server start saved; the stop test needs the fresh server's
+    round-robin start, the kill test only that both replicas serve)."""
+    process = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, "--liveness-timeout", "2",
+                            log_path=tmp_path_factory.mktemp("faults") / "log")
+    yield process
+    assert process.terminate(60) == 0, process.log_path.read_text()
 
 
-def test_a_stopped_replica_leaves_the_rotation_and_its_requests_do_not_hang(tmp_path):
+def test_a_stopped_replica_leaves_the_rotation_and_its_requests_do_not_hang(faulty_server):
     """SIGSTOP of one replica: its request in flight ends with an error naming it within
     about the liveness timeout (not when the client gives up), /health stays 200, new
     requests all go to the other replica, and after SIGCONT it serves again."""
     import time
 
-    server = ServerProcess(MODEL, "--replicas", "2", *SETTINGS, "--liveness-timeout", "2", log_path=tmp_path / "log")
-    try:
-        pids = _replica_pids(server)
-        assert sorted(pids) == [0, 1], server.log()
-        body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            with client.stream("POST", "/v1/completions", json=body) as first, \
-                    client.stream("POST", "/v1/completions", json=body) as second:
-                streams = [sse_events(first), sse_events(second)]
-                for stream in streams:
-                    next(stream)  # both run, one on each replica (round-robin)
-                os.kill(pids[0], signal.SIGSTOP)
-                start = time.monotonic()
-                with concurrent.futures.ThreadPoolExecutor(1) as pool:  # round-robin: to the stopped replica
-                    unanswered = pool.submit(client.post, "/v1/completions",
-                                             json={**body, "max_tokens": 4, "stream": False}, timeout=60)
-                    endings = [list(stream) for stream in streams]
-                    failed_over = unanswered.result()
-                waited = time.monotonic() - start
-            try:
-                errors = [events[-2]["error"]["message"] for events in endings if "error" in events[-2]]
-                assert len(errors) == 1 and "engine replica 0 stopped answering" in errors[0], endings
-                assert waited < 30, waited
-                # the request the stopped replica never took was routed again: answered, not refused
-                assert failed_over.status_code == 200, failed_over.text
-                assert len(failed_over.json()["choices"][0]["text"]) > 0
-                assert client.get("/health").status_code == 200
-                for _ in range(4):  # every new request goes to the live replica, none hangs
-                    reply = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False}, timeout=30)
-                    assert reply.status_code == 200, reply.text
-                assert server.metrics()['servelab_replica_up{replica="0"}'] == 0
-                assert server.metrics()['servelab_requests_failed_over_total{replica="0"}'] == 1
-            finally:
-                os.kill(pids[0], signal.SIGCONT)
-            server.wait_metrics(lambda m: m['servelab_replica_up{replica="0"}'] == 1, timeout=30)
-            assert "replica.silent" in server.log() and "replica.recovered" in server.log()
-    finally:
-        assert server.terminate(60) == 0, server.log_path.read_text()
+    server = faulty_server
+    pids = _replica_pids(server)
+    assert sorted(pids) == [0, 1], server.log()
+    body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as first, \
+                client.stream("POST", "/v1/completions", json=body) as second:
+            streams = [sse_events(first), sse_events(second)]
+            for stream in streams:
+                next(stream)  # both run, one on each replica (round-robin)
+            os.kill(pids[0], signal.SIGSTOP)
+            start = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:  # round-robin: to the stopped replica
+                unanswered = pool.submit(client.post, "/v1/completions",
+                                         json={**body, "max_tokens": 4, "stream": False}, timeout=60)
+                endings = [list(stream) for stream in streams]
+                failed_over = unanswered.result()
+            waited = time.monotonic() - start
+        try:
+            errors = [events[-2]["error"]["message"] for events in endings if "error" in events[-2]]
+            assert len(errors) == 1 and "engine replica 0 stopped answering" in errors[0], endings
+            assert waited < 30, waited
+            # the request the stopped replica never took was routed again: answered, not refused
+            assert failed_over.status_code == 200, failed_over.text
+            assert len(failed_over.json()["choices"][0]["text"]) > 0
+            assert client.get("/health").status_code == 200
+            for _ in range(4):  # every new request goes to the live replica, none hangs
+                reply = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False}, timeout=30)
+                assert reply.status_code == 200, reply.text
+            assert server.metrics()['servelab_replica_up{replica="0"}'] == 0
+            assert server.metrics()['servelab_requests_failed_over_total{replica="0"}'] == 1
+        finally:
+            os.kill(pids[0], signal.SIGCONT)
+        server.wait_metrics(lambda m: m['servelab_replica_up{replica="0"}'] == 1, timeout=30)
+        assert "replica.silent" in server.log() and "replica.recovered" in server.log()
+
+
+def test_a_killed_replica_fails_only_its_requests_and_the_others_keep_serving(faulty_server):
+    """Replica 0 killed (SIGKILL) with a stream on each replica: its stream ends with an error
+    naming it, the other's finishes, and every new request goes to the live replica."""
+    server = faulty_server
+    pids = _replica_pids(server)
+    assert sorted(pids) == [0, 1], server.log()
+    body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as first, \
+                client.stream("POST", "/v1/completions", json=body) as second:
+            streams = [sse_events(first), sse_events(second)]
+            for stream in streams:
+                next(stream)  # both run, one on each replica (round-robin)
+            os.kill(pids[0], signal.SIGKILL)
+            endings = [list(stream) for stream in streams]
+        errors = [events[-2]["error"]["message"] for events in endings if "error" in events[-2]]
+        finished = [events for events in endings if "usage" in events[-2]]
+        assert all(events[-1] == "[DONE]" for events in endings)
+        assert len(errors) == 1 and "engine replica 0 failed" in errors[0] and "Ray actor died" in errors[0]
+        assert len(finished) == 1 and finished[0][-2]["usage"]["completion_tokens"] == 200
+        for _ in range(3):  # every new request goes to the live replica
+            reply = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False,
+                                                          "stream_options": None})
+            assert reply.status_code == 200, reply.text
+        assert client.get("/health").status_code == 200
+    metrics = server.metrics()
+    assert metrics['servelab_replica_up{replica="0"}'] == 0 and metrics['servelab_replica_up{replica="1"}'] == 1
+    assert "replica.failed" in server.log()
 
 
 def test_replicas_with_a_file_backed_host_tier_each_map_their_own_file(server, tier_path):
