@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3, help="served runs (the floor is the same each time)")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="read bandwidth in GB/s to use instead of probing (another run's probe, say)")
     parser.add_argument("--compare", action="append", default=[],
                         help="NAME=TOK_S: another engine's figure on the same workload, to set against the ceiling")
     args = parser.parse_args()
@@ -124,7 +126,7 @@ def main() -> None:
     workload = build_workload(WORKLOAD, llm.engine.model_config.vocab_size)
     serve(llm, workload)  # warm-up
     peak = matmul_peak_gflops(llm.engine.model_config, args.dtype)
-    bandwidth = read_bandwidth_gbs()
+    bandwidth = args.bandwidth or read_bandwidth_gbs()
     work = StepWork(llm, dtype)
     runs = []
     for _ in range(args.repeats):
