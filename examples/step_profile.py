@@ -37,7 +37,7 @@ def parse_variant(text: str) -> dict:
     overrides = {}
     for item in filter(None, text.split(",")):
         key, value = item.split("=", 1)
-        overrides[key] = {"true": True, "false": False}.get(value, value)
+        overrides[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
     return overrides
 
 
