@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import re
 import signal
@@ -121,6 +122,18 @@ def test_a_slow_replica_answers_as_unthrottled_and_stays_in_rotation(server):
     assert "replica.silent" not in server.log()
 
 
+@contextlib.contextmanager
+def one_stream_on_each_replica(client: httpx.Client, body: dict):
+    """Two streamed requests, each past its first event: both run, one on each replica
+    (round-robin)."""
+    with client.stream("POST", "/v1/completions", json=body) as first, \
+            client.stream("POST", "/v1/completions", json=body) as second:
+        streams = [sse_events(first), sse_events(second)]
+        for stream in streams:
+            next(stream)
+        yield streams
+
+
 @pytest.fixture(scope="module")
 def faulty_server(tmp_path_factory):
     """Two replicas for the fault tests, which run in this order: one replica stopped and
@@ -143,11 +156,7 @@ def test_a_stopped_replica_leaves_the_rotation_and_its_requests_do_not_hang(faul
     assert sorted(pids) == [0, 1], server.log()
     body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json=body) as first, \
-                client.stream("POST", "/v1/completions", json=body) as second:
-            streams = [sse_events(first), sse_events(second)]
-            for stream in streams:
-                next(stream)  # both run, one on each replica (round-robin)
+        with one_stream_on_each_replica(client, body) as streams:
             os.kill(pids[0], signal.SIGSTOP)
             start = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(1) as pool:  # round-robin: to the stopped replica
@@ -184,11 +193,7 @@ def test_a_killed_replica_fails_only_its_requests_and_the_others_keep_serving(fa
     body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json=body) as first, \
-                client.stream("POST", "/v1/completions", json=body) as second:
-            streams = [sse_events(first), sse_events(second)]
-            for stream in streams:
-                next(stream)  # both run, one on each replica (round-robin)
+        with one_stream_on_each_replica(client, body) as streams:
             os.kill(pids[0], signal.SIGKILL)
             endings = [list(stream) for stream in streams]
         errors = [events[-2]["error"]["message"] for events in endings if "error" in events[-2]]
