@@ -261,6 +261,8 @@ class ProcessDeployment:
         kind = message[0]
         if kind == "prefilled":
             _, transfer_id, output, handoff = message
+            if transfer_id in self._prefilled:  # ended already by the failure policy: its engine was counted dead
+                return
             self._prefilled.add(transfer_id)
             completion = self._completions.get(transfer_id)
             if completion is None:
@@ -309,6 +311,7 @@ class ProcessDeployment:
             logger.warning("kv_transfer.prefill_engine_died", engine=name, requests=len(lost),
                            failure_policy=self.failure_policy)
             for transfer_id in lost:
+                self._prefilled.add(transfer_id)  # a handoff of it arriving late is not taken as well
                 completion = self._completions[transfer_id]
                 prompt = completion.prompt
                 if self.failure_policy == "recompute":
