@@ -80,6 +80,10 @@ def _role_main(role: str, name: str, config: Mapping[str, Any], lease_s: float, 
         if command is not None:
             if command[0] == "stop":
                 break
+            if command[0] == "stats" and role == "producer":
+                # holds whose transfer ended are freed on the loop's next pass; counted before
+                # then, they would be reported as held
+                worker.release_ended()
             _run_command(command, worker, engine, name, results)
             continue
         if role == "producer":
