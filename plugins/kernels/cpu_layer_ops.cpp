@@ -174,7 +174,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "rms_norm needs contiguous x and weight of one dtype");
   at::Tensor out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+  DISPATCH_MODEL_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_kernel<scalar_t>(x.view({-1, x.size(-1)}), weight, out, eps);
   });
   return out;
@@ -185,7 +185,7 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
               "add_rms_norm_ needs contiguous tensors");
   TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
               "add_rms_norm_ needs one dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
+  DISPATCH_MODEL_TYPES(x.scalar_type(), "add_rms_norm_", [&] {
     at::Tensor x2 = x.view({-1, x.size(-1)}), r2 = residual.view({-1, x.size(-1)});
     add_rms_norm_kernel<scalar_t>(x2, r2, weight, eps);
   });
@@ -198,7 +198,7 @@ void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
               sin.scalar_type() == qkv.scalar_type(), "cos/sin tables must be contiguous and of qkv's dtype");
   TORCH_CHECK(num_heads * head_dim <= qkv.size(1), "more rotated heads than the row holds");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_", [&] {
+  DISPATCH_MODEL_TYPES(qkv.scalar_type(), "rotary_", [&] {
     rotary_kernel<scalar_t>(qkv, positions, cos, sin, num_heads, head_dim);
   });
 }
@@ -216,7 +216,7 @@ void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out) {
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == gate_up.size(0) &&
                   out.size(1) * 2 == gate_up.size(1) && out.scalar_type() == gate_up.scalar_type(),
               "silu_and_mul's output must be a contiguous [T, I] tensor of the input's dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+  DISPATCH_MODEL_TYPES(gate_up.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_kernel<scalar_t>(gate_up, out);
   });
 }

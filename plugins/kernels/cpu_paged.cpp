@@ -841,11 +841,6 @@ void write_kernel(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
   });
 }
 
-// The models' dtypes only: each one more is another set of kernels to compile, in every CPU build.
-#define DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                           \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)              \
-                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
-
 template <typename T>
 struct CacheType {
   using type = T;
