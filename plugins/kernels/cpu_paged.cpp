@@ -242,11 +242,16 @@ inline void quantize_row(const scalar_t* source, T* row, int64_t head_dim) {
 // key's worth at a time, spread over the computation (a whole tile requested at once
 // stalls the loads that compute needs). Measured from DRAM with blocks in random order,
 // against a whole tile requested four blocks ahead: fp32 1.2-1.3x, bf16 1.3-1.6x faster.
+// The requests fill L2, not L1 (locality 2: prefetcht1 on x86): requests into L1 hold
+// the few line-fill buffers that the loads of the tile being computed on need too. 30
+// layers of decode attention at 48 sequences of 73-323 tokens, AMD Zen 4, 2 threads, blocks
+// in random order: bf16 16.3-16.5 -> 12.1-12.4 ms, fp32 27.1-28.6 -> 18.1-18.3 ms; blocks
+// in order, bf16 12.9-13.3 -> 9.6-9.7 ms (the tiles stream at 24.5 GB/s, a plain read ~27).
 constexpr int64_t kPrefetchBytes = 8192;
 
 inline void prefetch_bytes(const void* start, int64_t bytes) {
   const char* first = static_cast<const char*>(start);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset, 0, 2);
 }
 
 template <typename scalar_t>
