@@ -16,7 +16,8 @@
 #include <string>
 #include <vector>
 
-// The models' dtypes (float32, bfloat16, float16) only: each one more is another set of kernels to compile, in every CPU build.
+// The models' dtypes (float32, bfloat16, float16) only: each one more is another set of
+// kernels to compile, in every CPU build.
 #define DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                           \
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)              \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
