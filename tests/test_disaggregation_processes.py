@@ -120,3 +120,31 @@ def test_text_prompts_are_one_engine_s_and_a_refused_request_ends_alone(tmp_path
         deployment.abort(long)
         assert deployment.generate([good_prompts[1]], [greedy], timeout_s=60)[0].token_ids == expected[1][2]
         assert deployment.used_blocks() == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_a_prefill_engine_s_count_frees_the_holds_whose_transfers_ended_first():
+    """The router asks for the engines' KV counts as soon as the last output came back. The
+    decode side completed each transfer before it decoded, so no hold is counted any more,
+    even when the prefill process has not looped (and freed it) since."""
+    import queue
+
+    from servelab.config import EngineConfig
+    from servelab.disagg.processes import _run_command
+    from servelab.disagg.producer import PrefillWorker
+    from servelab.engine import LLMEngine
+    from servelab.plugins.transports.in_process import InProcessTransport
+
+    engine = LLMEngine(EngineConfig.load({"engine": {"model": "builtin:tiny", "block_size": 4, "num_kv_blocks": 64,
+                                                     "max_model_len": 128},
+                                          "allocator": {"name": "hash"}}))
+    transport = InProcessTransport()
+    worker = PrefillWorker(engine, transport, "prefill-0", lease_s=60.0)
+    worker.add("handed", list(range(5, 31)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    while not worker.num_holds:
+        worker.step()
+    results: queue.Queue = queue.Queue()
+    _run_command(("stats",), worker, engine, "prefill-0", results, "producer")
+    assert results.get_nowait()[2] == 6  # the prompt's 6 full blocks, held while the transfer is open
+    transport.complete("handed")  # the decode side loaded them
+    _run_command(("stats",), worker, engine, "prefill-0", results, "producer")
+    assert results.get_nowait()[2] == 0 and worker.num_holds == 0

@@ -80,11 +80,7 @@ def _role_main(role: str, name: str, config: Mapping[str, Any], lease_s: float, 
         if command is not None:
             if command[0] == "stop":
                 break
-            if command[0] == "stats" and role == "producer":
-                # holds whose transfer ended are freed on the loop's next pass; counted before
-                # then, they would be reported as held
-                worker.release_ended()
-            _run_command(command, worker, engine, name, results)
+            _run_command(command, worker, engine, name, results, role)
             continue
         if role == "producer":
             for done in worker.step():
@@ -95,8 +91,8 @@ def _role_main(role: str, name: str, config: Mapping[str, Any], lease_s: float, 
     transport.close()
 
 
-def _run_command(command: tuple, worker: Any, engine: Any, name: str, results: Any) -> None:
-    """One command from the router; what it answers goes on `results`."""
+def _run_command(command: tuple, worker: Any, engine: Any, name: str, results: Any, role: str) -> None:
+    """One command from the router to the `role` engine; what it answers goes on `results`."""
     kind, *args = command
     if kind == "add":  # a request's completions, all or none; a refusal is the request's error alone
         transfer_ids = args[0]
@@ -111,6 +107,10 @@ def _run_command(command: tuple, worker: Any, engine: Any, name: str, results: A
     elif kind == "abort":
         worker.abort(args[0])
     elif kind == "stats":
+        if role == "producer":
+            # holds whose transfer ended are freed on the loop's next pass; counted before
+            # then, they would be reported as held
+            worker.release_ended()
         results.put(("stats", name, engine.allocator.stats().num_used_blocks, worker.metrics.as_dict()))
 
 
