@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -30,14 +32,11 @@ from servelab.bench.sim.shapes import num_parameters
 from servelab.plugins.kernels.cpu_build import kernel_build
 from servelab.workload import build_workload
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from speed_figures import read_bandwidth_gbs, weight_bytes_per_token  # noqa: E402 (the speed table's probe and bytes)
+
 WORKLOAD = "skewed:num_requests=64"
 LIMITS = {"max_model_len": 512, "max_num_seqs": 64, "max_num_batched_tokens": 2048}  # the speed table's
-
-
-def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 7) -> float:
-    data = torch.ones(megabytes * 2**20 // 4)
-    best = min(_seconds(data.sum) for _ in range(repeats))
-    return data.numel() * 4 / best / 1e9
 
 
 def _seconds(call) -> float:
@@ -75,7 +74,7 @@ class StepWork:
         shape = llm.engine.model_config
         self.layer_params, self.head_params = num_parameters(shape)
         self.shape = shape
-        self.weight_bytes = (self.layer_params + self.head_params) * torch.finfo(dtype).bits // 8
+        self.weight_bytes = weight_bytes_per_token(llm, dtype)
         self.kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * \
             torch.finfo(dtype).bits // 8
         self.steps: list[tuple[float, float]] = []  # (FLOPs, bytes)
