@@ -142,9 +142,9 @@ void run_items(const std::vector<Item>& items, int threads, const T* x, int64_t 
                                              prefetch, every);
                                 };
                                 if (b == 0)
-                                  call(std::true_type{});
+                                  call(LookaheadMode<Lookahead::kIntoL1>{});
                                 else
-                                  call(std::false_type{});
+                                  call(LookaheadMode<Lookahead::kNone>{});
                               });
         }
       }

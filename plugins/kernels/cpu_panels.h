@@ -35,17 +35,24 @@ constexpr int64_t kPrefetchFromBlocks = 4;
 // ahead of the step it is at.
 constexpr int64_t kLookaheadBytes = 2048;
 
+// Where a block's look-ahead requests put the panel's lines, if it makes any.
+enum class Lookahead { kNone, kIntoL1, kIntoL2 };
+template <Lookahead kLookahead>
+using LookaheadMode = std::integral_constant<Lookahead, kLookahead>;
+
 #if defined(__AVX2__)
-// With kLookahead, a block asks for the panel's lines kLookaheadBytes ahead as it goes (into
-// L1): a block of a few rows does too little arithmetic per step for the out-of-order core
-// to keep enough of a panel's loads from memory in flight by itself (a grouped-experts call,
-// cpu_moe.cpp, at a few rows per expert: ~1.25x with the weights in memory). Requests only,
-// never loads: the sums are the same.
-template <bool kLookahead, typename TW>
+// With a look-ahead, a block asks for the panel's lines kLookaheadBytes ahead as it goes: a
+// block of a few rows does too little arithmetic per step for the out-of-order core to keep
+// enough of a panel's loads from memory in flight by itself. Into L1 for a grouped-experts
+// call (cpu_moe.cpp, at a few rows per expert: ~1.25x with the weights in memory); into L2
+// for a linear of one or two rows (cpu_linear.cpp), where requests into L1 would hold the
+// line-fill buffers its own loads need. Requests only, never loads: the sums are the same.
+template <Lookahead kLookahead, typename TW>
 inline void look_ahead(const TW* step, int64_t step_bytes) {
-  if constexpr (kLookahead) {
+  if constexpr (kLookahead != Lookahead::kNone) {
     const char* ahead = reinterpret_cast<const char*>(step) + kLookaheadBytes;
-    for (int64_t line = 0; line < step_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    for (int64_t line = 0; line < step_bytes; line += 64)
+      _mm_prefetch(ahead + line, kLookahead == Lookahead::kIntoL1 ? _MM_HINT_T0 : _MM_HINT_T1);
   }
 }
 #endif
@@ -65,7 +72,7 @@ void with_rows(int rows, const F& f) {
 // ones widened as they are loaded (TW). `columns` below the panel's width:
 // the last panel of a layer whose width is not a multiple, padded with zeros; only the real
 // columns are stored.
-template <int kRows, bool kLookahead = false, typename TW>
+template <int kRows, Lookahead kLookahead = Lookahead::kNone, typename TW>
 inline void block(const float* x, int64_t x_stride, const TW* panel, int64_t k_size, const float* bias,
                   int columns, float* y, int64_t y_stride, const char* prefetch, int64_t prefetch_every) {
   using S = Native;
@@ -108,7 +115,7 @@ inline void block(const float* x, int64_t x_stride, const TW* panel, int64_t k_s
 // The bfloat16 block: as the float32 one, over pairs of reduction steps (a vector of
 // weights is 16 columns x 2 steps); an odd K's last step is the pair (x, 0) against the
 // panel's zero padding.
-template <int kRows, bool kLookahead = false>
+template <int kRows, Lookahead kLookahead = Lookahead::kNone>
 SERVELAB_BF16_TARGET inline void block_bf16(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* panel,
                                             int64_t k_size, const c10::BFloat16* bias, int columns,
                                             c10::BFloat16* y, int64_t y_stride, const char* prefetch,
