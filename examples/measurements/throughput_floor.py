@@ -14,6 +14,9 @@ step's matmuls run faster than the fastest measured); the bandwidth is the best 
 reads of 512 MB. A step's FLOPs: the decoder's linears for each token, the LM head for each
 sampled row, attention's two products over each query's keys; its bytes: every weight once,
 each sequence's K/V once per layer, the new K/V written.
+
+Then the last served run's steps by kind (steps with prompt tokens; decode steps by rows),
+each kind's time against its floor: where the run loses to the ceiling.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ def matmul_peak_gflops(shape, dtype_name: str, repeats: int = 5) -> float:
 
 
 class StepWork:
-    """Each step's FLOPs and bytes, from the plan the scheduler returned (wraps `schedule`)."""
+    """Each step's FLOPs, bytes and kind, from the plan the scheduler returned (wraps
+    `schedule`), and each step's wall time (wraps the engine's `step`)."""
 
     def __init__(self, llm: LLM, dtype: torch.dtype) -> None:
         shape = llm.engine.model_config
@@ -78,16 +82,31 @@ class StepWork:
         self.kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * \
             torch.finfo(dtype).bits // 8
         self.steps: list[tuple[float, float]] = []  # (FLOPs, bytes)
-        scheduler = llm.engine.scheduler
-        schedule = scheduler.schedule
+        self.kinds: list[str] = []
+        self.seconds: list[float] = []
+        engine = llm.engine
+        schedule, step = engine.scheduler.schedule, engine.step
 
         def recorded():
             plan = schedule()
             if not plan.is_empty:
                 self.steps.append(self.work(plan))
+                self.kinds.append(step_kind(plan))
             return plan
 
-        scheduler.schedule = recorded
+        def timed():
+            start = time.perf_counter()
+            result = step()
+            self.seconds.append(time.perf_counter() - start)
+            return result
+
+        engine.scheduler.schedule = recorded
+        engine.step = timed
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.kinds.clear()
+        self.seconds.clear()
 
     def work(self, plan) -> tuple[float, float]:
         shape = self.shape
@@ -101,6 +120,31 @@ class StepWork:
         attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * keys_attended
         flops = 2 * self.layer_params * tokens + 2 * self.head_params * sampled + attention
         return flops, self.weight_bytes + self.kv_bytes_per_token * (keys_read + tokens)
+
+
+KINDS = ("with prompt tokens", "decode, 1-8 rows", "decode, 9-32 rows", "decode, 33+ rows")
+
+
+def step_kind(plan) -> str:
+    if any(num_new > 1 for _, num_new in plan.scheduled):
+        return KINDS[0]
+    rows = len(plan.scheduled)
+    return KINDS[1] if rows <= 8 else KINDS[2] if rows <= 32 else KINDS[3]
+
+
+def print_by_kind(work: StepWork, floors: list[float]) -> None:
+    """The last run's steps by kind: count, time, floor and their ratio. (A step's time
+    includes its share of the engine's work around the model; empty steps are not counted.)"""
+    timed = work.seconds
+    if len(timed) != len(floors):  # a step with an empty plan (nothing scheduled) was timed too
+        print(f"(by kind: {len(timed)} steps timed against {len(floors)} planned; not split)")
+        return
+    print(f"{'steps':<20}{'count':>6}{'time s':>9}{'floor s':>9}{'ratio':>8}")
+    for kind in KINDS:
+        picked = [i for i, k in enumerate(work.kinds) if k == kind]
+        if picked:
+            seconds, floor = sum(timed[i] for i in picked), sum(floors[i] for i in picked)
+            print(f"{kind:<20}{len(picked):>6}{seconds:>9.2f}{floor:>9.2f}{seconds / floor:>7.2f}x")
 
 
 def serve(llm: LLM, workload) -> tuple[float, int]:
@@ -129,7 +173,7 @@ def main() -> None:
     work = StepWork(llm, dtype)
     runs = []
     for _ in range(args.repeats):
-        work.steps.clear()
+        work.clear()
         seconds, output_tokens = serve(llm, workload)
         runs.append(output_tokens / seconds)
     floors = [max(flops / peak / 1e9, nbytes / bandwidth / 1e9) for flops, nbytes in work.steps]
@@ -142,6 +186,7 @@ def main() -> None:
     print(f"floor {sum(floors):.2f} s for {output_tokens} output tokens: ceiling {ceiling:.0f} tok/s")
     print(f"servelab {statistics.median(runs):.0f} tok/s ({min(runs):.0f}-{max(runs):.0f}): "
           f"{statistics.median(runs) / ceiling:.0%} of the ceiling")
+    print_by_kind(work, floors)
     for item in args.compare:
         name, figure = item.rsplit("=", 1)
         print(f"{name} {float(figure):.0f} tok/s: {float(figure) / ceiling:.0%} of the ceiling; 1.5x it would be "
