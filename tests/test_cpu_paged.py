@@ -241,10 +241,11 @@ def _panel_kernels(dtype):
 def test_panel_linear_matches_a_float64_reference(dtype, out_features, in_features, bias):
     """The library's matmul against torch's linear in float64: whole and padded last panels,
     an odd reduction (bf16 pads it to whole pairs), every remainder of rows a block takes
-    (1-7), enough blocks to prefetch the next panel (100 rows), no rows, leading dims and a
-    strided input. Float32 sums of `in_features` terms of ~1 drift by ~1e-7 x in_features at
-    most, and bf16 rounds its output to 8 bits, as oneDNN's does; a wrong weight, row or
-    column is off by ~1."""
+    (1-7), enough blocks to prefetch the next panel (19 rows in uneven blocks, 100 rows), no
+    rows, leading dims and a strided input. Float32 sums of `in_features` terms of ~1 drift
+    by ~1e-7 x in_features at most, and bf16 rounds its output to 8 bits, as oneDNN's does; a
+    wrong weight, row or column is off by ~1. However its rows are cut into blocks, a row's
+    output is bit for bit the one it gets alone (a request's tokens never depend on its batch)."""
     from torch.nn import functional as F
 
     kernels = _panel_kernels(dtype)
@@ -262,8 +263,12 @@ def test_panel_linear_matches_a_float64_reference(dtype, out_features, in_featur
         assert got.dtype == dtype and got.shape == (*x.shape[:-1], out_features)
         torch.testing.assert_close(got.double(), expected, **tolerance)
 
-    for rows in (0, 1, 2, 3, 5, 6, 7, 100):
-        check(torch.randn(rows, in_features, generator=generator).to(dtype))
+    for rows in (0, 1, 2, 3, 5, 6, 7, 19, 100):
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        check(x)
+        if rows in (7, 19):
+            alone = torch.cat([kernels.panel_linear(x[i:i + 1], panels, b, out_features) for i in range(rows)])
+            assert torch.equal(kernels.panel_linear(x, panels, b, out_features), alone)
     check(torch.randn(2, 3, 2 * in_features, generator=generator).to(dtype)[..., ::2])  # leading dims, strided
 
 
