@@ -135,15 +135,14 @@ def step_kind(plan) -> str:
 def print_by_kind(work: StepWork, floors: list[float]) -> None:
     """The last run's steps by kind: count, time, floor and their ratio. (A step's time
     includes its share of the engine's work around the model; empty steps are not counted.)"""
-    timed = work.seconds
-    if len(timed) != len(floors):  # a step with an empty plan (nothing scheduled) was timed too
-        print(f"(by kind: {len(timed)} steps timed against {len(floors)} planned; not split)")
+    if len(work.seconds) != len(floors):  # a step with an empty plan (nothing scheduled) was timed too
+        print(f"(by kind: {len(work.seconds)} steps timed against {len(floors)} planned; not split)")
         return
     print(f"{'steps':<20}{'count':>6}{'time s':>9}{'floor s':>9}{'ratio':>8}")
     for kind in KINDS:
         picked = [i for i, k in enumerate(work.kinds) if k == kind]
         if picked:
-            seconds, floor = sum(timed[i] for i in picked), sum(floors[i] for i in picked)
+            seconds, floor = sum(work.seconds[i] for i in picked), sum(floors[i] for i in picked)
             print(f"{kind:<20}{len(picked):>6}{seconds:>9.2f}{floor:>9.2f}{seconds / floor:>7.2f}x")
 
 
