@@ -110,17 +110,17 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
             context_lens.append(end)
             tables.append(allocator.block_table(seq.request_id))
         num_tokens = len(token_ids)
-        # A sampling row's logits rows are its last scheduled tokens: its last verified
-        # token and the drafts after it.
-        ends = np.cumsum(query_lens).tolist()
-        logits_indices: list[int] = []
-        for row, count in zip(sampled_rows, num_logits_rows):
-            logits_indices.extend(range(ends[row] - count, ends[row]))
-        prompt_logits = self._prompt_logits_rows(plan, query_lens, logits_indices) if prompt_logprobs else ()
         query_lens_np = np.asarray(query_lens, dtype=np.int64)
         context_lens_np = np.asarray(context_lens, dtype=np.int64)
         query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens_np, out=query_start[1:])
+        # A sampling row's logits rows are its last scheduled tokens: its last verified
+        # token and the drafts after it.
+        ends = query_start[1:].tolist()
+        logits_indices: list[int] = []
+        for row, count in zip(sampled_rows, num_logits_rows):
+            logits_indices.extend(range(ends[row] - count, ends[row]))
+        prompt_logits = self._prompt_logits_rows(plan, query_lens, logits_indices) if prompt_logprobs else ()
         seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens_np)
         # Token t of sequence b sits at position (context_len - query_len) + (t - query_start[b]).
         positions = np.arange(num_tokens) - np.repeat(query_start[:-1] - (context_lens_np - query_lens_np),
@@ -147,8 +147,8 @@ class ModelRunner(Runner, TieredRunner, SlotMovingRunner):
             context_lens=to_device(context_lens_np),
             block_tables=to_device(block_tables),
             slot_mapping=to_device(slots),
-            max_query_len=int(query_lens_np.max()),
-            max_context_len=int(context_lens_np.max()),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
             query_lens_list=tuple(query_lens),
             context_lens_list=tuple(context_lens),
             tree_parents=tree_parents,

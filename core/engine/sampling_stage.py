@@ -15,10 +15,10 @@ then the prompt positions scored for prompt logprobs. Each request's recipe
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import attrs
-import numpy as np
 import torch
 
 from servelab.interfaces import SamplingKernelsBackend, Sequence
@@ -76,7 +76,7 @@ class SamplingStage:
             return Sampled(SampledRows(seqs, None, list(range(len(seqs))), num_rows),
                            {seq: RequestEvent((token_id,)) for seq, token_id in zip(seqs, token_ids)})
         owners = [self.requests.of(seq) for seq in seqs]
-        first_rows = list(range(len(seqs))) if one_row_each else np.cumsum([0] + num_rows[:-1]).tolist()
+        first_rows = list(range(len(seqs))) if one_row_each else list(itertools.accumulate(num_rows[:-1], initial=0))
         out = Sampled(SampledRows(seqs, owners, first_rows, num_rows))
         if inputs.prompt_logits or any(r.recipe.scores_prompt for r in owners):
             logits = self._score_prompts(run, seqs, owners, out)

@@ -16,9 +16,9 @@ the verified rows, the step's drafts are dropped and the totals counted.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence as Seq
 
-import numpy as np
 import torch
 
 from servelab.interfaces import Sequence
@@ -74,7 +74,7 @@ class VerifyStage:
             self.pipeline.apply_speculative(logits, seqs, states, first_rows, num_rows, out.failures)
             if index is not None:
                 rows = raw if self.raw_logprobs else logits[index]
-                starts = np.cumsum([0] + [n for _, _, n in wanted]).tolist()
+                starts = list(itertools.accumulate((n for _, _, n in wanted), initial=0))
                 logprobs = {s.request_id: rows[start: start + n] for (s, _, n), start in zip(wanted, starts)}
         drafts = [seq.draft_token_ids[: n - 1] for seq, n in zip(seqs, num_rows)]
         probs, parents = [], []
