@@ -3,8 +3,9 @@ in one run on one machine.
 
 For each dtype: offline throughput on the skewed 64-request workload (interleaved
 repetitions, median and min-max), batch-1 TTFT and TPOT on a 128-token prompt against the
-memory-bandwidth roofline (weights read per token / bandwidth measured here), then cold
-start to first token with the default config and peak memory of a throughput run.
+memory-bandwidth roofline (weights read per token / the mean of the read bandwidth probed
+right before and right after the batch-1 runs), then cold start to first token with the
+default config and peak memory of a throughput run.
 
     OMP_NUM_THREADS=2 python examples/speed_figures.py --vllm-python ../peers/vllm/bin/python \
         --json speed.json
@@ -123,10 +124,16 @@ def measure_dtype(dtype: str, args) -> dict:
                 throughput[name].append(run())
                 progress(f"{dtype} repetition {repeat + 1}/{args.repeats}: {name} {throughput[name][-1]:.1f} tok/s")
     latency = {}
+    # The host's read bandwidth moves by the minute (34 to 55 GB/s within an hour on a shared
+    # machine): the roofline is probed right before and after the batch-1 runs it divides.
+    around = [read_bandwidth_gbs()]
     for name, (_, measure) in engines.items():
         latency[name] = measure()
         progress(f"{dtype} batch 1: {name} TPOT {statistics.median(latency[name]['tpot_ms']):.2f} ms")
-    result = {"roofline_tpot_ms": weight_bytes_per_token(llm, getattr(torch, dtype)) / args.bandwidth / 1e6,
+    around.append(read_bandwidth_gbs())
+    bandwidth = statistics.mean(around)
+    result = {"roofline_tpot_ms": weight_bytes_per_token(llm, getattr(torch, dtype)) / bandwidth / 1e6,
+              "read_bandwidth_gbs_around_batch_1": around,
               "weight_bytes_per_token": weight_bytes_per_token(llm, getattr(torch, dtype)),
               "vllm_start_seconds": vllm.start_seconds if vllm else None, "engines": {}}
     for name in engines:
@@ -211,7 +218,7 @@ def main() -> None:
 
 
 def print_table(figures: dict) -> None:
-    print(f"read bandwidth {figures['read_bandwidth_gbs']:.1f} GB/s, {figures['threads']} threads, "
+    print(f"read bandwidth {figures['read_bandwidth_gbs']:.1f} GB/s at the start, {figures['threads']} threads, "
           f"workload {figures['workload']}")
     print(f"{'dtype':9} {'engine':30} {'out tok/s (min-max)':>24} {'TTFT ms':>8} {'TPOT ms (min-max)':>20} {'/roofline':>9}")
     for dtype, result in figures["dtypes"].items():
@@ -221,7 +228,9 @@ def print_table(figures: dict) -> None:
             print(f"{dtype:9} {name:30} {statistics.median(tput):8.1f} ({min(tput):.0f}-{max(tput):.0f}){'':6} "
                   f"{statistics.median(m['ttft_ms']):8.1f} {statistics.median(tpot):8.2f} ({min(tpot):.1f}-{max(tpot):.1f})"
                   f"{statistics.median(tpot) / roofline:8.2f}x")
-        print(f"{dtype:9} {'roofline':30} {'':24} {'':8} {roofline:8.2f}")
+        around = result["read_bandwidth_gbs_around_batch_1"]
+        print(f"{dtype:9} {'roofline':30} {'':24} {'':8} {roofline:8.2f}  (read bandwidth "
+              f"{around[0]:.1f} before the batch-1 runs, {around[1]:.1f} after)")
         memory = result["memory"]
         print(f"{dtype:9} servelab peak RSS {memory['peak_rss_bytes'] / 2**20:.0f} MiB = "
               f"{memory['rss_over_weights_plus_kv']:.2f}x (weights + KV pool)")

@@ -19,9 +19,9 @@ Accuracy, over `--prompts` prompts of the skewed workload (their first 128 token
 
 Speed, interleaved repetitions (median and min-max): batch-1 TPOT of a 64-token greedy
 decode after a 128-token prompt, against the bandwidth roofline of the weight bytes one
-decode step reads (the blocks as stored, or the float weights) at the read bandwidth
-measured at the start; then output tokens/s of the 64-request skewed workload (up to 64
-sequences a step).
+decode step reads (the blocks as stored, or the float weights) at the mean read bandwidth
+probed before and after each round's TPOTs (it moves by the minute on a shared machine);
+then output tokens/s of the 64-request skewed workload (up to 64 sequences a step).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def main() -> None:
     figures = {"model": args.model, "dtype": args.dtype, "read_bandwidth_gbs": bandwidth,
                "threads": torch.get_num_threads(), "accuracy": accuracy(llms, prompts, args.tokens), "speed": {}}
 
-    print(f"{args.model}, {args.dtype}, {figures['threads']} threads, read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{args.model}, {args.dtype}, {figures['threads']} threads, read bandwidth {bandwidth:.1f} GB/s at the start")
     print(f"{'weights':11} {'top-1 agree':>11} {'mean KL':>9} {'p99 KL':>9} {'free-run agree':>14} {'prefix':>7}")
     for name, a in figures["accuracy"].items():
         print(f"{name:11} {a['teacher_forced_top1_agreement']:11.4f} {a['mean_kl_nats']:9.2e} "
@@ -180,17 +180,25 @@ def main() -> None:
     prompt = prompts[0]
     tpots = {name: [] for name in names}
     rates = {name: [] for name in names}
+    probes = []  # the host's read bandwidth moves by the minute: probed around each round's TPOTs
     for _ in range(args.repeats):  # interleaved: drift on a shared machine hits every variant alike
+        probes.append(read_bandwidth_gbs())
         for name, llm in llms.items():
             tpots[name].append(tpot_ms(llm, prompt))
-        print("tpot", {name: f"{values[-1]:.2f}" for name, values in tpots.items()}, flush=True)
+        probes.append(read_bandwidth_gbs())
+        print("tpot", {name: f"{values[-1]:.2f}" for name, values in tpots.items()},
+              f"read bandwidth {probes[-2]:.1f} before, {probes[-1]:.1f} after", flush=True)
         if not args.no_throughput:
             for name, llm in llms.items():
                 rates[name].append(throughput(llm, workload))
             print("tok/s", {name: f"{values[-1]:.0f}" for name, values in rates.items()}, flush=True)
+    figures["read_bandwidth_gbs_around_tpot"] = probes
+    around = statistics.mean(probes)
+    print(f"rooflines at {around:.1f} GB/s, the mean read bandwidth around the TPOT rounds "
+          f"({min(probes):.1f}-{max(probes):.1f})")
     for name, llm in llms.items():
         nbytes = weight_bytes_per_step(llm.engine.runner.model)
-        figures["speed"][name] = {"weight_bytes_per_step": nbytes, "roofline_tpot_ms": nbytes / bandwidth / 1e6,
+        figures["speed"][name] = {"weight_bytes_per_step": nbytes, "roofline_tpot_ms": nbytes / around / 1e6,
                                   "tpot_ms": sorted(tpots[name]), "output_tokens_per_s": sorted(rates[name])}
 
     base = figures["speed"]["dequantize"]
