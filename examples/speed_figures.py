@@ -124,7 +124,7 @@ def measure_dtype(dtype: str, args) -> dict:
                 throughput[name].append(run())
                 progress(f"{dtype} repetition {repeat + 1}/{args.repeats}: {name} {throughput[name][-1]:.1f} tok/s")
     latency = {}
-    # The host's read bandwidth moves by the minute (34 to 55 GB/s within an hour on a shared
+    # The host's read bandwidth moves by the minute (35 to 64 GB/s within an hour on a shared
     # machine): the roofline is probed right before and after the batch-1 runs it divides.
     around = [read_bandwidth_gbs()]
     for name, (_, measure) in engines.items():
