@@ -76,3 +76,61 @@ def test_a_build_that_never_yields_keeps_its_lock_fresh_too(tmp_path):
         time.sleep(0.05)
     assert renewed, "the lock went stale while the build ran"
     assert watchdog.wait(timeout=60) == 0
+
+
+def test_a_stopped_build_whose_library_appears_is_ended_at_once(tmp_path):
+    """Another process built the library meanwhile (its lock is gone, the library is there):
+    the stopped build has nothing left worth waiting for, so it ends with exit 0 while the
+    other work is still busy, and nothing of it stays behind."""
+    product = tmp_path / "library.so"
+    lock = tmp_path / "lock"  # torch's build lock: absent, the other build released it
+    watchdog = subprocess.Popen([sys.executable, yielding_build.__file__, "--keep-fresh", str(lock),
+                                 "--product", str(product), sys.executable, "-c", NEEDS_CPU.replace("1.5", "60")])
+    children: list[int] = []
+    stopped_at = None
+    deadline = time.monotonic() + 60
+    try:
+        while watchdog.poll() is None and time.monotonic() < deadline:  # this process is the other work
+            children = children or _children(watchdog.pid)
+            if stopped_at is None and children:
+                try:
+                    if _state(children[0]) == "T":
+                        stopped_at = time.monotonic()
+                        product.touch()
+                except OSError:
+                    pass
+            sum(i * i for i in range(20_000))
+        assert stopped_at is not None, "the build was never stopped"
+        assert watchdog.wait(timeout=5) == 0
+        assert time.monotonic() - stopped_at < 10  # not when the machine went quiet, nor after its CPU minute
+        assert children and not any(Path(f"/proc/{pid}").exists() for pid in children)
+    finally:
+        if watchdog.poll() is None:  # a failed check leaves no watchdog running
+            watchdog.terminate()
+            watchdog.wait(timeout=30)
+
+
+def test_a_stopped_build_holding_its_lock_is_not_ended_by_its_product(tmp_path):
+    """The library file exists while the build's lock is held: the linker may be writing it.
+    The build stays stopped while the other work is busy."""
+    product = tmp_path / "library.so"
+    product.touch()
+    lock = tmp_path / "lock"
+    lock.touch()
+    watchdog = subprocess.Popen([sys.executable, yielding_build.__file__, "--keep-fresh", str(lock),
+                                 "--product", str(product), sys.executable, "-c", NEEDS_CPU])
+    states = set()
+    busy_until = time.monotonic() + 4.0
+    try:
+        while time.monotonic() < busy_until:
+            for child in _children(watchdog.pid):
+                try:
+                    states.add(_state(child))
+                except OSError:
+                    pass
+            sum(i * i for i in range(20_000))
+        assert "T" in states, f"the build was never stopped (states seen: {states})"
+        assert watchdog.poll() is None, "the build was ended while its lock was held"
+    finally:
+        watchdog.terminate()
+        watchdog.wait(timeout=30)

@@ -292,8 +292,10 @@ def _background_command() -> list[str]:
     directory = _build_directory()
     if directory is not None:
         # torch's lock, kept fresh while the build is stopped (so it never looks like a killed
-        # build's, STALE_LOCK_SECONDS), and the one-builder-per-cache lock
-        command += ["--keep-fresh", str(directory / "lock"), "--lock", str(directory / "servelab-builder.lock")]
+        # build's, STALE_LOCK_SECONDS), the one-builder-per-cache lock, and the library (built
+        # meanwhile by another process, a stopped build is ended)
+        command += ["--keep-fresh", str(directory / "lock"), "--lock", str(directory / "servelab-builder.lock"),
+                    "--product", str(directory / f"{_flags()[0]}.so")]
     return command + [sys.executable, "-c", _BACKGROUND_BOOTSTRAP]
 
 

@@ -14,7 +14,12 @@ held for the build's life; a second watchdog on the same lock exits at once with
 EXIT_LOCKED), at most `--deadline` seconds in all and MAX_STOPPED_SECONDS stopped in a row
 (a machine that never goes quiet: the build is killed and the next start tries again),
 and SIGTERM / SIGINT / SIGHUP kill the build and end the watchdog. SERVELAB_BUILD_YIELD=0
-turns the stopping off (a CI machine whose only other work is its own tests).
+turns the stopping off (a CI machine whose only other work is its own tests). A stopped
+build whose product (`--product PATH`, the library) exists while its lock (`--keep-fresh`)
+does not is ended at once with exit 0: another process built it meanwhile (the quickstart's
+foreground build after the first start left this one behind), and all that is left for
+this one is to load it, which no one waits for; stopped, it would otherwise stay until
+the machine went quiet.
 """
 
 from __future__ import annotations
@@ -138,13 +143,15 @@ def _kill_tree(root: int) -> None:
 
 
 def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | None = None,
-                 deadline: float = DEADLINE_SECONDS, max_stopped: float = MAX_STOPPED_SECONDS) -> int:
+                 deadline: float = DEADLINE_SECONDS, max_stopped: float = MAX_STOPPED_SECONDS,
+                 product: str | None = None) -> int:
     """Run `command`, stopped (it and everything it starts) while other work keeps the CPUs
     busy; returns its exit status (EXIT_LOCKED without running it when `lock` is held
     elsewhere, EXIT_GAVE_UP when it was killed for taking too long). `keep_fresh`: a file
     (torch's build lock) whose modification time is renewed while the build runs, stopped or
     starved at the lowest priority for however long, so that no one takes it for the
-    leftover of a killed build."""
+    leftover of a killed build. `product`: what the build makes; found while the build is
+    stopped and `keep_fresh` is absent, the build is ended and 0 returned (see above)."""
     held = take_lock(lock) if lock else None
     if lock and held is None:
         return EXIT_LOCKED
@@ -155,7 +162,7 @@ def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | 
         ending.starting = True
         child = subprocess.Popen(command, start_new_session=True)
         ending.started()
-        return _watch(child, keep_fresh, deadline, max_stopped)
+        return _watch(child, keep_fresh, deadline, max_stopped, product)
     except _Terminated as exc:
         return 128 + exc.args[0]
     finally:
@@ -168,7 +175,8 @@ def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | 
             held.close()
 
 
-def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max_stopped: float) -> int:
+def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max_stopped: float,
+           product: str | None) -> int:
     started = time.monotonic()
     yielding = os.path.exists("/proc/stat") and os.environ.get("SERVELAB_BUILD_YIELD", "1") != "0"
     limit = BUSY_CORES * os.sysconf("SC_CLK_TCK") * INTERVAL_SECONDS if yielding else 0
@@ -203,17 +211,23 @@ def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max
         stopped_since = (stopped_since or now) if stopped else None
         if stopped:  # every time: a job started just before the stop is caught by the next
             _signal(members, signal.SIGSTOP)
+            # Checked only once stopped since an earlier round (the signal delivered), so the
+            # build cannot take the lock between the check and the kill.
+            if (product and stopped_since < now and os.path.exists(product)
+                    and not (keep_fresh and os.path.exists(keep_fresh))):
+                return 0  # built meanwhile: the caller kills the stopped build
     return child.returncode
 
 
 def main(arguments: list[str]) -> int:
-    """yielding_build.py [--keep-fresh PATH] [--lock PATH] [--deadline S] [--max-stopped S] COMMAND..."""
-    options = {"--keep-fresh": None, "--lock": None, "--deadline": str(DEADLINE_SECONDS),
+    """yielding_build.py [--keep-fresh PATH] [--lock PATH] [--product PATH] [--deadline S] [--max-stopped S]
+    COMMAND..."""
+    options = {"--keep-fresh": None, "--lock": None, "--product": None, "--deadline": str(DEADLINE_SECONDS),
                "--max-stopped": str(MAX_STOPPED_SECONDS)}
     while arguments[:1] and arguments[0] in options:
         options[arguments[0]], arguments = arguments[1], arguments[2:]
     return run_yielding(arguments, options["--keep-fresh"], options["--lock"], float(options["--deadline"]),
-                        float(options["--max-stopped"]))
+                        float(options["--max-stopped"]), options["--product"])
 
 
 if __name__ == "__main__":
