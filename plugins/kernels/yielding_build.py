@@ -144,15 +144,14 @@ def _kill_tree(root: int) -> None:
 
 def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | None = None,
                  deadline: float = DEADLINE_SECONDS, max_stopped: float = MAX_STOPPED_SECONDS,
-                 product: str | None = None, quiet: float = QUIET_SECONDS) -> int:
+                 product: str | None = None) -> int:
     """Run `command`, stopped (it and everything it starts) while other work keeps the CPUs
     busy; returns its exit status (EXIT_LOCKED without running it when `lock` is held
     elsewhere, EXIT_GAVE_UP when it was killed for taking too long). `keep_fresh`: a file
     (torch's build lock) whose modification time is renewed while the build runs, stopped or
     starved at the lowest priority for however long, so that no one takes it for the
     leftover of a killed build. `product`: what the build makes; found while the build is
-    stopped and `keep_fresh` is absent, the build is ended and 0 returned (see above).
-    `quiet`: how long the others must stay under BUSY_CORES before a stopped build continues."""
+    stopped and `keep_fresh` is absent, the build is ended and 0 returned (see above)."""
     held = take_lock(lock) if lock else None
     if lock and held is None:
         return EXIT_LOCKED
@@ -163,7 +162,7 @@ def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | 
         ending.starting = True
         child = subprocess.Popen(command, start_new_session=True)
         ending.started()
-        return _watch(child, keep_fresh, deadline, max_stopped, product, quiet)
+        return _watch(child, keep_fresh, deadline, max_stopped, product)
     except _Terminated as exc:
         return 128 + exc.args[0]
     finally:
@@ -177,7 +176,7 @@ def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | 
 
 
 def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max_stopped: float,
-           product: str | None, quiet: float) -> int:
+           product: str | None) -> int:
     started = time.monotonic()
     yielding = os.path.exists("/proc/stat") and os.environ.get("SERVELAB_BUILD_YIELD", "1") != "0"
     limit = BUSY_CORES * os.sysconf("SC_CLK_TCK") * INTERVAL_SECONDS if yielding else 0
@@ -204,9 +203,9 @@ def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max
             stopped = True
         elif stopped:
             # Two builds watching each other would stop and resume in step forever: a random
-            # wait on top of `quiet` lets one of them go first.
+            # wait on top of QUIET_SECONDS lets one of them go first.
             quiet_since = quiet_since or now + random.uniform(0.0, 1.0)
-            stopped = now - quiet_since < quiet
+            stopped = now - quiet_since < QUIET_SECONDS
             if not stopped:
                 _signal(members, signal.SIGCONT)
         stopped_since = (stopped_since or now) if stopped else None
@@ -222,13 +221,13 @@ def _watch(child: subprocess.Popen, keep_fresh: str | None, deadline: float, max
 
 def main(arguments: list[str]) -> int:
     """yielding_build.py [--keep-fresh PATH] [--lock PATH] [--product PATH] [--deadline S] [--max-stopped S]
-    [--quiet-seconds S] COMMAND..."""
+    COMMAND..."""
     options = {"--keep-fresh": None, "--lock": None, "--product": None, "--deadline": str(DEADLINE_SECONDS),
-               "--max-stopped": str(MAX_STOPPED_SECONDS), "--quiet-seconds": str(QUIET_SECONDS)}
+               "--max-stopped": str(MAX_STOPPED_SECONDS)}
     while arguments[:1] and arguments[0] in options:
         options[arguments[0]], arguments = arguments[1], arguments[2:]
     return run_yielding(arguments, options["--keep-fresh"], options["--lock"], float(options["--deadline"]),
-                        float(options["--max-stopped"]), options["--product"], float(options["--quiet-seconds"]))
+                        float(options["--max-stopped"]), options["--product"])
 
 
 if __name__ == "__main__":
