@@ -120,7 +120,7 @@ def test_a_stopped_build_holding_its_lock_is_not_ended_by_its_product(tmp_path):
     watchdog = subprocess.Popen([sys.executable, yielding_build.__file__, "--keep-fresh", str(lock),
                                  "--product", str(product), sys.executable, "-c", NEEDS_CPU])
     states = set()
-    busy_until = time.monotonic() + 4.0
+    busy_until = time.monotonic() + 2.0  # eight of the watchdog's rounds
     try:
         while time.monotonic() < busy_until:
             for child in _children(watchdog.pid):

@@ -137,9 +137,20 @@ def _kill_tree(root: int) -> None:
     _signal(members, signal.SIGCONT)
     _signal(members, signal.SIGTERM)
     end = time.monotonic() + 3.0
-    while time.monotonic() < end and tree(root)[0]:
+    while time.monotonic() < end and any(_running(pid) for pid in tree(root)[0] + members):
         time.sleep(0.05)
     _signal(tree(root)[0] + members, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs: not gone, and not a zombie (the build's own process stays
+    one until this watchdog reaps it, and its children are handed to init once it dies)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2:].split()[0] != "Z"
 
 
 def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | None = None,
