@@ -37,6 +37,20 @@ def _state(pid: int) -> str:
     return text[text.rindex(")") + 2:].split()[0]
 
 
+def _states_while_busy(watchdog: subprocess.Popen, until: float) -> set[str]:
+    """Keep one core busy until `until` (this process is the other work), noting the states
+    of the watchdog's build meanwhile."""
+    states = set()
+    while time.monotonic() < until:
+        for child in _children(watchdog.pid):
+            try:
+                states.add(_state(child))
+            except OSError:
+                pass
+        sum(i * i for i in range(20_000))
+    return states
+
+
 def test_the_build_waits_while_other_work_is_busy_then_finishes(tmp_path):
     lock = tmp_path / "lock"  # the build's lock: kept fresh while the build is stopped
     lock.touch()
@@ -44,15 +58,7 @@ def test_the_build_waits_while_other_work_is_busy_then_finishes(tmp_path):
     start = time.monotonic()
     watchdog = subprocess.Popen([sys.executable, yielding_build.__file__, "--keep-fresh", str(lock),
                                  sys.executable, "-c", NEEDS_CPU])
-    states = set()
-    busy_until = start + 4.0
-    while time.monotonic() < busy_until:  # this process is the other work: one busy core
-        for child in _children(watchdog.pid):
-            try:
-                states.add(_state(child))
-            except OSError:
-                pass
-        sum(i * i for i in range(20_000))
+    states = _states_while_busy(watchdog, until=start + 4.0)
     assert watchdog.poll() is None, "the build finished while other work kept a core busy"
     assert "T" in states, f"the build was never stopped (states seen: {states})"
     assert time.time() - lock.stat().st_mtime < 60
@@ -119,16 +125,8 @@ def test_a_stopped_build_holding_its_lock_is_not_ended_by_its_product(tmp_path):
     lock.touch()
     watchdog = subprocess.Popen([sys.executable, yielding_build.__file__, "--keep-fresh", str(lock),
                                  "--product", str(product), sys.executable, "-c", NEEDS_CPU])
-    states = set()
-    busy_until = time.monotonic() + 2.0  # eight of the watchdog's rounds
     try:
-        while time.monotonic() < busy_until:
-            for child in _children(watchdog.pid):
-                try:
-                    states.add(_state(child))
-                except OSError:
-                    pass
-            sum(i * i for i in range(20_000))
+        states = _states_while_busy(watchdog, until=time.monotonic() + 2.0)  # eight of the watchdog's rounds
         assert "T" in states, f"the build was never stopped (states seen: {states})"
         assert watchdog.poll() is None, "the build was ended while its lock was held"
     finally:
