@@ -50,19 +50,24 @@ def busy_ticks() -> int:
     return user + nice + system + irq + softirq + steal
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """A process's /proc stat fields after its name ([0] state, [1] parent, [11:15] utime stime
+    cutime cstime); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:  # exited meanwhile
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
 def _processes() -> dict[int, tuple[int, int]]:
     """Every live process: pid -> (parent pid, clock ticks it and its reaped children used)."""
     found = {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                text = stat.read()
-        except OSError:  # exited meanwhile
-            continue
-        fields = text[text.rindex(")") + 2:].split()  # [0] state, [1] parent, [11:15] utime stime cutime cstime
-        found[int(entry.name)] = (int(fields[1]), sum(int(value) for value in fields[11:15]))
+        fields = _stat(entry.name) if entry.name.isdigit() else None
+        if fields is not None:
+            found[int(entry.name)] = (int(fields[1]), sum(int(value) for value in fields[11:15]))
     return found
 
 
@@ -145,12 +150,8 @@ def _kill_tree(root: int) -> None:
 def _running(pid: int) -> bool:
     """Whether `pid` still runs: not gone, and not a zombie (the build's own process stays
     one until this watchdog reaps it, and its children are handed to init once it dies)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            text = stat.read()
-    except OSError:
-        return False
-    return text[text.rindex(")") + 2:].split()[0] != "Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def run_yielding(command: list[str], keep_fresh: str | None = None, lock: str | None = None,
